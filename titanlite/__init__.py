@@ -1,0 +1,1 @@
+"""titanlite: a small PyTorch-native LLM training framework."""
