@@ -1,0 +1,48 @@
+"""Helpers to run titanlite as a user would: as a subprocess, alone or under torchrun."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG_CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
+
+
+def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """python -m titanlite.train (nproc 0) or torchrun --standalone with nproc processes."""
+    if nproc:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        launcher = [sys.executable]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        launcher + ["-m", "titanlite.train", *args], cwd=ROOT, env=full_env,
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def logged_losses(output: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"step: (\d+)\s+loss: ([\d.]+)", output)}
+
+
+def tensorboard_scalars(folder: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = [p for p in folder.iterdir() if p.is_dir()]
+    events = EventAccumulator(str(run))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """Flags for a very small, fast llama debug run writing into tmp_path."""
+    return [
+        "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path),
+        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "4",
+        "--metrics.log_freq", "1",
+    ]

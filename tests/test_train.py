@@ -1,0 +1,54 @@
+"""The trainer run as a user runs it: one process, no launcher."""
+
+import re
+
+import pytest
+
+from conftest import logged_losses, run_titanlite, tensorboard_scalars
+
+LINE = re.compile(
+    r"step: 1  loss: \d+\.\d{4}  grad_norm: \d+\.\d{4}  memory: \d+\.\d\dGiB\(\d+\.\d\d%\)  "
+    r"tps: [\d,]+  tflops: \d+\.\d\d  mfu: unknown"
+)
+
+
+def test_trains_prints_the_line_and_writes_config_and_tensorboard(tmp_path, tiny_run):
+    out = run_titanlite(tiny_run + ["--metrics.enable_tensorboard", "--training.steps", "6"])
+    assert out.returncode == 0, out.stderr
+    assert LINE.search(out.stderr), out.stderr
+    assert "MFU is not known on cpu" in out.stderr
+    assert sorted(logged_losses(out.stderr)) == [1, 2, 3, 4, 5, 6]
+    resolved = (tmp_path / "config.toml").read_text()
+    assert "steps = 6" in resolved and "seq_len = 64" in resolved
+    scalars = tensorboard_scalars(tmp_path / "tb", "loss")
+    assert sorted(scalars) == [1, 2, 3, 4, 5, 6]
+    for tag in ("grad_norm", "lr", "tps", "tflops", "memory_gib", "data_loading_share"):
+        assert len(tensorboard_scalars(tmp_path / "tb", tag)) == 6
+
+
+def test_same_seed_same_losses_other_seed_other_losses(tmp_path, tiny_run):
+    first = logged_losses(run_titanlite(tiny_run).stderr)
+    again = logged_losses(run_titanlite(tiny_run).stderr)
+    other = logged_losses(run_titanlite(tiny_run + ["--job.seed", "1"]).stderr)
+    assert len(first) == 4 and first == again and first != other
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model.name", "lama3"], "model.name 'lama3' is not a known model family"),
+        (["--model.flavor", "8b"], "8B"),
+        (["--model.tokenizer_path", "/no/tokenizer.model"], "/no/tokenizer.model"),
+        (["--parallelism.data_parallel_shard_degree", "2"], "world size 1"),
+        (["--training.seq_len", "4096"], "training.seq_len 4096 exceeds the context"),
+        (["--training.global_batch_size", "3"], "training.global_batch_size 3 must be a multiple"),
+        (["--training.dataset_path", "/no/data.jsonl"], "/no/data.jsonl"),
+        (["--training.steps", "0"], "training.steps must be at least 1"),
+        (["--model.flavor", "8B"], "the tokenizer has"),
+    ],
+)
+def test_user_errors_are_one_sentence_and_exit_2(tiny_run, flags, message):
+    out = run_titanlite(tiny_run + flags)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr

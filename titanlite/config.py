@@ -1,0 +1,218 @@
+"""Load a job: defaults < TOML file < command-line flags, checked before anything runs.
+
+    python -m titanlite.train --job.config_file X.toml --training.steps 100 --compile.enable
+
+Every mistake (unknown key, wrong type, bad value, unreadable file) raises UserError with one
+sentence that names the key or file and the fix; the sections themselves live in
+config_sections.py.
+"""
+
+import dataclasses
+import difflib
+import json
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from titanlite.config_sections import JobConfig
+from titanlite.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 has no tomllib; tomli is its twin.
+    import tomli as tomllib
+
+# Other spellings of a section, as used by torchtitan's newer configs.
+SECTION_ALIASES = {"quantize.linear.float8": "float8"}
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.type for f in dataclasses.fields(JobConfig)}
+
+
+def _fields(section: str) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(_sections()[section])}
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{k}" for s in _sections() for k in _fields(s)]
+
+
+def _closest(word: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.0)
+    return f"; did you mean {match[0]}?" if match else ""
+
+
+def _resolve_key(dotted: str, origin: str) -> tuple[str, str]:
+    """Split 'section.key' (or an aliased section) and check both parts exist."""
+    section, _, key = dotted.rpartition(".")
+    section = SECTION_ALIASES.get(section, section)
+    if section not in _sections():
+        names = [f"[{name}]" for name in _sections()]
+        raise UserError(f"unknown config section [{section or dotted}] in {origin}{_closest(f'[{section}]', names)}")
+    if key not in _fields(section):
+        raise UserError(f"unknown config key {section}.{key} in {origin}{_closest(f'{section}.{key}', _all_keys())}")
+    return section, key
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]
+
+
+def _article(name: str) -> str:
+    return "an" if name[0] in "aeiou" else "a"
+
+
+def _from_text(text: str, tp: Any) -> Any:
+    """Convert a command-line string to the field's type; ValueError when it does not fit."""
+    if typing.get_origin(tp) is list:
+        item = typing.get_args(tp)[0]
+        return [_from_text(part.strip(), item) for part in text.split(",") if part.strip()]
+    if tp is bool:
+        if text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(text)
+    return tp(text)
+
+
+def _from_toml(value: Any, tp: Any) -> Any:
+    """Check a TOML value against the field's type; ValueError when it does not fit."""
+    if typing.get_origin(tp) is list:
+        if not isinstance(value, list):
+            raise ValueError(value)
+        return [_from_toml(v, typing.get_args(tp)[0]) for v in value]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not tp:
+        raise ValueError(value)
+    return value
+
+
+def _set(cfg: JobConfig, dotted: str, raw: Any, origin: str, from_cli: bool) -> None:
+    section, key = _resolve_key(dotted, origin)
+    tp = _fields(section)[key].type
+    try:
+        value = _from_text(raw, tp) if from_cli else _from_toml(raw, tp)
+    except ValueError:
+        raise UserError(f"{section}.{key} expects {_article(_type_name(tp))} {_type_name(tp)}, got {raw!r} in {origin}") from None
+    setattr(getattr(cfg, section), key, value)
+
+
+def _flatten_toml(table: dict, path: str, origin: str) -> list[tuple[str, Any]]:
+    """[section] tables (possibly dotted, like [quantize.linear.float8]) -> ('section.key', value)."""
+    items = []
+    for name, value in table.items():
+        dotted = f"{path}.{name}" if path else name
+        if isinstance(value, dict) and SECTION_ALIASES.get(dotted, dotted) not in _sections():
+            items += _flatten_toml(value, dotted, origin)
+        elif isinstance(value, dict):
+            items += [(f"{dotted}.{k}", v) for k, v in value.items()]
+        elif not path:
+            raise UserError(f"{origin}: key {name!r} must sit inside a [section] table, e.g. [training]")
+        else:
+            items.append((dotted, value))
+    return items
+
+
+def _read_toml(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"config file {path} does not exist; check --job.config_file")
+    try:
+        return tomllib.loads(file.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file {path} is not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"config file {path} cannot be read ({e}); check --job.config_file") from None
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
+    """['--a.b', 'v', '--c.d=w', '--flag'] -> [('a.b', 'v'), ('c.d', 'w'), ('flag', 'true')]."""
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise UserError(f"unexpected command-line argument {arg!r}; flags look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            next_is_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            value = argv[i + 1] if next_is_value else "true"
+            i += next_is_value
+        pairs.append((name, value))
+        i += 1
+    return pairs
+
+
+def _check_values(cfg: JobConfig) -> None:
+    defaults = JobConfig()
+    for section in _sections():
+        for key, f in _fields(section).items():
+            value = getattr(getattr(cfg, section), key)
+            choices = f.metadata.get("choices", ())
+            if choices and value not in choices:
+                raise UserError(f"{section}.{key} must be one of {', '.join(choices)}; got {value!r}")
+            if f.metadata.get("unsupported") and value != getattr(getattr(defaults, section), key):
+                raise UserError(
+                    f"{section}.{key} is not supported yet; remove it or set it back to {getattr(getattr(defaults, section), key)!r}"
+                )
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Build the JobConfig for these command-line arguments (without the program name)."""
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        raise SystemExit(0)
+    cli = _parse_cli(argv)
+    cfg = JobConfig()
+    config_file = next((v for k, v in cli if k == "job.config_file"), "")
+    if config_file:
+        for dotted, value in _flatten_toml(_read_toml(config_file), "", config_file):
+            _set(cfg, dotted, value, config_file, from_cli=False)
+    for dotted, value in cli:
+        _set(cfg, dotted, value, "the command line", from_cli=True)
+    _check_values(cfg)
+    return cfg
+
+
+def help_text() -> str:
+    lines = ["usage: python -m titanlite.train --job.config_file X.toml [--section.key value ...]", ""]
+    for section in _sections():
+        lines.append(f"[{section}]")
+        for key, f in _fields(section).items():
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
+            lines.append(f"  --{section}.{key}  {_type_name(f.type)} = {default!r}\n      {f.metadata['doc']}{choices}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, float):
+        return repr(value)
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The whole resolved config as TOML; loading it back gives the same config."""
+    blocks = []
+    for section in _sections():
+        body = [f"{k} = {_toml_value(getattr(getattr(cfg, section), k))}" for k in _fields(section)]
+        blocks.append(f"[{section}]\n" + "\n".join(body))
+    return "\n\n".join(blocks) + "\n"
+
+
+def write_resolved_config(cfg: JobConfig, folder: Path) -> Path:
+    """Write config.toml into the run folder so the exact run can be repeated."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.toml"
+    path.write_text(to_toml(cfg))
+    return path

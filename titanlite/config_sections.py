@@ -1,0 +1,160 @@
+"""The job config: one dataclass per TOML section, every field typed, defaulted and documented.
+
+`opt(default, doc)` declares a field; the doc becomes its `--help` line. A field declared with
+`unsupported=True` belongs to a feature that has not landed yet: setting it to anything but its
+default stops the run with a "not supported yet" sentence instead of being silently ignored.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, doc: str, *, choices: tuple = (), unsupported: bool = False) -> Any:
+    meta = {"doc": doc, "choices": choices, "unsupported": unsupported}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    config_file: str = opt("", "TOML file holding this job; CLI flags override its values")
+    dump_folder: str = opt("./outputs", "folder for everything the run writes (config, checkpoints, TensorBoard, traces)")
+    description: str = opt("", "free text describing the job, logged at start")
+    seed: int = opt(0, "seed for weight init, data order and dropout; the same seed gives the same run")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "model family from the registry (python -m titanlite.models lists them)")
+    flavor: str = opt("debugmodel", "size of the family, e.g. debugmodel, 1B, 8B")
+    tokenizer_path: str = opt("", "tiktoken BPE file (Llama 3 tokenizer.model format); empty = the shipped assets/tokenizer.model")
+    hf_assets_path: str = opt("", "folder holding tokenizer.model (as downloaded from Hugging Face); used when tokenizer_path is empty")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "optimizer", choices=("AdamW", "Adam"))
+    lr: float = opt(8e-4, "peak learning rate")
+    betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI")
+    eps: float = opt(1e-8, "Adam epsilon")
+    weight_decay: float = opt(0.1, "decoupled weight decay")
+    implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere", choices=("auto", "fused", "foreach", "for-loop"))
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "steps of linear warmup from 0 to optimizer.lr")
+    decay_type: str = opt("linear", "shape of the decay after warmup", choices=("linear", "cosine", "sqrt"))
+    decay_ratio: float = opt(-1.0, "fraction of the steps spent decaying at the end (warmup-stable-decay); -1 = decay right after warmup")
+    min_lr_factor: float = opt(0.0, "the lr decays to min_lr_factor * optimizer.lr")
+
+
+@dataclass
+class Training:
+    local_batch_size: int = opt(8, "sequences per rank per micro-step")
+    global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks; above local x dp means gradient accumulation; -1 = local x dp")
+    seq_len: int = opt(2048, "tokens per sequence")
+    steps: int = opt(10000, "optimizer steps to train for")
+    max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
+    dataset: str = opt("sample", "sample (shipped corpus), c4 (streamed from the Hugging Face hub), synthetic, or local (files at dataset_path)")
+    dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files); setting it means dataset = local")
+    dataset_text_field: str = opt("text", "field holding the text in json/parquet/arrow records")
+    num_workers: int = opt(0, "data-loading worker processes per rank")
+    mixed_precision_param: str = opt("bfloat16", "dtype FSDP computes in (autocast dtype without FSDP)", choices=("bfloat16", "float32"))
+    mixed_precision_reduce: str = opt("float32", "dtype of FSDP gradient reduction", choices=("float32", "bfloat16"))
+    gc_freq: int = opt(50, "run Python's garbage collector every this many steps (automatic gc is turned off)")
+    deterministic: bool = opt(False, "use deterministic algorithms (slower; for debugging numerics)")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(1, "replicas of the model (HSDP when above 1 together with sharding)")
+    data_parallel_shard_degree: int = opt(-1, "ranks each replica is sharded over by FSDP; -1 = the rest of the world")
+    fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default (yes, except the root), always, never (ZeRO-2-like)", choices=("default", "always", "never"))
+    tensor_parallel_degree: int = opt(1, "tensor parallel degree", unsupported=True)
+    pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", unsupported=True)
+    context_parallel_degree: int = opt(1, "context parallel degree", unsupported=True)
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "print and record metrics every this many steps (and at step 1)")
+    enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
+    save_tb_folder: str = opt("tb", "TensorBoard folder under job.dump_folder")
+    peak_tflops: float = opt(0.0, "peak bf16 dense TFLOP/s of one device for MFU; 0 = look the device up")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "save and resume checkpoints", unsupported=True)
+    folder: str = opt("checkpoint", "checkpoint folder under job.dump_folder", unsupported=True)
+    interval: int = opt(500, "save every this many steps", unsupported=True)
+    async_mode: str = opt("disabled", "disabled, async, or async_with_pinned_mem", choices=("disabled", "async", "async_with_pinned_mem"), unsupported=True)
+    keep_latest_k: int = opt(0, "keep only the newest k checkpoints; 0 = keep all", unsupported=True)
+    last_save_model_only: bool = opt(False, "the final save holds the model alone", unsupported=True)
+    export_dtype: str = opt("float32", "dtype of a model-only final save", choices=("float32", "bfloat16"), unsupported=True)
+    load_step: int = opt(-1, "step to resume from; -1 = the newest complete checkpoint", unsupported=True)
+    initial_load_path: str = opt("", "checkpoint to start from when the folder holds none", unsupported=True)
+    initial_load_model_only: bool = opt(True, "load only the model from initial_load_path", unsupported=True)
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder", unsupported=True)
+    last_save_in_hf: bool = opt(False, "write the final model in Hugging Face format", unsupported=True)
+    create_seed_checkpoint: bool = opt(False, "write a step-0 checkpoint on one process and exit", unsupported=True)
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "none, full or selective", choices=("none", "full", "selective"), unsupported=True)
+    selective_ac_option: str = opt("op", "op (op-level policy) or an integer N (every N-th block)", unsupported=True)
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile the chosen components", unsupported=True)
+    components: list[str] = opt(["model", "loss"], "what to compile: model, loss", unsupported=True)
+
+
+@dataclass
+class Float8:
+    enable: bool = opt(False, "float8 training of Linear layers (torchao, CUDA with SM89+)", unsupported=True)
+    recipe_name: str = opt("tensorwise", "tensorwise or rowwise scaling", choices=("tensorwise", "rowwise"), unsupported=True)
+    filter_fqns: list[str] = opt(["output"], "Linear layers whose FQN contains one of these stay in high precision", unsupported=True)
+    enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8", unsupported=True)
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "compute all float8 scales in one kernel after the step", unsupported=True)
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "record torch.profiler traces", unsupported=True)
+    save_traces_folder: str = opt("profile_traces", "trace folder under job.dump_folder", unsupported=True)
+    profile_freq: int = opt(10, "profile one step in every this many", unsupported=True)
+    enable_memory_snapshot: bool = opt(False, "record CUDA memory snapshots", unsupported=True)
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder under job.dump_folder", unsupported=True)
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "evaluate on held-out data during training", unsupported=True)
+    freq: int = opt(100, "validate every this many steps", unsupported=True)
+    steps: int = opt(10, "batches per validation", unsupported=True)
+    dataset: str = opt("sample", "dataset for validation", unsupported=True)
+    dataset_path: str = opt("", "held-out local data", unsupported=True)
+    local_batch_size: int = opt(8, "sequences per rank per validation batch", unsupported=True)
+    seq_len: int = opt(2048, "tokens per validation sequence", unsupported=True)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)

@@ -1,0 +1,1 @@
+"""Tokenizer, datasets and the stateful data loader that feeds the training loop."""

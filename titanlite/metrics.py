@@ -1,0 +1,104 @@
+"""Throughput, FLOPs, MFU and memory: the console line and TensorBoard.
+
+MFU = achieved FLOP/s / peak FLOP/s of one device, where achieved FLOP/s = tokens per second
+per device x FLOPs per token, and FLOPs per token (each family's flops_per_token) is
+6 * (parameters - embedding parameters) + 12 * layers * heads * head_dim * seq_len:
+the matmul work of forward + backward (2 + 4 FLOPs per weight per token) plus attention scores.
+Peaks are dense bf16 tensor-core numbers from the vendors' data sheets; where none is known
+(any CPU) the line says mfu is not known rather than inventing one.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from titanlite.config_sections import Metrics
+from titanlite.log import logger
+
+# Dense bf16 TFLOP/s (no sparsity), matched against torch.cuda.get_device_name().
+PEAK_BF16_TFLOPS = [
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("H200", 989.0),
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),  # SXM
+    ("A100", 312.0),
+]
+
+
+def peak_tflops(device: torch.device, override: float) -> float | None:
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
+
+
+def memory_usage(device: torch.device) -> tuple[float, float]:
+    """(GiB, percent of the device): CUDA max reserved, or this process's RSS on the CPU."""
+    if device.type == "cuda":
+        used = torch.cuda.max_memory_reserved(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        page = os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/statm") as statm:
+            used = int(statm.read().split()[1]) * page
+        total = os.sysconf("SC_PHYS_PAGES") * page
+    return used / 2**30, 100.0 * used / total
+
+
+class MetricsLogger:
+    """Accumulates tokens and time between log steps, prints the line, writes TensorBoard."""
+
+    def __init__(self, cfg: Metrics, dump_folder: str, rank: int, device: torch.device, flops_per_token: float):
+        self.cfg = cfg
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.peak = peak_tflops(device, cfg.peak_tflops)
+        self.writer = None
+        if cfg.enable_tensorboard and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            run = time.strftime("%Y%m%d-%H%M%S")
+            self.writer = SummaryWriter(str(Path(dump_folder) / cfg.save_tb_folder / run))
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = 0
+        self.data_seconds = 0.0
+        self.started = time.perf_counter()
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.log_freq == 0
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None) -> dict:
+        elapsed = time.perf_counter() - self.started
+        tps = self.tokens / elapsed
+        tflops = tps * self.flops_per_token / 1e12
+        mem_gib, mem_pct = memory_usage(self.device)
+        values = {
+            "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, "tflops": tflops,
+            "memory_gib": mem_gib, "memory_pct": mem_pct, "data_loading_share": self.data_seconds / elapsed,
+            **(extra or {}),
+        }
+        mfu = "mfu: unknown"
+        if self.peak:
+            values["mfu_pct"] = 100.0 * tflops / self.peak
+            mfu = f"mfu: {values['mfu_pct']:.2f}%"
+        logger.info(
+            f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({mem_pct:.2f}%)  "
+            f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%"
+        )
+        if self.writer:
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, step)
+        self.reset()
+        return values
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()

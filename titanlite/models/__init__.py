@@ -1,0 +1,66 @@
+"""The model registry: every family and its flavors, found by the names in the [model] section.
+
+A family lives in its own package, which defines `SPECS` (its ModelSpec objects); adding a family
+is adding its package to _FAMILY_PACKAGES. The packages are imported on first lookup, so they can
+import ModelSpec from here without an import cycle.
+"""
+
+import difflib
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from titanlite.errors import UserError
+
+_FAMILY_PACKAGES = (
+    "titanlite.models.llama",
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_cls: type  # model_cls(args) -> nn.Module
+    flavors: dict[str, Any]  # flavor name -> args dataclass instance
+    parallelize: Callable  # parallelize(model, dims, cfg) -> model
+    flops_per_token: Callable  # flops_per_token(unsharded model, seq_len) -> float
+    hf_adapter: Any = None
+
+
+def parallelize_decoder(model, dims, cfg):
+    """titanlite.parallel.parallelize_decoder, imported on call so that importing the registry
+    (e.g. to list models) never pulls in the distributed stack."""
+    from titanlite.parallel import parallelize_decoder as parallelize
+
+    return parallelize(model, dims, cfg)
+
+
+@functools.cache
+def _registry() -> dict[str, ModelSpec]:
+    specs = [spec for package in _FAMILY_PACKAGES for spec in importlib.import_module(package).SPECS]
+    return {spec.name: spec for spec in specs}
+
+
+def _unknown_name_error(key: str, value: str, what: str, valid: list[str]) -> UserError:
+    lowered = {name.lower(): name for name in valid}
+    closest = difflib.get_close_matches(value.lower(), lowered, n=1, cutoff=0.0)
+    hint = f"did you mean '{lowered[closest[0]]}'? " if closest else ""
+    return UserError(f"{key} '{value}' is not {what}; {hint}valid: {', '.join(valid)}")
+
+
+def list_model_specs() -> list[ModelSpec]:
+    return list(_registry().values())
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    registry = _registry()
+    if name not in registry:
+        raise _unknown_name_error("model.name", name, "a known model family", list(registry))
+    return registry[name]
+
+
+def get_model_args(spec: ModelSpec, flavor: str) -> Any:
+    if flavor not in spec.flavors:
+        raise _unknown_name_error("model.flavor", flavor, f"a flavor of {spec.name}", list(spec.flavors))
+    return spec.flavors[flavor]

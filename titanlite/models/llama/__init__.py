@@ -1,0 +1,23 @@
+"""The Llama family: Llama 2 and Llama 3 / 3.1 / 3.2 share one architecture, differing in flavors."""
+
+from titanlite.models import ModelSpec, parallelize_decoder
+from titanlite.models.llama.args import LLAMA2_FLAVORS, LLAMA3_FLAVORS
+from titanlite.models.llama.model import Transformer
+
+
+def flops_per_token(model: Transformer, seq_len: int) -> float:
+    """Training FLOPs per token, as in the PaLM paper and torchtitan.
+
+    6 per matmul parameter (2 forward, 4 backward), counting every parameter except the token
+    embedding table, which is a lookup (when tied, the shared matrix is counted once, as the
+    output projection it also is); plus 12 * layers * heads * head_dim * seq_len for the
+    attention scores and weighted sum (forward and backward, the causal half not discounted).
+    """
+    args = model.args
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return float(6 * model.num_params(exclude_embedding=True) + attention)
+
+
+LLAMA3_SPEC = ModelSpec("llama3", Transformer, LLAMA3_FLAVORS, parallelize_decoder, flops_per_token)
+LLAMA2_SPEC = ModelSpec("llama2", Transformer, LLAMA2_FLAVORS, parallelize_decoder, flops_per_token)
+SPECS = (LLAMA3_SPEC, LLAMA2_SPEC)

@@ -1,0 +1,209 @@
+"""The Llama decoder: RoPE, grouped-query attention, SwiGLU feed-forward, pre-norm blocks.
+
+Parameter names follow Meta's checkpoints (tok_embeddings, layers.N.attention.wq, ...), so the
+FQNs are stable for checkpoints and for the blocks other families build from these modules.
+Nothing here knows about parallelism; `parallelize(model, dims, cfg)` is applied from outside.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titanlite.errors import UserError
+from titanlite.models.init import trunc_normal_
+from titanlite.models.llama.args import ModelArgs, RopeScaling
+
+# Std of the input-side projections; output-side ones are scaled down with depth (below).
+BASE_INIT_STD = 0.02
+
+
+def _scale_rope_freqs(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 frequency scaling, applied per frequency by its wavelength."""
+    wavelen = 2 * torch.pi / freqs
+    low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling.factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, frequency) angle, each [max_seq_len, head_dim // 2], float32.
+
+    Real tables rather than complex ones: complex buffers trip up dtype casts, DTensor and compile.
+    """
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        freqs = _scale_rope_freqs(freqs, scaling)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, heads, head_dim] by position; cos/sin are [T, head_dim // 2].
+
+    Pairs are adjacent elements (x[2i], x[2i+1]) as in Meta's checkpoints (Hugging Face permutes
+    wq/wk to use split halves instead). Computed in float32 so long positions stay accurate.
+    """
+    real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with `n_kv_heads` key/value heads shared by groups of query heads."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.n_rep = n_heads // n_kv_heads  # query heads per key/value head
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # Head counts come from the weights (-1), so a tensor-parallel shard with fewer local heads works as is.
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
+        if self.n_rep > 1:
+            # Query head h reads key/value head h // n_rep. An explicit repeat works on every SDPA
+            # backend, unlike enable_gqa, which some kernels do not support.
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
+        for name in ("wq", "wk", "wv"):
+            trunc_normal_(getattr(self, name).weight, BASE_INIT_STD, key=f"{prefix}{name}.weight", seed=seed)
+        trunc_normal_(self.wo.weight, out_std, key=f"{prefix}wo.weight", seed=seed)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
+        trunc_normal_(self.w1.weight, BASE_INIT_STD, key=f"{prefix}w1.weight", seed=seed)
+        for name in ("w2", "w3"):
+            trunc_normal_(getattr(self, name).weight, out_std, key=f"{prefix}{name}.weight", seed=seed)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h)).
+
+    Self-contained (the RoPE tables come in as arguments) so FSDP, activation checkpointing and
+    torch.compile can each wrap one block.
+    """
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Depth-scaled std for the projections that write into the residual stream, so deeper
+        # layers start with smaller updates.
+        self.out_init_std = BASE_INIT_STD / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, prefix: str, seed: int) -> None:
+        """`prefix` is the block's FQN ("layers.3."): init keys must not depend on wrappers."""
+        nn.init.ones_(self.attention_norm.weight)
+        nn.init.ones_(self.ffn_norm.weight)
+        self.attention.init_weights(f"{prefix}attention.", seed, self.out_init_std)
+        self.feed_forward.init_weights(f"{prefix}feed_forward.", seed, self.out_init_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Derived from args, so not saved in checkpoints; init_weights recomputes them.
+        rope_cos, rope_sin = self._rope_tables(device=None)
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
+
+    def _rope_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        return rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype."""
+        seq_len = tokens.shape[1]
+        if seq_len > self.args.max_seq_len:
+            raise UserError(
+                f"sequences of {seq_len} tokens are longer than this model's max_seq_len "
+                f"{self.args.max_seq_len}; set training.seq_len to at most {self.args.max_seq_len}"
+            )
+        rope_cos, rope_sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, rope_cos, rope_sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """(Re)initialise every parameter and buffer in place, identically for any sharding."""
+        self.rope_cos, self.rope_sin = self._rope_tables(device=self.rope_cos.device)
+        # Output std dim**-0.5 gives unit-scale logits at the start.
+        out_std = self.args.dim**-0.5
+        if self.args.tie_embeddings:
+            # One matrix, two jobs: init it for its output role (the first RMSNorm rescales its
+            # embedding role anyway).
+            trunc_normal_(self.tok_embeddings.weight, out_std, key="tok_embeddings.weight", seed=seed)
+        else:
+            # Std 1.0 as in torchtitan: each block's input is RMS-normalised, so the scale only makes
+            # the embedding dominate the residual stream early on, which keeps the start stable.
+            trunc_normal_(self.tok_embeddings.weight, 1.0, key="tok_embeddings.weight", seed=seed)
+            trunc_normal_(self.output.weight, out_std, key="output.weight", seed=seed)
+        for layer_id, block in self.layers.items():
+            block.init_weights(f"layers.{layer_id}.", seed)
+        nn.init.ones_(self.norm.weight)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Unique parameters (a tied matrix counts once); works on meta and sharded models.
+
+        exclude_embedding drops the token embedding table, which does a lookup rather than a
+        matmul; when tied, that same matrix is also the output projection (a matmul), so it stays.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and not self.args.tie_embeddings:
+            total -= self.tok_embeddings.weight.numel()
+        return total
+
+    def _apply(self, fn, recurse=True):
+        # Module.to_empty / .to may replace each module's Parameter separately, which would split
+        # a tied matrix in two; point the output back at the embedding.
+        super()._apply(fn, recurse)
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        return self

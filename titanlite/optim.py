@@ -1,0 +1,82 @@
+"""Optimizers and learning-rate schedules."""
+
+import functools
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from titanlite.config_sections import LRScheduler, Optimizer
+from titanlite.errors import UserError
+
+_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+
+
+def build_optimizer(model: nn.Module, cfg: Optimizer, device_type: str) -> torch.optim.Optimizer:
+    """Weight decay applies to matrices only: decaying norm gains pulls them towards zero for nothing."""
+    if len(cfg.betas) != 2:
+        raise UserError(f"optimizer.betas needs two numbers, e.g. 0.9,0.95; got {cfg.betas}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device_type == "cuda" else "foreach"
+    return _OPTIMIZERS[cfg.name](
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+        fused=impl == "fused", foreach=impl == "foreach",
+    )
+
+
+def lr_factor(step: int, *, steps: int, warmup_steps: int, decay_type: str, decay_ratio: float, min_lr_factor: float) -> float:
+    """Multiplier of the peak lr used at training step `step` (1-based).
+
+    Linear warmup reaches 1.0 at step warmup_steps; the lr then stays at 1.0 until the last
+    decay_ratio share of the remaining steps (all of them when decay_ratio is -1), over which it
+    falls to min_lr_factor along the chosen curve, reaching it exactly at the last step.
+    """
+    if step <= warmup_steps:
+        return step / warmup_steps
+    after_warmup = max(steps - warmup_steps, 1)
+    decay_steps = after_warmup if decay_ratio < 0 else max(round(after_warmup * decay_ratio), 1)
+    progress = min(max((step - (steps - decay_steps)) / decay_steps, 0.0), 1.0)
+    curve = {
+        "linear": 1.0 - progress,
+        "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+        "sqrt": 1.0 - math.sqrt(progress),
+    }[decay_type]
+    return min_lr_factor + (1.0 - min_lr_factor) * curve
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, steps: int) -> LambdaLR:
+    if cfg.warmup_steps < 0:
+        raise UserError(f"lr_scheduler.warmup_steps must be 0 or more; got {cfg.warmup_steps}")
+    if not (cfg.decay_ratio == -1 or 0 <= cfg.decay_ratio <= 1):
+        raise UserError(f"lr_scheduler.decay_ratio must be between 0 and 1, or -1; got {cfg.decay_ratio}")
+    if not 0 <= cfg.min_lr_factor <= 1:
+        raise UserError(f"lr_scheduler.min_lr_factor must be between 0 and 1; got {cfg.min_lr_factor}")
+    factor = functools.partial(
+        lr_factor, steps=steps, warmup_steps=cfg.warmup_steps, decay_type=cfg.decay_type,
+        decay_ratio=cfg.decay_ratio, min_lr_factor=cfg.min_lr_factor,
+    )
+    # LambdaLR counts from 0 and is stepped after each optimizer step: index i serves step i + 1.
+    return LambdaLR(optimizer, lambda i: factor(i + 1))
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip to the true global norm; returns that norm (before clipping) as a plain tensor.
+
+    With FSDP the gradients are DTensor shards: their norm is a DTensor whose full_tensor()
+    reduces over the shards, so every rank clips by the same, global, factor.
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
+    total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(total_norm, "full_tensor"):
+        total_norm = total_norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+    return total_norm

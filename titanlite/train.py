@@ -1,0 +1,185 @@
+"""Entry point: python -m titanlite.train --job.config_file X.toml [--section.key value ...]
+
+Reads top to bottom in the order a job happens: config -> mesh -> model -> optimizer -> data ->
+loop -> close. Each component comes from one build_* call; this file owns only the loop.
+"""
+
+import dataclasses
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titanlite.config import load_config, write_resolved_config
+from titanlite.config_sections import JobConfig, Training
+from titanlite.data.datasets import build_dataloader
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.errors import UserError
+from titanlite.log import init_logger, logger
+from titanlite.metrics import MetricsLogger
+from titanlite.models import get_model_args, get_model_spec
+from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlite.parallel import mixed_precision_context
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
+
+
+def check_training(cfg: Training) -> None:
+    for key in ("local_batch_size", "seq_len", "steps", "gc_freq"):
+        if getattr(cfg, key) < 1:
+            raise UserError(f"training.{key} must be at least 1; got {getattr(cfg, key)}")
+
+
+def grad_accumulation_steps(cfg: Training, dp_degree: int) -> int:
+    """Micro-steps per optimizer step so that local x dp x micro-steps = global batch."""
+    per_micro_step = cfg.local_batch_size * dp_degree
+    if cfg.global_batch_size == -1:
+        return 1
+    if cfg.global_batch_size < per_micro_step or cfg.global_batch_size % per_micro_step:
+        raise UserError(
+            f"training.global_batch_size {cfg.global_batch_size} must be a multiple of local_batch_size "
+            f"{cfg.local_batch_size} x data-parallel degree {dp_degree} = {per_micro_step}"
+        )
+    return cfg.global_batch_size // per_micro_step
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
+    """The flavor's args with the vocab taken from the tokenizer where the flavor leaves it open."""
+    args = get_model_args(spec, cfg.model.flavor)
+    where = f"{cfg.model.name}/{cfg.model.flavor}"
+    if args.vocab_size == -1:
+        args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
+    elif args.vocab_size < tokenizer_vocab:
+        raise UserError(
+            f"the tokenizer has {tokenizer_vocab} tokens but {where} has a vocabulary of {args.vocab_size}; "
+            "use that model's own tokenizer (model.tokenizer_path) or a debugmodel flavor"
+        )
+    if cfg.training.seq_len > args.max_seq_len:
+        raise UserError(
+            f"training.seq_len {cfg.training.seq_len} exceeds the context of {where} ({args.max_seq_len}); lower training.seq_len"
+        )
+    return args
+
+
+def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.device):
+    """Meta-device model -> parallelize -> allocate only this rank's shards -> initialise them."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    num_params = model.num_params()
+    flops_per_token = spec.flops_per_token(model, cfg.training.seq_len)
+    model = spec.parallelize(model, dims, cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.job.seed)
+    model.train()
+    return model, num_params, flops_per_token
+
+
+def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobConfig, dims, device, metrics):
+    """One optimizer step over accum_steps micro-batches; returns (loss, grad_norm, lr used).
+
+    Each micro-batch holds the same number of tokens (packed windows), so dividing every
+    micro-batch mean by accum_steps makes the summed gradient that of the whole batch.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    total_loss = torch.zeros((), device=device)
+    for _ in range(accum_steps):
+        waited = time.perf_counter()
+        inputs, labels = next(batches)
+        metrics.data_seconds += time.perf_counter() - waited
+        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum_steps
+        loss.backward()
+        total_loss += loss.detach()
+        metrics.tokens += labels.numel()
+    grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    return total_loss, grad_norm, lr
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value)  # gloo has no AVG; sum and divide
+    return value.item() / dist.get_world_size()
+
+
+def train(cfg: JobConfig, info: DistInfo) -> None:
+    init_logger(info.rank)
+    check_training(cfg.training)
+    dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
+    dims.build_mesh(info.device.type)
+    seed_everything(cfg.job.seed, cfg.training.deterministic)
+    if info.rank == 0:
+        write_resolved_config(cfg, Path(cfg.job.dump_folder))
+
+    tokenizer = build_tokenizer(cfg.model)
+    spec = get_model_spec(cfg.model.name)
+    args = resolve_model_args(cfg, spec, tokenizer.vocab_size)
+    model, num_params, flops_per_token = build_model(cfg, spec, args, dims, info.device)
+    optimizer = build_optimizer(model, cfg.optimizer, info.device.type)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
+    training = cfg.training
+    dataloader = build_dataloader(
+        dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
+        tokenizer=tokenizer, seq_len=training.seq_len, batch_size=training.local_batch_size,
+        dp_rank=dims.dp_rank, dp_world=dims.dp_degree, seed=cfg.job.seed, num_workers=training.num_workers,
+    )
+    metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, info.rank, info.device, flops_per_token)
+    tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
+    logger.info(
+        f"model {cfg.model.name}/{cfg.model.flavor}: {num_params:,} parameters, vocab {args.vocab_size} | "
+        f"world {info.world_size} on {info.device.type}, mesh dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} | "
+        f"dtype {training.mixed_precision_param} | dataset {training.dataset_path or training.dataset} | "
+        f"{tokens_per_step:,} tokens per step ({accum_steps} micro-steps)"
+    )
+    if metrics.peak is None:
+        logger.info(f"MFU is not known on {info.device.type}: no peak FLOP/s for it; set metrics.peak_tflops to get one")
+
+    # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
+    gc.disable()
+    batches = iter(dataloader)
+    for step in range(1, training.steps + 1):
+        if step % training.gc_freq == 0:
+            gc.collect(1)
+        loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device, metrics)
+        if metrics.should_log(step):
+            metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr)
+    metrics.close()
+    gc.enable()
+    logger.info(f"training finished after {training.steps} steps")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_config(argv)
+        info = init_distributed()
+        try:
+            train(cfg, info)
+        finally:
+            close_distributed()
+    except UserError as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
