@@ -44,7 +44,6 @@ def test_same_seed_same_losses_other_seed_other_losses(tmp_path, tiny_run):
         (["--training.global_batch_size", "3"], "training.global_batch_size 3 must be a multiple"),
         (["--training.dataset_path", "/no/data.jsonl"], "/no/data.jsonl"),
         (["--training.steps", "0"], "training.steps must be at least 1"),
-        (["--model.flavor", "8B"], "the tokenizer has"),
     ],
 )
 def test_user_errors_are_one_sentence_and_exit_2(tiny_run, flags, message):
@@ -52,3 +51,18 @@ def test_user_errors_are_one_sentence_and_exit_2(tiny_run, flags, message):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+
+
+def test_tokenizer_larger_than_the_model_vocab_is_refused(tmp_path, tiny_run):
+    """33,280 ranks + 256 specials do not fit llama2 7B's 32,000-token vocabulary."""
+    import base64
+    import itertools
+
+    tokens = [bytes([b]) for b in range(256)] + [bytes(p) for p in itertools.product(range(256), range(129))]
+    (tmp_path / "big.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
+    out = run_titanlite(tiny_run + ["--model.name", "llama2", "--model.flavor", "7B", "--model.tokenizer_path", str(tmp_path / "big.model")])
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == (
+        "error: the tokenizer has 33536 tokens but llama2/7B has a vocabulary of 32000; "
+        "use that model's own tokenizer (model.tokenizer_path) or a debugmodel flavor"
+    )

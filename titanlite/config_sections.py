@@ -30,6 +30,7 @@ class Model:
     flavor: str = opt("debugmodel", "size of the family, e.g. debugmodel, 1B, 8B")
     tokenizer_path: str = opt("", "tiktoken BPE file (Llama 3 tokenizer.model format); empty = the shipped assets/tokenizer.model")
     hf_assets_path: str = opt("", "folder holding tokenizer.model (as downloaded from Hugging Face); used when tokenizer_path is empty")
+    moe_aux_loss_coeff: float = opt(0.01, "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none")
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Training:
     mixed_precision_reduce: str = opt("float32", "dtype of FSDP gradient reduction", choices=("float32", "bfloat16"))
     gc_freq: int = opt(50, "run Python's garbage collector every this many steps (automatic gc is turned off)")
     deterministic: bool = opt(False, "use deterministic algorithms (slower; for debugging numerics)")
+    skip_nan_check: bool = opt(False, "keep training when the loss or gradient norm is NaN or inf (by default the run stops at that step and saves nothing of it)")
 
 
 @dataclass
@@ -87,19 +89,19 @@ class Metrics:
 
 @dataclass
 class Checkpoint:
-    enable: bool = opt(False, "save and resume checkpoints", unsupported=True)
-    folder: str = opt("checkpoint", "checkpoint folder under job.dump_folder", unsupported=True)
-    interval: int = opt(500, "save every this many steps", unsupported=True)
-    async_mode: str = opt("disabled", "disabled, async, or async_with_pinned_mem", choices=("disabled", "async", "async_with_pinned_mem"), unsupported=True)
-    keep_latest_k: int = opt(0, "keep only the newest k checkpoints; 0 = keep all", unsupported=True)
-    last_save_model_only: bool = opt(False, "the final save holds the model alone", unsupported=True)
-    export_dtype: str = opt("float32", "dtype of a model-only final save", choices=("float32", "bfloat16"), unsupported=True)
-    load_step: int = opt(-1, "step to resume from; -1 = the newest complete checkpoint", unsupported=True)
-    initial_load_path: str = opt("", "checkpoint to start from when the folder holds none", unsupported=True)
-    initial_load_model_only: bool = opt(True, "load only the model from initial_load_path", unsupported=True)
-    initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder", unsupported=True)
-    last_save_in_hf: bool = opt(False, "write the final model in Hugging Face format", unsupported=True)
-    create_seed_checkpoint: bool = opt(False, "write a step-0 checkpoint on one process and exit", unsupported=True)
+    enable: bool = opt(False, "save checkpoints and resume from the newest complete one at start")
+    folder: str = opt("checkpoint", "checkpoint folder under job.dump_folder; each save is a step-N folder in it")
+    interval: int = opt(500, "save every this many steps (the last step and preemption always save)")
+    async_mode: str = opt("disabled", "disabled (training waits for the write), async (a background thread writes; training waits only for a copy to host memory), or async_with_pinned_mem (the copy goes to reused pinned memory; CUDA only)", choices=("disabled", "async", "async_with_pinned_mem"))
+    keep_latest_k: int = opt(0, "keep only the newest k checkpoints, deleting older ones in the background; 0 = keep all")
+    last_save_model_only: bool = opt(False, "the last step's save holds the model alone, in export_dtype")
+    export_dtype: str = opt("float32", "dtype of the model in a model-only last save and in a Hugging Face export", choices=("float32", "bfloat16"))
+    load_step: int = opt(-1, "step to resume from; -1 = the newest complete checkpoint")
+    initial_load_path: str = opt("", "DCP checkpoint (or Hugging Face folder, see initial_load_in_hf) to start from when the folder holds no checkpoint")
+    initial_load_model_only: bool = opt(True, "load only the model from initial_load_path (false: also optimizer, schedule, step and data position)")
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder (config.json + safetensors)")
+    last_save_in_hf: bool = opt(False, "also write the final model in Hugging Face format to <folder>/step-N-hf")
+    create_seed_checkpoint: bool = opt(False, "write the initialised model as <folder>/step-0 on one process and exit")
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from titanlite.checkpoint import CheckpointManager, StopFlags
 from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig, Training
 from titanlite.data.datasets import build_dataloader
@@ -103,7 +104,8 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         with mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type):
             logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum_steps
-        loss.backward()
+        aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
+        (loss if aux_loss is None else loss + cfg.model.moe_aux_loss_coeff * aux_loss / accum_steps).backward()
         total_loss += loss.detach()
         metrics.tokens += labels.numel()
     grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm)
@@ -117,6 +119,16 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     value = value.detach().clone()
     dist.all_reduce(value)  # gloo has no AVG; sum and divide
     return value.item() / dist.get_world_size()
+
+
+def model_metrics(model) -> dict[str, float] | None:
+    """What a model reports about itself since the last log (e.g. MoE expert load), averaged over ranks."""
+    values = model.extra_metrics() if hasattr(model, "extra_metrics") else {}
+    if not values:
+        return None
+    stacked = torch.stack([v.float() for v in values.values()])
+    dist.all_reduce(stacked)
+    return dict(zip(values, (stacked / dist.get_world_size()).tolist()))
 
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
@@ -152,18 +164,41 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     if metrics.peak is None:
         logger.info(f"MFU is not known on {info.device.type}: no peak FLOP/s for it; set metrics.peak_tflops to get one")
 
+    checkpointer = CheckpointManager(
+        cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+        dataloader=dataloader, dp_rank=dims.dp_rank, dp_degree=dims.dp_degree,
+        model_name=f"{cfg.model.name}/{cfg.model.flavor}", model_args=args, hf_adapter=spec.hf_adapter,
+    )
+    if cfg.checkpoint.create_seed_checkpoint:
+        checkpointer.save_seed()
+        return
+    state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
+
     # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
     gc.disable()
+    stop = StopFlags(info.device, check_finite=not training.skip_nan_check)  # SIGTERM/SIGUSR1, NaN loss
     batches = iter(dataloader)
-    for step in range(1, training.steps + 1):
-        if step % training.gc_freq == 0:
-            gc.collect(1)
-        loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device, metrics)
-        if metrics.should_log(step):
-            metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr)
+    try:
+        for step in range(state.step + 1, training.steps + 1):
+            if step % training.gc_freq == 0:
+                gc.collect(1)
+            loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device, metrics)
+            state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
+            preempted = stop.should_stop(step, loss, grad_norm)
+            if metrics.should_log(step):
+                metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr, extra=model_metrics(model))
+            checkpointer.maybe_save(step, last=step == training.steps, force=preempted)
+            if preempted:
+                break
+    finally:
+        stop.close()
+        checkpointer.close()  # waits for the last async save
     metrics.close()
     gc.enable()
-    logger.info(f"training finished after {training.steps} steps")
+    if stop.signal:
+        logger.info(f"stopped at step {state.step} on {stop.signal}; exiting")
+    else:
+        logger.info(f"training finished after {training.steps} steps")
 
 
 def main(argv: list[str]) -> int:

@@ -15,6 +15,9 @@ from titanlite.errors import UserError
 
 _FAMILY_PACKAGES = (
     "titanlite.models.llama",
+    "titanlite.models.mistral",
+    "titanlite.models.mixtral",
+    "titanlite.models.gpt2",
 )
 
 
@@ -25,7 +28,7 @@ class ModelSpec:
     flavors: dict[str, Any]  # flavor name -> args dataclass instance
     parallelize: Callable  # parallelize(model, dims, cfg) -> model
     flops_per_token: Callable  # flops_per_token(unsharded model, seq_len) -> float
-    hf_adapter: Any = None
+    hf_adapter: Any = None  # a titanlite.models.hf.HFAdapter: Hugging Face names, layouts and config.json
 
 
 def parallelize_decoder(model, dims, cfg):

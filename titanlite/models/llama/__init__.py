@@ -2,6 +2,7 @@
 
 from titanlite.models import ModelSpec, parallelize_decoder
 from titanlite.models.llama.args import LLAMA2_FLAVORS, LLAMA3_FLAVORS
+from titanlite.models.llama.hf_adapter import LlamaHFAdapter
 from titanlite.models.llama.model import Transformer
 
 
@@ -18,6 +19,6 @@ def flops_per_token(model: Transformer, seq_len: int) -> float:
     return float(6 * model.num_params(exclude_embedding=True) + attention)
 
 
-LLAMA3_SPEC = ModelSpec("llama3", Transformer, LLAMA3_FLAVORS, parallelize_decoder, flops_per_token)
-LLAMA2_SPEC = ModelSpec("llama2", Transformer, LLAMA2_FLAVORS, parallelize_decoder, flops_per_token)
+LLAMA3_SPEC = ModelSpec("llama3", Transformer, LLAMA3_FLAVORS, parallelize_decoder, flops_per_token, hf_adapter=LlamaHFAdapter())
+LLAMA2_SPEC = ModelSpec("llama2", Transformer, LLAMA2_FLAVORS, parallelize_decoder, flops_per_token, hf_adapter=LlamaHFAdapter())
 SPECS = (LLAMA3_SPEC, LLAMA2_SPEC)

@@ -56,13 +56,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
-class Attention(nn.Module):
-    """Causal multi-head attention with `n_kv_heads` key/value heads shared by groups of query heads."""
+def sliding_window_mask(seq_len: int, window: int, device=None) -> torch.Tensor:
+    """[T, T] boolean, True where query i may attend key j: i - window < j <= i, i.e. the `window`
+    most recent tokens, itself included (Hugging Face Mistral's convention)."""
+    positions = torch.arange(seq_len, device=device)
+    distance = positions[:, None] - positions[None, :]  # query minus key
+    return (distance >= 0) & (distance < window)
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+
+class Attention(nn.Module):
+    """Causal multi-head attention with `n_kv_heads` key/value heads shared by groups of query heads.
+
+    With `sliding_window` set (Mistral), each token attends to at most that many most recent tokens.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, sliding_window: int | None = None):
         super().__init__()
         self.head_dim = dim // n_heads
         self.n_rep = n_heads // n_kv_heads  # query heads per key/value head
+        self.sliding_window = sliding_window
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -81,7 +93,12 @@ class Attention(nn.Module):
             # backend, unlike enable_gqa, which some kernels do not support.
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.sliding_window is not None and seq_len > self.sliding_window:
+            # Only then does the window cut anything off: an explicit mask rules out the flash kernel.
+            mask = sliding_window_mask(seq_len, self.sliding_window, device=x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
@@ -115,12 +132,15 @@ class TransformerBlock(nn.Module):
     torch.compile can each wrap one block.
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, layer_id: int, args: ModelArgs, attention: nn.Module | None = None,
+                 feed_forward: nn.Module | None = None):
+        """`attention` and `feed_forward` default to Llama's; families built on this block pass their
+        own (Mistral's sliding-window attention, Mixtral's experts), with the same init_weights."""
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads)
+        self.attention = attention if attention is not None else Attention(args.dim, args.n_heads, args.n_kv_heads)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_hidden_dim)
         # Depth-scaled std for the projections that write into the residual stream, so deeper
         # layers start with smaller updates.
         self.out_init_std = BASE_INIT_STD / (2 * (layer_id + 1)) ** 0.5
@@ -142,7 +162,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.build_block(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -151,6 +171,10 @@ class Transformer(nn.Module):
         rope_cos, rope_sin = self._rope_tables(device=None)
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
+
+    def build_block(self, layer_id: int, args: ModelArgs) -> nn.Module:
+        """One decoder block; families reusing this decoder (Mistral, Mixtral) override it."""
+        return TransformerBlock(layer_id, args)
 
     def _rope_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args

@@ -1,0 +1,269 @@
+"""Tokenizer, datasets and the stateful loader, on real files in tmp_path (CPU, a few seconds)."""
+
+import base64
+import json
+import re
+
+import datasets
+import huggingface_hub.constants
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from titanlite.config_sections import Model
+from titanlite.data.datasets import DataParallelLoader, build_dataloader
+from titanlite.data.documents import IndexedDocuments, StreamedDocuments
+from titanlite.data.packing import PackedTokens
+from titanlite.data.sample_corpus import sample_documents
+from titanlite.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer, build_tokenizer
+from titanlite.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(SHIPPED_TOKENIZER)
+
+
+@pytest.fixture(autouse=True)
+def hf_cache_in_tmp(tmp_path, monkeypatch):
+    """Keep the Arrow caches `datasets` writes for local files out of the home folder."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+
+
+def loader(tokenizer, **overrides):
+    args = dict(
+        dataset="sample", dataset_path="", text_field="text", tokenizer=tokenizer, seq_len=16,
+        batch_size=2, dp_rank=0, dp_world=1, seed=0, num_workers=0, infinite=True,
+    )
+    return build_dataloader(**{**args, **overrides})
+
+
+def take(batches, count: int) -> list:
+    iterator = iter(batches)
+    return [next(iterator) for _ in range(count)]
+
+
+def assert_same_batches(expected: list, actual: list) -> None:
+    assert len(expected) == len(actual)
+    for (inputs, labels), (other_inputs, other_labels) in zip(expected, actual):
+        assert torch.equal(inputs, other_inputs) and torch.equal(labels, other_labels)
+
+
+def write_jsonl(path, texts, field="text"):
+    path.write_text("".join(json.dumps({field: text, "id": i}) + "\n" for i, text in enumerate(texts)))
+    return path
+
+
+def numbered_texts(count: int) -> list[str]:
+    return [f"document {i} says " + "lorem ipsum dolor " * (3 + i % 5) for i in range(count)]
+
+
+# --- tokenizer -------------------------------------------------------------------------------
+
+
+def test_round_trip_of_arbitrary_unicode(tokenizer):
+    text = "Grüße, 世界! 🙂🚀 naïve café\t\tx = [1, 22, 333, 4444]\n\n\r\n  \x00 ﬁ e\u0301 اَلْعَرَبِيَّة" * 3
+    assert tokenizer.decode(tokenizer.encode(text, bos=False, eos=False)) == text
+
+
+def test_bos_and_eos_follow_the_ranks_like_llama3(tokenizer):
+    ids = tokenizer.encode("hello", bos=True, eos=True)
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.vocab_size) == (2000, 2001, 2256)
+    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+    assert tokenizer.bos_id not in ids[1:-1] and tokenizer.eos_id not in ids[1:-1]
+
+
+def test_special_token_text_is_encoded_as_plain_text(tokenizer):
+    text = "a <|begin_of_text|> b <|end_of_text|> <|eot_id|>"
+    ids = tokenizer.encode(text, bos=False, eos=False)
+    assert max(ids) < 2000
+    assert tokenizer.decode(ids) == text
+
+
+def test_hand_made_tiktoken_file_loads(tmp_path):
+    ranks = [bytes([byte]) for byte in range(256)] + [b"ab", b"abc"]
+    path = tmp_path / "tiny.model"
+    path.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(ranks)))
+    tiny = Tokenizer(path)
+    assert (tiny.vocab_size, tiny.bos_id, tiny.eos_id) == (258 + 256, 258, 259)
+    assert tiny.encode("abc ab", bos=True, eos=False) == [258, 257, ord(" "), 256]
+
+
+def test_shipped_tokenizer_compresses_the_sample_corpus():
+    shipped = build_tokenizer(Model())
+    assert shipped.vocab_size == 2256
+    text = "".join(sample_documents())
+    assert len(text.encode()) / len(shipped.encode(text, bos=False, eos=False)) > 3
+
+
+def test_missing_tokenizer_names_the_path_and_the_key(tmp_path):
+    missing = tmp_path / "nope.model"
+    with pytest.raises(UserError, match=re.escape(str(missing)) + ".*model.tokenizer_path"):
+        build_tokenizer(Model(tokenizer_path=str(missing)))
+    with pytest.raises(UserError, match="tokenizer.model.*model.hf_assets_path"):
+        build_tokenizer(Model(hf_assets_path=str(tmp_path)))
+
+
+def test_malformed_tokenizer_file_is_a_user_error(tmp_path):
+    bad = tmp_path / "bad.model"
+    bad.write_text("not base64 at all!\n")
+    with pytest.raises(UserError, match=re.escape(str(bad)) + ".*line 1"):
+        Tokenizer(bad)
+
+
+# --- packing, sharding, epochs ---------------------------------------------------------------
+
+
+def test_windows_pack_the_token_stream_without_overlap(tokenizer):
+    source = IndexedDocuments(sample_documents()[:5], dp_rank=0, dp_world=1, seed=3)
+    stream = [t for text, _ in source.documents(0, None) for t in tokenizer.encode(text, bos=True, eos=True)]
+    windows = list(PackedTokens(source, tokenizer, seq_len=32, infinite=False))
+    assert len(windows) == len(stream) // 33
+    for i, (inputs, labels) in enumerate(windows):
+        assert inputs.shape == labels.shape == (32,) and inputs.dtype == torch.long
+        assert torch.equal(inputs[1:], labels[:-1])
+        assert torch.cat([inputs, labels[-1:]]).tolist() == stream[i * 33:(i + 1) * 33]
+
+
+def test_ranks_read_disjoint_documents_that_cover_all():
+    texts = numbered_texts(11)
+    per_rank = [
+        [text for text, _ in IndexedDocuments(texts, dp_rank=rank, dp_world=2, seed=0).documents(epoch=0, position=None)]
+        for rank in range(2)
+    ]
+    assert not set(per_rank[0]) & set(per_rank[1])
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(texts)
+
+
+def test_ranks_of_a_loader_see_disjoint_txt_documents(tokenizer, tmp_path):
+    for i, text in enumerate(numbered_texts(10)):
+        (tmp_path / f"{i:02d}.txt").write_text(text)
+    seen = []
+    for rank in range(2):
+        batches = loader(tokenizer, dataset_path=str(tmp_path), dp_rank=rank, dp_world=2, seq_len=8, infinite=False)
+        tokens = [t for inputs, labels in batches for row in torch.cat([inputs, labels[:, -1:]], 1) for t in row.tolist()]
+        seen.append(set(re.findall(r"document (\d+)", tokenizer.decode(tokens))))
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == {str(i) for i in range(10)}
+
+
+def test_data_loops_with_a_new_epoch(tokenizer):
+    windows = PackedTokens(IndexedDocuments(numbered_texts(3), 0, 1, seed=0), tokenizer, seq_len=8, infinite=True)
+    epoch_tokens = sum(len(tokenizer.encode(text, bos=True, eos=True)) for text in numbered_texts(3))
+    iterator = iter(windows)
+    for _ in range(epoch_tokens // 9 + 1):
+        next(iterator)
+    assert windows.state_dict()["epoch"] == 1
+
+
+# --- exact resume ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_resumes_exactly_across_epochs(tokenizer, tmp_path, num_workers):
+    path = write_jsonl(tmp_path / "docs.jsonl", numbered_texts(12))
+    settings = dict(dataset_path=str(path), num_workers=num_workers)
+    expected = take(loader(tokenizer, **settings), 40)  # several epochs of these 12 short documents
+    interrupted = loader(tokenizer, **settings)
+    take(interrupted, 17)
+    state = interrupted.state_dict()
+    resumed = loader(tokenizer, **settings)
+    resumed.load_state_dict(state)
+    assert_same_batches(expected[17:], take(resumed, 23))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_streamed_documents_resume_exactly(tokenizer, tmp_path, num_workers):
+    """The c4 code path (a streamed Hugging Face dataset), fed from local shard files."""
+    files = [str(write_jsonl(tmp_path / f"shard{i}.jsonl", numbered_texts(6 + i))) for i in range(4)]
+
+    def streamed_loader():
+        stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+        windows = PackedTokens(StreamedDocuments(stream, "text", 0, 1), tokenizer, seq_len=16, infinite=True)
+        return DataParallelLoader(windows, batch_size=2, num_workers=num_workers, layout={})
+
+    expected = take(streamed_loader(), 40)
+    interrupted = streamed_loader()
+    take(interrupted, 13)
+    resumed = streamed_loader()
+    resumed.load_state_dict(interrupted.state_dict())
+    assert_same_batches(expected[13:], take(resumed, 27))
+
+
+def test_state_from_another_data_parallel_layout_is_refused(tokenizer):
+    saved = loader(tokenizer, dp_world=2)
+    take(saved, 1)
+    with pytest.raises(UserError, match="dp_world=2.*dp_world=1"):
+        loader(tokenizer).load_state_dict(saved.state_dict())
+
+
+def test_sample_data_is_the_same_in_every_run(tokenizer):
+    assert_same_batches(take(loader(tokenizer), 5), take(loader(tokenizer), 5))
+    inputs, labels = take(loader(tokenizer, batch_size=3, seq_len=24), 1)[0]
+    assert inputs.shape == labels.shape == (3, 24) and inputs.dtype == torch.long
+
+
+# --- local files and errors ------------------------------------------------------------------
+
+
+def first_window_text(tokenizer, **overrides) -> str:
+    inputs, labels = take(loader(tokenizer, seq_len=64, batch_size=1, infinite=False, **overrides), 1)[0]
+    return tokenizer.decode(inputs[0].tolist())
+
+
+def test_local_jsonl_parquet_and_txt_folder(tokenizer, tmp_path):
+    texts = numbered_texts(4)
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", texts, field="body")
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": texts}), parquet)
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, text in enumerate(texts):
+        (folder / f"{i}.txt").write_text(text)
+    for path, field in [(jsonl, "body"), (parquet, "text"), (folder, "text")]:
+        decoded = first_window_text(tokenizer, dataset="local", dataset_path=str(path), text_field=field)
+        assert decoded.startswith("<|begin_of_text|>document ")
+        assert any(text.startswith(decoded[len("<|begin_of_text|>"):][:40]) for text in texts)
+
+
+def test_wrong_text_field_names_the_fields_that_exist(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "docs.jsonl", numbered_texts(3))
+    with pytest.raises(UserError, match="'content'.*id, text|'content'.*text, id"):
+        loader(tokenizer, dataset_path=str(path), text_field="content")
+
+
+def test_missing_dataset_path_names_the_key(tokenizer, tmp_path):
+    with pytest.raises(UserError, match="training.dataset_path .*nowhere"):
+        loader(tokenizer, dataset_path=str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match="training.dataset_path is empty"):
+        loader(tokenizer, dataset="local")
+
+
+def test_unknown_dataset_suggests_the_closest(tokenizer):
+    with pytest.raises(UserError, match="did you mean sample"):
+        loader(tokenizer, dataset="smaple")
+
+
+def test_c4_offline_is_one_clear_sentence(tokenizer, monkeypatch):
+    # Offline mode makes the hub client fail at once instead of retrying for ~20 s.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError) as caught:
+        loader(tokenizer, dataset="c4")
+    message = str(caught.value)
+    assert "allenai/c4" in message and "training.dataset_path" in message
+    assert "\n" not in message and ". " not in message
+
+
+def test_synthetic_is_deterministic_and_resumable(tokenizer):
+    expected = take(loader(tokenizer, dataset="synthetic", seed=7), 6)
+    assert_same_batches(expected, take(loader(tokenizer, dataset="synthetic", seed=7), 6))
+    other_rank = take(loader(tokenizer, dataset="synthetic", seed=7, dp_rank=1, dp_world=2), 1)
+    assert not torch.equal(expected[0][0], other_rank[0][0])
+    assert all(0 <= int(inputs.min()) and int(inputs.max()) < tokenizer.vocab_size for inputs, _ in expected)
+    interrupted = loader(tokenizer, dataset="synthetic", seed=7)
+    take(interrupted, 2)
+    resumed = loader(tokenizer, dataset="synthetic", seed=7)
+    resumed.load_state_dict(interrupted.state_dict())
+    assert_same_batches(expected[2:], take(resumed, 4))

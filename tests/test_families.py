@@ -1,0 +1,377 @@
+"""The Mistral, Mixtral and GPT-2 families: sizes, the sliding window, expert routing and compute,
+FSDP on 2 ranks, and the Hugging Face adapters."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_titanlite, tensorboard_scalars
+from titanlite.errors import UserError
+from titanlite.models import get_model_args, get_model_spec
+from titanlite.models.llama.model import Attention, TransformerBlock, rope_tables, sliding_window_mask
+from titanlite.models.mixtral.moe import MoE, _grouped_swiglu, _looped_swiglu, experts_forward, load_balancing_loss, route
+
+EXPECTED_PARAMS = {
+    ("mistral", "7B"): 7_241_732_096,
+    ("mistral", "mathstral-7B"): 7_248_023_552,
+    ("mixtral", "8x7B"): 46_702_792_704,
+    ("gpt2", "124M"): 124_439_808,
+    ("gpt2", "355M"): 354_823_168,
+    ("gpt2", "774M"): 774_030_080,
+    ("gpt2", "1.5B"): 1_557_611_200,
+    ("gpt2", "2.6B"): 2_648_931_840,
+}
+FAMILIES = ("mistral", "mixtral", "gpt2")
+
+
+def build_meta(name: str, flavor: str):
+    spec = get_model_spec(name)
+    with torch.device("meta"):
+        return spec.model_cls(get_model_args(spec, flavor))
+
+
+def small_args(name: str, **overrides):
+    """The family's debugmodel with a tiny vocab, two layers and a short context."""
+    args = replace(get_model_args(get_model_spec(name), "debugmodel"), vocab_size=97, n_layers=2, max_seq_len=64)
+    return replace(args, **overrides)
+
+
+def materialize(name: str, args, seed: int = 0):
+    """The trainer's path: meta -> allocate -> NaN (nothing may stay uninitialised) -> init_weights."""
+    with torch.device("meta"):
+        model = get_model_spec(name).model_cls(args)
+    model.to_empty(device="cpu")
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data.fill_(float("nan"))
+    model.init_weights(seed=seed)
+    return model
+
+
+# --- sizes and FLOPs ---
+
+
+@pytest.mark.parametrize("name, flavor", list(EXPECTED_PARAMS))
+def test_param_counts(name, flavor):
+    assert build_meta(name, flavor).num_params() == EXPECTED_PARAMS[name, flavor]
+
+
+def test_mixtral_mfu_counts_the_active_experts():
+    spec = get_model_spec("mixtral")
+    model = build_meta("mixtral", "8x7B")
+    args = model.args
+    idle = 32 * (8 - 2) * 3 * 4096 * 14336  # 6 of 8 experts in each of 32 blocks
+    active = 46_702_792_704 - idle
+    assert active == 12_879_925_248 == model.num_params(active=True)
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * 4096
+    assert spec.flops_per_token(model, 4096) == 6 * (active - 32000 * 4096) + attention
+
+
+def test_mistral_attention_flops_stop_at_the_window():
+    flops = get_model_spec("mistral").flops_per_token
+    mistral, mathstral = build_meta("mistral", "7B"), build_meta("mistral", "mathstral-7B")
+    assert flops(mistral, 8192) == flops(mistral, 4096) > flops(mistral, 2048)
+    assert flops(mathstral, 8192) > flops(mathstral, 4096)
+
+
+def test_gpt2_flops_exclude_only_the_position_table():
+    model = build_meta("gpt2", "124M")
+    # Tied: the token matrix is also the output projection, a matmul; the positions are a lookup.
+    assert model.num_params(exclude_embedding=True) == 124_439_808 - 1024 * 768
+    assert get_model_spec("gpt2").flops_per_token(model, 1024) == 6 * (124_439_808 - 1024 * 768) + 12 * 12 * 768 * 1024
+
+
+# --- Mistral: the sliding window ---
+
+
+def test_sliding_window_mask():
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(sliding_window_mask(5, 2), expected)
+
+
+def plain_masked_attention(attention: Attention, x, cos, sin, window: int):
+    """Softmax attention written out with a mask built from its definition, head by head."""
+    batch, seq_len, dim = x.shape
+    n_heads = attention.wq.out_features // attention.head_dim
+    n_kv_heads = attention.wk.out_features // attention.head_dim
+    from titanlite.models.llama.model import apply_rope
+
+    q = apply_rope(attention.wq(x).view(batch, seq_len, n_heads, -1), cos, sin)
+    k = apply_rope(attention.wk(x).view(batch, seq_len, n_kv_heads, -1), cos, sin)
+    v = attention.wv(x).view(batch, seq_len, n_kv_heads, -1)
+    allowed = torch.tensor([[0 <= i - j < window for j in range(seq_len)] for i in range(seq_len)])
+    outputs = []
+    for h in range(n_heads):
+        kv = h // (n_heads // n_kv_heads)
+        scores = q[:, :, h] @ k[:, :, kv].transpose(-1, -2) / attention.head_dim**0.5
+        outputs.append(scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v[:, :, kv])
+    return attention.wo(torch.cat(outputs, dim=-1))
+
+
+@pytest.mark.parametrize("seq_len", [11, 4], ids=["longer-than-window", "within-window"])
+def test_sliding_window_attention_matches_plain_masked_attention(seq_len):
+    torch.manual_seed(0)
+    dim, n_heads, n_kv_heads, window = 32, 4, 2, 4
+    attention = Attention(dim, n_heads, n_kv_heads, sliding_window=window)
+    x = torch.randn(2, seq_len, dim)
+    cos, sin = rope_tables(dim // n_heads, seq_len, 10000.0, None)
+    torch.testing.assert_close(attention(x, cos, sin), plain_masked_attention(attention, x, cos, sin, window))
+
+
+def test_tokens_further_back_than_the_window_are_not_attended():
+    torch.manual_seed(0)
+    args = small_args("mistral", n_layers=1, sliding_window=4)
+    model = materialize("mistral", args)
+    tokens = torch.randint(0, args.vocab_size, (1, 12))
+    changed = tokens.clone()
+    changed[0, 0] = (tokens[0, 0] + 1) % args.vocab_size
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    # One layer: position i reads positions i-3..i, so token 0 reaches positions 0..3 only.
+    assert not torch.allclose(before[0, 3], after[0, 3])
+    torch.testing.assert_close(before[0, 4:], after[0, 4:], rtol=0, atol=0)
+
+
+def test_mistral_is_the_llama_decoder_with_a_window():
+    model = materialize("mistral", small_args("mistral"))
+    assert all(type(block) is TransformerBlock for block in model.layers.values())
+    assert model.layers["0"].attention.sliding_window == 32
+    llama_spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        llama = llama_spec.model_cls(replace(get_model_args(llama_spec, "debugmodel"), vocab_size=97))
+    assert {k for k in model.state_dict() if k.startswith("layers.0.")} == {k for k in llama.state_dict() if k.startswith("layers.0.")}
+    assert get_model_args(get_model_spec("mistral"), "mathstral-7B").sliding_window is None
+
+
+# --- Mixtral: routing, balance loss, expert compute ---
+
+
+def test_route_picks_the_top2_and_weights_sum_to_one():
+    torch.manual_seed(0)
+    logits = torch.randn(50, 8)
+    weights, experts = route(logits, 2)
+    assert torch.equal(experts.sort(-1).values, logits.topk(2).indices.sort(-1).values)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(50))
+    # Mixtral's rule: softmax over all experts, renormalised over the chosen two.
+    probs = logits.softmax(-1).gather(-1, experts)
+    torch.testing.assert_close(weights, probs / probs.sum(-1, keepdim=True))
+
+
+def test_balance_loss_hand_checked():
+    # Two tokens, three experts, top-2. Router probabilities (0.6, 0.3, 0.1) and (0.1, 0.3, 0.6):
+    # assignments {0, 1} and {2, 1}, so f = (1/4, 2/4, 1/4); P = (0.35, 0.3, 0.35);
+    # loss = 3 * (0.25 * 0.35 + 0.5 * 0.3 + 0.25 * 0.35) = 0.975.
+    logits = torch.tensor([[[6.0, 3.0, 1.0], [1.0, 3.0, 6.0]]]).log()
+    weights, experts = route(logits, 2)
+    torch.testing.assert_close(weights[0, 0], torch.tensor([2 / 3, 1 / 3]))
+    assert load_balancing_loss(logits, experts, 3).item() == pytest.approx(0.975)
+    # Top-1, both tokens to expert 0 with probability 0.75: 2 * (1 * 0.75 + 0 * 0.25) = 1.5.
+    lopsided = torch.tensor([[[3.0, 1.0], [3.0, 1.0]]]).log()
+    assert load_balancing_loss(lopsided, route(lopsided, 1)[1], 2).item() == pytest.approx(1.5)
+    uniform = torch.zeros(1, 4, 4)
+    assert load_balancing_loss(uniform, torch.arange(4).view(1, 4, 1), 4).item() == pytest.approx(1.0)
+
+
+def test_balance_loss_is_the_mean_over_sequences():
+    """So a batch gives the same loss however it is split over ranks and micro-steps."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 16, 8)
+    experts = route(logits, 2)[1]
+    per_sequence = [load_balancing_loss(logits[i : i + 1], experts[i : i + 1], 8) for i in range(4)]
+    torch.testing.assert_close(load_balancing_loss(logits, experts, 8), torch.stack(per_sequence).mean())
+
+
+def naive_moe(x, weights, experts, w1, w2, w3):
+    """Token by token: sum over its chosen experts of weight * w2(silu(w1 x) * w3 x)."""
+    rows = []
+    for n in range(x.shape[0]):
+        row = 0
+        for slot in range(experts.shape[1]):
+            e = experts[n, slot]
+            row = row + weights[n, slot] * (w2[e] @ (F.silu(w1[e] @ x[n]) * (w3[e] @ x[n])))
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def moe_inputs(num_tokens=40, dim=16, hidden=24, num_experts=6, top_k=2, dtype=torch.float32):
+    torch.manual_seed(0)
+    x = torch.randn(num_tokens, dim, dtype=dtype, requires_grad=True)
+    w1, w3 = (torch.randn(num_experts, hidden, dim, dtype=dtype, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(num_experts, dim, hidden, dtype=dtype, requires_grad=True)
+    logits = torch.randn(num_tokens, num_experts)
+    logits[:, -1] = -100  # one expert gets no tokens: empty groups must work
+    weights, experts = route(logits, top_k)
+    counts = torch.bincount(experts.flatten(), minlength=num_experts)
+    return x, weights, experts, counts, w1, w2, w3
+
+
+def test_expert_compute_equals_the_per_token_loop():
+    x, weights, experts, counts, w1, w2, w3 = moe_inputs(dtype=torch.float64)  # exact up to summation order
+    assert counts[-1] == 0
+    got = experts_forward(x, weights, experts, counts, w1, w2, w3, grouped=False)
+    expected = naive_moe(x, weights, experts, w1, w2, w3)
+    torch.testing.assert_close(got, expected)
+    grad = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, (x, w1, w2, w3), grad)
+    expected_grads = torch.autograd.grad(expected, (x, w1, w2, w3), grad)
+    for got_grad, expected_grad in zip(got_grads, expected_grads):
+        torch.testing.assert_close(got_grad, expected_grad)
+
+
+def test_grouped_gemm_path_equals_the_loop():
+    """The CUDA path (torch._grouped_mm, bf16), run on the CPU where this torch has a CPU kernel."""
+    x, weights, experts, counts, w1, w2, w3 = moe_inputs(dim=16, hidden=32, dtype=torch.bfloat16)
+    order = experts.flatten().argsort(stable=True)
+    sorted_x = x[order // 2].detach()
+    try:
+        grouped = _grouped_swiglu(sorted_x, counts, w1, w2, w3)
+    except (RuntimeError, NotImplementedError, AttributeError) as error:
+        pytest.skip(f"torch._grouped_mm does not run on this CPU build: {error}")
+    looped = _looped_swiglu(sorted_x, counts, w1, w2, w3)
+    torch.testing.assert_close(grouped.float(), looped.float(), rtol=2e-2, atol=2e-1)
+
+
+def test_moe_module_reports_balance_loss_and_load():
+    torch.manual_seed(0)
+    moe = MoE(dim=16, hidden_dim=24, num_experts=4, top_k=2)
+    moe.init_weights("layers.0.feed_forward.", seed=0, out_std=0.02)
+    x = torch.randn(3, 10, 16)
+    out = moe(x)
+    assert out.shape == x.shape
+    assert moe.tokens_per_expert.sum() == 3 * 10 * 2
+    logits = moe.gate(x)
+    torch.testing.assert_close(moe.aux_loss, load_balancing_loss(logits, route(logits, 2)[1], 4))
+
+
+def test_mixtral_collects_aux_loss_and_router_metrics():
+    torch.manual_seed(0)
+    args = small_args("mixtral")
+    model = materialize("mixtral", args)
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    model(tokens)
+    block_losses = [block.feed_forward.aux_loss for block in model.layers.values()]
+    torch.testing.assert_close(model.aux_loss, torch.stack(block_losses).mean())
+    model.aux_loss.backward()  # the balance loss reaches the routers
+    assert model.layers["0"].feed_forward.gate.weight.grad.abs().sum() > 0
+    model(tokens)
+    metrics = model.extra_metrics()
+    assert metrics["moe_aux_loss"].item() == pytest.approx(model.aux_loss.item())  # same tokens twice
+    shares = torch.stack([metrics[f"moe_expert_share/{i}"] for i in range(args.num_experts)])
+    assert shares.sum().item() == pytest.approx(1.0)
+    assert metrics["moe_max_load"] >= 1.0
+    assert model.extra_metrics() == {}  # reset by reading
+
+
+def test_mixtral_block_compiles():
+    args = small_args("mixtral")
+    model = materialize("mixtral", args)
+    block = model.layers["0"]
+    x = torch.randn(1, 8, args.dim)
+    cos, sin = model.rope_cos[:8], model.rope_sin[:8]
+    expected = block(x, cos, sin)
+    compiled = torch.compile(block, backend="eager")
+    torch.testing.assert_close(compiled(x, cos, sin), expected)
+    assert block.feed_forward.aux_loss is not None
+
+
+# --- GPT-2 ---
+
+
+def test_gpt2_structure_and_init():
+    args = small_args("gpt2")
+    model = materialize("gpt2", args)
+    assert model.output.weight is model.tok_embeddings.weight
+    block = model.layers["1"]
+    assert isinstance(block.attention_norm, torch.nn.LayerNorm) and block.attention_norm.bias is not None
+    assert block.attention.wqkv.bias is not None and torch.equal(block.feed_forward.w2.bias, torch.zeros(args.dim))
+    assert model.pos_embeddings.weight.shape == (64, args.dim)
+    big = materialize("gpt2", replace(args, dim=512, n_heads=8, n_layers=8))
+    assert big.layers["0"].feed_forward.w1.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert big.layers["0"].attention.wo.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
+    again = materialize("gpt2", args)
+    for name, value in model.state_dict().items():
+        assert torch.isfinite(value).all() and torch.equal(value, again.state_dict()[name]), name
+
+
+def test_gpt2_is_causal_and_refuses_long_sequences():
+    torch.manual_seed(0)
+    args = small_args("gpt2")
+    model = materialize("gpt2", args)
+    tokens = torch.randint(0, args.vocab_size, (1, 12))
+    changed = tokens.clone()
+    changed[0, -1] = (tokens[0, -1] + 1) % args.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens)[:, :-1], model(changed)[:, :-1])
+    with pytest.raises(UserError, match="training.seq_len"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
+# --- every family under torchrun: FSDP on 2 ranks equals one process, and learns ---
+
+SEQ_LEN, STEPS = 64, 8
+
+
+def window_sized_documents(folder, count: int):
+    """`count` pieces of the sample corpus, each exactly one training window (SEQ_LEN + 1 tokens
+    with bos and eos), one .txt file each. Every window is then one whole document, and rank r of
+    2 takes every other document of the shuffled order, so 2 ranks with 2 rows each see the same
+    global batches as 1 process with 4: real text, so the loss also shows learning."""
+    from titanlite.config_sections import Model
+    from titanlite.data.sample_corpus import sample_documents
+    from titanlite.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(Model())
+    ids = tokenizer.encode("\n".join(sample_documents()[:40]), bos=False, eos=False)
+    piece = SEQ_LEN - 1
+    written = 0
+    for start in range(0, len(ids) - piece, piece):
+        text = tokenizer.decode(ids[start : start + piece])
+        if len(tokenizer.encode(text, bos=True, eos=True)) == SEQ_LEN + 1:  # survives decode -> encode
+            (folder / f"{written:04d}.txt").write_text(text)
+            written += 1
+            if written == count:
+                return folder
+    raise AssertionError(f"the sample corpus gave only {written} window-sized documents")
+
+
+def family_run(folder, data, family, local_batch):
+    return [
+        "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(folder),
+        "--model.name", family, "--training.dataset_path", str(data), "--training.seq_len", str(SEQ_LEN),
+        "--training.local_batch_size", str(local_batch), "--training.steps", str(STEPS),
+        "--optimizer.lr", "3e-3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
+        "--training.mixed_precision_param", "float32",
+        # A strong balance loss, so a rank-dependent one would show in the losses.
+        "--model.moe_aux_loss_coeff", "1.0",
+    ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp_two_ranks_equal_one_process_and_learn(tmp_path, family):
+    """Global batch 4: one process with 4 rows, or two FSDP ranks with 2 each."""
+    data = tmp_path / "data"
+    data.mkdir()
+    window_sized_documents(data, count=4 * STEPS)
+    first = run_titanlite(family_run(tmp_path / "one", data, family, local_batch=4))
+    assert first.returncode == 0, first.stderr
+    second = run_titanlite(family_run(tmp_path / "two", data, family, local_batch=2), nproc=2)
+    assert second.returncode == 0, second.stderr
+    assert "mesh dp_replicate 1 x dp_shard 2" in second.stderr
+    single = tensorboard_scalars(tmp_path / "one" / "tb", "loss")
+    sharded = tensorboard_scalars(tmp_path / "two" / "tb", "loss")
+    assert sorted(single) == sorted(sharded) == list(range(1, STEPS + 1))
+    for step in single:
+        assert sharded[step] == pytest.approx(single[step], rel=1e-5, abs=1e-5)
+    assert sharded[STEPS] < sharded[1] - 1.0, sharded
+    if family == "mixtral":
+        aux = tensorboard_scalars(tmp_path / "two" / "tb", "moe_aux_loss")
+        assert sorted(aux) == list(range(1, STEPS + 1)) and all(1.0 <= v < 8.0 for v in aux.values())
+        shares = [tensorboard_scalars(tmp_path / "two" / "tb", f"moe_expert_share/{i}")[STEPS] for i in range(8)]
+        assert sum(shares) == pytest.approx(1.0, abs=1e-4)

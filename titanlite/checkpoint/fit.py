@@ -1,0 +1,72 @@
+"""Does a DCP checkpoint fit the model? One sentence naming the folder and the mismatch if not."""
+
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from titanlite.errors import UserError
+
+# Top-level keys of a titanlite checkpoint besides the model's own tensors, which sit at the top
+# level (as in torchtitan), so a model-only checkpoint is just the model's FQNs.
+TRAINING_STATE = ("optimizer", "lr_scheduler", "train_state", "dataloader", "rng")
+
+
+def read_metadata(path: Path) -> Metadata:
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # unpickling garbage raises anything
+        raise UserError(f"checkpoint {path} is corrupt: its .metadata cannot be read ({type(error).__name__}); delete the folder") from None
+
+
+def load_in_place(path: Path, state: dict) -> dict:
+    """dcp.load into `state`'s tensors (non-tensor values are replaced); a file DCP cannot read
+    becomes one sentence naming the folder."""
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+        raise UserError(f"checkpoint {path} cannot be loaded ({reason}); it is damaged: delete it or set checkpoint.load_step") from None
+    return state
+
+
+def is_training_key(fqn: str) -> bool:
+    return fqn.split(".", 1)[0] in TRAINING_STATE
+
+
+def model_tensors(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    return {
+        fqn: meta for fqn, meta in metadata.state_dict_metadata.items()
+        if not is_training_key(fqn) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def holds_training_state(metadata: Metadata) -> bool:
+    return any(fqn.startswith("optimizer.") for fqn in metadata.state_dict_metadata)
+
+
+def _shape(shape) -> str:
+    return "x".join(str(d) for d in shape) or "a scalar"
+
+
+def check_model_fits(metadata: Metadata, expected: dict[str, tuple], path: Path, model_name: str, saved_from: str = "") -> None:
+    """`expected`: FQN -> global shape of this run's model."""
+    saved = {fqn: tuple(meta.size) for fqn, meta in model_tensors(metadata).items()}
+    origin = f" (it was saved from {saved_from})" if saved_from and saved_from != model_name else ""
+    prefix = f"checkpoint {path} does not fit {model_name}{origin}:"
+    missing = [fqn for fqn in expected if fqn not in saved]
+    if missing:
+        more = f" and {len(missing) - 1} more tensors" if len(missing) > 1 else ""
+        raise UserError(f"{prefix} it lacks {missing[0]}{more}; point it at a checkpoint of this model family and flavor")
+    extra = [fqn for fqn in saved if fqn not in expected]
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise UserError(f"{prefix} it holds {extra[0]}{more}, which this model lacks; check model.name and model.flavor")
+    for fqn, shape in expected.items():
+        if saved[fqn] != tuple(shape):
+            raise UserError(
+                f"{prefix} {fqn} is {_shape(saved[fqn])} there but {_shape(shape)} here; check model.name, model.flavor and the tokenizer"
+            )

@@ -1,0 +1,331 @@
+"""CheckpointManager: DCP saves into <dump_folder>/<checkpoint.folder>/step-N, and resume.
+
+A full checkpoint holds the model (its FQNs at the top level, sharded DTensors as they are: no
+rank ever gathers the model), the optimizer, the lr schedule, the train state, every
+data-parallel rank's data-loader position and every rank's RNG states. Model-only checkpoints
+(the seed checkpoint, a last_save_model_only export) hold just the model's FQNs.
+
+Async saves copy the state into host memory (training waits only for that copy), then a
+background thread writes it, with its collectives on a separate gloo process group so they
+never interleave with training's. A new save first waits for the previous one; close() waits
+for the last.
+"""
+
+import pickle
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from titanlite.checkpoint.fit import check_model_fits, holds_training_state, load_in_place, read_metadata
+from titanlite.checkpoint.folders import METADATA, list_steps, purge_old, step_folder
+from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
+from titanlite.config_sections import Checkpoint
+from titanlite.errors import UserError
+from titanlite.log import logger
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class _Save:
+    """One save's timings (perf_counter seconds); `future` is set for an async one."""
+
+    step: int
+    started: float
+    note: str = ""
+    blocked: float = 0.0  # when training could go on
+    done_at: float = 0.0
+    future: Future | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def mark_done(self, _future: Future) -> None:
+        self.done_at = time.perf_counter()
+        self.finished.set()
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps completed
+    tokens_seen: int = 0  # over all data-parallel ranks
+
+
+def check_checkpoint_config(cfg: Checkpoint, world_size: int) -> None:
+    if cfg.interval < 1:
+        raise UserError(f"checkpoint.interval must be at least 1; got {cfg.interval}")
+    if cfg.keep_latest_k < 0:
+        raise UserError(f"checkpoint.keep_latest_k must be 0 (keep all) or more; got {cfg.keep_latest_k}")
+    if cfg.load_step < -1:
+        raise UserError(f"checkpoint.load_step must be -1 (the newest) or a step; got {cfg.load_step}")
+    if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+        raise UserError(
+            "checkpoint.async_mode async_with_pinned_mem stages into pinned (page-locked) memory for fast GPU "
+            "copies and needs CUDA; on this CPU run use checkpoint.async_mode async"
+        )
+    if cfg.initial_load_in_hf and not cfg.initial_load_path:
+        raise UserError("checkpoint.initial_load_in_hf is set but checkpoint.initial_load_path is empty; set it to the Hugging Face folder")
+    if cfg.initial_load_in_hf and not cfg.initial_load_model_only:
+        raise UserError("a Hugging Face folder holds only the model; set checkpoint.initial_load_model_only true with initial_load_in_hf")
+    if cfg.create_seed_checkpoint and world_size != 1:
+        raise UserError(
+            f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; run it with plain python "
+            "(no torchrun), then start the big run"
+        )
+
+
+class CheckpointManager:
+    def __init__(self, cfg: Checkpoint, dump_folder: str, *, model, optimizer, lr_scheduler, dataloader,
+                 dp_rank: int, dp_degree: int, model_name: str, model_args, hf_adapter):
+        check_checkpoint_config(cfg, dist.get_world_size())
+        self.cfg = cfg
+        self.root = Path(dump_folder) / cfg.folder
+        self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
+        self.state = TrainState()
+        self.pending: _Save | None = None  # the async save in flight
+        self.writer = None
+        self.async_group = None
+        if cfg.enable and cfg.async_mode != "disabled":
+            # Async saves run their collectives from a background thread; on the training process
+            # group they could interleave with the training collectives and deadlock.
+            self.async_group = dist.new_group(backend="gloo")
+            if cfg.async_mode == "async_with_pinned_mem":
+                # One writer for the whole run: it keeps its pinned staging buffers between saves.
+                self.writer = FileSystemWriter(str(self.root), cache_staged_state_dict=True)
+        # Old checkpoints are deleted by rank 0 in the background, after a newer one completed.
+        self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if self.rank == 0 else None
+        if cfg.enable:
+            keep = f"keeping the newest {cfg.keep_latest_k}" if cfg.keep_latest_k else "keeping all"
+            mode = {"disabled": "synchronous", "async": "async", "async_with_pinned_mem": "async, pinned memory"}[cfg.async_mode]
+            logger.info(f"checkpoints every {cfg.interval} steps into {self.root} ({mode} saves, {keep})")
+
+    # ---------------------------------------------------------------- state dicts
+    def _model_state(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def _expected_shapes(self) -> dict[str, tuple]:
+        return {fqn: tuple(t.shape) for fqn, t in self._model_state().items()}
+
+    def _rng_state(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def _train_state(self) -> dict:
+        return {
+            "step": self.state.step, "tokens_seen": self.state.tokens_seen, "model": self.model_name,
+            "dp_degree": self.dp_degree, "world_size": self.world_size,
+        }
+
+    def _full_state(self) -> dict:
+        return {
+            **self._model_state(),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "train_state": self._train_state(),
+            # Pickled, so DCP stores each rank's position as one opaque value under its own key.
+            "dataloader": {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
+            "rng": {f"rank_{self.rank}": self._rng_state()},
+        }
+
+    # ---------------------------------------------------------------- saving
+    def maybe_save(self, step: int, *, last: bool = False, force: bool = False) -> None:
+        """Save at every interval, at the last step and when forced (preemption); forced and last
+        saves are waited for. The last step's save follows last_save_model_only / export_dtype
+        and, with last_save_in_hf, also writes the model in Hugging Face format."""
+        cfg = self.cfg
+        self.poll()
+        if last and cfg.last_save_in_hf:
+            self._save_hf(step)
+        if not cfg.enable or not (force or last or step % cfg.interval == 0):
+            return
+        if last and cfg.last_save_model_only and not force:
+            dtype = EXPORT_DTYPES[cfg.export_dtype]
+            self._save(step, {k: v.to(dtype) for k, v in self._model_state().items()}, wait=True, note=f"model only, {cfg.export_dtype}")
+        else:
+            self._save(step, self._full_state(), wait=force or last)
+
+    def save_seed(self) -> None:
+        """Step 0, model only: lets a large run start from weights initialised once, on one process."""
+        self._save(0, self._model_state(), wait=True, note="seed checkpoint, model only")
+
+    def _save(self, step: int, state: dict, wait: bool, note: str = "") -> None:
+        self.wait()
+        path = step_folder(self.root, step)
+        if self.rank == 0:
+            # Rewriting a step (after load_step went back): its old .metadata must not vouch for
+            # half-written new files.
+            (path / METADATA).unlink(missing_ok=True)
+        save = _Save(step, time.perf_counter(), note=f" ({note})" if note else "")
+        if wait or self.async_group is None:
+            dcp.save(state, checkpoint_id=str(path))
+            save.blocked = save.done_at = time.perf_counter()
+            self._finished(save)
+            return
+        # Staging through a FileSystemWriter copies every tensor into host memory before
+        # async_save returns, on every torch version, CPU tensors included.
+        writer = self.writer or FileSystemWriter(str(path))
+        save.future = dcp.async_save(state, checkpoint_id=str(path), storage_writer=writer, process_group=self.async_group)
+        save.blocked = time.perf_counter()
+        save.future.add_done_callback(save.mark_done)
+        self.pending = save
+
+    def _finished(self, save: "_Save") -> None:
+        logger.info(
+            f"checkpoint step-{save.step} saved in {save.done_at - save.started:.2f}s, "
+            f"training blocked {save.blocked - save.started:.2f}s{save.note}"
+        )
+        if self.purger and self.cfg.keep_latest_k:
+            self.purger.submit(purge_old, self.root, self.cfg.keep_latest_k)
+
+    def poll(self) -> None:
+        """Report an async save that has completed (cheap; called every step)."""
+        if self.pending is not None and self.pending.finished.is_set():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the async save in flight (if any) is complete; re-raises its error."""
+        if self.pending is not None:
+            save, self.pending = self.pending, None
+            save.future.result()
+            save.finished.wait()
+            self._finished(save)
+
+    def _save_hf(self, step: int) -> None:
+        cfg = self.cfg
+        path = self.root / f"step-{step}-hf"
+        started = time.perf_counter()
+        save_model_as_hf(self._model_state(), path, self.hf_adapter, self.model_args, EXPORT_DTYPES[cfg.export_dtype],
+                         writer_rank=self.rank == 0, model_name=self.model_name)
+        logger.info(f"model saved in Hugging Face format ({cfg.export_dtype}) to {path} in {time.perf_counter() - started:.2f}s")
+
+    def close(self) -> None:
+        """Wait for the last save and the purges; the job may exit after this."""
+        try:
+            self.wait()
+        finally:
+            if self.purger:
+                self.purger.shutdown(wait=True)
+            if self.writer is not None:
+                self.writer.close()
+
+    # ---------------------------------------------------------------- loading
+    def load(self) -> TrainState:
+        """Resume from the newest complete checkpoint (or checkpoint.load_step); with none, start
+        from initial_load_path if given. Returns the train state the loop continues from."""
+        cfg = self.cfg
+        if cfg.enable:
+            complete, incomplete = list_steps(self.root)
+            for folder in incomplete:
+                logger.warning(f"skipping {folder}: it has no {METADATA}, so its save never finished")
+            chosen = self._choose(complete)
+            if chosen is not None:
+                self._load_dcp(step_folder(self.root, chosen), resume=True)
+                return self.state
+        if cfg.initial_load_path:
+            path = Path(cfg.initial_load_path)
+            if cfg.initial_load_in_hf:
+                load_model_from_hf(self._model_state(), path, self.hf_adapter, self.model_args, self.model_name)
+                logger.info(f"loaded the model from the Hugging Face folder {path}")
+            else:
+                if not (path / METADATA).is_file():
+                    raise UserError(f"checkpoint.initial_load_path {path} is not a complete DCP checkpoint (no {METADATA} in it)")
+                self._load_dcp(path, resume=not cfg.initial_load_model_only)
+        return self.state
+
+    def _choose(self, complete: list[int]) -> int | None:
+        """The step to resume from: load_step, or the newest checkpoint that holds training state
+        (a model-only export is used only when nothing else is there)."""
+        if self.cfg.load_step != -1:
+            if self.cfg.load_step not in complete:
+                found = ", ".join(map(str, complete)) or "none"
+                raise UserError(
+                    f"checkpoint.load_step {self.cfg.load_step}: there is no complete checkpoint "
+                    f"{step_folder(self.root, self.cfg.load_step)} (complete steps: {found})"
+                )
+            newer = [s for s in complete if s > self.cfg.load_step]
+            if newer:
+                logger.warning(f"resuming from step {self.cfg.load_step}; the newer checkpoints {newer} will be overwritten")
+            return self.cfg.load_step
+        for step in reversed(complete):
+            if holds_training_state(read_metadata(step_folder(self.root, step))):
+                if step != complete[-1]:
+                    logger.info(f"step-{complete[-1]} holds the model only (a final export); resuming from step-{step}")
+                return step
+        return complete[-1] if complete else None
+
+    def _load_dcp(self, path: Path, resume: bool) -> None:
+        started = time.perf_counter()
+        metadata = read_metadata(path)
+        keys = metadata.state_dict_metadata
+        saved_from = ""
+        if "train_state.model" in keys:
+            saved_from = load_in_place(path, {"train_state": {"model": ""}})["train_state"]["model"]
+        check_model_fits(metadata, self._expected_shapes(), path, self.model_name, saved_from)
+        if not holds_training_state(metadata):
+            resume = False  # a seed checkpoint or a model-only export: weights, then step 1
+        elif resume and "train_state.step" not in keys:
+            raise UserError(f"checkpoint {path} holds no titanlite train state; load it with checkpoint.initial_load_model_only true")
+
+        model_state = self._model_state()
+        if not resume:
+            load_in_place(path, model_state)
+            set_model_state_dict(self.model, model_state)
+            logger.info(f"loaded the model (weights only) from {path} in {time.perf_counter() - started:.2f}s")
+            return
+
+        state = {
+            **model_state,
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "train_state": {"step": 0, "tokens_seen": 0, "dp_degree": 0, "world_size": 0},
+        }
+        data_key = f"dataloader.dp_rank_{self.dp_rank}"
+        saved_dp = sum(k.startswith("dataloader.dp_rank_") for k in keys)
+        same_data_split = saved_dp == self.dp_degree and data_key in keys
+        if same_data_split:
+            state["dataloader"] = {f"dp_rank_{self.dp_rank}": b""}
+        rng_key = f"rng.rank_{self.rank}"
+        same_ranks = all(f"{rng_key}.{device}" in keys for device in self._rng_state())
+        if same_ranks:
+            state["rng"] = {f"rank_{self.rank}": self._rng_state()}
+        load_in_place(path, state)
+
+        set_model_state_dict(self.model, {k: state[k] for k in model_state})
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        train_state = state["train_state"]
+        self.state = TrainState(train_state["step"], train_state["tokens_seen"])
+        if same_data_split:
+            self.dataloader.load_state_dict(pickle.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
+        else:
+            logger.warning(
+                f"the data loader restarts its stream from the beginning: the data-parallel degree changed from "
+                f"{saved_dp} to {self.dp_degree}, and each saved position belongs to the old split of the data"
+            )
+        if same_ranks:
+            rng = state["rng"][f"rank_{self.rank}"]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"])
+        else:
+            logger.info(f"RNG states not restored: the checkpoint comes from {train_state['world_size']} ranks, this run has {self.world_size}")
+        logger.info(
+            f"resumed from {path} at step {self.state.step} ({self.state.tokens_seen:,} tokens seen) "
+            f"in {time.perf_counter() - started:.2f}s"
+        )

@@ -1,0 +1,53 @@
+"""Stopping cleanly: preemption signals and non-finite losses, agreed on by every rank.
+
+Slurm sends SIGTERM (or the --signal of the job, often SIGUSR1) before the time limit,
+Kubernetes sends SIGTERM before eviction, and torchrun forwards SIGTERM to its workers. The
+handler only raises a flag; at the end of each step all ranks all-reduce their flags, so they
+stop at the same step boundary, save, and exit 0 together, whichever rank got the signal.
+"""
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+from titanlite.errors import UserError
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopFlags:
+    """One tiny all-reduce per step of [a stop signal arrived, the loss or gradient norm is NaN or inf].
+
+    A non-finite gradient norm counts too: the step's update has already spread it into the weights.
+    """
+
+    def __init__(self, device: torch.device, check_finite: bool):
+        self.device = device
+        self.check_finite = check_finite
+        self.signal: str | None = None
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signal = self.signal or signal.Signals(signum).name
+
+    def should_stop(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """True on every rank when any rank was signalled; a non-finite loss or gradient norm
+        stops the run here, before anything of this state is saved."""
+        flags = torch.zeros(2, device=self.device)
+        flags[0] = self.signal is not None
+        if self.check_finite:
+            flags[1] = ~(torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach()))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, nonfinite = flags.tolist()
+        if nonfinite:
+            raise UserError(
+                f"the loss or the gradient norm became NaN or inf at step {step}; stopped without saving this state: lower optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nan_check true to go on"
+            )
+        if signalled and self.signal is None:
+            self.signal = "a stop signal on another rank"
+        return bool(signalled)
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

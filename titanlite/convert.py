@@ -1,0 +1,130 @@
+"""Convert model weights between titanlite's DCP checkpoints and Hugging Face folders.
+
+    python -m titanlite.convert hf-to-dcp <hf_dir> <dcp_dir> --model.name llama3 --model.flavor 8B
+    python -m titanlite.convert dcp-to-hf <dcp_dir> <hf_dir> --model.name llama3 --model.flavor 8B \\
+        [--checkpoint.export_dtype bfloat16] [--max_shard_mb 5000]
+
+The model flags (or --job.config_file) name the family and flavor, which fix every shape; a
+flavor whose vocabulary comes from the tokenizer (debugmodel) takes it from the source instead.
+dcp-to-hf reads any titanlite checkpoint (full or model-only; only the model is converted) a
+layer at a time and writes safetensors shards of at most --max_shard_mb, with
+model.safetensors.index.json when there is more than one, plus config.json. hf-to-dcp writes a
+model-only DCP checkpoint, usable as checkpoint.initial_load_path; it holds the model in memory.
+"""
+
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from titanlite.checkpoint.fit import check_model_fits, load_in_place, model_tensors, read_metadata
+from titanlite.checkpoint.folders import METADATA
+from titanlite.checkpoint.hf_io import HFReader, HFWriter, layer_groups, read_hf_tensors
+from titanlite.checkpoint.manager import EXPORT_DTYPES
+from titanlite.config import load_config
+from titanlite.errors import UserError
+from titanlite.models import get_model_args, get_model_spec
+
+USAGE = """usage: python -m titanlite.convert {hf-to-dcp,dcp-to-hf} SOURCE DESTINATION [--model.name N] [--model.flavor F]
+                                  [--job.config_file X.toml] [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000]"""
+COMMANDS = ("hf-to-dcp", "dcp-to-hf")
+
+
+def model_shapes(spec, args) -> dict[str, tuple]:
+    """FQN -> shape of the model these args build, computed on the meta device."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def resolve_args(spec, flavor: str, vocab_size: int | None, source: Path):
+    args = get_model_args(spec, flavor)
+    if args.vocab_size == -1:
+        if vocab_size is None:
+            raise UserError(f"cannot tell the vocabulary size of {source}; use a flavor with a fixed vocabulary")
+        args = dataclasses.replace(args, vocab_size=vocab_size)
+    return args
+
+
+def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: str, max_shard_bytes: int) -> None:
+    if not (source / METADATA).is_file():
+        raise UserError(f"{source} is not a complete DCP checkpoint: it has no {METADATA}")
+    metadata = read_metadata(source)
+    saved = model_tensors(metadata)
+    embedding = saved.get("tok_embeddings.weight")
+    args = resolve_args(spec, flavor, embedding.size[0] if embedding else None, source)
+    shapes = model_shapes(spec, args)
+    model_name = f"{spec.name}/{flavor}"
+    check_model_fits(metadata, shapes, source, model_name)
+    dtype = EXPORT_DTYPES[dtype_name]
+    writer = HFWriter(destination, max_shard_bytes)
+    for group in layer_groups(shapes):
+        state = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in group}
+        load_in_place(source, state)
+        writer.add({name: t.to(dtype) for name, t in spec.hf_adapter.to_hf(state, args).items()})
+    writer.finish(spec.hf_adapter.hf_config(args, dtype_name))
+
+
+def hf_to_dcp(source: Path, destination: Path, spec, flavor: str) -> None:
+    reader = HFReader(source)
+    args = resolve_args(spec, flavor, reader.config.get("vocab_size"), source)
+    model_name = f"{spec.name}/{flavor}"
+    state = dict(read_hf_tensors(reader, model_shapes(spec, args), spec.hf_adapter, args, model_name))
+    (destination / METADATA).unlink(missing_ok=True)
+    dcp.save(state, checkpoint_id=str(destination), no_dist=True)
+
+
+def _pop_option(argv: list[str], name: str, default: str) -> tuple[list[str], str]:
+    """Take `--name value` / `--name=value` out of argv (options that are not config keys)."""
+    rest, value, i = [], default, 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif argv[i].startswith(name + "="):
+            value, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return rest, value
+
+
+def run(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    if len(argv) < 3 or argv[0] not in COMMANDS or argv[1].startswith("--") or argv[2].startswith("--"):
+        raise UserError(f"expected a command ({' or '.join(COMMANDS)}), a source and a destination folder; {USAGE.split(chr(10))[0]}")
+    command, source, destination = argv[0], Path(argv[1]), Path(argv[2])
+    flags, max_shard_mb = _pop_option(argv[3:], "--max_shard_mb", "5000")
+    try:
+        max_shard_bytes = int(float(max_shard_mb) * 10**6)
+    except ValueError:
+        raise UserError(f"--max_shard_mb expects a number of megabytes, got {max_shard_mb!r}") from None
+    cfg = load_config(flags)
+    spec = get_model_spec(cfg.model.name)
+    if spec.hf_adapter is None:
+        raise UserError(f"model family {spec.name} has no Hugging Face adapter yet")
+    get_model_args(spec, cfg.model.flavor)  # an unknown flavor fails here, before any file is touched
+    if command == "dcp-to-hf":
+        dcp_to_hf(source, destination, spec, cfg.model.flavor, cfg.checkpoint.export_dtype, max_shard_bytes)
+    else:
+        hf_to_dcp(source, destination, spec, cfg.model.flavor)
+    print(f"wrote {destination}")
+
+
+def main(argv: list[str]) -> int:
+    # Conversion runs in one process on purpose; DCP would warn about that on every load.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    try:
+        run(argv)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""The dataset registry and the stateful data loader the trainer iterates.
+
+    sample     Python's help topics, shipped with every Python (the default)
+    c4         allenai/c4 "en", streamed from the Hugging Face hub
+    local      files at training.dataset_path (chosen whenever that path is set)
+    synthetic  seeded random tokens for benchmarks
+
+Each data-parallel rank reads a disjoint part of the documents (see documents.py), packs them
+into windows (packing.py) and gets batches of (inputs, labels), LongTensors [batch, seq_len].
+"""
+
+import difflib
+
+import datasets
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from titanlite.data.documents import IndexedDocuments, StreamedDocuments
+from titanlite.data.local_files import load_local_documents
+from titanlite.data.packing import PackedTokens, SyntheticTokens
+from titanlite.data.sample_corpus import sample_documents
+from titanlite.errors import UserError
+
+DATASETS = ("sample", "c4", "local", "synthetic")
+
+
+def resolve_dataset(dataset: str, dataset_path: str) -> str:
+    """The registry name to use: a dataset_path means local files."""
+    if dataset not in DATASETS:
+        close = difflib.get_close_matches(dataset, DATASETS, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(DATASETS)}"
+        raise UserError(f"training.dataset '{dataset}' is not a known dataset; {hint}")
+    if dataset_path and dataset not in ("sample", "local"):
+        raise UserError(
+            f"training.dataset_path is set, which means local files, but training.dataset is '{dataset}'; "
+            "clear one of the two"
+        )
+    if dataset == "local" and not dataset_path:
+        raise UserError("training.dataset is 'local' but training.dataset_path is empty; set it to your data file or folder")
+    return "local" if dataset_path else dataset
+
+
+def open_c4() -> datasets.IterableDataset:
+    try:
+        return datasets.load_dataset("allenai/c4", "en", split="train", streaming=True)
+    except OSError as error:  # ConnectionError and the hub's offline errors are all OSErrors
+        raise UserError(
+            f"could not reach the Hugging Face hub to stream allenai/c4 ({type(error).__name__}); check the "
+            "network, or use local files with training.dataset_path, or training.dataset sample"
+        ) from None
+
+
+def open_documents(name: str, dataset_path: str, text_field: str, dp_rank: int, dp_world: int, seed: int, num_workers: int):
+    """The document source of one rank for a registry name other than synthetic."""
+    if name == "c4":
+        return StreamedDocuments(open_c4(), "text", dp_rank, dp_world)
+    texts = sample_documents() if name == "sample" else load_local_documents(dataset_path, text_field)
+    readers = dp_world * max(num_workers, 1)
+    if len(texts) < readers:
+        where = "the sample corpus" if name == "sample" else f"training.dataset_path {dataset_path}"
+        raise UserError(
+            f"{where} holds {len(texts)} documents, fewer than the {readers} readers (data-parallel ranks x "
+            "training.num_workers) that each need one; use more documents or fewer workers"
+        )
+    return IndexedDocuments(texts, dp_rank, dp_world, seed)
+
+
+class DataParallelLoader(StatefulDataLoader):
+    """A StatefulDataLoader whose state records which reader it belongs to.
+
+    A position in the data only means something for the same dataset, seed, data-parallel rank
+    and world size and worker count; loading a state saved under any other layout stops the
+    run instead of silently reading other data than the checkpoint expects.
+    """
+
+    def __init__(self, windows, *, batch_size: int, num_workers: int, layout: dict):
+        super().__init__(windows, batch_size=batch_size, num_workers=num_workers)
+        self.layout = layout
+
+    def state_dict(self) -> dict:
+        return {"layout": self.layout, "loader": super().state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["layout"] != self.layout:
+            saved = ", ".join(f"{key}={value!r}" for key, value in state["layout"].items())
+            now = ", ".join(f"{key}={value!r}" for key, value in self.layout.items())
+            raise UserError(
+                f"the checkpoint's data-loader state was saved with {saved} but this run has {now}; resume with "
+                "the same training.dataset, job.seed, data-parallel degree and training.num_workers"
+            )
+        super().load_state_dict(state["loader"])
+
+
+def build_dataloader(
+    *, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int, batch_size: int,
+    dp_rank: int, dp_world: int, seed: int, num_workers: int = 0, infinite: bool = True,
+) -> StatefulDataLoader:
+    """Batches of (inputs, labels) for one data-parallel rank; the same arguments give the same data."""
+    name = resolve_dataset(dataset, dataset_path)
+    if name == "synthetic":
+        if not infinite:
+            raise UserError("training.dataset synthetic is an endless stream; it cannot serve a finite pass such as validation")
+        windows = SyntheticTokens(tokenizer.vocab_size, seq_len, seed, dp_rank, dp_world)
+    else:
+        source = open_documents(name, dataset_path, text_field, dp_rank, dp_world, seed, num_workers)
+        windows = PackedTokens(source, tokenizer, seq_len, infinite)
+    layout = {
+        "dataset": name, "seed": seed,
+        "dp_rank": dp_rank, "dp_world": dp_world, "num_workers": num_workers,
+    }
+    return DataParallelLoader(windows, batch_size=batch_size, num_workers=num_workers, layout=layout)

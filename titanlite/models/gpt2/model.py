@@ -1,0 +1,121 @@
+"""GPT-2: learned absolute positions, pre-LayerNorm blocks with biases, a 4x GELU MLP, tied embeddings.
+
+The module tree mirrors Llama's (tok_embeddings, layers.N.attention / feed_forward, norm, output)
+so the trainer, FSDP and checkpoints treat both alike; the HF adapter maps the names to GPT-2's.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titanlite.errors import UserError
+from titanlite.models.gpt2.args import GPT2Args
+from titanlite.models.init import trunc_normal_
+
+# OpenAI's GPT-2 init: weights N(0, 0.02), position embeddings N(0, 0.01), and the projections
+# that write into the residual stream scaled by 1/sqrt(2 * layers).
+INIT_STD = 0.02
+POSITION_INIT_STD = 0.01
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with one fused q/k/v projection, as GPT-2's c_attn."""
+
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wqkv = nn.Linear(dim, 3 * dim)
+        self.wo = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        qkv = self.wqkv(x).view(batch, seq_len, 3, -1, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, T, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim)
+        self.w2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))  # GPT-2's GELU is the tanh one
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args.dim, args.n_heads)
+        self.ffn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
+        """`prefix` is the block's FQN ("layers.3."): init keys must not depend on wrappers."""
+        for norm in (self.attention_norm, self.ffn_norm):
+            nn.init.ones_(norm.weight)
+            nn.init.zeros_(norm.bias)
+        for name, linear, std in (("attention.wqkv", self.attention.wqkv, INIT_STD), ("attention.wo", self.attention.wo, out_std),
+                                  ("feed_forward.w1", self.feed_forward.w1, INIT_STD), ("feed_forward.w2", self.feed_forward.w2, out_std)):
+            trunc_normal_(linear.weight, std, key=f"{prefix}{name}.weight", seed=seed)
+            nn.init.zeros_(linear.bias)
+
+
+class GPT2(nn.Module):
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output.weight = self.tok_embeddings.weight  # tied, as in GPT-2
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype."""
+        seq_len = tokens.shape[1]
+        if seq_len > self.args.max_seq_len:
+            raise UserError(
+                f"sequences of {seq_len} tokens are longer than this model's {self.args.max_seq_len} positions; "
+                f"set training.seq_len to at most {self.args.max_seq_len}"
+            )
+        positions = torch.arange(seq_len, device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for block in self.layers.values():
+            h = block(h)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """(Re)initialise every parameter in place, identically for any sharding."""
+        trunc_normal_(self.tok_embeddings.weight, INIT_STD, key="tok_embeddings.weight", seed=seed)
+        trunc_normal_(self.pos_embeddings.weight, POSITION_INIT_STD, key="pos_embeddings.weight", seed=seed)
+        out_std = INIT_STD / (2 * self.args.n_layers) ** 0.5
+        for layer_id, block in self.layers.items():
+            block.init_weights(f"layers.{layer_id}.", seed, out_std)
+        nn.init.ones_(self.norm.weight)
+        nn.init.zeros_(self.norm.bias)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Unique parameters (the tied matrix counts once); works on meta and sharded models.
+
+        exclude_embedding drops the position table, a lookup; the token matrix stays, as it is also
+        the output projection (a matmul).
+        """
+        total = sum(p.numel() for p in self.parameters())
+        return total - self.pos_embeddings.weight.numel() if exclude_embedding else total
+
+    def _apply(self, fn, recurse=True):
+        # Module.to_empty / .to may replace each module's Parameter separately, which would split
+        # the tied matrix in two; point the output back at the embedding.
+        super()._apply(fn, recurse)
+        self.output.weight = self.tok_embeddings.weight
+        return self

@@ -1,0 +1,94 @@
+"""Llama <-> Hugging Face LlamaForCausalLM: names, the RoPE row permutation, config.json.
+
+Families built from llama's blocks (Mistral, Mixtral) can subclass LlamaHFAdapter and extend
+`names`, `architectures` and `model_type`.
+"""
+
+import torch
+
+from titanlite.models.hf import HFAdapter, rope_halves_to_pairs, rope_pairs_to_halves
+
+
+class LlamaHFAdapter(HFAdapter):
+    architectures = ["LlamaForCausalLM"]
+    model_type = "llama"
+    names = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
+        "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+        "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+        "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+        "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+        "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+        "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
+        "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
+        "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    ignored = (r"\.rotary_emb\.inv_freq$",)  # older exports store the RoPE frequencies
+    shape_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size")
+
+    def _rope_heads(self, name: str, args) -> int | None:
+        if name.endswith("attention.wq.weight"):
+            return args.n_heads
+        if name.endswith("attention.wk.weight"):
+            return args.n_kv_heads
+        return None
+
+    def tensor_to_hf(self, name: str, tensor: torch.Tensor, args) -> torch.Tensor:
+        heads = self._rope_heads(name, args)
+        return tensor if heads is None else rope_pairs_to_halves(tensor, heads)
+
+    def tensor_from_hf(self, name: str, tensor: torch.Tensor, args) -> torch.Tensor:
+        heads = self._rope_heads(name, args)
+        return tensor if heads is None else rope_halves_to_pairs(tensor, heads)
+
+    # Tied embeddings: HF stores the shared matrix once, as embed_tokens.
+    def to_hf(self, state_dict, args):
+        if args.tie_embeddings:
+            state_dict = {k: v for k, v in state_dict.items() if k != "output.weight"}
+        return super().to_hf(state_dict, args)
+
+    def from_hf(self, hf_state_dict, args):
+        out = super().from_hf(hf_state_dict, args)
+        if args.tie_embeddings and "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
+        return out
+
+    def hf_names(self, name: str, args) -> list[str]:
+        if args.tie_embeddings and name == "output.weight":
+            return [self.hf_name("tok_embeddings.weight")]
+        return super().hf_names(name, args)
+
+    def hf_config(self, args, dtype: str = "float32") -> dict:
+        config = {
+            "architectures": list(self.architectures),
+            "model_type": self.model_type,
+            "hidden_size": args.dim,
+            "intermediate_size": args.ffn_hidden_dim,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.n_kv_heads,
+            "num_hidden_layers": args.n_layers,
+            "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size,
+            "max_position_embeddings": args.max_seq_len,
+            "rope_theta": args.rope_theta,
+            "rms_norm_eps": args.norm_eps,
+            "tie_word_embeddings": args.tie_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": dtype,
+        }
+        if args.rope_scaling is not None:
+            scaling = args.rope_scaling
+            config["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": scaling.factor,
+                "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_seq_len,
+            }
+        return config

@@ -1,0 +1,17 @@
+"""The Mistral family: Mistral 7B v0.1 (sliding-window attention) and Mathstral 7B."""
+
+from titanlite.models import ModelSpec, parallelize_decoder
+from titanlite.models.llama import flops_per_token as llama_flops_per_token
+from titanlite.models.mistral.args import MISTRAL_FLAVORS, MistralArgs
+from titanlite.models.mistral.model import Mistral
+
+
+def flops_per_token(model: Mistral, seq_len: int) -> float:
+    """Llama's count, with each query attending to at most sliding_window keys instead of seq_len."""
+    window = model.args.sliding_window
+    return llama_flops_per_token(model, seq_len if window is None else min(seq_len, window))
+
+
+MISTRAL_SPEC = ModelSpec("mistral", Mistral, MISTRAL_FLAVORS, parallelize_decoder, flops_per_token)
+SPECS = (MISTRAL_SPEC,)
+__all__ = ["MISTRAL_SPEC", "Mistral", "MistralArgs", "flops_per_token"]

@@ -1,0 +1,112 @@
+"""Mixtral's sparse feed-forward: a router sends each token to its top-k SwiGLU experts.
+
+The experts' weights are stacked ([experts, out, in], each slice laid out like Llama's nn.Linear)
+so the expert compute is one grouped matmul per projection over tokens sorted by expert.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titanlite.models.init import trunc_normal_
+from titanlite.models.llama.model import BASE_INIT_STD
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32, experts), each [..., top_k]: the top_k experts by router logit, weighted by
+    a softmax over just their logits (Mixtral's rule; equal to a softmax over all experts
+    renormalised over the chosen ones)."""
+    top_logits, experts = logits.topk(top_k, dim=-1)
+    return top_logits.float().softmax(dim=-1), experts
+
+
+def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss, num_experts * sum_i f_i * P_i, per sequence, averaged.
+
+    logits [B, T, E] are the router's, experts [B, T, k] the chosen ones. f_i is expert i's share
+    of the sequence's T * k token-to-expert assignments and P_i its mean router probability (a
+    softmax over all experts); both are 1/E when balanced, which gives 1.0 (Hugging Face's Mixtral
+    loss is top_k times this). The gradient flows through P only: f is a count. Per sequence, as
+    DeepSeek-V3 and torchtitan do, so a batch's loss does not depend on how it is split over
+    ranks and micro-steps.
+    """
+    probs = logits.float().softmax(dim=-1).mean(dim=1)  # [B, E]
+    assignments = F.one_hot(experts.flatten(1), num_experts).sum(dim=1)  # [B, E]
+    shares = assignments.float() / experts[0].numel()
+    return num_experts * (shares * probs).sum(dim=-1).mean()
+
+
+def _looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
+    """One matmul per expert over its slice of the sorted tokens (any device and dtype)."""
+    slices = x.split(counts.tolist())  # a host sync, which the grouped path avoids
+    return torch.cat([F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]) for e, xe in enumerate(slices)])
+
+
+def _grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
+    """The same in three grouped GEMMs, one kernel each (torch._grouped_mm: bf16, Hopper or newer)."""
+    offsets = counts.cumsum(0, dtype=torch.int32)  # where each expert's rows end
+
+    def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+
+    return matmul(F.silu(matmul(x, w1)) * matmul(x, w3), w2)
+
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    return (
+        x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
+
+
+def experts_forward(x, weights, experts, counts, w1, w2, w3, grouped: bool | None = None) -> torch.Tensor:
+    """sum_j weights[:, j] * SwiGLU_{experts[:, j]}(x), expert by expert rather than token by token.
+
+    x [N, D]; weights, experts [N, k]; counts [E] tokens per expert; w1, w3 [E, H, D]; w2 [E, D, H].
+    The N * k (token, expert) assignments are sorted by expert, so each expert's tokens are one
+    contiguous block; grouped=None picks the grouped GEMM where it runs, else a loop over experts.
+    """
+    num_tokens, top_k = experts.shape
+    order = experts.flatten().argsort(stable=True)
+    sorted_x = x[order // top_k]  # assignment a belongs to token a // top_k
+    grouped = _grouped_mm_supported(sorted_x) if grouped is None else grouped
+    out = (_grouped_swiglu if grouped else _looped_swiglu)(sorted_x, counts, w1, w2, w3)
+    out = out[order.argsort()].view(num_tokens, top_k, -1)  # back to (token, slot) order
+    return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts, a drop-in for Llama's FeedForward (same init_weights).
+
+    Each forward leaves `aux_loss` (the load-balancing loss) and `tokens_per_expert` on the module
+    for the model to collect.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = nn.Linear(dim, num_experts, bias=False)  # the router
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, dim = x.shape
+        logits = self.gate(x)  # [B, T, E]
+        weights, experts = route(logits, self.top_k)
+        self.aux_loss = load_balancing_loss(logits, experts, self.num_experts)
+        self.tokens_per_expert = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        out = experts_forward(
+            x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k),
+            self.tokens_per_expert, self.w1, self.w2, self.w3,
+        )
+        return out.view(batch, seq_len, dim)
+
+    def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
+        """As Llama's FeedForward: w1 (and the router) at the base std, w2 and w3 depth-scaled."""
+        trunc_normal_(self.gate.weight, BASE_INIT_STD, key=f"{prefix}gate.weight", seed=seed)
+        trunc_normal_(self.w1, BASE_INIT_STD, key=f"{prefix}w1", seed=seed)
+        for name in ("w2", "w3"):
+            trunc_normal_(getattr(self, name), out_std, key=f"{prefix}{name}", seed=seed)
