@@ -11,7 +11,6 @@
 #
 # Environment:
 #   SLURM_TEST_TIMEOUT      seconds to wait for the job [600]
-#   SLURM_TEST_CHECKPOINT   1: also run with checkpointing and check <dump>/checkpoint/step-6 [1]
 #   SLURM_TEST_CTLD_PORT, SLURM_TEST_SLURMD_PORT   daemon ports [6817, 6818]
 #   SLURM_TEST_KEEP         1: keep the temp folder (logs, dump) for a look afterwards [0]
 #   VENV                    python environment for the job [the repo's .venv, if any]
@@ -19,7 +18,6 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TIMEOUT=${SLURM_TEST_TIMEOUT:-600}
-CHECK_CHECKPOINT=${SLURM_TEST_CHECKPOINT:-1}
 CTLD_PORT=${SLURM_TEST_CTLD_PORT:-6817}
 SLURMD_PORT=${SLURM_TEST_SLURMD_PORT:-6818}
 CONFIG_FILE=train_configs/debug_model.toml
@@ -193,10 +191,7 @@ fi
 # --- 6. The job: the real batch script, resources overridden for CPU --------------------------------
 DUMP=$WORK/dump
 JOB_LOG=$WORK/job.log
-TRAIN_ARGS=(--training.steps "$STEPS" --job.dump_folder "$DUMP")
-if [[ $CHECK_CHECKPOINT == 1 ]]; then
-    TRAIN_ARGS+=(--checkpoint.enable true --checkpoint.interval "$CKPT_INTERVAL")
-fi
+TRAIN_ARGS=(--training.steps "$STEPS" --job.dump_folder "$DUMP" --checkpoint.enable true --checkpoint.interval "$CKPT_INTERVAL")
 cd "$REPO"
 JOB_ID=$(NPROC_PER_NODE=2 CONFIG_FILE=$CONFIG_FILE RDZV_PORT=${RDZV_PORT:-29500} \
     sbatch --parsable --nodes=1 --gpus-per-task=0 --cpus-per-task="$JOB_CPUS" \
@@ -224,10 +219,8 @@ grep -q "x 2 workers" "$JOB_LOG" || problems+=("the batch script did not start 2
 # The trainer logs "HH:MM:SS INFO step: 5  loss: ..."; torchrun may prefix "[rank0]:".
 STEP_LINES=$(grep -cE '(^|[] ])step: *[0-9]+' "$JOB_LOG" || true)
 ((STEP_LINES > 0)) || problems+=("no 'step:' lines in the job log")
-if [[ $CHECK_CHECKPOINT == 1 ]]; then
-    CKPT=$DUMP/checkpoint/step-$STEPS
-    [[ -d $CKPT && -n $(ls -A "$CKPT") ]] || problems+=("no checkpoint at $CKPT")
-fi
+CKPT=$DUMP/checkpoint/step-$STEPS
+[[ -f $CKPT/.metadata ]] || problems+=("no complete checkpoint at $CKPT (no .metadata)")
 
 if ((${#problems[@]})); then
     log "--- job log ($JOB_LOG)"
@@ -237,8 +230,4 @@ if ((${#problems[@]})); then
     for p in "${problems[@]}"; do log "problem: $p"; done
     fail "job $JOB_ID"
 fi
-if [[ $CHECK_CHECKPOINT == 1 ]]; then
-    log "PASS: job $JOB_ID $STATE, $STEP_LINES step lines, checkpoint $DUMP/checkpoint/step-$STEPS"
-else
-    log "PASS: job $JOB_ID $STATE, $STEP_LINES step lines; checkpoint NOT checked (SLURM_TEST_CHECKPOINT=0)"
-fi
+log "PASS: job $JOB_ID $STATE, $STEP_LINES step lines, checkpoint $CKPT"

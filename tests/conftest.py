@@ -26,7 +26,8 @@ def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict
 
 
 def logged_losses(output: str) -> dict[int, float]:
-    return {int(s): float(v) for s, v in re.findall(r"step: (\d+)\s+loss: ([\d.]+)", output)}
+    """Training losses by step (not the "validate step: N  loss: x" lines)."""
+    return {int(s): float(v) for s, v in re.findall(r"(?<!validate )step: (\d+)\s+loss: ([\d.]+)", output)}
 
 
 def tensorboard_scalars(folder: Path, tag: str) -> dict[int, float]:

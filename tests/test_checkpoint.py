@@ -1,7 +1,8 @@
 """Checkpoints as a user meets them: resume, preemption, crashes, retention, mismatches, exports.
 
 Exactness is checked bit for bit on the float32 losses TensorBoard records. A constant lr after
-warmup (min_lr_factor 1) makes a 10-step run the first half of a 20-step one.
+warmup (min_lr_factor 1) makes a run of N steps the start of any longer one, so every resumed
+run is compared with the same uninterrupted reference.
 """
 
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -59,9 +61,9 @@ def reference_one(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_two(tmp_path_factory):
-    """20 uninterrupted steps on two FSDP ranks."""
+    """10 uninterrupted steps on two FSDP ranks."""
     folder = tmp_path_factory.mktemp("reference_two")
-    ok(run_titanlite(flags(folder, 20), nproc=2))
+    ok(run_titanlite(flags(folder, 10), nproc=2))
     return losses(folder)
 
 
@@ -96,25 +98,25 @@ def test_resume_one_process_sync_is_exact_keeps_k_and_skips_incomplete(tmp_path,
 
 def test_resume_one_process_from_an_async_save_is_exact(tmp_path, reference_one):
     extra = ("--checkpoint.enable", "--checkpoint.interval", 3, "--checkpoint.async_mode", "async")
-    log = ok(run_titanlite(flags(tmp_path, 10, *extra)))
-    assert "checkpoint step-9 saved in" in log and "(async saves, keeping all)" in log
-    log = ok(run_titanlite(flags(tmp_path, 20, *extra, "--checkpoint.load_step", 9, tb="tb2")))
-    assert "resumed from" in log and "at step 9" in log
-    assert_same(reference_one, losses(tmp_path, "tb2"), range(10, 21))
+    log = ok(run_titanlite(flags(tmp_path, 5, *extra)))
+    assert "checkpoint step-3 saved in" in log and "(async saves, keeping all)" in log
+    log = ok(run_titanlite(flags(tmp_path, 8, *extra, "--checkpoint.load_step", 3, tb="tb2")))
+    assert "resumed from" in log and "at step 3" in log
+    assert_same(reference_one, losses(tmp_path, "tb2"), range(4, 9))
 
 
 def test_sigusr1_saves_exits_0_and_the_run_resumes_exactly(tmp_path, reference_one):
     extra = ("--checkpoint.enable", "--checkpoint.interval", 100)
     log = tmp_path / "first.log"
-    process = start(flags(tmp_path, 20, *extra), log)
+    process = start(flags(tmp_path, 14, *extra), log)
     wait_for(log, "step: 3 ", process)
     process.send_signal(signal.SIGUSR1)
     assert process.wait(timeout=120) == 0, log.read_text()
     stopped = int(log.read_text().split("stopped at step ")[1].split()[0])
-    assert f"stopped at step {stopped} on SIGUSR1; exiting" in log.read_text() and stopped < 20
+    assert f"stopped at step {stopped} on SIGUSR1; exiting" in log.read_text() and stopped < 14
     assert steps_on_disk(tmp_path) == [f"step-{stopped}"]
-    ok(run_titanlite(flags(tmp_path, 20, *extra, tb="tb2")))
-    assert_same(reference_one, losses(tmp_path, "tb2"), range(stopped + 1, 21))
+    ok(run_titanlite(flags(tmp_path, stopped + 3, *extra, tb="tb2")))
+    assert_same(reference_one, losses(tmp_path, "tb2"), range(stopped + 1, stopped + 4))
 
 
 def test_kill_9_during_async_saves_resumes_from_the_last_complete_checkpoint(tmp_path, reference_one):
@@ -130,35 +132,33 @@ def test_kill_9_during_async_saves_resumes_from_the_last_complete_checkpoint(tmp
     incomplete = [p for p in root.iterdir() if not (p / ".metadata").is_file()]
     newest = max(complete)
     assert newest >= 5
-    out = ok(run_titanlite(flags(tmp_path, 20, *extra, tb="tb2")))
+    out = ok(run_titanlite(flags(tmp_path, newest + 3, *extra, tb="tb2")))
     assert f"resumed from {root / f'step-{newest}'} at step {newest}" in out
     for folder in incomplete:
         assert f"skipping {folder}" in out
-    assert_same(reference_one, losses(tmp_path, "tb2"), range(newest + 1, 21))
+    assert_same(reference_one, losses(tmp_path, "tb2"), range(newest + 1, newest + 4))
 
 
 def test_preempted_two_rank_run_resumes_exactly_then_on_one_rank(tmp_path, reference_two):
     """The acceptance run: torchrun, 2 FSDP ranks, async saves; SIGTERM to torchrun."""
-    extra = ("--checkpoint.enable", "--checkpoint.interval", 3, "--checkpoint.async_mode", "async")
+    extra = ("--checkpoint.enable", "--checkpoint.interval", 2, "--checkpoint.async_mode", "async")
     log = tmp_path / "first.log"
-    process = start(flags(tmp_path, 20, *extra), log, nproc=2)
-    wait_for(log, "checkpoint step-3 saved", process, timeout=180)
+    process = start(flags(tmp_path, 10, *extra), log, nproc=2)
+    wait_for(log, "checkpoint step-2 saved", process, timeout=180)
     process.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
     process.wait(timeout=120)  # torchrun itself reports the signal with exit code 1
     text = log.read_text()
     stopped = int(text.split("stopped at step ")[1].split()[0])
-    assert f"stopped at step {stopped} on SIGTERM; exiting" in text and stopped < 20
+    assert f"stopped at step {stopped} on SIGTERM; exiting" in text and stopped < 10
     assert (tmp_path / "checkpoint" / f"step-{stopped}" / ".metadata").is_file()
 
-    ok(run_titanlite(flags(tmp_path, 20, *extra, tb="tb2"), nproc=2))
-    assert_same(reference_two, losses(tmp_path, "tb2"), range(stopped + 1, 21))
+    ok(run_titanlite(flags(tmp_path, 10, *extra, tb="tb2"), nproc=2))
+    assert_same(reference_two, losses(tmp_path, "tb2"), range(stopped + 1, 11))
 
-    # The async save of step 3 on one process: DCP reshards model and optimizer; the data restarts.
-    out = ok(run_titanlite(flags(tmp_path, 5, *extra, "--checkpoint.load_step", 3, tb="tb3")))
+    # The async save of step 2 on one process: DCP reshards model and optimizer; the data restarts.
+    out = ok(run_titanlite(flags(tmp_path, 3, *extra, "--checkpoint.load_step", 2, tb="tb3")))
     assert "the data loader restarts its stream from the beginning: the data-parallel degree changed from 2 to 1" in out
-    assert "at step 3" in out
-    assert sorted(logged_losses(out)) == [4, 5]
-    assert logged_losses(out)[4] < reference_two[1] - 0.3  # trained weights, not a fresh start
+    assert "at step 2" in out and sorted(logged_losses(out)) == [3]
 
 
 def test_nan_loss_stops_naming_the_step_and_saves_nothing_of_it(tmp_path):
@@ -169,7 +169,6 @@ def test_nan_loss_stops_naming_the_step_and_saves_nothing_of_it(tmp_path):
     assert line.startswith("error: the loss or the gradient norm became NaN or inf at step ")
     bad_step = int(line.split("at step ")[1].split(";")[0])
     assert steps_on_disk(tmp_path) == [f"step-{s}" for s in range(1, bad_step)]
-    assert run_titanlite(run + ["--training.skip_nan_check", "--checkpoint.enable", "false"]).returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -202,12 +201,26 @@ def test_seed_checkpoint_starts_a_run(tmp_path, reference_one):
     assert "checkpoint step-0 saved" in out and "step: 1 " not in out
     keys = FileSystemReader(str(tmp_path / "checkpoint" / "step-0")).read_metadata().state_dict_metadata
     assert "tok_embeddings.weight" in keys and not any(k.startswith("optimizer") for k in keys)
-    out = ok(run_titanlite(flags(tmp_path, 2, "--checkpoint.enable")))
-    assert f"loaded the model (weights only) from {tmp_path / 'checkpoint' / 'step-0'}" in out
-    assert losses(tmp_path)[1] == reference_one[1]
+    seed = tmp_path / "checkpoint" / "step-0"
+    out = ok(run_titanlite(flags(tmp_path, 1, "--checkpoint.enable", tb="tb2")))  # found in its own folder
+    assert f"loaded the model (weights only) from {seed}" in out
+    assert losses(tmp_path, "tb2")[1] == reference_one[1]
+    out = ok(run_titanlite(flags(tmp_path / "other", 1, "--checkpoint.initial_load_path", seed)))
+    assert f"loaded the model (weights only) from {seed}" in out
+    assert losses(tmp_path / "other")[1] == reference_one[1]
 
 
-def test_model_only_bf16_and_hf_exports_load_into_a_two_rank_run(tmp_path):
+def saved_model(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=dtype) for k, m in metadata.items()}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_bf16_exports_and_loading_the_hf_one_into_two_ranks(tmp_path):
+    """Export model-only DCP and HF in bf16; load the HF folder on 2 FSDP ranks and, with lr 0,
+    save the loaded weights in float32: they equal the exported bf16 values exactly."""
     export = tmp_path / "export"
     ok(run_titanlite(flags(export, 4, "--checkpoint.enable", "--checkpoint.last_save_model_only",
                            "--checkpoint.export_dtype", "bfloat16", "--checkpoint.last_save_in_hf")))
@@ -218,8 +231,11 @@ def test_model_only_bf16_and_hf_exports_load_into_a_two_rank_run(tmp_path):
     with safe_open(str(hf_folder / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
 
-    from_hf = ok(run_titanlite(flags(tmp_path / "hf", 1, "--checkpoint.initial_load_path", hf_folder,
-                                     "--checkpoint.initial_load_in_hf"), nproc=2))
-    assert f"loaded the model from the Hugging Face folder {hf_folder}" in from_hf
-    ok(run_titanlite(flags(tmp_path / "dcp", 1, "--checkpoint.initial_load_path", dcp_folder)))
-    assert losses(tmp_path / "hf")[1] == pytest.approx(losses(tmp_path / "dcp")[1], rel=1e-5)
+    out = ok(run_titanlite(flags(tmp_path / "hf", 1, "--optimizer.lr", 0, "--checkpoint.enable", "--checkpoint.last_save_model_only",
+                                 "--checkpoint.initial_load_path", hf_folder, "--checkpoint.initial_load_in_hf"), nproc=2))
+    assert f"loaded the model from the Hugging Face folder {hf_folder}" in out
+    exported = saved_model(dcp_folder, torch.bfloat16)
+    loaded = saved_model(tmp_path / "hf" / "checkpoint" / "step-1", torch.float32)
+    assert loaded.keys() == exported.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(loaded[name], tensor.float()), name

@@ -32,9 +32,16 @@ def test_fsdp_two_ranks_equals_one_process(tmp_path):
 
 
 def test_gradient_accumulation_equals_the_big_batch(tmp_path):
-    """Two ranks: local 2 x 2 micro-steps gives the losses of local 4."""
+    """Two ranks: local 2 x 2 micro-steps gives the losses of local 4.
+
+    The accumulating run also keeps gathered parameters between forward and backward
+    (reshard_after_forward never), which must change memory, not numbers.
+    """
     big_dir, big = synthetic_run(tmp_path, "big", local_batch=4)
-    acc_dir, acc = synthetic_run(tmp_path, "acc", local_batch=2, extra=["--training.global_batch_size", "8"])
+    acc_dir, acc = synthetic_run(
+        tmp_path, "acc", local_batch=2,
+        extra=["--training.global_batch_size", "8", "--parallelism.fsdp_reshard_after_forward", "never"],
+    )
     assert run_titanlite(big, nproc=2).returncode == 0
     out = run_titanlite(acc, nproc=2)
     assert out.returncode == 0, out.stderr

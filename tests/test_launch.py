@@ -81,7 +81,10 @@ def test_render_fills_the_pytorchjob():
     assert mounts["shm"] == "/dev/shm"
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "fsx-claim"
     assert mounts["checkpoints"] == SAMPLE["DUMP_FOLDER"]
-    assert "HF_TOKEN" in {e["name"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "HF_TOKEN" in env
+    # elasticPolicy restarts need the rendezvous store unshared (see titanlite/parallel/dist.py).
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "${" not in out.stdout
 
 
@@ -125,6 +128,9 @@ def test_slurm_script_requests_one_torchrun_per_node_and_a_warning_signal():
     # The trainer must see SIGUSR1: torchrun forwards only the signals it is told to handle.
     assert re.search(r"--signals_to_handle \S*SIGUSR1", text)
     assert '-m titanlite.train --job.config_file "$CONFIG_FILE" "$@"' in text
+    # MAX_RESTARTS reaches torchrun, with the rendezvous store unshared so that restarts work.
+    assert '--max-restarts "${MAX_RESTARTS:-0}"' in text
+    assert re.search(r"^export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1$", text, re.M)
 
 
 def nproc_per_node(**env: str) -> subprocess.CompletedProcess:

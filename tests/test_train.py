@@ -29,8 +29,10 @@ def test_trains_prints_the_line_and_writes_config_and_tensorboard(tmp_path, tiny
 def test_same_seed_same_losses_other_seed_other_losses(tmp_path, tiny_run):
     first = logged_losses(run_titanlite(tiny_run).stderr)
     again = logged_losses(run_titanlite(tiny_run).stderr)
-    other = logged_losses(run_titanlite(tiny_run + ["--job.seed", "1"]).stderr)
-    assert len(first) == 4 and first == again and first != other
+    other = run_titanlite(tiny_run + ["--job.seed", "1", "--metrics.peak_tflops", "0.5"])
+    assert len(first) == 4 and first == again and first != logged_losses(other.stderr)
+    # With a peak given, MFU = tflops / peak is printed as a percentage.
+    assert re.search(r"tflops: \d+\.\d\d  mfu: \d+\.\d\d%", other.stderr), other.stderr
 
 
 @pytest.mark.parametrize(

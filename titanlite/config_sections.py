@@ -22,6 +22,7 @@ class Job:
     dump_folder: str = opt("./outputs", "folder for everything the run writes (config, checkpoints, TensorBoard, traces)")
     description: str = opt("", "free text describing the job, logged at start")
     seed: int = opt(0, "seed for weight init, data order and dropout; the same seed gives the same run")
+    log_rank_files: bool = opt(False, "also write every rank's log, all levels, to <dump_folder>/logs/rank<N>.log")
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer", choices=("AdamW", "Adam"))
+    name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16)", choices=("AdamW", "Adam", "AdamWBF16Kahan"))
     lr: float = opt(8e-4, "peak learning rate")
     betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI")
     eps: float = opt(1e-8, "Adam epsilon")
@@ -58,12 +59,13 @@ class Training:
     seq_len: int = opt(2048, "tokens per sequence")
     steps: int = opt(10000, "optimizer steps to train for")
     max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
-    dataset: str = opt("sample", "sample (shipped corpus), c4 (streamed from the Hugging Face hub), synthetic, or local (files at dataset_path)")
+    dataset: str = opt("sample", "sample (shipped corpus, minus the topics held out as sample_val), c4 (streamed from the Hugging Face hub), synthetic, or local (files at dataset_path)")
     dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files); setting it means dataset = local")
     dataset_text_field: str = opt("text", "field holding the text in json/parquet/arrow records")
     num_workers: int = opt(0, "data-loading worker processes per rank")
     mixed_precision_param: str = opt("bfloat16", "dtype FSDP computes in (autocast dtype without FSDP)", choices=("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "dtype of FSDP gradient reduction", choices=("float32", "bfloat16"))
+    param_dtype: str = opt("float32", "dtype the weights are stored and updated in; bfloat16 = pure-bf16 training (with mixed_precision_param bfloat16 and optimizer.name AdamWBF16Kahan)", choices=("float32", "bfloat16"))
     gc_freq: int = opt(50, "run Python's garbage collector every this many steps (automatic gc is turned off)")
     deterministic: bool = opt(False, "use deterministic algorithms (slower; for debugging numerics)")
     skip_nan_check: bool = opt(False, "keep training when the loss or gradient norm is NaN or inf (by default the run stops at that step and saves nothing of it)")
@@ -74,6 +76,7 @@ class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "replicas of the model (HSDP when above 1 together with sharding)")
     data_parallel_shard_degree: int = opt(-1, "ranks each replica is sharded over by FSDP; -1 = the rest of the world")
     fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default (yes, except the root), always, never (ZeRO-2-like)", choices=("default", "always", "never"))
+    fsdp_cpu_offload: bool = opt(False, "keep FSDP's sharded params, grads and optimizer state in CPU memory; the optimizer steps on the CPU (needs FSDP)")
     tensor_parallel_degree: int = opt(1, "tensor parallel degree", unsupported=True)
     pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", unsupported=True)
     context_parallel_degree: int = opt(1, "context parallel degree", unsupported=True)
@@ -85,6 +88,7 @@ class Metrics:
     enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
     save_tb_folder: str = opt("tb", "TensorBoard folder under job.dump_folder")
     peak_tflops: float = opt(0.0, "peak bf16 dense TFLOP/s of one device for MFU; 0 = look the device up")
+    summary_warmup_steps: int = opt(5, "the end-of-run summary line (steady-state tps, peak memory, data share) leaves out this many first steps")
 
 
 @dataclass
@@ -106,43 +110,45 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = opt("none", "none, full or selective", choices=("none", "full", "selective"), unsupported=True)
-    selective_ac_option: str = opt("op", "op (op-level policy) or an integer N (every N-th block)", unsupported=True)
+    mode: str = opt("none", "recompute activations in backward instead of keeping them: none, full (every block) or selective", choices=("none", "full", "selective"))
+    selective_ac_option: str = opt("op", "with mode selective: op (keep matmul/attention outputs, recompute the cheap ops) or an integer N (fully checkpoint every N-th block)")
+    offload_activations: bool = opt(False, "keep the activations saved for backward in CPU memory (pinned on CUDA) until backward needs them; saves nothing on a CPU run")
 
 
 @dataclass
 class Compile:
-    enable: bool = opt(False, "torch.compile the chosen components", unsupported=True)
-    components: list[str] = opt(["model", "loss"], "what to compile: model, loss", unsupported=True)
+    enable: bool = opt(False, "torch.compile the chosen components")
+    components: list[str] = opt(["model", "loss"], "what to compile: model (each block, fullgraph), loss")
+    backend: str = opt("inductor", "torch.compile backend: inductor (fast kernels), aot_eager (no codegen, for debugging numerics)")
 
 
 @dataclass
 class Float8:
-    enable: bool = opt(False, "float8 training of Linear layers (torchao, CUDA with SM89+)", unsupported=True)
-    recipe_name: str = opt("tensorwise", "tensorwise or rowwise scaling", choices=("tensorwise", "rowwise"), unsupported=True)
-    filter_fqns: list[str] = opt(["output"], "Linear layers whose FQN contains one of these stay in high precision", unsupported=True)
-    enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8", unsupported=True)
-    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "compute all float8 scales in one kernel after the step", unsupported=True)
+    enable: bool = opt(False, "float8 training of Linear layers (torchao, CUDA with compute capability 8.9+)")
+    recipe_name: str = opt("tensorwise", "tensorwise or rowwise scaling", choices=("tensorwise", "rowwise"))
+    filter_fqns: list[str] = opt(["output"], "Linear layers whose FQN contains one of these stay in high precision")
+    enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8 (tensorwise only)")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "compute all float8 scales in one kernel after the optimizer step (needs enable_fsdp_float8_all_gather)")
 
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = opt(False, "record torch.profiler traces", unsupported=True)
-    save_traces_folder: str = opt("profile_traces", "trace folder under job.dump_folder", unsupported=True)
-    profile_freq: int = opt(10, "profile one step in every this many", unsupported=True)
-    enable_memory_snapshot: bool = opt(False, "record CUDA memory snapshots", unsupported=True)
-    save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder under job.dump_folder", unsupported=True)
+    enable_profiling: bool = opt(False, "record torch.profiler traces (Perfetto/TensorBoard) of one step in every profile_freq")
+    save_traces_folder: str = opt("profile_traces", "trace folder under job.dump_folder: iteration_<step>/rank<r>_trace.json")
+    profile_freq: int = opt(10, "profile (and snapshot memory) every this many steps")
+    enable_memory_snapshot: bool = opt(False, "record CUDA memory snapshots every profile_freq steps and on out-of-memory (CUDA only)")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder under job.dump_folder")
 
 
 @dataclass
 class Validation:
-    enable: bool = opt(False, "evaluate on held-out data during training", unsupported=True)
-    freq: int = opt(100, "validate every this many steps", unsupported=True)
-    steps: int = opt(10, "batches per validation", unsupported=True)
-    dataset: str = opt("sample", "dataset for validation", unsupported=True)
-    dataset_path: str = opt("", "held-out local data", unsupported=True)
-    local_batch_size: int = opt(8, "sequences per rank per validation batch", unsupported=True)
-    seq_len: int = opt(2048, "tokens per validation sequence", unsupported=True)
+    enable: bool = opt(False, "compute loss and perplexity on held-out data every validation.freq steps")
+    freq: int = opt(100, "validate every this many steps")
+    steps: int = opt(10, "at most this many batches per rank per validation, always from the start of the data; -1 = one whole pass")
+    dataset: str = opt("sample_val", "sample_val (the held-out part of the sample corpus), c4_val (allenai/c4 validation split), or local (files at dataset_path)")
+    dataset_path: str = opt("", "file or folder of held-out local data, read like training.dataset_path; setting it means dataset = local")
+    local_batch_size: int = opt(-1, "sequences per rank per validation batch; -1 = training.local_batch_size")
+    seq_len: int = opt(-1, "tokens per validation sequence; -1 = training.seq_len")
 
 
 @dataclass

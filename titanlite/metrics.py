@@ -99,6 +99,17 @@ class MetricsLogger:
         self.reset()
         return values
 
+    def log_validation(self, step: int, loss: float, perplexity: float, batches: int, tokens: int, seconds: float) -> None:
+        """The validation line and validation/* scalars; its time is left out of the next tps."""
+        logger.info(
+            f"validate step: {step}  loss: {loss:.4f}  perplexity: {perplexity:.4f}  "
+            f"batches: {batches}  tokens: {tokens:,}  time: {seconds:.2f}s"
+        )
+        if self.writer:
+            self.writer.add_scalar("validation/loss", loss, step)
+            self.writer.add_scalar("validation/perplexity", perplexity, step)
+        self.started += seconds
+
     def close(self) -> None:
         if self.writer:
             self.writer.close()

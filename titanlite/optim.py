@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from titanlite.bf16_adamw import build_adamw_bf16_kahan
 from titanlite.config_sections import LRScheduler, Optimizer
 from titanlite.errors import UserError
 
@@ -22,6 +23,8 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, device_type: str) -> torch
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    if cfg.name == "AdamWBF16Kahan":
+        return build_adamw_bf16_kahan(groups, cfg)
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device_type == "cuda" else "foreach"

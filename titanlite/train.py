@@ -26,14 +26,25 @@ from titanlite.metrics import MetricsLogger
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.parallel import mixed_precision_context
+from titanlite.parallel.compile import maybe_compile_loss
+from titanlite.parallel.float8 import register_float8_scale_precompute
+from titanlite.parallel.fsdp import DTYPES
+from titanlite.parallel.offload import activation_offload_context, optimizer_device_type, warn_if_offload_saves_nothing
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
+from titanlite.profiling import RunSummary, StepProfiler
+from titanlite.validation import Validator, check_validation
 
 
 def check_training(cfg: Training) -> None:
     for key in ("local_batch_size", "seq_len", "steps", "gc_freq"):
         if getattr(cfg, key) < 1:
             raise UserError(f"training.{key} must be at least 1; got {getattr(cfg, key)}")
+    if cfg.param_dtype == "bfloat16" and cfg.mixed_precision_param != "bfloat16":
+        raise UserError(
+            "training.param_dtype bfloat16 stores bf16 weights, which compute in bf16; set "
+            "training.mixed_precision_param bfloat16 too"
+        )
 
 
 def grad_accumulation_steps(cfg: Training, dp_degree: int) -> int:
@@ -79,6 +90,7 @@ def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.de
     """Meta-device model -> parallelize -> allocate only this rank's shards -> initialise them."""
     with torch.device("meta"):
         model = spec.model_cls(args)
+    model.to(dtype=DTYPES[cfg.training.param_dtype])  # init_weights keeps the RoPE tables in fp32
     num_params = model.num_params()
     flops_per_token = spec.flops_per_token(model, cfg.training.seq_len)
     model = spec.parallelize(model, dims, cfg)
@@ -88,7 +100,12 @@ def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.de
     return model, num_params, flops_per_token
 
 
-def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobConfig, dims, device, metrics):
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobConfig, dims, device, metrics, loss_fn):
     """One optimizer step over accum_steps micro-batches; returns (loss, grad_norm, lr used).
 
     Each micro-batch holds the same number of tokens (packed windows), so dividing every
@@ -101,9 +118,10 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         inputs, labels = next(batches)
         metrics.data_seconds += time.perf_counter() - waited
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type):
+        with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
+              activation_offload_context(cfg.activation_checkpoint.offload_activations, device.type)):
             logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum_steps
+        loss = loss_fn(logits, labels) / accum_steps
         aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
         (loss if aux_loss is None else loss + cfg.model.moe_aux_loss_coeff * aux_loss / accum_steps).backward()
         total_loss += loss.detach()
@@ -113,6 +131,15 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
     optimizer.step()
     scheduler.step()
     return total_loss, grad_norm, lr
+
+
+def speed_features(cfg: JobConfig) -> str:
+    """Activation checkpointing, compile and float8 as the run uses them, for the summary line."""
+    ac = cfg.activation_checkpoint
+    ac_text = f"selective ({ac.selective_ac_option})" if ac.mode == "selective" else ac.mode
+    compile_text = ",".join(cfg.compile.components) if cfg.compile.enable else "off"
+    float8_text = cfg.float8.recipe_name if cfg.float8.enable else "off"
+    return f"AC {ac_text} | compile {compile_text} | float8 {float8_text}"
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -132,8 +159,9 @@ def model_metrics(model) -> dict[str, float] | None:
 
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
-    init_logger(info.rank)
+    init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
     check_training(cfg.training)
+    profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     dims.build_mesh(info.device.type)
     seed_everything(cfg.job.seed, cfg.training.deterministic)
@@ -143,8 +171,13 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     tokenizer = build_tokenizer(cfg.model)
     spec = get_model_spec(cfg.model.name)
     args = resolve_model_args(cfg, spec, tokenizer.vocab_size)
+    if cfg.validation.enable:
+        check_validation(cfg.validation, cfg.training, args.max_seq_len)
     model, num_params, flops_per_token = build_model(cfg, spec, args, dims, info.device)
-    optimizer = build_optimizer(model, cfg.optimizer, info.device.type)
+    optimizer = build_optimizer(model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
+    register_float8_scale_precompute(optimizer, model, cfg.float8)
+    loss_fn = maybe_compile_loss(cross_entropy_loss, cfg.compile)
+    warn_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
     training = cfg.training
@@ -155,14 +188,20 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     )
     metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, info.rank, info.device, flops_per_token)
     tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
+    if cfg.job.description:
+        logger.info(f"job: {cfg.job.description}")
     logger.info(
         f"model {cfg.model.name}/{cfg.model.flavor}: {num_params:,} parameters, vocab {args.vocab_size} | "
         f"world {info.world_size} on {info.device.type}, mesh dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} | "
-        f"dtype {training.mixed_precision_param} | dataset {training.dataset_path or training.dataset} | "
+        f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {training.dataset_path or training.dataset} | "
         f"{tokens_per_step:,} tokens per step ({accum_steps} micro-steps)"
     )
     if metrics.peak is None:
         logger.info(f"MFU is not known on {info.device.type}: no peak FLOP/s for it; set metrics.peak_tflops to get one")
+    validator = None
+    if cfg.validation.enable:  # its own loader: validating never moves the training data position
+        validator = Validator(cfg.validation, training, tokenizer=tokenizer, dims=dims, device=info.device,
+                              seed=cfg.job.seed, metrics=metrics)
 
     checkpointer = CheckpointManager(
         cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -171,6 +210,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     )
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
+        checkpointer.close()
         return
     state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
 
@@ -178,21 +218,29 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     gc.disable()
     stop = StopFlags(info.device, check_finite=not training.skip_nan_check)  # SIGTERM/SIGUSR1, NaN loss
     batches = iter(dataloader)
+    summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device)
     try:
-        for step in range(state.step + 1, training.steps + 1):
-            if step % training.gc_freq == 0:
-                gc.collect(1)
-            loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device, metrics)
-            state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
-            preempted = stop.should_stop(step, loss, grad_norm)
-            if metrics.should_log(step):
-                metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr, extra=model_metrics(model))
-            checkpointer.maybe_save(step, last=step == training.steps, force=preempted)
-            if preempted:
-                break
+        with profiler:
+            for step in range(state.step + 1, training.steps + 1):
+                if step % training.gc_freq == 0:
+                    gc.collect(1)
+                with summary.measure(metrics):
+                    loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device,
+                                                     metrics, loss_fn)
+                state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
+                preempted = stop.should_stop(step, loss, grad_norm)
+                if metrics.should_log(step):
+                    metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr, extra=model_metrics(model))
+                if validator and validator.should_validate(step) and not preempted:
+                    validator.validate(model, step)
+                checkpointer.maybe_save(step, last=step == training.steps, force=preempted)
+                profiler.step(step)
+                if preempted:
+                    break
     finally:
-        stop.close()
         checkpointer.close()  # waits for the last async save
+        stop.close()
+    summary.log(model, optimizer, tokens_per_step // dims.dp_degree, metrics)
     metrics.close()
     gc.enable()
     if stop.signal:

@@ -5,6 +5,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from titanlite.errors import UserError
@@ -23,12 +24,14 @@ def read_metadata(path: Path) -> Metadata:
 
 def load_in_place(path: Path, state: dict) -> dict:
     """dcp.load into `state`'s tensors (non-tensor values are replaced); a file DCP cannot read
-    becomes one sentence naming the folder."""
+    becomes one sentence naming the folder and the first rank's error."""
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    except Exception as error:
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        if isinstance(error, CheckpointException) and error.failures:
+            error = next(iter(error.failures.values()))[0]
         lines = str(error).strip().splitlines()
-        reason = f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+        reason = f"{type(error).__name__}: {lines[0].split('. ')[0][:160]}" if lines else type(error).__name__
         raise UserError(f"checkpoint {path} cannot be loaded ({reason}); it is damaged: delete it or set checkpoint.load_step") from None
     return state
 

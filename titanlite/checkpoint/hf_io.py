@@ -128,7 +128,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def save_model_as_hf(state_dict: dict, folder: Path, adapter, args, dtype: torch.dtype, writer_rank: bool, model_name: str) -> None:
+def save_model_as_hf(state_dict: dict, folder: Path, adapter, args, dtype: torch.dtype, writer_rank: bool) -> None:
     """Write a (possibly sharded) model state dict as an HF folder, one layer at a time.
 
     Every rank takes part in gathering each layer; only `writer_rank` holds it and writes.

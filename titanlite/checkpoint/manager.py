@@ -46,7 +46,7 @@ class _Save:
     step: int
     started: float
     note: str = ""
-    blocked: float = 0.0  # when training could go on
+    blocked: float = 0.0  # seconds training waited: for the previous save, the state dict, the staging copy
     done_at: float = 0.0
     future: Future | None = None
     finished: threading.Event = field(default_factory=threading.Event)
@@ -143,6 +143,10 @@ class CheckpointManager:
             "rng": {f"rank_{self.rank}": self._rng_state()},
         }
 
+    def _export_state(self) -> dict:
+        dtype = EXPORT_DTYPES[self.cfg.export_dtype]
+        return {fqn: t.to(dtype) for fqn, t in self._model_state().items()}
+
     # ---------------------------------------------------------------- saving
     def maybe_save(self, step: int, *, last: bool = False, force: bool = False) -> None:
         """Save at every interval, at the last step and when forced (preemption); forced and last
@@ -152,19 +156,21 @@ class CheckpointManager:
         self.poll()
         if last and cfg.last_save_in_hf:
             self._save_hf(step)
+        if force and not cfg.enable:
+            logger.warning(f"stopping at step {step} without saving: checkpoint.enable is false")
         if not cfg.enable or not (force or last or step % cfg.interval == 0):
             return
         if last and cfg.last_save_model_only and not force:
-            dtype = EXPORT_DTYPES[cfg.export_dtype]
-            self._save(step, {k: v.to(dtype) for k, v in self._model_state().items()}, wait=True, note=f"model only, {cfg.export_dtype}")
+            self._save(step, self._export_state, wait=True, note=f"model only, {cfg.export_dtype}")
         else:
-            self._save(step, self._full_state(), wait=force or last)
+            self._save(step, self._full_state, wait=force or last)
 
     def save_seed(self) -> None:
         """Step 0, model only: lets a large run start from weights initialised once, on one process."""
-        self._save(0, self._model_state(), wait=True, note="seed checkpoint, model only")
+        self._save(0, self._model_state, wait=True, note="seed checkpoint, model only")
 
-    def _save(self, step: int, state: dict, wait: bool, note: str = "") -> None:
+    def _save(self, step: int, build_state, wait: bool, note: str = "") -> None:
+        entered = time.perf_counter()
         self.wait()
         path = step_folder(self.root, step)
         if self.rank == 0:
@@ -172,23 +178,25 @@ class CheckpointManager:
             # half-written new files.
             (path / METADATA).unlink(missing_ok=True)
         save = _Save(step, time.perf_counter(), note=f" ({note})" if note else "")
+        state = build_state()
         if wait or self.async_group is None:
             dcp.save(state, checkpoint_id=str(path))
-            save.blocked = save.done_at = time.perf_counter()
+            save.done_at = time.perf_counter()
+            save.blocked = save.done_at - entered
             self._finished(save)
             return
         # Staging through a FileSystemWriter copies every tensor into host memory before
         # async_save returns, on every torch version, CPU tensors included.
         writer = self.writer or FileSystemWriter(str(path))
         save.future = dcp.async_save(state, checkpoint_id=str(path), storage_writer=writer, process_group=self.async_group)
-        save.blocked = time.perf_counter()
+        save.blocked = time.perf_counter() - entered
         save.future.add_done_callback(save.mark_done)
         self.pending = save
 
     def _finished(self, save: "_Save") -> None:
         logger.info(
             f"checkpoint step-{save.step} saved in {save.done_at - save.started:.2f}s, "
-            f"training blocked {save.blocked - save.started:.2f}s{save.note}"
+            f"training blocked {save.blocked:.2f}s{save.note}"
         )
         if self.purger and self.cfg.keep_latest_k:
             self.purger.submit(purge_old, self.root, self.cfg.keep_latest_k)
@@ -211,7 +219,7 @@ class CheckpointManager:
         path = self.root / f"step-{step}-hf"
         started = time.perf_counter()
         save_model_as_hf(self._model_state(), path, self.hf_adapter, self.model_args, EXPORT_DTYPES[cfg.export_dtype],
-                         writer_rank=self.rank == 0, model_name=self.model_name)
+                         writer_rank=self.rank == 0)
         logger.info(f"model saved in Hugging Face format ({cfg.export_dtype}) to {path} in {time.perf_counter() - started:.2f}s")
 
     def close(self) -> None:
@@ -221,7 +229,7 @@ class CheckpointManager:
         finally:
             if self.purger:
                 self.purger.shutdown(wait=True)
-            if self.writer is not None:
+            if self.writer is not None and hasattr(self.writer, "close"):  # releases the pinned buffers (newer torch)
                 self.writer.close()
 
     # ---------------------------------------------------------------- loading

@@ -1,15 +1,19 @@
 """The dataset registry and the stateful data loader the trainer iterates.
 
-    sample     Python's help topics, shipped with every Python (the default)
-    c4         allenai/c4 "en", streamed from the Hugging Face hub
-    local      files at training.dataset_path (chosen whenever that path is set)
-    synthetic  seeded random tokens for benchmarks
+    sample      Python's help topics, shipped with every Python (training's default)
+    sample_val  the held-out topics the sample split leaves out (validation's default)
+    c4          allenai/c4 "en", streamed from the Hugging Face hub
+    c4_val      the validation split of allenai/c4 "en"
+    local       files at <section>.dataset_path (chosen whenever that path is set)
+    synthetic   seeded random tokens for benchmarks
 
+`section` ("training" or "validation") names the config keys that error messages point at.
 Each data-parallel rank reads a disjoint part of the documents (see documents.py), packs them
 into windows (packing.py) and gets batches of (inputs, labels), LongTensors [batch, seq_len].
 """
 
 import difflib
+import warnings
 
 import datasets
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -17,49 +21,61 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titanlite.data.documents import IndexedDocuments, StreamedDocuments
 from titanlite.data.local_files import load_local_documents
 from titanlite.data.packing import PackedTokens, SyntheticTokens
-from titanlite.data.sample_corpus import sample_documents
+from titanlite.data.sample_corpus import sample_split
 from titanlite.errors import UserError
 
-DATASETS = ("sample", "c4", "local", "synthetic")
+# torchdata 0.11 calls torch.set_vital, which newer torch deprecates; the warning is about
+# torchdata's internals, says nothing to a user, and would repeat once per rank.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+DATASETS = ("sample", "sample_val", "c4", "c4_val", "local", "synthetic")
+C4_SPLITS = {"c4": "train", "c4_val": "validation"}
+SAMPLE_SPLITS = {"sample": "train", "sample_val": "validation"}
 
 
-def resolve_dataset(dataset: str, dataset_path: str) -> str:
-    """The registry name to use: a dataset_path means local files."""
+def resolve_dataset(dataset: str, dataset_path: str, section: str = "training") -> str:
+    """The registry name to use: a dataset_path means local files (it overrides the sample defaults)."""
     if dataset not in DATASETS:
         close = difflib.get_close_matches(dataset, DATASETS, n=1)
         hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(DATASETS)}"
-        raise UserError(f"training.dataset '{dataset}' is not a known dataset; {hint}")
-    if dataset_path and dataset not in ("sample", "local"):
+        raise UserError(f"{section}.dataset '{dataset}' is not a known dataset; {hint}")
+    if dataset_path and dataset not in (*SAMPLE_SPLITS, "local"):
         raise UserError(
-            f"training.dataset_path is set, which means local files, but training.dataset is '{dataset}'; "
+            f"{section}.dataset_path is set, which means local files, but {section}.dataset is '{dataset}'; "
             "clear one of the two"
         )
     if dataset == "local" and not dataset_path:
-        raise UserError("training.dataset is 'local' but training.dataset_path is empty; set it to your data file or folder")
+        raise UserError(f"{section}.dataset is 'local' but {section}.dataset_path is empty; set it to your data file or folder")
     return "local" if dataset_path else dataset
 
 
-def open_c4() -> datasets.IterableDataset:
+def open_c4(split: str, section: str) -> datasets.IterableDataset:
     try:
-        return datasets.load_dataset("allenai/c4", "en", split="train", streaming=True)
+        return datasets.load_dataset("allenai/c4", "en", split=split, streaming=True)
     except OSError as error:  # ConnectionError and the hub's offline errors are all OSErrors
+        sample = "sample" if split == "train" else "sample_val"
         raise UserError(
             f"could not reach the Hugging Face hub to stream allenai/c4 ({type(error).__name__}); check the "
-            "network, or use local files with training.dataset_path, or training.dataset sample"
+            f"network, or use local files with {section}.dataset_path, or {section}.dataset {sample}"
         ) from None
 
 
-def open_documents(name: str, dataset_path: str, text_field: str, dp_rank: int, dp_world: int, seed: int, num_workers: int):
+def open_documents(name: str, dataset_path: str, text_field: str, dp_rank: int, dp_world: int, seed: int,
+                   num_workers: int, section: str = "training"):
     """The document source of one rank for a registry name other than synthetic."""
-    if name == "c4":
-        return StreamedDocuments(open_c4(), "text", dp_rank, dp_world)
-    texts = sample_documents() if name == "sample" else load_local_documents(dataset_path, text_field)
+    if name in C4_SPLITS:
+        return StreamedDocuments(open_c4(C4_SPLITS[name], section), "text", dp_rank, dp_world)
+    if name in SAMPLE_SPLITS:
+        texts = sample_split(SAMPLE_SPLITS[name])
+    else:
+        texts = load_local_documents(dataset_path, text_field, section)
     readers = dp_world * max(num_workers, 1)
     if len(texts) < readers:
-        where = "the sample corpus" if name == "sample" else f"training.dataset_path {dataset_path}"
+        where = f"the {name} corpus" if name in SAMPLE_SPLITS else f"{section}.dataset_path {dataset_path}"
+        who = f"data-parallel ranks x {section}.num_workers" if num_workers > 1 else "data-parallel ranks"
         raise UserError(
-            f"{where} holds {len(texts)} documents, fewer than the {readers} readers (data-parallel ranks x "
-            "training.num_workers) that each need one; use more documents or fewer workers"
+            f"{where} holds {len(texts)} documents, fewer than the {readers} readers ({who}) that each "
+            "need one; use more documents or fewer readers"
         )
     return IndexedDocuments(texts, dp_rank, dp_world, seed)
 
@@ -92,16 +108,19 @@ class DataParallelLoader(StatefulDataLoader):
 
 def build_dataloader(
     *, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int, batch_size: int,
-    dp_rank: int, dp_world: int, seed: int, num_workers: int = 0, infinite: bool = True,
+    dp_rank: int, dp_world: int, seed: int, num_workers: int = 0, infinite: bool = True, section: str = "training",
 ) -> StatefulDataLoader:
-    """Batches of (inputs, labels) for one data-parallel rank; the same arguments give the same data."""
-    name = resolve_dataset(dataset, dataset_path)
+    """Batches of (inputs, labels) for one data-parallel rank; the same arguments give the same data.
+
+    infinite=False: one pass over the data, and every new iter() starts it again from the beginning.
+    """
+    name = resolve_dataset(dataset, dataset_path, section)
     if name == "synthetic":
         if not infinite:
-            raise UserError("training.dataset synthetic is an endless stream; it cannot serve a finite pass such as validation")
+            raise UserError(f"{section}.dataset synthetic is an endless stream; it cannot serve a finite pass such as validation")
         windows = SyntheticTokens(tokenizer.vocab_size, seq_len, seed, dp_rank, dp_world)
     else:
-        source = open_documents(name, dataset_path, text_field, dp_rank, dp_world, seed, num_workers)
+        source = open_documents(name, dataset_path, text_field, dp_rank, dp_world, seed, num_workers, section)
         windows = PackedTokens(source, tokenizer, seq_len, infinite)
     layout = {
         "dataset": name, "seed": seed,

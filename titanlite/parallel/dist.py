@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titanlite.errors import UserError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -20,7 +22,23 @@ class DistInfo:
     device: torch.device
 
 
+def check_restartable() -> None:
+    """torchrun --max-restarts with its rendezvous store shared with the workers (torch's default
+    since 2.5) brings the restarted workers up on the failed attempt's keys in that store: they read
+    the dead processes' addresses and cannot connect (pytorch/pytorch#135712, #167288). Stop at
+    the start rather than at the first failure, hours later."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise UserError(
+            f"torchrun --max-restarts {restarts} needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+            "(with torch's shared rendezvous store, restarted workers read the failed attempt's addresses and cannot "
+            "connect); export it before torchrun, as scripts/run_train.sh and multinode_trainer.slurm do, and use "
+            "the c10d rendezvous (--standalone or --rdzv-backend c10d)"
+        )
+
+
 def init_distributed() -> DistInfo:
+    check_restartable()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))

@@ -62,8 +62,9 @@ class TransformerBlock(nn.Module):
         for norm in (self.attention_norm, self.ffn_norm):
             nn.init.ones_(norm.weight)
             nn.init.zeros_(norm.bias)
-        for name, linear, std in (("attention.wqkv", self.attention.wqkv, INIT_STD), ("attention.wo", self.attention.wo, out_std),
-                                  ("feed_forward.w1", self.feed_forward.w1, INIT_STD), ("feed_forward.w2", self.feed_forward.w2, out_std)):
+        stds = {"attention.wqkv": INIT_STD, "attention.wo": out_std, "feed_forward.w1": INIT_STD, "feed_forward.w2": out_std}
+        for name, std in stds.items():
+            linear = self.get_submodule(name)
             trunc_normal_(linear.weight, std, key=f"{prefix}{name}.weight", seed=seed)
             nn.init.zeros_(linear.bias)
 

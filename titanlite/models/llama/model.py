@@ -189,10 +189,14 @@ class Transformer(nn.Module):
                 f"{self.args.max_seq_len}; set training.seq_len to at most {self.args.max_seq_len}"
             )
         rope_cos, rope_sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-        h = self.tok_embeddings(tokens)
+        h = self.run_blocks(self.tok_embeddings(tokens), rope_cos, rope_sin)
+        return self.output(self.norm(h))
+
+    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        """The blocks in order; families whose blocks return more than h (Mixtral) override it."""
         for block in self.layers.values():
             h = block(h, rope_cos, rope_sin)
-        return self.output(self.norm(h))
+        return h
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -2,6 +2,7 @@
 
 from titanlite.models import ModelSpec, parallelize_decoder
 from titanlite.models.mixtral.args import MIXTRAL_FLAVORS, MixtralArgs
+from titanlite.models.mixtral.hf_adapter import MixtralHFAdapter
 from titanlite.models.mixtral.model import Mixtral
 
 
@@ -15,6 +16,6 @@ def flops_per_token(model: Mixtral, seq_len: int) -> float:
     return float(6 * model.num_params(exclude_embedding=True, active=True) + attention)
 
 
-MIXTRAL_SPEC = ModelSpec("mixtral", Mixtral, MIXTRAL_FLAVORS, parallelize_decoder, flops_per_token)
+MIXTRAL_SPEC = ModelSpec("mixtral", Mixtral, MIXTRAL_FLAVORS, parallelize_decoder, flops_per_token, hf_adapter=MixtralHFAdapter())
 SPECS = (MIXTRAL_SPEC,)
 __all__ = ["MIXTRAL_SPEC", "Mixtral", "MixtralArgs", "flops_per_token"]

@@ -6,12 +6,24 @@ router statistics that `extra_metrics()` hands to the metrics logger.
 """
 
 import torch
-from torch import nn
 
 from titanlite.models.llama.model import Transformer, TransformerBlock
 from titanlite.models.mistral.model import sliding_window_attention
 from titanlite.models.mixtral.args import MixtralArgs
 from titanlite.models.mixtral.moe import MoE
+
+
+class MixtralBlock(TransformerBlock):
+    """Llama's pre-norm block around the experts; returns (h, balance loss, tokens per expert)."""
+
+    def __init__(self, layer_id: int, args: MixtralArgs):
+        moe = MoE(args.dim, args.ffn_hidden_dim, args.num_experts, args.top_k)
+        super().__init__(layer_id, args, attention=sliding_window_attention(args), feed_forward=moe)
+
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
+        out, aux_loss, tokens_per_expert = self.feed_forward(self.ffn_norm(h))
+        return h + out, aux_loss, tokens_per_expert
 
 
 class Mixtral(Transformer):
@@ -22,23 +34,28 @@ class Mixtral(Transformer):
         self._aux_loss_sum: torch.Tensor | None = None
         self._load_sum: torch.Tensor | None = None  # [layers, experts] tokens routed
 
-    def build_block(self, layer_id: int, args: MixtralArgs) -> nn.Module:
-        moe = MoE(args.dim, args.ffn_hidden_dim, args.num_experts, args.top_k)
-        return TransformerBlock(layer_id, args, attention=sliding_window_attention(args), feed_forward=moe)
+    def build_block(self, layer_id: int, args: MixtralArgs) -> MixtralBlock:
+        return MixtralBlock(layer_id, args)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(tokens)
-        moes = [block.feed_forward for block in self.layers.values()]
-        self.aux_loss = torch.stack([moe.aux_loss for moe in moes]).mean()
-        aux_loss, load = self.aux_loss.detach(), torch.stack([moe.tokens_per_expert for moe in moes])
+    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        aux_losses, loads = [], []
+        for block in self.layers.values():
+            h, aux_loss, load = block(h, rope_cos, rope_sin)
+            aux_losses.append(aux_loss)
+            loads.append(load)
+        # Outside the blocks (the root module is neither checkpointed nor compiled): side effects are fine here.
+        self.aux_loss = torch.stack(aux_losses).mean()
+        if not self.training:  # validation forwards stay out of the training statistics
+            return h
+        aux_loss, load = self.aux_loss.detach(), torch.stack(loads)
         if self._forwards:
             aux_loss, load = aux_loss + self._aux_loss_sum, load + self._load_sum
         self._aux_loss_sum, self._load_sum, self._forwards = aux_loss, load, self._forwards + 1
-        return logits
+        return h
 
     @torch.no_grad()
     def extra_metrics(self) -> dict[str, torch.Tensor]:
-        """Router statistics over the forwards since the last call, as 0-dim tensors:
+        """Router statistics over the training-mode forwards since the last call, as 0-dim tensors:
 
         moe_aux_loss          the load-balancing loss (1.0 = balanced)
         moe_expert_share/i    expert i's share of the routed tokens, averaged over blocks (1/experts = balanced)

@@ -1,7 +1,9 @@
 """Mixtral's sparse feed-forward: a router sends each token to its top-k SwiGLU experts.
 
-The experts' weights are stacked ([experts, out, in], each slice laid out like Llama's nn.Linear)
-so the expert compute is one grouped matmul per projection over tokens sorted by expert.
+The experts' weights are stacked (each expert's block of rows laid out like Llama's nn.Linear),
+so the expert compute is one grouped matmul per projection over tokens sorted by expert. They are
+stored 2-D, [experts * out, in], rather than [experts, out, in]: FSDP shards dim 0, and 8 experts
+over more than 8 ranks would leave most ranks holding padding as large as a whole expert.
 """
 
 import torch
@@ -76,33 +78,33 @@ def experts_forward(x, weights, experts, counts, w1, w2, w3, grouped: bool | Non
 
 
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts, a drop-in for Llama's FeedForward (same init_weights).
+    """Top-k routed SwiGLU experts in place of Llama's FeedForward (same init_weights).
 
-    Each forward leaves `aux_loss` (the load-balancing loss) and `tokens_per_expert` on the module
-    for the model to collect.
+    forward returns (output, load-balancing loss, tokens per expert): the router's numbers leave
+    as outputs, not as attributes set on the way, because activation checkpointing and fullgraph
+    compile of a block forbid such side effects.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.gate = nn.Linear(dim, num_experts, bias=False)  # the router
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.aux_loss: torch.Tensor | None = None
-        self.tokens_per_expert: torch.Tensor | None = None
+        self.w1 = nn.Parameter(torch.empty(num_experts * hidden_dim, dim))  # viewed as [E, H, D]
+        self.w2 = nn.Parameter(torch.empty(num_experts * dim, hidden_dim))  # viewed as [E, D, H]
+        self.w3 = nn.Parameter(torch.empty(num_experts * hidden_dim, dim))  # viewed as [E, H, D]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> (out [B, T, D], balance loss (0-dim), tokens per expert [E])."""
         batch, seq_len, dim = x.shape
         logits = self.gate(x)  # [B, T, E]
         weights, experts = route(logits, self.top_k)
-        self.aux_loss = load_balancing_loss(logits, experts, self.num_experts)
-        self.tokens_per_expert = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        flat = experts.flatten()  # scatter_add rather than bincount: a fixed output shape compiles
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+        w1, w2, w3 = (w.view(self.num_experts, -1, w.shape[-1]) for w in (self.w1, self.w2, self.w3))
         out = experts_forward(
-            x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k),
-            self.tokens_per_expert, self.w1, self.w2, self.w3,
+            x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k), counts, w1, w2, w3
         )
-        return out.view(batch, seq_len, dim)
+        return out.view(batch, seq_len, dim), load_balancing_loss(logits, experts, self.num_experts), counts
 
     def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
         """As Llama's FeedForward: w1 (and the router) at the base std, w2 and w3 depth-scaled."""

@@ -1,0 +1,22 @@
+"""scripts/benchmark.py in its short mode: every kind of row runs and the comparisons are printed."""
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_short_benchmark_prints_the_table_and_comparisons(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--short", "--work-dir", str(tmp_path)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "device: " in text and "(CPU)" in text
+    for row in ("bare", "titanlite", "fsdp2", "ckpt_sync", "ckpt_async"):
+        assert f"| {row} |" in text, text
+    assert "overhead: titanlite runs at " in text
+    assert "FSDP memory: params + grads + optimizer state per rank" in text and "(within the 1.05/N" in text
+    assert "checkpoint: a synchronous save blocks training" in text

@@ -1,0 +1,67 @@
+"""Offloading: FSDP2's CPU offload of params/grads/optimizer state, and activation offload."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_titanlite, tensorboard_scalars
+from titanlite.errors import UserError
+from titanlite.parallel.offload import activation_offload_context, check_fsdp_offload
+
+
+def synthetic_run(folder, local_batch, extra=()):
+    return [
+        "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(folder),
+        "--training.dataset", "synthetic", "--training.seq_len", "64", "--training.local_batch_size", str(local_batch),
+        "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
+        "--training.mixed_precision_param", "float32", *extra,
+    ]
+
+
+def test_two_ranks_with_cpu_offload_equal_one_process(tmp_path):
+    """Same global batch of 4; the offloaded FSDP run steps its optimizer on the CPU shards."""
+    one = run_titanlite(synthetic_run(tmp_path / "one", 4))
+    assert one.returncode == 0, one.stderr
+    two = run_titanlite(synthetic_run(tmp_path / "two", 2, [
+        "--parallelism.fsdp_cpu_offload", "--activation_checkpoint.offload_activations"]), nproc=2)
+    assert two.returncode == 0, two.stderr
+    assert "activations already live in CPU memory" in two.stderr
+    expected = tensorboard_scalars(tmp_path / "one" / "tb", "loss")
+    got = tensorboard_scalars(tmp_path / "two" / "tb", "loss")
+    assert sorted(got) == [1, 2, 3]
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5)
+
+
+def test_fsdp_offload_without_fsdp_is_refused():
+    with pytest.raises(UserError, match="needs FSDP, i.e. more than one data-parallel rank"):
+        check_fsdp_offload(True, fsdp_enabled=False)
+    check_fsdp_offload(True, fsdp_enabled=True)
+    check_fsdp_offload(False, fsdp_enabled=False)
+
+
+def test_activation_offload_gives_the_same_gradients():
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 8)
+    grads = []
+    for enabled in (False, True):
+        layer.zero_grad()
+        with activation_offload_context(enabled, "cpu"):
+            loss = F.mse_loss(layer(x), torch.zeros(4, 8))
+        loss.backward()
+        grads.append([p.grad.clone() for p in layer.parameters()])
+    for plain, offloaded in zip(*grads):
+        torch.testing.assert_close(offloaded, plain, rtol=0, atol=0)
+
+
+def test_pinned_memory_only_with_cuda(monkeypatch):
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from titanlite.parallel.offload import fsdp_offload_policy
+
+    assert type(fsdp_offload_policy(False)) is OffloadPolicy
+    assert fsdp_offload_policy(True).pin_memory is False  # this CPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    policy = fsdp_offload_policy(True)
+    assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is True

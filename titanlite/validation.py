@@ -1,0 +1,112 @@
+"""Validation: loss and perplexity on held-out data every validation.freq steps.
+
+The validator owns a loader of its own, built once: validating never moves the training data
+position. Every validation restores that loader to its start, so it reads the same batches
+each time (at most validation.steps per rank), with the model in eval mode and no autograd.
+
+Data-parallel ranks hold different shares of the held-out data, so a finite pass can end
+sooner on one rank than on another; with FSDP every rank must run every forward (each one
+all-gathers parameters), so before each batch the ranks agree (all_reduce MIN) that all of them
+still have one, and the pass stops for all when any rank runs out. The loss is the mean over
+all tokens of all ranks: an all_reduce of (sum of token losses, token count).
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titanlite.config_sections import Training, Validation
+from titanlite.data.datasets import build_dataloader, resolve_dataset
+from titanlite.errors import UserError
+from titanlite.log import logger
+from titanlite.parallel import mixed_precision_context
+
+
+def batch_shape(cfg: Validation, training: Training) -> tuple[int, int]:
+    """(sequences per rank per batch, tokens per sequence), -1 taking training's value."""
+    batch_size = cfg.local_batch_size if cfg.local_batch_size != -1 else training.local_batch_size
+    return batch_size, cfg.seq_len if cfg.seq_len != -1 else training.seq_len
+
+
+def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> None:
+    """Called before the model is built, so a mistake costs no time."""
+    for key in ("freq", "steps", "local_batch_size", "seq_len"):
+        value = getattr(cfg, key)
+        if value < 1 and not (key != "freq" and value == -1):
+            allowed = "at least 1" if key == "freq" else "at least 1, or -1"
+            raise UserError(f"validation.{key} must be {allowed}; got {value}")
+    seq_len = batch_shape(cfg, training)[1]
+    if seq_len > max_seq_len:
+        raise UserError(f"validation.seq_len {seq_len} exceeds the model's context ({max_seq_len}); lower validation.seq_len")
+
+
+class Validator:
+    def __init__(self, cfg: Validation, training: Training, *, tokenizer, dims, device: torch.device, seed: int, metrics):
+        self.cfg = cfg
+        self.dims = dims
+        self.device = device
+        self.param_dtype = training.mixed_precision_param
+        self.metrics = metrics
+        batch_size, seq_len = batch_shape(cfg, training)
+        # Read in this process (no workers): a pass is short and a worker would be forked for each one.
+        self.loader = build_dataloader(
+            dataset=cfg.dataset, dataset_path=cfg.dataset_path, text_field=training.dataset_text_field,
+            tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size, dp_rank=dims.dp_rank,
+            dp_world=dims.dp_degree, seed=seed, num_workers=0, infinite=False, section="validation",
+        )
+        self.start = self.loader.state_dict()
+        name = f"validation.dataset_path {cfg.dataset_path}" if cfg.dataset_path else cfg.dataset
+        reads = (resolve_dataset(cfg.dataset, cfg.dataset_path, "validation"), cfg.dataset_path)
+        if reads == (resolve_dataset(training.dataset, training.dataset_path), training.dataset_path):
+            logger.warning(
+                f"validation reads the training data ({name}), so its loss cannot show overfitting; for held-out "
+                "data use validation.dataset sample_val (for sample) or c4_val (for c4), or a validation.dataset_path"
+            )
+        batches = "all batches" if cfg.steps == -1 else f"up to {cfg.steps} batches"
+        logger.info(f"validation every {cfg.freq} steps on {name}: {batches} of {batch_size} x {seq_len} tokens per rank")
+
+    def should_validate(self, step: int) -> bool:
+        return step % self.cfg.freq == 0
+
+    def _all_ranks_have(self, batch) -> bool:
+        have = torch.tensor([batch is not None], dtype=torch.int32, device=self.device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        return bool(have.item())
+
+    @torch.no_grad()
+    def validate(self, model, step: int) -> tuple[float, float]:
+        """Mean loss per token over all ranks and its perplexity; logs them and writes TensorBoard."""
+        started = time.perf_counter()
+        self.loader.load_state_dict(self.start)  # from the beginning, whatever the last pass read
+        batches = iter(self.loader)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        model.eval()
+        try:
+            while self.cfg.steps == -1 or count < self.cfg.steps:
+                batch = next(batches, None)
+                if not self._all_ranks_have(batch):
+                    break
+                inputs, labels = (t.to(self.device, non_blocking=True) for t in batch)
+                with mixed_precision_context(self.dims, self.param_dtype, self.device.type):
+                    logits = model(inputs)
+                loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                tokens += labels.numel()
+                count += 1
+        finally:
+            model.train()
+        totals = torch.stack([loss_sum, tokens])
+        dist.all_reduce(totals)
+        loss_total, token_total = totals.tolist()
+        if token_total == 0:
+            raise UserError(
+                "validation read no batch: a data-parallel rank's share of the validation data holds no window of "
+                "validation.seq_len + 1 tokens; lower validation.seq_len or use more held-out data"
+            )
+        loss = loss_total / token_total
+        perplexity = torch.tensor(loss).exp().item()  # inf rather than an OverflowError for a diverged model
+        self.metrics.log_validation(step, loss, perplexity, count, int(token_total), time.perf_counter() - started)
+        return loss, perplexity
