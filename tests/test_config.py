@@ -105,3 +105,19 @@ def test_every_shipped_train_config_loads():
     for path in configs:
         cfg = load_config(["--job.config_file", str(path)])
         assert cfg.model.flavor and cfg.training.steps > 0, path
+
+
+def test_readme_reference_documents_every_key_with_its_default():
+    import dataclasses
+
+    from titanlite.config_sections import JobConfig
+
+    reference = (ROOT / "README.md").read_text().split("## Configuration reference", 1)[1]
+    for section in dataclasses.fields(JobConfig):
+        table = reference.split(f"**`[{section.name}]`**", 1)[1].split("**`[", 1)[0]
+        for f in dataclasses.fields(section.type):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if isinstance(default, list):
+                default = ",".join(map(str, default))
+            shown = "" if default == "" else f"`{str(default).lower() if isinstance(default, bool) else default}`"
+            assert f"| `{f.name}` |" in table and f"| {shown} |" in table.split(f"| `{f.name}` |", 1)[1].split("\n")[0], (section.name, f.name)

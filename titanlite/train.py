@@ -29,7 +29,7 @@ from titanlite.parallel import mixed_precision_context
 from titanlite.parallel.compile import maybe_compile_loss
 from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.fsdp import DTYPES
-from titanlite.parallel.offload import activation_offload_context, optimizer_device_type, warn_if_offload_saves_nothing
+from titanlite.parallel.offload import activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
 from titanlite.profiling import RunSummary, StepProfiler
@@ -177,7 +177,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     optimizer = build_optimizer(model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
     register_float8_scale_precompute(optimizer, model, cfg.float8)
     loss_fn = maybe_compile_loss(cross_entropy_loss, cfg.compile)
-    warn_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
+    note_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
     training = cfg.training

@@ -36,7 +36,7 @@ def optimizer_device_type(fsdp_cpu_offload: bool, device_type: str) -> str:
     return "cpu" if fsdp_cpu_offload else device_type
 
 
-def warn_if_offload_saves_nothing(offload_activations: bool, device_type: str) -> None:
+def note_if_offload_saves_nothing(offload_activations: bool, device_type: str) -> None:
     if offload_activations and device_type == "cpu":
         logger.info(
             "activation_checkpoint.offload_activations on a CPU run: activations already live in CPU "
