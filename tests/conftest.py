@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from titanlite.models import get_model_args, get_model_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
@@ -47,3 +50,21 @@ def tiny_run(tmp_path):
         "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "4",
         "--metrics.log_freq", "1",
     ]
+
+
+def build_meta(name: str, flavor: str):
+    """A registered flavor built on the meta device (sizes only, no memory)."""
+    spec = get_model_spec(name)
+    with torch.device("meta"):
+        return spec.model_cls(get_model_args(spec, flavor))
+
+
+def materialize(name: str, args, seed: int = 0):
+    """The trainer's path: meta -> allocate -> NaN (nothing may stay uninitialised) -> init_weights."""
+    with torch.device("meta"):
+        model = get_model_spec(name).model_cls(args)
+    model.to_empty(device="cpu")
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data.fill_(float("nan"))
+    model.init_weights(seed=seed)
+    return model

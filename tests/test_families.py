@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_titanlite, tensorboard_scalars
+from conftest import build_meta, materialize, run_titanlite, tensorboard_scalars
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.models.llama.model import Attention, TransformerBlock, rope_tables, sliding_window_mask
@@ -26,27 +26,10 @@ EXPECTED_PARAMS = {
 FAMILIES = ("mistral", "mixtral", "gpt2")
 
 
-def build_meta(name: str, flavor: str):
-    spec = get_model_spec(name)
-    with torch.device("meta"):
-        return spec.model_cls(get_model_args(spec, flavor))
-
-
 def small_args(name: str, **overrides):
     """The family's debugmodel with a tiny vocab, two layers and a short context."""
     args = replace(get_model_args(get_model_spec(name), "debugmodel"), vocab_size=97, n_layers=2, max_seq_len=64)
     return replace(args, **overrides)
-
-
-def materialize(name: str, args, seed: int = 0):
-    """The trainer's path: meta -> allocate -> NaN (nothing may stay uninitialised) -> init_weights."""
-    with torch.device("meta"):
-        model = get_model_spec(name).model_cls(args)
-    model.to_empty(device="cpu")
-    for tensor in [*model.parameters(), *model.buffers()]:
-        tensor.data.fill_(float("nan"))
-    model.init_weights(seed=seed)
-    return model
 
 
 # --- sizes and FLOPs ---

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from conftest import build_meta, materialize
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec, list_model_specs
 from titanlite.models.llama.args import ModelArgs, RopeScaling
@@ -23,28 +24,10 @@ EXPECTED_PARAMS = {
 }
 
 
-def build_meta(name: str, flavor: str) -> Transformer:
-    spec = get_model_spec(name)
-    with torch.device("meta"):
-        return spec.model_cls(get_model_args(spec, flavor))
-
-
 def small_args(**overrides) -> ModelArgs:
     """debugmodel with a tiny vocab and context, cheap enough for 2 CPU cores."""
     args = replace(get_model_args(get_model_spec("llama3"), "debugmodel"), vocab_size=97, n_layers=2, max_seq_len=32)
     return replace(args, **overrides)
-
-
-def materialize(args: ModelArgs, seed: int = 0) -> Transformer:
-    """The trainer's path: build on meta, allocate, fill with NaN (so nothing left uninitialised
-    can pass as finite), then init_weights."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    for tensor in [*model.parameters(), *model.buffers()]:
-        tensor.data.fill_(float("nan"))
-    model.init_weights(seed=seed)
-    return model
 
 
 @pytest.mark.parametrize("name, flavor", list(EXPECTED_PARAMS))
@@ -88,7 +71,7 @@ def test_sequence_longer_than_max_seq_len_is_a_user_error():
 
 def test_init_weights_after_meta_is_finite_and_deterministic():
     args = small_args()
-    first, again, other = materialize(args, seed=0), materialize(args, seed=0), materialize(args, seed=1)
+    first, again, other = materialize("llama3", args, seed=0), materialize("llama3", args, seed=0), materialize("llama3", args, seed=1)
     for name, value in first.state_dict().items():
         assert torch.isfinite(value).all(), name
         assert torch.equal(value, again.state_dict()[name]), name
@@ -99,7 +82,7 @@ def test_init_weights_after_meta_is_finite_and_deterministic():
 
 
 def test_init_stds():
-    model = materialize(replace(small_args(), dim=512, n_heads=8, n_kv_heads=8, n_layers=8))
+    model = materialize("llama3", replace(small_args(), dim=512, n_heads=8, n_kv_heads=8, n_layers=8))
     block = model.layers["7"]
     assert block.attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert block.feed_forward.w2.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
@@ -107,7 +90,7 @@ def test_init_stds():
 
 
 def test_tied_embeddings_share_one_weight():
-    model = materialize(small_args(tie_embeddings=True))
+    model = materialize("llama3", small_args(tie_embeddings=True))
     assert model.output.weight is model.tok_embeddings.weight
     untied = Transformer(small_args())
     assert model.num_params() == untied.num_params() - untied.output.weight.numel()

@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titanlite.errors import UserError
 from titanlite.models.gpt2.args import GPT2Args
 from titanlite.models.init import trunc_normal_
+from titanlite.models.llama.model import check_seq_len
 
 # OpenAI's GPT-2 init: weights N(0, 0.02), position embeddings N(0, 0.01), and the projections
 # that write into the residual stream scaled by 1/sqrt(2 * layers).
@@ -82,12 +82,7 @@ class GPT2(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype."""
-        seq_len = tokens.shape[1]
-        if seq_len > self.args.max_seq_len:
-            raise UserError(
-                f"sequences of {seq_len} tokens are longer than this model's {self.args.max_seq_len} positions; "
-                f"set training.seq_len to at most {self.args.max_seq_len}"
-            )
+        seq_len = check_seq_len(tokens, self.args.max_seq_len)
         positions = torch.arange(seq_len, device=tokens.device)
         h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for block in self.layers.values():

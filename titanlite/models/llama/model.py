@@ -157,6 +157,17 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(f"{prefix}feed_forward.", seed, self.out_init_std)
 
 
+def check_seq_len(tokens: torch.Tensor, max_seq_len: int) -> int:
+    """The length of a [B, T] batch, refused when the model has no positions for it."""
+    seq_len = tokens.shape[1]
+    if seq_len > max_seq_len:
+        raise UserError(
+            f"sequences of {seq_len} tokens are longer than this model's max_seq_len "
+            f"{max_seq_len}; set training.seq_len to at most {max_seq_len}"
+        )
+    return seq_len
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -182,12 +193,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype."""
-        seq_len = tokens.shape[1]
-        if seq_len > self.args.max_seq_len:
-            raise UserError(
-                f"sequences of {seq_len} tokens are longer than this model's max_seq_len "
-                f"{self.args.max_seq_len}; set training.seq_len to at most {self.args.max_seq_len}"
-            )
+        seq_len = check_seq_len(tokens, self.args.max_seq_len)
         rope_cos, rope_sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         h = self.run_blocks(self.tok_embeddings(tokens), rope_cos, rope_sin)
         return self.output(self.norm(h))
