@@ -82,8 +82,6 @@ def load() -> str:
 def bare_loop(args) -> None:
     """The same model, batch and optimizer as the trainer, written the way a user would without
     it; prints one JSON line."""
-    import resource
-
     import torch
     import torch.nn.functional as F
 
@@ -92,6 +90,7 @@ def bare_loop(args) -> None:
     from titanlite.models.llama import flops_per_token
     from titanlite.models.llama.args import LLAMA3_FLAVORS
     from titanlite.models.llama.model import Transformer
+    from titanlite.profiling import peak_memory_gib
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     vocab = build_tokenizer(Model()).vocab_size  # the trainer's model takes its vocab from this tokenizer
@@ -125,10 +124,7 @@ def bare_loop(args) -> None:
         optimizer.zero_grad(set_to_none=True)
     elapsed = now() - started
     tps = args.steps * args.batch * args.seq_len / elapsed
-    if device.type == "cuda":
-        mem = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    mem = peak_memory_gib(device)  # measured as the trainer's run summary measures it
     print(json.dumps({
         "tps": tps, "step": elapsed / args.steps, "tflops": tps * flops_per_token(model, args.seq_len) / 1e12,
         "mfu": "unknown", "mem": mem, "data": 100 * data_seconds / elapsed, "loss": loss.item(),

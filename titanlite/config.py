@@ -154,8 +154,10 @@ def _check_values(cfg: JobConfig) -> None:
         for key, f in _fields(section).items():
             value = getattr(getattr(cfg, section), key)
             choices = f.metadata.get("choices", ())
-            if choices and value not in choices:
-                raise UserError(f"{section}.{key} must be one of {', '.join(choices)}; got {value!r}")
+            # A list field's choices apply to each of its items.
+            outside = [v for v in (value if isinstance(value, list) else [value]) if v not in choices]
+            if choices and outside:
+                raise UserError(f"{section}.{key} must be one of {', '.join(choices)}; got {outside[0]!r}")
             if f.metadata.get("unsupported") and value != getattr(getattr(defaults, section), key):
                 raise UserError(
                     f"{section}.{key} is not supported yet; remove it or set it back to {getattr(getattr(defaults, section), key)!r}"

@@ -75,10 +75,15 @@ class MetricsLogger:
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.log_freq == 0
 
+    def throughput(self, tokens: int, seconds: float) -> tuple[float, float, float | None]:
+        """(tokens/s per device, achieved TFLOP/s, MFU in percent or None where no peak is known)."""
+        tps = tokens / seconds
+        tflops = tps * self.flops_per_token / 1e12
+        return tps, tflops, (100.0 * tflops / self.peak if self.peak else None)
+
     def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None) -> dict:
         elapsed = time.perf_counter() - self.started
-        tps = self.tokens / elapsed
-        tflops = tps * self.flops_per_token / 1e12
+        tps, tflops, mfu_pct = self.throughput(self.tokens, elapsed)
         mem_gib, mem_pct = memory_usage(self.device)
         values = {
             "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, "tflops": tflops,
@@ -86,9 +91,9 @@ class MetricsLogger:
             **(extra or {}),
         }
         mfu = "mfu: unknown"
-        if self.peak:
-            values["mfu_pct"] = 100.0 * tflops / self.peak
-            mfu = f"mfu: {values['mfu_pct']:.2f}%"
+        if mfu_pct is not None:
+            values["mfu_pct"] = mfu_pct
+            mfu = f"mfu: {mfu_pct:.2f}%"
         logger.info(
             f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({mem_pct:.2f}%)  "
             f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%"

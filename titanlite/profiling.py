@@ -119,7 +119,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     }
 
 
-def _peak_memory_gib(device: torch.device) -> float:
+def peak_memory_gib(device: torch.device) -> float:
     """CUDA: the most memory tensors held at once; CPU: the process's peak resident memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -169,9 +169,8 @@ class RunSummary:
         if not self.steps:
             return
         elapsed = (self.ended or self._now()) - self.started
-        tps = self.steps * tokens_per_step_per_rank / elapsed
-        tflops = tps * metrics.flops_per_token / 1e12
-        mfu = f"{100 * tflops / metrics.peak:.2f}%" if metrics.peak else "unknown"
+        tps, tflops, mfu_pct = metrics.throughput(self.steps * tokens_per_step_per_rank, elapsed)
+        mfu = "unknown" if mfu_pct is None else f"{mfu_pct:.2f}%"
         state = model_state_bytes(model, optimizer)
         # The largest shard is what must fit on a device.
         per_rank = torch.tensor(list(state.values()), dtype=torch.float64)
@@ -180,7 +179,7 @@ class RunSummary:
         logger.info(
             f"run summary: {self.steps} steps after {self.warmup} warm-up  tps: {tps:,.0f}  "
             f"step: {elapsed / self.steps:.4f}s  tflops: {tflops:.3f}  mfu: {mfu}  "
-            f"peak_memory: {_peak_memory_gib(self.device):.3f}GiB  data: {100 * self.data_seconds / elapsed:.2f}%  "
+            f"peak_memory: {peak_memory_gib(self.device):.3f}GiB  data: {100 * self.data_seconds / elapsed:.2f}%  "
             f"state_per_rank: params {mib['params']:.3f}MiB grads {mib['grads']:.3f}MiB "
             f"optimizer {mib['optimizer']:.3f}MiB total {sum(mib.values()):.3f}MiB"
         )

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from titanlite.errors import UserError
-from titanlite.models.init import _local_view as local_view  # (local shard, its offset in the full tensor)
+from titanlite.models.init import local_view  # (local shard, its offset in the full tensor)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -117,9 +117,6 @@ class CheckpointManager:
     def _model_state(self) -> dict:
         return get_model_state_dict(self.model)
 
-    def _expected_shapes(self) -> dict[str, tuple]:
-        return {fqn: tuple(t.shape) for fqn, t in self._model_state().items()}
-
     def _rng_state(self) -> dict:
         state = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -284,13 +281,13 @@ class CheckpointManager:
         saved_from = ""
         if "train_state.model" in keys:
             saved_from = load_in_place(path, {"train_state": {"model": ""}})["train_state"]["model"]
-        check_model_fits(metadata, self._expected_shapes(), path, self.model_name, saved_from)
+        model_state = self._model_state()
+        check_model_fits(metadata, {fqn: tuple(t.shape) for fqn, t in model_state.items()}, path, self.model_name, saved_from)
         if not holds_training_state(metadata):
             resume = False  # a seed checkpoint or a model-only export: weights, then step 1
         elif resume and "train_state.step" not in keys:
             raise UserError(f"checkpoint {path} holds no titanlite train state; load it with checkpoint.initial_load_model_only true")
 
-        model_state = self._model_state()
         if not resume:
             load_in_place(path, model_state)
             set_model_state_dict(self.model, model_state)

@@ -14,6 +14,7 @@ tensor's layout differs, overrides `tensor_to_hf` / `tensor_from_hf`; families w
 not map one to one (fused or stacked weights) override to_hf / from_hf / hf_names.
 """
 
+import abc
 import re
 
 import torch
@@ -41,10 +42,11 @@ def _template_regex(template: str) -> re.Pattern:
     return re.compile("^" + re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
 
 
-class HFAdapter:
+class HFAdapter(abc.ABC):
     """One-to-one renaming through `names` (titanlite template -> HF template), plus per-tensor hooks.
 
-    Subclasses set `names`, `architectures`, `model_type`, and implement `hf_config`; `ignored`
+    Subclasses set `names`, `architectures`, `model_type`, and implement `hf_config` (abstract, so a
+    family that forgets it fails when its spec is built, not halfway through an export); `ignored`
     lists HF names (regexes) that carry nothing titanlite needs, e.g. precomputed RoPE tables.
     """
 
@@ -103,9 +105,9 @@ class HFAdapter:
                 out[name] = self.tensor_from_hf(name, tensor, args)
         return out
 
+    @abc.abstractmethod
     def hf_config(self, args, dtype: str = "float32") -> dict:
         """config.json for these args, with `dtype` ("float32" / "bfloat16") as torch_dtype."""
-        raise NotImplementedError
 
     def config_mismatch(self, config: dict, args) -> str | None:
         """The first shape-defining config.json value that differs from `args`, as a phrase; None if all fit."""

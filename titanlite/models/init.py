@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 _BLOCK_ELEMENTS = 1 << 20
 
 
-def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+def local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The tensor this rank writes into and its offset in the full (global) tensor."""
     if isinstance(param, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -39,7 +39,7 @@ def trunc_normal_(param: torch.Tensor, std: float, key: str, seed: int = 0) -> N
     `key` names the parameter (its FQN is the natural choice) so every tensor draws
     its own stream; `seed` is the job seed.
     """
-    local, offset = _local_view(param)
+    local, offset = local_view(param)
     if local.numel() == 0:
         return
     full_shape = tuple(param.shape) if param.dim() else (1,)

@@ -12,19 +12,10 @@ import torch
 from torch import nn
 
 from titanlite.config_sections import Compile
-from titanlite.errors import UserError
-
-COMPONENTS = ("model", "loss")
-
-
-def check_compile(cfg: Compile) -> None:
-    unknown = [c for c in cfg.components if c not in COMPONENTS]
-    if unknown:
-        raise UserError(f"compile.components {', '.join(unknown)} unknown; choose from {', '.join(COMPONENTS)}")
 
 
 def compiles(cfg: Compile, component: str) -> bool:
-    check_compile(cfg)
+    """compile.components holds only known names: the config checks them against its choices."""
     return cfg.enable and component in cfg.components
 
 
