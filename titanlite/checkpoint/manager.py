@@ -5,10 +5,12 @@ rank ever gathers the model), the optimizer, the lr schedule, the train state, e
 data-parallel rank's data-loader position and every rank's RNG states. Model-only checkpoints
 (the seed checkpoint, a last_save_model_only export) hold just the model's FQNs.
 
-Async saves copy the state into host memory (training waits only for that copy), then a
-background thread writes it, with its collectives on a separate gloo process group so they
-never interleave with training's. A new save first waits for the previous one; close() waits
-for the last.
+An async save costs the training loop only the building of the state dicts (references to the
+live tensors, no copies). A background thread then copies ("stages") them into host memory while
+the next step's forward and backward run; that step's optimizer.step, the first thing to change
+the saved tensors, waits for the copy to finish. The copy is then written in the background, with
+its collectives on a separate gloo process group so they never interleave with training's. A new
+save first waits for the previous one; close() waits for the last.
 """
 
 import pickle
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -46,9 +48,10 @@ class _Save:
     step: int
     started: float
     note: str = ""
-    blocked: float = 0.0  # seconds training waited: for the previous save, the state dict, the staging copy
+    blocked: float = 0.0  # seconds training waited: for the previous save, the state dicts, the staging copy
     done_at: float = 0.0
-    future: Future | None = None
+    staged: threading.Event = field(default_factory=threading.Event)  # the copy in host memory is complete (or failed)
+    future: Future | None = None  # the checkpoint is complete on disk
     finished: threading.Event = field(default_factory=threading.Event)
 
     def mark_done(self, _future: Future) -> None:
@@ -97,15 +100,20 @@ class CheckpointManager:
         self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
         self.state = TrainState()
         self.pending: _Save | None = None  # the async save in flight
-        self.writer = None
+        self.stager = self.saver = None
         self.async_group = None
         if cfg.enable and cfg.async_mode != "disabled":
             # Async saves run their collectives from a background thread; on the training process
             # group they could interleave with the training collectives and deadlock.
             self.async_group = dist.new_group(backend="gloo")
-            if cfg.async_mode == "async_with_pinned_mem":
-                # One writer for the whole run: it keeps its pinned staging buffers between saves.
-                self.writer = FileSystemWriter(str(self.root), cache_staged_state_dict=True)
+            pinned = cfg.async_mode == "async_with_pinned_mem"
+            # One stager for the whole run: it keeps its host buffers (pinned ones on CUDA) between
+            # saves and copies into them from its own thread (a CUDA stream of its own when pinned).
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=pinned))
+            optimizer.register_step_pre_hook(self._wait_for_staging)
+            # Even starting a DCP save costs milliseconds of Python; this thread pays them instead.
+            self.saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
         # Old checkpoints are deleted by rank 0 in the background, after a newer one completed.
         self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if self.rank == 0 else None
         if cfg.enable:
@@ -182,18 +190,31 @@ class CheckpointManager:
             save.blocked = save.done_at - entered
             self._finished(save)
             return
-        # Staging through a FileSystemWriter copies every tensor into host memory before
-        # async_save returns, on every torch version, CPU tensors included.
-        writer = self.writer or FileSystemWriter(str(path))
-        save.future = dcp.async_save(state, checkpoint_id=str(path), storage_writer=writer, process_group=self.async_group)
+        save.future = self.saver.submit(self._save_in_background, state, path, save.staged)
         save.blocked = time.perf_counter() - entered
         save.future.add_done_callback(save.mark_done)
         self.pending = save
 
+    def _save_in_background(self, state: dict, path: Path, staged: threading.Event) -> None:
+        try:
+            response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.async_group, async_stager=self.stager)
+            response.staging_completion.result()
+        finally:
+            staged.set()  # on an error too: the optimizer step goes on and the save's future holds the error
+        response.upload_completion.result()
+
+    def _wait_for_staging(self, *_hook_args) -> None:
+        """Before every optimizer step: the tensors it updates in place must be copied first."""
+        save = self.pending
+        if save is not None and not save.staged.is_set():
+            waited = time.perf_counter()
+            save.staged.wait()
+            save.blocked += time.perf_counter() - waited
+
     def _finished(self, save: "_Save") -> None:
         logger.info(
             f"checkpoint step-{save.step} saved in {save.done_at - save.started:.2f}s, "
-            f"training blocked {save.blocked:.2f}s{save.note}"
+            f"training blocked {save.blocked:.3f}s{save.note}"
         )
         if self.purger and self.cfg.keep_latest_k:
             self.purger.submit(purge_old, self.root, self.cfg.keep_latest_k)
@@ -226,8 +247,9 @@ class CheckpointManager:
         finally:
             if self.purger:
                 self.purger.shutdown(wait=True)
-            if self.writer is not None and hasattr(self.writer, "close"):  # releases the pinned buffers (newer torch)
-                self.writer.close()
+            if self.stager is not None:  # their threads and the host buffers
+                self.saver.shutdown(wait=True)
+                self.stager.close()
 
     # ---------------------------------------------------------------- loading
     def load(self) -> TrainState:

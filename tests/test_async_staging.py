@@ -1,0 +1,66 @@
+"""An async save returns before its state is copied; the optimizer step that follows must not
+change the tensors under the copy. Here the step comes at once, while the copy of the debug
+model's 90 MB of model and optimizer state is still running in the background."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from conftest import materialize
+from titanlite.checkpoint import CheckpointManager
+from titanlite.config_sections import Checkpoint
+from titanlite.models import get_model_args, get_model_spec
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def backward(model, vocab_size: int) -> None:
+    tokens = torch.randint(vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+
+def test_the_optimizer_step_after_an_async_save_waits_for_its_copy(tmp_path, world_of_one):
+    spec = get_model_spec("llama3")
+    args = replace(get_model_args(spec, "debugmodel"), vocab_size=2256)  # the shipped tokenizer's
+    model = materialize("llama3", args)
+    # Reversed: the step updates first the tensors the copy reaches last (the output layer, its moments).
+    optimizer = torch.optim.AdamW(reversed(list(model.parameters())), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    backward(model, args.vocab_size)
+    optimizer.step()  # the optimizer now has its moments, saved with the model
+    backward(model, args.vocab_size)  # gradients for the step right after the save
+
+    manager = CheckpointManager(
+        replace(Checkpoint(), enable=True, interval=1, async_mode="async"), str(tmp_path), model=model,
+        optimizer=optimizer, lr_scheduler=scheduler, dataloader=StatefulDataLoader(list(range(4))), dp_rank=0,
+        dp_degree=1, model_name="llama3/debugmodel", model_args=args, hf_adapter=spec.hf_adapter,
+    )
+    at_save = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    moments_at_save = optimizer.state[model.output.weight]["exp_avg"].clone()
+    manager.maybe_save(1)
+    assert manager.pending is not None  # the save is running in the background
+    optimizer.step()
+    manager.close()
+
+    changed = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, at_save[name])]
+    assert len(changed) == len(at_save)  # the step did change every weight in place...
+    folder = tmp_path / "checkpoint" / "step-1"
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    saved = {name: torch.empty(tensor.shape) for name, tensor in at_save.items()}
+    saved["optimizer.state.output.weight.exp_avg"] = torch.empty(moments_at_save.shape)
+    assert saved.keys() <= metadata.keys()
+    dcp.load(saved, checkpoint_id=str(folder))
+    for name, tensor in at_save.items():  # ...but the checkpoint holds them as they were at the save
+        assert torch.equal(saved[name], tensor), name
+    assert torch.equal(saved["optimizer.state.output.weight.exp_avg"], moments_at_save)
