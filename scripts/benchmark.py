@@ -85,11 +85,12 @@ def bare_loop(args) -> None:
     import torch
     import torch.nn.functional as F
 
-    from titanlite.config_sections import Model
+    from titanlite.config_sections import Metrics, Model
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.models.llama import flops_per_token
     from titanlite.models.llama.args import LLAMA3_FLAVORS
     from titanlite.models.llama.model import Transformer
+    from titanlite.metrics import MetricsLogger
     from titanlite.profiling import peak_memory_gib
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,11 +124,12 @@ def bare_loop(args) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     elapsed = now() - started
-    tps = args.steps * args.batch * args.seq_len / elapsed
-    mem = peak_memory_gib(device)  # measured as the trainer's run summary measures it
+    # Counted as the trainer counts them: the same FLOPs per token, peak table and memory reading.
+    metrics = MetricsLogger(Metrics(), "", 0, device, flops_per_token(model, args.seq_len))
+    tps, tflops, mfu_pct = metrics.throughput(args.steps * args.batch * args.seq_len, elapsed)
     print(json.dumps({
-        "tps": tps, "step": elapsed / args.steps, "tflops": tps * flops_per_token(model, args.seq_len) / 1e12,
-        "mfu": "unknown", "mem": mem, "data": 100 * data_seconds / elapsed, "loss": loss.item(),
+        "tps": tps, "step": elapsed / args.steps, "tflops": tflops, "mfu": "unknown" if mfu_pct is None else f"{mfu_pct:.2f}%",
+        "mem": peak_memory_gib(device), "data": 100 * data_seconds / elapsed, "loss": loss.item(),
     }))
 
 

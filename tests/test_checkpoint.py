@@ -161,14 +161,23 @@ def test_preempted_two_rank_run_resumes_exactly_then_on_one_rank(tmp_path, refer
     assert "at step 2" in out and sorted(logged_losses(out)) == [3]
 
 
-def test_nan_loss_stops_naming_the_step_and_saves_nothing_of_it(tmp_path):
-    run = flags(tmp_path, 6, "--checkpoint.enable", "--checkpoint.interval", 1, "--optimizer.lr", "1e6", "--training.max_norm", 0)
-    out = run_titanlite(run)
+def nan_step(out: subprocess.CompletedProcess) -> int:
     assert out.returncode == 2, out.stderr
     line = out.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: the loss or the gradient norm became NaN or inf at step ")
-    bad_step = int(line.split("at step ")[1].split(";")[0])
+    assert line.startswith("error: the loss or the gradient norm became NaN or inf at step "), out.stderr
+    return int(line.split("at step ")[1].split(";")[0])
+
+
+def test_nan_loss_stops_naming_the_step_and_saves_nothing_of_it(tmp_path):
+    diverging = ("--checkpoint.enable", "--optimizer.lr", "1e6", "--training.max_norm", 0)
+    bad_step = nan_step(run_titanlite(flags(tmp_path, 6, *diverging, "--checkpoint.interval", 1)))
     assert steps_on_disk(tmp_path) == [f"step-{s}" for s in range(1, bad_step)]
+    # Steps neither logged nor saved are checked a step late; the error still names the first bad one
+    # and the save of the step after it never happens.
+    late = tmp_path / "late"
+    run = flags(late, bad_step + 1, *diverging, "--checkpoint.interval", bad_step + 1, "--metrics.log_freq", 100)
+    assert nan_step(run_titanlite(run)) == bad_step
+    assert steps_on_disk(late) == []
 
 
 @pytest.fixture(scope="module")

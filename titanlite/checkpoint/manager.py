@@ -163,12 +163,16 @@ class CheckpointManager:
             self._save_hf(step)
         if force and not cfg.enable:
             logger.warning(f"stopping at step {step} without saving: checkpoint.enable is false")
-        if not cfg.enable or not (force or last or step % cfg.interval == 0):
+        if not cfg.enable or not (force or last or self.saves_at(step)):
             return
         if last and cfg.last_save_model_only and not force:
             self._save(step, self._export_state, wait=True, note=f"model only, {cfg.export_dtype}")
         else:
             self._save(step, self._full_state, wait=force or last)
+
+    def saves_at(self, step: int) -> bool:
+        """Whether the checkpoint interval saves this step (the last step and preemption save too)."""
+        return self.cfg.enable and step % self.cfg.interval == 0
 
     def save_seed(self) -> None:
         """Step 0, model only: lets a large run start from weights initialised once, on one process."""

@@ -4,6 +4,10 @@ Slurm sends SIGTERM (or the --signal of the job, often SIGUSR1) before the time 
 Kubernetes sends SIGTERM before eviction, and torchrun forwards SIGTERM to its workers. The
 handler only raises a flag; at the end of each step all ranks all-reduce their flags, so they
 stop at the same step boundary, save, and exit 0 together, whichever rank got the signal.
+
+Reading the reduced flags makes the host wait for the GPU. So a step's flags are read at the end
+of the next step (the GPU is then still busy with that step's kernels), except where the step
+must be known good at once: before a save, a validation, a log line, and at the last step.
 """
 
 import signal
@@ -26,27 +30,35 @@ class StopFlags:
         self.device = device
         self.check_finite = check_finite
         self.signal: str | None = None
+        self.unread: list[tuple[int, torch.Tensor]] = []  # (step, its reduced flags) not yet looked at
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
 
     def _on_signal(self, signum, _frame) -> None:
         self.signal = self.signal or signal.Signals(signum).name
 
-    def should_stop(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    def should_stop(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, settle: bool) -> bool:
         """True on every rank when any rank was signalled; a non-finite loss or gradient norm
-        stops the run here, before anything of this state is saved."""
+        stops the run, naming its step, before anything of that state is saved. With `settle`,
+        this step's flags are read now; without, they wait for the next call."""
         flags = torch.zeros(2, device=self.device)
         flags[0] = self.signal is not None
         if self.check_finite:
             flags[1] = ~(torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach()))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, nonfinite = flags.tolist()
-        if nonfinite:
-            raise UserError(
-                f"the loss or the gradient norm became NaN or inf at step {step}; stopped without saving this state: lower optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nan_check true to go on"
-            )
+        self.unread.append((step, flags))
+        signalled, keep = False, 0 if settle else 1
+        while len(self.unread) > keep:
+            flagged_step, flags = self.unread.pop(0)
+            stop, nonfinite = flags.tolist()
+            if nonfinite:
+                raise UserError(
+                    f"the loss or the gradient norm became NaN or inf at step {flagged_step}; stopped without saving this state: lower optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nan_check true to go on"
+                )
+            if stop:  # a save of this step follows, so it must be known good too
+                signalled, keep = True, 0
         if signalled and self.signal is None:
             self.signal = "a stop signal on another rank"
-        return bool(signalled)
+        return signalled
 
     def close(self) -> None:
         for sig, handler in self.previous.items():
