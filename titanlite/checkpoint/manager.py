@@ -194,13 +194,20 @@ class CheckpointManager:
             save.blocked = save.done_at - entered
             self._finished(save)
             return
-        save.future = self.saver.submit(self._save_in_background, state, path, save.staged)
+        # The copy may run on a CUDA stream of its own, which does not wait for training's stream:
+        # it must start only once the GPU has finished the optimizer step that made this state.
+        computed = torch.cuda.Event() if torch.cuda.is_available() else None
+        if computed is not None:
+            computed.record()
+        save.future = self.saver.submit(self._save_in_background, state, path, save.staged, computed)
         save.blocked = time.perf_counter() - entered
         save.future.add_done_callback(save.mark_done)
         self.pending = save
 
-    def _save_in_background(self, state: dict, path: Path, staged: threading.Event) -> None:
+    def _save_in_background(self, state: dict, path: Path, staged: threading.Event, computed: torch.cuda.Event | None) -> None:
         try:
+            if computed is not None:
+                computed.synchronize()
             response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.async_group, async_stager=self.stager)
             response.staging_completion.result()
         finally:
