@@ -58,6 +58,7 @@ SUMMARY = re.compile(
 )
 SAVE = re.compile(r"checkpoint step-(\d+) saved in ([\d.]+)s, training blocked ([\d.]+)s")
 LOSS = re.compile(r"step: (\d+)\s+loss: ([\d.]+)")
+SAVE_STEPS_TOUCHED = 3  # steps after a save whose time the checkpoint cross-check charges to it
 STEP_TPS = re.compile(r"step: (\d+)\s+loss: .*?tps: ([\d,]+)")
 
 
@@ -181,10 +182,14 @@ def measure_row(name: str, args, work: Path) -> dict:
     row["saves"] = [(int(s), float(t), float(b)) for s, t, b in SAVE.findall(output) if int(s) != last]
     if name.startswith("ckpt"):
         seconds = {int(s): args.batch * args.seq_len / float(t.replace(",", "")) for s, t in STEP_TPS.findall(output)}
-        # A save runs after its step's log line, so its time shows in the next step's line.
-        hit = {s + 1 for s, _, _ in row["saves"]}
-        usual = [t for s, t in seconds.items() if s > args.warmup and s not in hit]
-        row["save_step_extra"] = [seconds[s] - statistics.median(usual) for s in sorted(hit) if s in seconds and usual]
+        # A save runs after its step's log line, so its time shows in the next steps' lines: the
+        # blocking part in the next one, background work in the next few. Each save is charged
+        # what those steps took beyond a step that no save touches.
+        after = range(1, min(SAVE_STEPS_TOUCHED, args.ckpt_interval - 1) + 1)
+        touched = {save: [save + k for k in after if save + k in seconds] for save, _, _ in row["saves"]}
+        untouched = [t for s, t in seconds.items() if s > args.warmup and not any(s in steps for steps in touched.values())]
+        usual = statistics.median(untouched) if untouched else float("nan")
+        row["save_step_extra"] = [sum(seconds[s] - usual for s in steps) for steps in touched.values() if steps]
     return row
 
 
@@ -239,8 +244,8 @@ def checkpoint_line(results: dict[str, dict]) -> str:
         f"blocks it {async_blocked:.3f}s (and completes in the background in {async_total:.3f}s) = "
         f"{100 * share:.1f}% of the synchronous block ({verdict} the 5% bound); saves during training: "
         f"{len(sync)} sync, {len(asyn)} async (as CheckpointManager reports them)\n"
-        f"checkpoint cross-check: a step with a save took {extra['ckpt_sync']:+.3f}s (sync) and "
-        f"{extra['ckpt_async']:+.3f}s (async) longer than the median step without one"
+        f"checkpoint cross-check: the {SAVE_STEPS_TOUCHED} steps after a save took {extra['ckpt_sync']:+.3f}s (sync) and "
+        f"{extra['ckpt_async']:+.3f}s (async) longer in all than steps no save touches"
     )
 
 
