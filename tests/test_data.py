@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import logged_losses, run_titanlite
 from titanlite.config_sections import Model
 from titanlite.data.datasets import DataParallelLoader, build_dataloader
 from titanlite.data.documents import IndexedDocuments, StreamedDocuments
@@ -110,6 +111,45 @@ def test_malformed_tokenizer_file_is_a_user_error(tmp_path):
     bad.write_text("not base64 at all!\n")
     with pytest.raises(UserError, match=re.escape(str(bad)) + ".*line 1"):
         Tokenizer(bad)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory):
+    """A real SentencePiece BPE model made like Llama 2's (byte fallback, no normalisation, unk 0,
+    bos 1, eos 2), from documents the test text below is not in."""
+    import sentencepiece
+
+    path = tmp_path_factory.mktemp("sentencepiece") / "tokenizer.model"
+    with path.open("wb") as out:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter("\n".join(sample_documents()[:60]).splitlines()), model_writer=out,
+            vocab_size=400, model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+        )
+    return path
+
+
+def test_a_sentencepiece_tokenizer_model_is_read_with_its_own_bos_and_eos(sentencepiece_model):
+    sp = build_tokenizer(Model(tokenizer_path=str(sentencepiece_model)))
+    assert (sp.vocab_size, sp.bos_id, sp.eos_id) == (400, 1, 2)
+    text = sample_documents()[70] + " <s> and </s> are text here, and so is \u00e9\u6f22."
+    ids = sp.encode(text, bos=True, eos=True)
+    assert ids[0] == 1 and ids[-1] == 2 and 1 not in ids[1:-1] and 2 not in ids[1:-1]
+    assert max(ids) < 400 and sp.decode(ids) == text  # byte fallback: nothing is lost
+
+
+def test_llama2_trains_with_a_sentencepiece_tokenizer(tiny_run, sentencepiece_model):
+    out = run_titanlite(tiny_run + ["--model.name", "llama2", "--model.tokenizer_path", str(sentencepiece_model)])
+    assert out.returncode == 0, out.stderr
+    assert "model llama2/debugmodel: " in out.stderr and "vocab 400 |" in out.stderr
+    assert sorted(logged_losses(out.stderr)) == [1, 2, 3, 4]
+
+
+def test_a_damaged_sentencepiece_file_is_one_sentence(tmp_path, sentencepiece_model):
+    bad = tmp_path / "tokenizer.model"
+    bad.write_bytes(sentencepiece_model.read_bytes()[:3000])
+    with pytest.raises(UserError, match=f"cannot use the tokenizer file {re.escape(str(bad))}: .*set model.tokenizer_path"):
+        build_tokenizer(Model(tokenizer_path=str(bad)))
 
 
 # --- packing, sharding, epochs ---------------------------------------------------------------

@@ -29,7 +29,7 @@ class Job:
 class Model:
     name: str = opt("llama3", "model family from the registry (python -m titanlite.models lists them)")
     flavor: str = opt("debugmodel", "size of the family, e.g. debugmodel, 1B, 8B")
-    tokenizer_path: str = opt("", "tiktoken BPE file (Llama 3 tokenizer.model format); empty = the shipped assets/tokenizer.model")
+    tokenizer_path: str = opt("", "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart by its bytes; empty = the shipped assets/tokenizer.model")
     hf_assets_path: str = opt("", "folder holding tokenizer.model (as downloaded from Hugging Face); used when tokenizer_path is empty")
     moe_aux_loss_coeff: float = opt(0.01, "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none")
 

@@ -1,6 +1,9 @@
-"""Byte-level BPE in the tiktoken file format of Llama 3's tokenizer.model.
+"""Tokenizer files: Llama 3's tiktoken BPE, and the SentencePiece models of Llama 2, Mistral and Mixtral.
 
-The file holds one `base64(token bytes) rank` per line. Llama 3's pre-tokenisation regex splits
+Both are called tokenizer.model; which one a file is shows in its bytes (tiktoken's is text,
+SentencePiece's a binary protobuf), so no key says it.
+
+A tiktoken file holds one `base64(token bytes) rank` per line. Llama 3's pre-tokenisation regex splits
 text into pieces before BPE, and its 256 special tokens are numbered after the last rank, so a
 real Llama 3 file gives 128000 ranks + 256 specials = 128256 ids, bos 128000 and eos 128001.
 
@@ -59,7 +62,7 @@ def read_bpe_ranks(path: Path) -> dict[bytes, int]:
 
 
 class Tokenizer:
-    """Encodes text to ids and back; `origin` is the config key the path came from, for errors."""
+    """Tiktoken BPE: encodes text to ids and back; `origin` is the config key the path came from, for errors."""
 
     def __init__(self, path: str | Path, origin: str = "model.tokenizer_path"):
         self.path = Path(path)
@@ -81,11 +84,7 @@ class Tokenizer:
         )
 
     def _fix(self, origin: str) -> str:
-        if self.path == SHIPPED_TOKENIZER:
-            return "run `python scripts/build_tokenizer.py` to create it, or set model.tokenizer_path"
-        if origin == "model.hf_assets_path":
-            return "put the model's tokenizer.model in model.hf_assets_path or set model.tokenizer_path"
-        return f"set {origin} to a tiktoken BPE file such as Llama 3's tokenizer.model"
+        return fix_for(self.path, origin)
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         """Ids of `text`; text that looks like a special token is encoded as ordinary text."""
@@ -99,10 +98,60 @@ class Tokenizer:
         return self._encoding.decode(ids)
 
 
-def build_tokenizer(model_cfg) -> Tokenizer:
+class SentencePieceTokenizer:
+    """A SentencePiece model (Llama 2, Mistral, Mixtral): its own bos and eos, no extra specials."""
+
+    def __init__(self, path: Path, origin: str):
+        import sentencepiece
+
+        self.path = path
+        try:
+            self._model = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as error:  # its parser says what is wrong in one line
+            raise UserError(f"cannot use the tokenizer file {path}: {str(error).strip()}; {fix_for(path, origin)}") from None
+        self.bos_id, self.eos_id = self._model.bos_id(), self._model.eos_id()
+        if self.bos_id < 0 or self.eos_id < 0:
+            raise UserError(f"the SentencePiece tokenizer {path} has no bos or eos piece, which titanlite puts around every document; {fix_for(path, origin)}")
+        self.vocab_size = self._model.vocab_size()
+
+    def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        """Ids of `text`; "<s>" or "</s>" in the text are ordinary text, as in Tokenizer."""
+        return ([self.bos_id] if bos else []) + self._model.encode(text) + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: list[int]) -> str:
+        return self._model.decode(ids)
+
+
+def fix_for(path: Path, origin: str) -> str:
+    """The second half of a tokenizer error: what to do about it."""
+    if path == SHIPPED_TOKENIZER:
+        return "run `python scripts/build_tokenizer.py` to create it, or set model.tokenizer_path"
+    if origin == "model.hf_assets_path":
+        return "put the model's tokenizer.model in model.hf_assets_path or set model.tokenizer_path"
+    return f"set {origin} to the model's tokenizer.model (tiktoken BPE as Llama 3's, or SentencePiece as Llama 2's)"
+
+
+def is_sentencepiece(path: Path) -> bool:
+    """A SentencePiece model is a protobuf whose first field, the pieces, starts with tag byte 0x0a
+    and holds binary scores; a tiktoken file is base64 text."""
+    with path.open("rb") as file:
+        head = file.read(4096)
+    return head.startswith(b"\n") and (b"\0" in head or not head.isascii())
+
+
+def load_tokenizer(path: str | Path, origin: str = "model.tokenizer_path") -> Tokenizer | SentencePieceTokenizer:
+    path = Path(path)
+    try:
+        sentencepiece = is_sentencepiece(path)
+    except OSError:  # missing or unreadable: Tokenizer words it
+        sentencepiece = False
+    return SentencePieceTokenizer(path, origin) if sentencepiece else Tokenizer(path, origin)
+
+
+def build_tokenizer(model_cfg) -> Tokenizer | SentencePieceTokenizer:
     """model.tokenizer_path if set, else tokenizer.model in model.hf_assets_path, else the shipped one."""
     if model_cfg.tokenizer_path:
-        return Tokenizer(model_cfg.tokenizer_path, origin="model.tokenizer_path")
+        return load_tokenizer(model_cfg.tokenizer_path, origin="model.tokenizer_path")
     if model_cfg.hf_assets_path:
-        return Tokenizer(Path(model_cfg.hf_assets_path) / "tokenizer.model", origin="model.hf_assets_path")
-    return Tokenizer(SHIPPED_TOKENIZER)
+        return load_tokenizer(Path(model_cfg.hf_assets_path) / "tokenizer.model", origin="model.hf_assets_path")
+    return load_tokenizer(SHIPPED_TOKENIZER)
