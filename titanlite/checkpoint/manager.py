@@ -100,17 +100,16 @@ class CheckpointManager:
         self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
         self.state = TrainState()
         self.pending: _Save | None = None  # the async save in flight
-        self.stager = self.saver = None
+        self.staging = self.saver = None
         self.async_group = None
         if cfg.enable and cfg.async_mode != "disabled":
             # Async saves run their collectives from a background thread; on the training process
             # group they could interleave with the training collectives and deadlock.
             self.async_group = dist.new_group(backend="gloo")
             pinned = cfg.async_mode == "async_with_pinned_mem"
-            # One stager for the whole run: it keeps its host buffers (pinned ones on CUDA) between
-            # saves and copies into them from its own thread (a CUDA stream of its own when pinned).
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=pinned))
+            # The copy runs in the stager's own thread (on a CUDA stream of its own when pinned).
+            self.staging = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                          use_async_staging=True, use_non_blocking_copy=pinned)
             optimizer.register_step_pre_hook(self._wait_for_staging)
             # Even starting a DCP save costs milliseconds of Python; this thread pays them instead.
             self.saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
@@ -199,18 +198,23 @@ class CheckpointManager:
         computed = torch.cuda.Event() if torch.cuda.is_available() else None
         if computed is not None:
             computed.record()
-        save.future = self.saver.submit(self._save_in_background, state, path, save.staged, computed)
+        # A stager per save: torch 2.11's cannot stage twice (it clears its tables after a copy).
+        # Made here, on the training thread, as DCP asks for the CUDA stream it creates.
+        stager = DefaultStager(self.staging)
+        save.future = self.saver.submit(self._save_in_background, state, path, save.staged, computed, stager)
         save.blocked = time.perf_counter() - entered
         save.future.add_done_callback(save.mark_done)
         self.pending = save
 
-    def _save_in_background(self, state: dict, path: Path, staged: threading.Event, computed: torch.cuda.Event | None) -> None:
+    def _save_in_background(self, state: dict, path: Path, staged: threading.Event, computed: torch.cuda.Event | None,
+                            stager: DefaultStager) -> None:
         try:
             if computed is not None:
                 computed.synchronize()
-            response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.async_group, async_stager=self.stager)
+            response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.async_group, async_stager=stager)
             response.staging_completion.result()
         finally:
+            stager.close()  # its thread; the copy itself lives on in the upload until it is written
             staged.set()  # on an error too: the optimizer step goes on and the save's future holds the error
         response.upload_completion.result()
 
@@ -258,9 +262,8 @@ class CheckpointManager:
         finally:
             if self.purger:
                 self.purger.shutdown(wait=True)
-            if self.stager is not None:  # their threads and the host buffers
+            if self.saver is not None:
                 self.saver.shutdown(wait=True)
-                self.stager.close()
 
     # ---------------------------------------------------------------- loading
     def load(self) -> TrainState:
