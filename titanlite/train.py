@@ -228,13 +228,13 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                     loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device,
                                                      metrics, loss_fn)
                 state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
-                last, logging = step == training.steps, metrics.should_log(step)
+                last, logged = step == training.steps, metrics.should_log(step)
                 validating = validator is not None and validator.should_validate(step)
                 # A step that is logged, validated or saved must be known finite now; the others are
                 # checked one step later, so the host need not wait for the GPU every step.
-                settle = last or logging or validating or checkpointer.saves_at(step)
+                settle = last or logged or validating or checkpointer.saves_at(step)
                 preempted = stop.should_stop(step, loss, grad_norm, settle)
-                if logging:
+                if logged:
                     metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr, extra=model_metrics(model))
                 if validating and not preempted:
                     validator.validate(model, step)
