@@ -135,7 +135,7 @@ def bare_loop(args) -> None:
 
 
 # ---------------------------------------------------------------- running rows
-def trainer_flags(args, folder: Path, extra: list[str], dp: int = 1) -> list[str]:
+def trainer_flags(args, folder: Path, extra: list[str]) -> list[str]:
     return [
         "--job.config_file", CONFIG, "--job.dump_folder", str(folder),
         "--training.dataset", "synthetic", "--training.seq_len", str(args.seq_len),

@@ -21,12 +21,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titanlite.checkpoint.fit import check_model_fits, load_in_place, model_tensors, read_metadata
-from titanlite.checkpoint.folders import METADATA
+from titanlite.checkpoint.folders import METADATA, is_complete
 from titanlite.checkpoint.hf_io import HFReader, HFWriter, layer_groups, read_hf_tensors
-from titanlite.checkpoint.manager import EXPORT_DTYPES
 from titanlite.config import load_config
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
+from titanlite.parallel.fsdp import DTYPES
 
 USAGE = """usage: python -m titanlite.convert {hf-to-dcp,dcp-to-hf} SOURCE DESTINATION [--model.name N] [--model.flavor F]
                                   [--job.config_file X.toml] [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000]"""
@@ -50,7 +50,7 @@ def resolve_args(spec, flavor: str, vocab_size: int | None, source: Path):
 
 
 def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: str, max_shard_bytes: int) -> None:
-    if not (source / METADATA).is_file():
+    if not is_complete(source):
         raise UserError(f"{source} is not a complete DCP checkpoint: it has no {METADATA}")
     metadata = read_metadata(source)
     saved = model_tensors(metadata)
@@ -59,7 +59,7 @@ def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: st
     shapes = model_shapes(spec, args)
     model_name = f"{spec.name}/{flavor}"
     check_model_fits(metadata, shapes, source, model_name)
-    dtype = EXPORT_DTYPES[dtype_name]
+    dtype = DTYPES[dtype_name]
     writer = HFWriter(destination, max_shard_bytes)
     for group in layer_groups(shapes):
         state = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in group}

@@ -107,9 +107,6 @@ class HFReader:
         self.weight_map: dict[str, str] = weight_map
         self._files: dict[str, object] = {}
 
-    def names(self) -> list[str]:
-        return list(self.weight_map)
-
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise UserError(f"the Hugging Face folder {self.folder} lacks the tensor {name}; it holds another model")

@@ -32,14 +32,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint.fit import check_model_fits, holds_training_state, load_in_place, read_metadata
-from titanlite.checkpoint.folders import METADATA, list_steps, purge_old, step_folder
+from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, step_folder
 from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
 from titanlite.config_sections import Checkpoint
 from titanlite.errors import UserError
 from titanlite.log import logger
-
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
+from titanlite.parallel.fsdp import DTYPES
 
 @dataclass
 class _Save:
@@ -148,7 +146,7 @@ class CheckpointManager:
         }
 
     def _export_state(self) -> dict:
-        dtype = EXPORT_DTYPES[self.cfg.export_dtype]
+        dtype = DTYPES[self.cfg.export_dtype]
         return {fqn: t.to(dtype) for fqn, t in self._model_state().items()}
 
     # ---------------------------------------------------------------- saving
@@ -251,7 +249,7 @@ class CheckpointManager:
         cfg = self.cfg
         path = self.root / f"step-{step}-hf"
         started = time.perf_counter()
-        save_model_as_hf(self._model_state(), path, self.hf_adapter, self.model_args, EXPORT_DTYPES[cfg.export_dtype],
+        save_model_as_hf(self._model_state(), path, self.hf_adapter, self.model_args, DTYPES[cfg.export_dtype],
                          writer_rank=self.rank == 0)
         logger.info(f"model saved in Hugging Face format ({cfg.export_dtype}) to {path} in {time.perf_counter() - started:.2f}s")
 
@@ -284,7 +282,7 @@ class CheckpointManager:
                 load_model_from_hf(self._model_state(), path, self.hf_adapter, self.model_args, self.model_name)
                 logger.info(f"loaded the model from the Hugging Face folder {path}")
             else:
-                if not (path / METADATA).is_file():
+                if not is_complete(path):
                     raise UserError(f"checkpoint.initial_load_path {path} is not a complete DCP checkpoint (no {METADATA} in it)")
                 self._load_dcp(path, resume=not cfg.initial_load_model_only)
         return self.state
@@ -341,10 +339,10 @@ class CheckpointManager:
         same_data_split = saved_dp == self.dp_degree and data_key in keys
         if same_data_split:
             state["dataloader"] = {f"dp_rank_{self.dp_rank}": b""}
-        rng_key = f"rng.rank_{self.rank}"
-        same_ranks = all(f"{rng_key}.{device}" in keys for device in self._rng_state())
+        rng_key, rng_state = f"rng.rank_{self.rank}", self._rng_state()
+        same_ranks = all(f"{rng_key}.{device}" in keys for device in rng_state)
         if same_ranks:
-            state["rng"] = {f"rank_{self.rank}": self._rng_state()}
+            state["rng"] = {f"rank_{self.rank}": rng_state}
         load_in_place(path, state)
 
         set_model_state_dict(self.model, {k: state[k] for k in model_state})

@@ -69,10 +69,10 @@ class Tokenizer:
         try:
             ranks = read_bpe_ranks(self.path)
         except FileNotFoundError:
-            raise UserError(f"the tokenizer file {self.path} does not exist; {self._fix(origin)}") from None
+            raise UserError(f"the tokenizer file {self.path} does not exist; {fix_for(self.path, origin)}") from None
         except (OSError, ValueError) as error:
             reason = error.strerror if isinstance(error, OSError) else error
-            raise UserError(f"cannot use the tokenizer file {self.path}: {reason}; {self._fix(origin)}") from None
+            raise UserError(f"cannot use the tokenizer file {self.path}: {reason}; {fix_for(self.path, origin)}") from None
         self.bos_id = len(ranks)
         self.eos_id = len(ranks) + 1
         self.vocab_size = len(ranks) + len(SPECIAL_TOKENS)
@@ -82,9 +82,6 @@ class Tokenizer:
             mergeable_ranks=ranks,
             special_tokens={token: len(ranks) + i for i, token in enumerate(SPECIAL_TOKENS)},
         )
-
-    def _fix(self, origin: str) -> str:
-        return fix_for(self.path, origin)
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         """Ids of `text`; text that looks like a special token is encoded as ordinary text."""

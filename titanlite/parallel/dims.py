@@ -12,7 +12,6 @@ from titanlite.errors import UserError
 class ParallelDims:
     dp_replicate: int
     dp_shard: int
-    world_size: int
     mesh: DeviceMesh | None = field(default=None, repr=False)  # set by build_mesh
 
     @classmethod
@@ -36,7 +35,7 @@ class ParallelDims:
                 f"= {replicate * shard} do not match the world size {world_size}; set data_parallel_shard_degree = -1 "
                 "or launch that many processes"
             )
-        return cls(replicate, shard, world_size)
+        return cls(replicate, shard)
 
     @property
     def dp_degree(self) -> int:

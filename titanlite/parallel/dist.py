@@ -17,7 +17,6 @@ from titanlite.errors import UserError
 @dataclass(frozen=True)
 class DistInfo:
     rank: int
-    local_rank: int
     world_size: int
     device: torch.device
 
@@ -54,7 +53,7 @@ def init_distributed() -> DistInfo:
         dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return DistInfo(rank, local_rank, world_size, device)
+    return DistInfo(rank, world_size, device)
 
 
 def close_distributed() -> None:
