@@ -41,12 +41,15 @@ class PackedTokens(IterableDataset):
         self.load_state_dict({"epoch": 0, "position": None, "buffer": []})
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "buffer": list(self.buffer)}
+        return {"epoch": self.epoch, "position": self.position, "buffer": self.buffer[self.taken:]}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = state["epoch"]
         self.position = state["position"]
         self.buffer = list(state["buffer"])
+        # Tokens at the front of the buffer already cut into windows: dropped once per document,
+        # not per window, since re-slicing the rest for every window is quadratic in a long document.
+        self.taken = 0
 
     def __iter__(self) -> Iterator[Window]:
         window = self.seq_len + 1
@@ -56,9 +59,12 @@ class PackedTokens(IterableDataset):
                 read_any = True
                 self.position = position
                 self.buffer += self.tokenizer.encode(text, bos=True, eos=True)
-                while len(self.buffer) >= window:
-                    tokens, self.buffer = self.buffer[:window], self.buffer[window:]
+                while len(self.buffer) - self.taken >= window:
+                    tokens = self.buffer[self.taken : self.taken + window]
+                    self.taken += window
                     yield split_window(torch.tensor(tokens, dtype=torch.long))
+                del self.buffer[: self.taken]
+                self.taken = 0
             if not read_any:  # would otherwise loop forever over empty epochs
                 raise UserError(
                     "a data-loading worker got no documents at all; use fewer training.num_workers "
