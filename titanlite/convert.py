@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from titanlite.checkpoint.fit import check_model_fits, load_in_place, model_tensors, read_metadata
 from titanlite.checkpoint.folders import METADATA, is_complete
-from titanlite.checkpoint.hf_io import HFReader, HFWriter, layer_groups, read_hf_tensors
+from titanlite.checkpoint.hf_io import DEFAULT_MAX_SHARD_BYTES, HFReader, layer_groups, read_hf_tensors, write_hf_folder
 from titanlite.config import load_config
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
@@ -59,13 +59,14 @@ def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: st
     shapes = model_shapes(spec, args)
     model_name = f"{spec.name}/{flavor}"
     check_model_fits(metadata, shapes, source, model_name)
-    dtype = DTYPES[dtype_name]
-    writer = HFWriter(destination, max_shard_bytes)
-    for group in layer_groups(shapes):
-        state = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in group}
-        load_in_place(source, state)
-        writer.add({name: t.to(dtype) for name, t in spec.hf_adapter.to_hf(state, args).items()})
-    writer.finish(spec.hf_adapter.hf_config(args, dtype_name))
+
+    def layers():
+        for group in layer_groups(shapes):
+            state = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in group}
+            load_in_place(source, state)
+            yield state
+
+    write_hf_folder(layers(), destination, spec.hf_adapter, args, DTYPES[dtype_name], max_shard_bytes)
 
 
 def hf_to_dcp(source: Path, destination: Path, spec, flavor: str) -> None:
@@ -98,7 +99,7 @@ def run(argv: list[str]) -> None:
     if len(argv) < 3 or argv[0] not in COMMANDS or argv[1].startswith("--") or argv[2].startswith("--"):
         raise UserError(f"expected a command ({' or '.join(COMMANDS)}), a source and a destination folder; {USAGE.split(chr(10))[0]}")
     command, source, destination = argv[0], Path(argv[1]), Path(argv[2])
-    flags, max_shard_mb = _pop_option(argv[3:], "--max_shard_mb", "5000")
+    flags, max_shard_mb = _pop_option(argv[3:], "--max_shard_mb", str(DEFAULT_MAX_SHARD_BYTES // 10**6))
     try:
         max_shard_bytes = int(float(max_shard_mb) * 10**6)
     except ValueError:

@@ -124,19 +124,26 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def write_hf_folder(layers: Iterable[dict[str, torch.Tensor]], folder: Path, adapter, args, dtype: torch.dtype,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, write: bool = True) -> None:
+    """Convert each group of full titanlite tensors to HF names and `dtype` and write them, then the
+    config. Without `write` the groups are still drawn (their gathers are collective), not written."""
+    writer = HFWriter(folder, max_shard_bytes) if write else None
+    for full in layers:
+        if writer:
+            writer.add({name: t.to(dtype) for name, t in adapter.to_hf(full, args).items()})
+    if writer:
+        writer.finish(adapter.hf_config(args, str(dtype).removeprefix("torch.")))
+
+
 @torch.no_grad()
 def save_model_as_hf(state_dict: dict, folder: Path, adapter, args, dtype: torch.dtype, writer_rank: bool) -> None:
     """Write a (possibly sharded) model state dict as an HF folder, one layer at a time.
 
     Every rank takes part in gathering each layer; only `writer_rank` holds it and writes.
     """
-    writer = HFWriter(folder) if writer_rank else None
-    for group in layer_groups(state_dict):
-        full = {name: _full(state_dict[name]) for name in group}
-        if writer:
-            writer.add({name: t.to(dtype) for name, t in adapter.to_hf(full, args).items()})
-    if writer:
-        writer.finish(adapter.hf_config(args, str(dtype).removeprefix("torch.")))
+    layers = ({name: _full(state_dict[name]) for name in group} for group in layer_groups(state_dict))
+    write_hf_folder(layers, folder, adapter, args, dtype, write=writer_rank)
 
 
 def read_hf_tensors(reader: HFReader, shapes: dict[str, tuple], adapter, args, model_name: str) -> Iterator[tuple[str, torch.Tensor]]:
