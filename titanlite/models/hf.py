@@ -11,7 +11,9 @@ Both conversions work on any subset of a state dict (one layer, one tensor) of f
 tensors, so checkpoints are converted a few tensors at a time, never a whole large model at once.
 A family declares a table of name templates ("{}" stands for the layer number) and, where a
 tensor's layout differs, overrides `tensor_to_hf` / `tensor_from_hf`; families whose tensors do
-not map one to one (fused or stacked weights) override to_hf / from_hf / hf_names.
+not map one to one (fused or stacked weights) override to_hf / from_hf / hf_names. Tied
+embeddings (`args.tie_embeddings`) are handled here for every family: HF stores the shared
+matrix once, as the token embedding.
 """
 
 import abc
@@ -91,11 +93,14 @@ class HFAdapter(abc.ABC):
         return ours
 
     def hf_names(self, name: str, args) -> list[str]:
+        if args.tie_embeddings and name == "output.weight":
+            name = "tok_embeddings.weight"
         return [self.hf_name(name)]
 
     # --- conversions ---
     def to_hf(self, state_dict: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-        return {self.hf_name(name): self.tensor_to_hf(name, tensor, args) for name, tensor in state_dict.items()}
+        return {self.hf_name(name): self.tensor_to_hf(name, tensor, args) for name, tensor in state_dict.items()
+                if not (args.tie_embeddings and name == "output.weight")}
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
         out = {}
@@ -103,6 +108,8 @@ class HFAdapter(abc.ABC):
             name = self.titanlite_name(hf_name)
             if name is not None:
                 out[name] = self.tensor_from_hf(name, tensor, args)
+        if args.tie_embeddings and "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
         return out
 
     @abc.abstractmethod

@@ -28,6 +28,10 @@ class GPT2Args:
     def ffn_hidden_dim(self) -> int:
         return 4 * self.dim
 
+    @property
+    def tie_embeddings(self) -> bool:
+        return True  # GPT-2's output projection is always its token embedding matrix
+
 
 _GPT2 = GPT2Args()
 

@@ -37,18 +37,6 @@ class GPT2HFAdapter(HFAdapter):
     def tensor_from_hf(self, name: str, tensor: torch.Tensor, args) -> torch.Tensor:
         return tensor.t().contiguous() if _CONV1D.match(name) else tensor
 
-    def to_hf(self, state_dict, args):
-        return super().to_hf({k: v for k, v in state_dict.items() if k != "output.weight"}, args)
-
-    def from_hf(self, hf_state_dict, args):
-        out = super().from_hf(hf_state_dict, args)
-        if "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-        return out
-
-    def hf_names(self, name: str, args) -> list[str]:
-        return super().hf_names("tok_embeddings.weight" if name == "output.weight" else name, args)
-
     def hf_config(self, args, dtype: str = "float32") -> dict:
         return {
             "architectures": list(self.architectures),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from titanlite.models.gpt2.args import GPT2Args
 from titanlite.models.init import trunc_normal_
-from titanlite.models.llama.model import check_seq_len
+from titanlite.models.llama.model import KeepsTiedEmbeddings, check_seq_len
 
 # OpenAI's GPT-2 init: weights N(0, 0.02), position embeddings N(0, 0.01), and the projections
 # that write into the residual stream scaled by 1/sqrt(2 * layers).
@@ -69,7 +69,7 @@ class TransformerBlock(nn.Module):
             nn.init.zeros_(linear.bias)
 
 
-class GPT2(nn.Module):
+class GPT2(KeepsTiedEmbeddings):
     def __init__(self, args: GPT2Args):
         super().__init__()
         self.args = args
@@ -108,10 +108,3 @@ class GPT2(nn.Module):
         """
         total = sum(p.numel() for p in self.parameters())
         return total - self.pos_embeddings.weight.numel() if exclude_embedding else total
-
-    def _apply(self, fn, recurse=True):
-        # Module.to_empty / .to may replace each module's Parameter separately, which would split
-        # the tied matrix in two; point the output back at the embedding.
-        super()._apply(fn, recurse)
-        self.output.weight = self.tok_embeddings.weight
-        return self

@@ -45,23 +45,6 @@ class LlamaHFAdapter(HFAdapter):
         heads = self._rope_heads(name, args)
         return tensor if heads is None else rope_halves_to_pairs(tensor, heads)
 
-    # Tied embeddings: HF stores the shared matrix once, as embed_tokens.
-    def to_hf(self, state_dict, args):
-        if args.tie_embeddings:
-            state_dict = {k: v for k, v in state_dict.items() if k != "output.weight"}
-        return super().to_hf(state_dict, args)
-
-    def from_hf(self, hf_state_dict, args):
-        out = super().from_hf(hf_state_dict, args)
-        if args.tie_embeddings and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-        return out
-
-    def hf_names(self, name: str, args) -> list[str]:
-        if args.tie_embeddings and name == "output.weight":
-            return [self.hf_name("tok_embeddings.weight")]
-        return super().hf_names(name, args)
-
     def hf_config(self, args, dtype: str = "float32") -> dict:
         config = {
             "architectures": list(self.architectures),

@@ -168,7 +168,19 @@ def check_seq_len(tokens: torch.Tensor, max_seq_len: int) -> int:
     return seq_len
 
 
-class Transformer(nn.Module):
+class KeepsTiedEmbeddings(nn.Module):
+    """Base of models whose output projection may be their token embedding (`args.tie_embeddings`)."""
+
+    def _apply(self, fn, recurse=True):
+        # Module.to_empty / .to may replace each module's Parameter separately, which would split
+        # a tied matrix in two; point the output back at the embedding.
+        super()._apply(fn, recurse)
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
+
+class Transformer(KeepsTiedEmbeddings):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -233,11 +245,3 @@ class Transformer(nn.Module):
         if exclude_embedding and not self.args.tie_embeddings:
             total -= self.tok_embeddings.weight.numel()
         return total
-
-    def _apply(self, fn, recurse=True):
-        # Module.to_empty / .to may replace each module's Parameter separately, which would split
-        # a tied matrix in two; point the output back at the embedding.
-        super()._apply(fn, recurse)
-        if self.args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        return self
