@@ -11,7 +11,9 @@ from conftest import build_meta, materialize, run_titanlite, tensorboard_scalars
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.models.llama.model import Attention, TransformerBlock, rope_tables, sliding_window_mask
-from titanlite.models.mixtral.moe import MoE, _grouped_swiglu, _looped_swiglu, experts_forward, load_balancing_loss, route
+from titanlite.models.mixtral.moe import (
+    MoE, _grouped_swiglu, _looped_swiglu, assignments_per_sequence, experts_forward, load_balancing_loss, route,
+)
 
 EXPECTED_PARAMS = {
     ("mistral", "7B"): 7_241_732_096,
@@ -154,12 +156,12 @@ def test_balance_loss_hand_checked():
     logits = torch.tensor([[[6.0, 3.0, 1.0], [1.0, 3.0, 6.0]]]).log()
     weights, experts = route(logits, 2)
     torch.testing.assert_close(weights[0, 0], torch.tensor([2 / 3, 1 / 3]))
-    assert load_balancing_loss(logits, experts, 3).item() == pytest.approx(0.975)
+    assert load_balancing_loss(logits, assignments_per_sequence(experts, 3)).item() == pytest.approx(0.975)
     # Top-1, both tokens to expert 0 with probability 0.75: 2 * (1 * 0.75 + 0 * 0.25) = 1.5.
     lopsided = torch.tensor([[[3.0, 1.0], [3.0, 1.0]]]).log()
-    assert load_balancing_loss(lopsided, route(lopsided, 1)[1], 2).item() == pytest.approx(1.5)
+    assert load_balancing_loss(lopsided, assignments_per_sequence(route(lopsided, 1)[1], 2)).item() == pytest.approx(1.5)
     uniform = torch.zeros(1, 4, 4)
-    assert load_balancing_loss(uniform, torch.arange(4).view(1, 4, 1), 4).item() == pytest.approx(1.0)
+    assert load_balancing_loss(uniform, assignments_per_sequence(torch.arange(4).view(1, 4, 1), 4)).item() == pytest.approx(1.0)
 
 
 def test_balance_loss_is_the_mean_over_sequences():
@@ -167,8 +169,8 @@ def test_balance_loss_is_the_mean_over_sequences():
     torch.manual_seed(0)
     logits = torch.randn(4, 16, 8)
     experts = route(logits, 2)[1]
-    per_sequence = [load_balancing_loss(logits[i : i + 1], experts[i : i + 1], 8) for i in range(4)]
-    torch.testing.assert_close(load_balancing_loss(logits, experts, 8), torch.stack(per_sequence).mean())
+    per_sequence = [load_balancing_loss(logits[i : i + 1], assignments_per_sequence(experts[i : i + 1], 8)) for i in range(4)]
+    torch.testing.assert_close(load_balancing_loss(logits, assignments_per_sequence(experts, 8)), torch.stack(per_sequence).mean())
 
 
 def naive_moe(x, weights, experts, w1, w2, w3):
@@ -233,7 +235,7 @@ def test_moe_module_returns_balance_loss_and_load():
     assert tokens_per_expert.tolist() == torch.bincount(route(moe.gate(x), 2)[1].flatten(), minlength=4).tolist()
     assert tokens_per_expert.sum() == 3 * 10 * 2
     logits = moe.gate(x)
-    torch.testing.assert_close(aux_loss, load_balancing_loss(logits, route(logits, 2)[1], 4))
+    torch.testing.assert_close(aux_loss, load_balancing_loss(logits, assignments_per_sequence(route(logits, 2)[1], 4)))
 
 
 def test_mixtral_collects_aux_loss_and_router_metrics():

@@ -22,10 +22,17 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     return top_logits.float().softmax(dim=-1), experts
 
 
-def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def assignments_per_sequence(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """experts [B, T, k] (the chosen ones) -> [B, E]: how many of each sequence's T * k
+    token-to-expert assignments went to each expert (scatter_add: a fixed shape compiles)."""
+    flat = experts.flatten(1)
+    return flat.new_zeros(flat.shape[0], num_experts).scatter_add_(1, flat, torch.ones_like(flat))
+
+
+def load_balancing_loss(logits: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
     """Switch Transformer's auxiliary loss, num_experts * sum_i f_i * P_i, per sequence, averaged.
 
-    logits [B, T, E] are the router's, experts [B, T, k] the chosen ones. f_i is expert i's share
+    logits [B, T, E] are the router's, assignments [B, E] from assignments_per_sequence. f_i is expert i's share
     of the sequence's T * k token-to-expert assignments and P_i its mean router probability (a
     softmax over all experts); both are 1/E when balanced, which gives 1.0 (Hugging Face's Mixtral
     loss is top_k times this). The gradient flows through P only: f is a count. Per sequence, as
@@ -33,9 +40,8 @@ def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor, num_experts
     ranks and micro-steps.
     """
     probs = logits.float().softmax(dim=-1).mean(dim=1)  # [B, E]
-    assignments = F.one_hot(experts.flatten(1), num_experts).sum(dim=1)  # [B, E]
-    shares = assignments.float() / experts[0].numel()
-    return num_experts * (shares * probs).sum(dim=-1).mean()
+    shares = assignments.float() / assignments.sum(dim=-1, keepdim=True)
+    return assignments.shape[-1] * (shares * probs).sum(dim=-1).mean()
 
 
 def _looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
@@ -73,7 +79,7 @@ def experts_forward(x, weights, experts, counts, w1, w2, w3, grouped: bool | Non
     sorted_x = x[order // top_k]  # assignment a belongs to token a // top_k
     grouped = _grouped_mm_supported(sorted_x) if grouped is None else grouped
     out = (_grouped_swiglu if grouped else _looped_swiglu)(sorted_x, counts, w1, w2, w3)
-    out = out[order.argsort()].view(num_tokens, top_k, -1)  # back to (token, slot) order
+    out = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)  # back to (token, slot) order
     return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
 
@@ -98,13 +104,13 @@ class MoE(nn.Module):
         batch, seq_len, dim = x.shape
         logits = self.gate(x)  # [B, T, E]
         weights, experts = route(logits, self.top_k)
-        flat = experts.flatten()  # scatter_add rather than bincount: a fixed output shape compiles
-        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+        assignments = assignments_per_sequence(experts, self.num_experts)
+        counts = assignments.sum(dim=0)
         w1, w2, w3 = (w.view(self.num_experts, -1, w.shape[-1]) for w in (self.w1, self.w2, self.w3))
         out = experts_forward(
             x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k), counts, w1, w2, w3
         )
-        return out.view(batch, seq_len, dim), load_balancing_loss(logits, experts, self.num_experts), counts
+        return out.view(batch, seq_len, dim), load_balancing_loss(logits, assignments), counts
 
     def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
         """As Llama's FeedForward: w1 (and the router) at the base std, w2 and w3 depth-scaled."""
