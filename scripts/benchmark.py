@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
 
 # name -> (what it is, extra trainer flags, processes); "bare" is the bare PyTorch loop.
+PURE_BF16 = ["--training.param_dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]
 ROWS = {
     "bare": ("bare PyTorch loop: same model, batch, AdamW, clipping", [], 1),
     "titanlite": ("titanlite trainer, same job", [], 1),
@@ -40,9 +41,7 @@ ROWS = {
     "ac_every2": ("+ selective AC of every 2nd block", ["--activation_checkpoint.mode", "selective",
                                                         "--activation_checkpoint.selective_ac_option", "2"], 1),
     "compile": ("+ compile.enable (model + loss, inductor)", ["--compile.enable"], 1),
-    "bf16_kahan": ("pure bf16 weights + AdamWBF16Kahan", ["--training.param_dtype", "bfloat16",
-                                                          "--training.mixed_precision_param", "bfloat16",
-                                                          "--optimizer.name", "AdamWBF16Kahan"], 1),
+    "bf16_kahan": ("pure bf16 weights + AdamWBF16Kahan", [*PURE_BF16, "--optimizer.name", "AdamWBF16Kahan"], 1),
     "fsdp2": ("FSDP over 2 ranks (torchrun), per-rank numbers", [], 2),
     "ckpt_sync": ("synchronous checkpoint saves", ["--checkpoint.enable", "--checkpoint.async_mode", "disabled"], 1),
     "ckpt_async": ("async checkpoint saves", ["--checkpoint.enable", "--checkpoint.async_mode", "async"], 1),
@@ -72,6 +71,10 @@ def device_name() -> str:
     except (OSError, StopIteration):
         model = platform.processor() or "unknown CPU"
     return f"{model}, {os.cpu_count()} cores (CPU)"
+
+
+def command() -> str:
+    return " ".join([Path(sys.executable).name, "scripts/benchmark.py", *sys.argv[1:]])
 
 
 def load() -> str:
@@ -135,11 +138,16 @@ def bare_loop(args) -> None:
 
 
 # ---------------------------------------------------------------- running rows
+def job_flags(folder: Path, seq_len: int, batch: int, steps: int) -> list[str]:
+    return [
+        "--job.config_file", CONFIG, "--job.dump_folder", str(folder), "--training.seq_len", str(seq_len),
+        "--training.local_batch_size", str(batch), "--training.steps", str(steps),
+    ]
+
+
 def trainer_flags(args, folder: Path, extra: list[str]) -> list[str]:
     return [
-        "--job.config_file", CONFIG, "--job.dump_folder", str(folder),
-        "--training.dataset", "synthetic", "--training.seq_len", str(args.seq_len),
-        "--training.local_batch_size", str(args.batch), "--training.steps", str(args.warmup + args.steps),
+        *job_flags(folder, args.seq_len, args.batch, args.warmup + args.steps), "--training.dataset", "synthetic",
         "--training.mixed_precision_param", args.dtype, "--metrics.log_freq", str(args.log_freq),
         "--metrics.summary_warmup_steps", str(args.warmup), "--lr_scheduler.warmup_steps", "2",
         *extra,
@@ -263,7 +271,7 @@ def benchmark(args) -> None:
     print(f"device: {device_name()}; torch {__import__('torch').__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     print(f"job: llama3 debugmodel, seq {args.seq_len}, batch {args.batch}, {args.dtype}, synthetic data, "
           f"{args.steps} steps timed after {args.warmup} warm-up steps; {load()} at start")
-    print(f"command: {' '.join([Path(sys.executable).name, 'scripts/benchmark.py', *sys.argv[1:]])}", flush=True)
+    print(f"command: {command()}", flush=True)
     results: dict[str, list[dict]] = {}
     # Bare and titanlite alternate, so both see the same machine; the other rows run once each.
     paired = [n for n in ("bare", "titanlite") if n in names]
@@ -295,22 +303,17 @@ def precision_curves(args) -> None:
     work = Path(args.work_dir)
     runs = {
         "fp32 AdamW": ["--training.mixed_precision_param", "float32"],
-        "bf16 AdamWBF16Kahan": ["--training.param_dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16",
-                                "--optimizer.name", "AdamWBF16Kahan"],
-        "bf16 AdamW (no compensation)": ["--training.param_dtype", "bfloat16",
-                                         "--training.mixed_precision_param", "bfloat16"],
+        "bf16 AdamWBF16Kahan": ROWS["bf16_kahan"][1],
+        "bf16 AdamW (no compensation)": PURE_BF16,
     }
     print(f"# titanlite pure-bf16 check, {datetime.datetime.now():%Y-%m-%d %H:%M}")
     print(f"device: {device_name()}; llama3 debugmodel on the sample corpus, seq {args.seq_len}, batch {args.batch}, "
           f"{args.steps} steps, lr 8e-4 with 2 warm-up steps and linear decay to 0.1x")
-    print(f"command: {' '.join([Path(sys.executable).name, 'scripts/benchmark.py', *sys.argv[1:]])}", flush=True)
+    print(f"command: {command()}", flush=True)
     curves = {}
     for name, extra in runs.items():
-        flags = [
-            "--job.config_file", CONFIG, "--job.dump_folder", str(work / f"precision-{time.monotonic_ns()}"),
-            "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.batch),
-            "--training.steps", str(args.steps), "--metrics.log_freq", "1", *extra,
-        ]
+        flags = [*job_flags(work / f"precision-{time.monotonic_ns()}", args.seq_len, args.batch, args.steps),
+                 "--metrics.log_freq", "1", *extra]
         output = run([sys.executable, "-m", "titanlite.train", *flags], args.timeout)
         curves[name] = {int(s): float(v) for s, v in LOSS.findall(output)}
     reference = curves["fp32 AdamW"]

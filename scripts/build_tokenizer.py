@@ -71,13 +71,14 @@ def train_bpe(pieces: Counter, num_ranks: int) -> tuple[dict[bytes, int], dict[b
             if new == old:
                 continue
             segmentation[piece] = new
-            changed = Counter(adjacent_pairs(new))
+            new_pairs = adjacent_pairs(new)
+            changed = Counter(new_pairs)
             changed.subtract(adjacent_pairs(old))
             for changed_pair, delta in changed.items():
                 if delta:
                     pair_counts[changed_pair] += delta * pieces[piece]
                     heapq.heappush(heap, (-pair_counts[changed_pair], changed_pair))
-            for new_pair in adjacent_pairs(new):
+            for new_pair in new_pairs:
                 pieces_with_pair.setdefault(new_pair, set()).add(piece)
     return ranks, segmentation
 
@@ -102,12 +103,13 @@ def main() -> None:
     write_tiktoken_file(ranks, args.out)
 
     tokenizer = Tokenizer(args.out)
+    corpus_tokens = 0
     for doc, pieces in zip(documents, split_documents):
         trained = [ranks[part] for piece in pieces for part in segmentation[piece]]
         if tokenizer.encode(doc, bos=False, eos=False) != trained:
             sys.exit("tiktoken encodes the corpus differently from the trainer: the ranks are inconsistent")
+        corpus_tokens += len(trained)
     corpus_bytes = sum(len(doc.encode()) for doc in documents)
-    corpus_tokens = sum(len(tokenizer.encode(doc, bos=False, eos=False)) for doc in documents)
     print(
         f"wrote {args.out}: {len(ranks)} ranks + specials = vocab {tokenizer.vocab_size}; "
         f"{corpus_bytes / corpus_tokens:.2f} bytes per token on the sample corpus "

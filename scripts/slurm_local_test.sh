@@ -73,13 +73,13 @@ stop_pid() { # stop_pid PID: SIGTERM, wait up to 15 s, then SIGKILL
 }
 
 cleanup() {
-    local rc=$? i
+    local rc=$?
     trap - EXIT INT TERM
     set +e
     if [[ -n $JOB_ID && -n $CTLD_PID ]] && ! job_done; then
         # Cancelling lets slurmd's step daemon kill the job's processes (torchrun and its workers).
         scancel "$JOB_ID" 2>/dev/null || true
-        for ((i = 0; i < 60; i++)); do job_done && break; sleep 0.5; done
+        wait_for 30 job_done
     fi
     stop_pid "$SLURMD_PID"
     stop_pid "$CTLD_PID"

@@ -23,15 +23,11 @@ parameter (so DTensor-sharded and checkpointed like it) and the update runs on l
 """
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from titanlite.errors import UserError
+from titanlite.models.init import local_tensor
 
 MAX_BETA2 = 0.99
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class AdamWBF16Kahan(torch.optim.Optimizer):
@@ -60,9 +56,9 @@ class AdamWBF16Kahan(torch.optim.Optimizer):
         state["step"] += 1
         step = state["step"].item()
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        weight, compensation = _local(param), _local(state["compensation"])
-        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        grad = _local(param.grad).float()
+        weight, compensation = local_tensor(param), local_tensor(state["compensation"])
+        exp_avg, exp_avg_sq = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
+        grad = local_tensor(param.grad).float()
 
         m = exp_avg.float().lerp_(grad, 1 - beta1)
         v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

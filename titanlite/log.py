@@ -11,15 +11,15 @@ logger = logging.getLogger("titanlite")
 
 
 def init_logger(rank: int, rank_files_folder: Path | None = None) -> None:
-    prefix = "" if rank == 0 else f"[rank{rank}] "
+    line = ("" if rank == 0 else f"[rank{rank}] ") + "%(asctime)s %(levelname)s %(message)s"
     console = logging.StreamHandler()
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    console.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    console.setFormatter(logging.Formatter(line, "%H:%M:%S"))
     handlers: list[logging.Handler] = [console]
     if rank_files_folder is not None:
         rank_files_folder.mkdir(parents=True, exist_ok=True)
         to_file = logging.FileHandler(rank_files_folder / f"rank{rank}.log", encoding="utf-8")
-        to_file.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+        to_file.setFormatter(logging.Formatter(line, "%Y-%m-%d %H:%M:%S"))
         handlers.append(to_file)
     for old in logger.handlers:
         old.close()

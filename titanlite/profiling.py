@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from titanlite.config_sections import Profiling
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.models.init import local_tensor
 
 _PROFILER_WARMUP = 3  # steps the profiler runs unrecorded before the recorded one
 _SNAPSHOT_ENTRIES = 100_000  # allocation events kept by the CUDA allocator's history
@@ -107,7 +107,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     """Bytes this rank holds of parameters, gradients and optimizer state (local shards only)."""
 
     def size(tensor: torch.Tensor) -> int:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_tensor(tensor)
         return local.numel() * local.element_size()
 
     params = list(model.parameters())

@@ -61,7 +61,7 @@ def open_c4(split: str, section: str) -> datasets.IterableDataset:
 
 
 def open_documents(name: str, dataset_path: str, text_field: str, dp_rank: int, dp_world: int, seed: int,
-                   num_workers: int, section: str = "training"):
+                   num_workers: int, section: str):
     """The document source of one rank for a registry name other than synthetic."""
     if name in C4_SPLITS:
         return StreamedDocuments(open_c4(C4_SPLITS[name], section), "text", dp_rank, dp_world)

@@ -48,7 +48,7 @@ class RecordTexts(Sequence):
         return self.records[index][self.text_field]
 
 
-def find_data_files(root: Path, section: str = "training") -> tuple[str, list[Path]]:
+def find_data_files(root: Path, section: str) -> tuple[str, list[Path]]:
     """The loader name and the files for a file or folder; one kind of data per dataset."""
     kinds = "a .jsonl/.json/.parquet/.arrow/.txt file or a folder of such files"
     if not root.exists():
@@ -62,7 +62,7 @@ def find_data_files(root: Path, section: str = "training") -> tuple[str, list[Pa
     return loaders[0], files
 
 
-def load_local_documents(dataset_path: str, text_field: str, section: str = "training") -> Sequence[str]:
+def load_local_documents(dataset_path: str, text_field: str, section: str) -> Sequence[str]:
     loader, files = find_data_files(Path(dataset_path), section)
     if loader == "txt":
         return TextFiles(files, section)

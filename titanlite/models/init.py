@@ -16,6 +16,11 @@ from torch.distributed.tensor import DTensor
 _BLOCK_ELEMENTS = 1 << 20
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The tensor this rank writes into and its offset in the full (global) tensor."""
     if isinstance(param, DTensor):
