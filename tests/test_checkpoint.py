@@ -38,7 +38,7 @@ def ok(out: subprocess.CompletedProcess) -> str:
 
 
 def losses(folder: Path, tb: str = "tb") -> dict[int, float]:
-    return tensorboard_scalars(folder / tb, "loss")
+    return tensorboard_scalars(folder / tb, "loss/train")
 
 
 def steps_on_disk(folder: Path) -> list[str]:

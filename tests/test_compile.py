@@ -31,8 +31,8 @@ def test_compiled_debug_model_matches_eager(tmp_path):
     compiled = run_titanlite(synthetic_run(tmp_path / "compiled", ["--compile.enable"]), timeout=600)
     assert compiled.returncode == 0, compiled.stderr
     assert "compile model,loss" in compiled.stderr
-    expected = tensorboard_scalars(tmp_path / "eager" / "tb", "loss")
-    got = tensorboard_scalars(tmp_path / "compiled" / "tb", "loss")
+    expected = tensorboard_scalars(tmp_path / "eager" / "tb", "loss/train")
+    got = tensorboard_scalars(tmp_path / "compiled" / "tb", "loss/train")
     assert sorted(got) == sorted(expected) == [1, 2, 3]
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-4), step

@@ -23,8 +23,8 @@ def test_fsdp_two_ranks_equals_one_process(tmp_path):
     assert first.returncode == 0, first.stderr
     second = run_titanlite(two, nproc=2)
     assert second.returncode == 0, second.stderr
-    single = tensorboard_scalars(one_dir / "tb", "loss")
-    sharded = tensorboard_scalars(two_dir / "tb", "loss")
+    single = tensorboard_scalars(one_dir / "tb", "loss/train")
+    sharded = tensorboard_scalars(two_dir / "tb", "loss/train")
     assert sorted(single) == sorted(sharded) == [1, 2, 3, 4]
     for step in single:
         assert sharded[step] == pytest.approx(single[step], rel=1e-5, abs=1e-5)
@@ -46,8 +46,8 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path):
     out = run_titanlite(acc, nproc=2)
     assert out.returncode == 0, out.stderr
     assert "(2 micro-steps)" in out.stderr
-    expected = tensorboard_scalars(big_dir / "tb", "loss")
-    got = tensorboard_scalars(acc_dir / "tb", "loss")
+    expected = tensorboard_scalars(big_dir / "tb", "loss/train")
+    got = tensorboard_scalars(acc_dir / "tb", "loss/train")
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-5)
 

@@ -253,10 +253,10 @@ def test_mixtral_collects_aux_loss_and_router_metrics():
     assert model.layers["0"].feed_forward.gate.weight.grad.abs().sum() > 0
     model(tokens)
     metrics = model.extra_metrics()
-    assert metrics["moe_aux_loss"].item() == pytest.approx(model.aux_loss.item())  # same tokens twice
-    shares = torch.stack([metrics[f"moe_expert_share/{i}"] for i in range(args.num_experts)])
+    assert metrics["moe/balance_loss"].item() == pytest.approx(model.aux_loss.item())  # same tokens twice
+    shares = torch.stack([metrics[f"moe/expert_share/{i}"] for i in range(args.num_experts)])
     assert shares.sum().item() == pytest.approx(1.0)
-    assert metrics["moe_max_load"] >= 1.0
+    assert metrics["moe/max_load"] >= 1.0
     assert model.extra_metrics() == {}  # reset by reading
     model.eval()
     model(tokens)
@@ -365,16 +365,16 @@ def test_fsdp_two_ranks_equal_one_process_and_learn(tmp_path, family):
     second = run_titanlite(family_run(tmp_path / "two", data, family, local_batch=4), nproc=2)
     assert second.returncode == 0, second.stderr
     assert "mesh dp_replicate 1 x dp_shard 2" in second.stderr
-    single = tensorboard_scalars(tmp_path / "one" / "tb", "loss")
-    sharded = tensorboard_scalars(tmp_path / "two" / "tb", "loss")
+    single = tensorboard_scalars(tmp_path / "one" / "tb", "loss/train")
+    sharded = tensorboard_scalars(tmp_path / "two" / "tb", "loss/train")
     assert sorted(single) == sorted(sharded) == list(range(1, STEPS + 1))
     for step in single:
         assert sharded[step] == pytest.approx(single[step], rel=1e-5, abs=1e-5)
     assert sharded[STEPS] < sharded[1] - 1.0, sharded
     if family == "mixtral":
-        aux = tensorboard_scalars(tmp_path / "two" / "tb", "moe_aux_loss")
+        aux = tensorboard_scalars(tmp_path / "two" / "tb", "moe/balance_loss")
         assert sorted(aux) == list(range(1, STEPS + 1)) and all(1.0 <= v < 8.0 for v in aux.values())
-        shares = [tensorboard_scalars(tmp_path / "two" / "tb", f"moe_expert_share/{i}")[STEPS] for i in range(8)]
+        shares = [tensorboard_scalars(tmp_path / "two" / "tb", f"moe/expert_share/{i}")[STEPS] for i in range(8)]
         assert sum(shares) == pytest.approx(1.0, abs=1e-4)
 
 

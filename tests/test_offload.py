@@ -26,8 +26,8 @@ def test_two_ranks_with_cpu_offload_equal_one_process(tmp_path):
         "--parallelism.fsdp_cpu_offload", "--activation_checkpoint.offload_activations"]), nproc=2)
     assert two.returncode == 0, two.stderr
     assert "activations already live in CPU memory" in two.stderr
-    expected = tensorboard_scalars(tmp_path / "one" / "tb", "loss")
-    got = tensorboard_scalars(tmp_path / "two" / "tb", "loss")
+    expected = tensorboard_scalars(tmp_path / "one" / "tb", "loss/train")
+    got = tensorboard_scalars(tmp_path / "two" / "tb", "loss/train")
     assert sorted(got) == [1, 2, 3]
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-5)

@@ -20,9 +20,9 @@ def test_trains_prints_the_line_and_writes_config_and_tensorboard(tmp_path, tiny
     assert sorted(logged_losses(out.stderr)) == [1, 2, 3, 4, 5, 6]
     resolved = (tmp_path / "config.toml").read_text()
     assert "steps = 6" in resolved and "seq_len = 64" in resolved
-    scalars = tensorboard_scalars(tmp_path / "tb", "loss")
+    scalars = tensorboard_scalars(tmp_path / "tb", "loss/train")
     assert sorted(scalars) == [1, 2, 3, 4, 5, 6]
-    for tag in ("grad_norm", "lr", "tps", "tflops", "memory_gib", "data_loading_share"):
+    for tag in ("optim/grad_norm", "optim/lr", "throughput/tps", "throughput/tflops", "memory/reserved_gib", "data/wait_share"):
         assert len(tensorboard_scalars(tmp_path / "tb", tag)) == 6
 
 

@@ -148,8 +148,8 @@ def test_validation_in_a_run_leaves_training_untouched(tmp_path, tiny_run):
     lines = validation_lines(validated.stderr)
     assert sorted(lines) == [2, 4], validated.stderr
     assert "validation every 2 steps on sample_val: up to 3 batches of 2 x 64 tokens per rank" in validated.stderr
-    tb_loss = tensorboard_scalars(tmp_path / "tb", "validation/loss")
-    tb_perplexity = tensorboard_scalars(tmp_path / "tb", "validation/perplexity")
+    tb_loss = tensorboard_scalars(tmp_path / "tb", "loss/validation")
+    tb_perplexity = tensorboard_scalars(tmp_path / "tb", "perplexity/validation")
     for step, (loss, perplexity, batches) in lines.items():
         assert batches == 3
         assert 0 < loss < 10 and perplexity == pytest.approx(math.exp(loss), rel=1e-3)

@@ -92,7 +92,8 @@ class Parallelism:
 class Metrics:
     log_freq: int = opt(10, "print and record metrics every this many steps (and at step 1)")
     enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
-    save_tb_folder: str = opt("tb", "TensorBoard folder under job.dump_folder")
+    save_tb_folder: str = opt("tb", "TensorBoard folder under job.dump_folder; each job writes one run in it, which its resumes continue")
+    save_for_all_ranks: bool = opt(False, "every rank writes its own TensorBoard run (<run>/rank<N>), e.g. to compare memory across pipeline stages; false = rank 0 only")
     peak_tflops: float = opt(0.0, "peak bf16 dense TFLOP/s of one device for MFU; 0 = look the device up")
     summary_warmup_steps: int = opt(5, "the end-of-run summary line (steady-state tps, peak memory, data share) leaves out this many first steps")
 

@@ -6,16 +6,20 @@ per device x FLOPs per token, and FLOPs per token (each family's flops_per_token
 the matmul work of forward + backward (2 + 4 FLOPs per weight per token) plus attention scores.
 Peaks are dense bf16 tensor-core numbers from the vendors' data sheets; where none is known
 (any CPU) the line says mfu is not known rather than inventing one.
+
+TensorBoard (run folders, config, hyper-parameters, layout: tensorboard.py) receives the same
+figures under grouped tags: TB_TAGS below, validation's loss/validation and
+perplexity/validation, checkpoint/* (checkpoint/cost.py) and a model's own (MoE: moe/*).
 """
 
 import os
 import time
-from pathlib import Path
 
 import torch
 
-from titanlite.config_sections import Metrics
+from titanlite.config_sections import JobConfig, Metrics
 from titanlite.log import logger
+from titanlite.tensorboard import describe_run, open_writer
 
 # Dense bf16 TFLOP/s (no sparsity), matched against torch.cuda.get_device_name().
 PEAK_BF16_TFLOPS = [
@@ -38,8 +42,16 @@ def peak_tflops(device: torch.device, override: float) -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
 
 
+# The console line's figures -> their TensorBoard tags (shares are fractions, MFU a percentage).
+TB_TAGS = {
+    "loss": "loss/train", "tps": "throughput/tps", "tflops": "throughput/tflops", "mfu_pct": "throughput/mfu",
+    "memory_gib": "memory/reserved_gib", "memory_share": "memory/share", "memory_capacity_gib": "memory/capacity_gib",
+    "lr": "optim/lr", "grad_norm": "optim/grad_norm", "data_loading_share": "data/wait_share",
+}
+
+
 def memory_usage(device: torch.device) -> tuple[float, float]:
-    """(GiB, percent of the device): CUDA max reserved, or this process's RSS on the CPU."""
+    """(GiB used, GiB of the device): CUDA max reserved, or this process's RSS on the CPU."""
     if device.type == "cuda":
         used = torch.cuda.max_memory_reserved(device)
         total = torch.cuda.get_device_properties(device).total_memory
@@ -48,24 +60,32 @@ def memory_usage(device: torch.device) -> tuple[float, float]:
         with open("/proc/self/statm") as statm:
             used = int(statm.read().split()[1]) * page
         total = os.sysconf("SC_PHYS_PAGES") * page
-    return used / 2**30, 100.0 * used / total
+    return used / 2**30, total / 2**30
 
 
 class MetricsLogger:
-    """Accumulates tokens and time between log steps, prints the line, writes TensorBoard."""
+    """Accumulates tokens and time between log steps, prints the line, writes TensorBoard
+    (from start_tensorboard() on: the run folder depends on the step the job resumed from)."""
 
     def __init__(self, cfg: Metrics, dump_folder: str, rank: int, device: torch.device, flops_per_token: float):
         self.cfg = cfg
+        self.rank = rank
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = peak_tflops(device, cfg.peak_tflops)
         self.writer = None
-        if cfg.enable_tensorboard and rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
-
-            run = time.strftime("%Y%m%d-%H%M%S")
-            self.writer = SummaryWriter(str(Path(dump_folder) / cfg.save_tb_folder / run))
         self.reset()
+
+    def start_tensorboard(self, job: JobConfig, resumed_step: int, hparams: dict) -> None:
+        """Open this rank's run (continuing the job's after a resume); rank 0 describes the run."""
+        self.writer = open_writer(job, self.rank, resumed_step)
+        if self.writer and self.rank == 0:
+            describe_run(self.writer, job, hparams)
+
+    def write_scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
 
     def reset(self) -> None:
         self.tokens = 0
@@ -84,23 +104,22 @@ class MetricsLogger:
     def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None) -> dict:
         elapsed = time.perf_counter() - self.started
         tps, tflops, mfu_pct = self.throughput(self.tokens, elapsed)
-        mem_gib, mem_pct = memory_usage(self.device)
+        mem_gib, capacity_gib = memory_usage(self.device)
         values = {
-            "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, "tflops": tflops,
-            "memory_gib": mem_gib, "memory_pct": mem_pct, "data_loading_share": self.data_seconds / elapsed,
-            **(extra or {}),
+            "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, "tflops": tflops, "memory_gib": mem_gib,
+            "memory_share": mem_gib / capacity_gib, "memory_capacity_gib": capacity_gib,
+            "data_loading_share": self.data_seconds / elapsed,
         }
         mfu = "mfu: unknown"
         if mfu_pct is not None:
             values["mfu_pct"] = mfu_pct
             mfu = f"mfu: {mfu_pct:.2f}%"
         logger.info(
-            f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({mem_pct:.2f}%)  "
+            f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({100 * values['memory_share']:.2f}%)  "
             f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%"
         )
-        if self.writer:
-            for name, value in values.items():
-                self.writer.add_scalar(name, value, step)
+        # A model's own figures (MoE: moe/*) arrive under their tags already.
+        self.write_scalars(step, {TB_TAGS[name]: value for name, value in values.items()} | (extra or {}))
         self.reset()
         return values
 
@@ -110,9 +129,7 @@ class MetricsLogger:
             f"validate step: {step}  loss: {loss:.4f}  perplexity: {perplexity:.4f}  "
             f"batches: {batches}  tokens: {tokens:,}  time: {seconds:.2f}s"
         )
-        if self.writer:
-            self.writer.add_scalar("validation/loss", loss, step)
-            self.writer.add_scalar("validation/perplexity", perplexity, step)
+        self.write_scalars(step, {"loss/validation": loss, "perplexity/validation": perplexity})
         self.started += seconds
 
     def close(self) -> None:

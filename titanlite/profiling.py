@@ -165,7 +165,8 @@ class RunSummary:
             if self.seen == self.steps_to_run:
                 self.ended = self._now()
 
-    def log(self, model, optimizer, tokens_per_step_per_rank: int, metrics) -> None:
+    def log(self, model, optimizer, tokens_per_step_per_rank: int, metrics, save_cost=None) -> None:
+        """`save_cost` (checkpoint/cost.py's SaveCost) adds the training time checkpoint saves lost."""
         if not self.steps:
             return
         elapsed = (self.ended or self._now()) - self.started
@@ -176,10 +177,13 @@ class RunSummary:
         per_rank = torch.tensor(list(state.values()), dtype=torch.float64)
         dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
         mib = dict(zip(state, (per_rank / 2**20).tolist()))
+        saves = ""
+        if save_cost is not None and save_cost.saves:
+            saves = f"  checkpoints: {save_cost.saves} saves, training lost {save_cost.lost_seconds:.3f}s"
         logger.info(
             f"run summary: {self.steps} steps after {self.warmup} warm-up  tps: {tps:,.0f}  "
             f"step: {elapsed / self.steps:.4f}s  tflops: {tflops:.3f}  mfu: {mfu}  "
             f"peak_memory: {peak_memory_gib(self.device):.3f}GiB  data: {100 * self.data_seconds / elapsed:.2f}%  "
             f"state_per_rank: params {mib['params']:.3f}MiB grads {mib['grads']:.3f}MiB "
-            f"optimizer {mib['optimizer']:.3f}MiB total {sum(mib.values()):.3f}MiB"
+            f"optimizer {mib['optimizer']:.3f}MiB total {sum(mib.values()):.3f}MiB{saves}"
         )

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titanlite.checkpoint import CheckpointManager, StopFlags
+from titanlite.checkpoint.cost import SaveCost
 from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig, Training
 from titanlite.data.datasets import build_dataloader
@@ -33,6 +34,7 @@ from titanlite.parallel.offload import activation_offload_context, note_if_offlo
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
 from titanlite.profiling import RunSummary, StepProfiler
+from titanlite.tensorboard import hyperparameters
 from titanlite.validation import Validator, check_validation
 
 
@@ -133,13 +135,17 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
     return total_loss, grad_norm, lr
 
 
-def speed_features(cfg: JobConfig) -> str:
-    """Activation checkpointing, compile and float8 as the run uses them, for the summary line."""
+def speed_settings(cfg: JobConfig) -> dict[str, str]:
+    """Activation checkpointing, compile and float8 as the run uses them (start-up line, TensorBoard hparams)."""
     ac = cfg.activation_checkpoint
     ac_text = f"selective ({ac.selective_ac_option})" if ac.mode == "selective" else ac.mode
     compile_text = ",".join(cfg.compile.components) if cfg.compile.enable else "off"
     float8_text = cfg.float8.recipe_name if cfg.float8.enable else "off"
-    return f"AC {ac_text} | compile {compile_text} | float8 {float8_text}"
+    return {"AC": ac_text, "compile": compile_text, "float8": float8_text}
+
+
+def speed_features(cfg: JobConfig) -> str:
+    return " | ".join(f"{name} {value}" for name, value in speed_settings(cfg).items())
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -190,9 +196,10 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
     if cfg.job.description:
         logger.info(f"job: {cfg.job.description}")
+    mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
     logger.info(
         f"model {cfg.model.name}/{cfg.model.flavor}: {num_params:,} parameters, vocab {args.vocab_size} | "
-        f"world {info.world_size} on {info.device.type}, mesh dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} | "
+        f"world {info.world_size} on {info.device.type}, mesh {mesh} | "
         f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {training.dataset_path or training.dataset} | "
         f"{tokens_per_step:,} tokens per step ({accum_steps} micro-steps)"
     )
@@ -207,12 +214,15 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
         dataloader=dataloader, dp_rank=dims.dp_rank, dp_degree=dims.dp_degree,
         model_name=f"{cfg.model.name}/{cfg.model.flavor}", model_args=args, hf_adapter=spec.hf_adapter,
+        cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps),
     )
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
         checkpointer.close()
         return
     state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
+    batch = tokens_per_step // training.seq_len
+    metrics.start_tensorboard(cfg, state.step, hyperparameters(cfg, info.world_size, mesh, batch, speed_settings(cfg)))
 
     # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
     gc.disable()
@@ -222,6 +232,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     try:
         with profiler:
             for step in range(state.step + 1, training.steps + 1):
+                began, validation_seconds = time.perf_counter(), 0.0
                 if step % training.gc_freq == 0:
                     gc.collect(1)
                 with summary.measure(metrics):
@@ -237,15 +248,19 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                 if logged:
                     metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr, extra=model_metrics(model))
                 if validating and not preempted:
+                    validation_seconds = time.perf_counter()
                     validator.validate(model, step)
+                    validation_seconds = time.perf_counter() - validation_seconds
                 checkpointer.maybe_save(step, last=last, force=preempted)
+                # The step's time as a save may have slowed it (validation is not training time).
+                checkpointer.cost.step_done(began, time.perf_counter(), left_out=validation_seconds)
                 profiler.step(step)
                 if preempted:
                     break
     finally:
         checkpointer.close()  # waits for the last async save
         stop.close()
-    summary.log(model, optimizer, tokens_per_step // dims.dp_degree, metrics)
+    summary.log(model, optimizer, tokens_per_step // dims.dp_degree, metrics, checkpointer.cost)
     metrics.close()
     gc.enable()
     if stop.signal:

@@ -10,7 +10,8 @@ live tensors, no copies). A background thread then copies ("stages") them into h
 the next step's forward and backward run; that step's optimizer.step, the first thing to change
 the saved tensors, waits for the copy to finish. The copy is then written in the background, with
 its collectives on a separate gloo process group so they never interleave with training's. A new
-save first waits for the previous one; close() waits for the last.
+save first waits for the previous one; close() waits for the last. What each save cost the
+training steps it overlapped is measured by `self.cost` (cost.py), which also logs it.
 """
 
 import pickle
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanlite.checkpoint.cost import SaveCost
 from titanlite.checkpoint.fit import check_model_fits, holds_training_state, load_in_place, read_metadata
 from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, step_folder
 from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
@@ -88,7 +90,7 @@ def check_checkpoint_config(cfg: Checkpoint, world_size: int) -> None:
 
 class CheckpointManager:
     def __init__(self, cfg: Checkpoint, dump_folder: str, *, model, optimizer, lr_scheduler, dataloader,
-                 dp_rank: int, dp_degree: int, model_name: str, model_args, hf_adapter):
+                 dp_rank: int, dp_degree: int, model_name: str, model_args, hf_adapter, cost: SaveCost | None = None):
         check_checkpoint_config(cfg, dist.get_world_size())
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
@@ -97,6 +99,7 @@ class CheckpointManager:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
         self.state = TrainState()
+        self.cost = cost or SaveCost()
         self.pending: _Save | None = None  # the async save in flight
         self.staging = self.saver = None
         self.async_group = None
@@ -177,7 +180,11 @@ class CheckpointManager:
 
     def _save(self, step: int, build_state, wait: bool, note: str = "") -> None:
         entered = time.perf_counter()
+        previous = self.pending
         self.wait()
+        if previous is not None and previous.done_at > entered:  # it was still writing: this save waited for it
+            self.cost.waited_for_previous(step, previous.step, previous.done_at - entered,
+                                          previous.done_at - previous.started, self.cfg.interval)
         path = step_folder(self.root, step)
         if self.rank == 0:
             # Rewriting a step (after load_step went back): its old .metadata must not vouch for
@@ -225,10 +232,7 @@ class CheckpointManager:
             save.blocked += time.perf_counter() - waited
 
     def _finished(self, save: "_Save") -> None:
-        logger.info(
-            f"checkpoint step-{save.step} saved in {save.done_at - save.started:.2f}s, "
-            f"training blocked {save.blocked:.3f}s{save.note}"
-        )
+        self.cost.save_finished(save.step, save.started, save.done_at, save.blocked, save.note)
         if self.purger and self.cfg.keep_latest_k:
             self.purger.submit(purge_old, self.root, self.cfg.keep_latest_k)
 
@@ -257,6 +261,7 @@ class CheckpointManager:
         """Wait for the last save and the purges; the job may exit after this."""
         try:
             self.wait()
+            self.cost.flush()
         finally:
             if self.purger:
                 self.purger.shutdown(wait=True)

@@ -57,16 +57,16 @@ class Mixtral(Transformer):
     def extra_metrics(self) -> dict[str, torch.Tensor]:
         """Router statistics over the training-mode forwards since the last call, as 0-dim tensors:
 
-        moe_aux_loss          the load-balancing loss (1.0 = balanced)
-        moe_expert_share/i    expert i's share of the routed tokens, averaged over blocks (1/experts = balanced)
-        moe_max_load          the busiest expert's share x experts, in the worst block (1.0 = balanced)
+        moe/balance_loss      the load-balancing loss (1.0 = balanced)
+        moe/expert_share/i    expert i's share of the routed tokens, averaged over blocks (1/experts = balanced)
+        moe/max_load          the busiest expert's share x experts, in the worst block (1.0 = balanced)
         """
         if not self._forwards:
             return {}
         share = self._load_sum.float() / self._load_sum.sum(dim=-1, keepdim=True)  # [layers, experts]
-        metrics = {"moe_aux_loss": self._aux_loss_sum / self._forwards,
-                   "moe_max_load": share.max() * self.args.num_experts}
-        metrics.update({f"moe_expert_share/{i}": s for i, s in enumerate(share.mean(dim=0))})
+        metrics = {"moe/balance_loss": self._aux_loss_sum / self._forwards,
+                   "moe/max_load": share.max() * self.args.num_experts}
+        metrics.update({f"moe/expert_share/{i}": s for i, s in enumerate(share.mean(dim=0))})
         self._forwards = 0
         return metrics
 

@@ -1,0 +1,90 @@
+"""TensorBoard: one run per job across resumes, and what the run was, written at its start.
+
+The run folder <dump_folder>/<metrics.save_tb_folder>/<job name>-<start time> is named once per
+job: a run that resumes from a checkpoint continues in the newest run folder there, with
+purge_step = resumed step + 1, so TensorBoard drops the events past the resumed step (the steps
+a kill -9 or a rewind via checkpoint.load_step abandoned) and the job draws one unbroken line.
+With metrics.save_for_all_ranks each rank writes its own run, <run folder>/rank<N>.
+
+At start, rank 0's run receives the resolved config as text, the hyper-parameters (HPARAMS tab,
+with the final loss, tps and MFU as metrics) and a custom-scalars layout (CUSTOM SCALARS tab).
+Scalar tags are grouped by their first path part, which TensorBoard lays out as sections.
+"""
+
+import re
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from titanlite.config import to_toml
+from titanlite.config_sections import JobConfig
+from titanlite.log import logger
+
+# The charts of the CUSTOM SCALARS tab; each lists the regular expressions of the tags it draws.
+LAYOUT = {
+    "titanlite": {
+        "loss: train and validation": ["Multiline", [r"^loss/(train|validation)$"]],
+        "tokens per second per device": ["Multiline", [r"^throughput/tps$"]],
+        "MFU (%)": ["Multiline", [r"^throughput/mfu$"]],
+        "memory against the device's capacity (GiB)": ["Multiline", [r"^memory/(reserved|capacity)_gib$"]],
+        "lr and grad_norm": ["Multiline", [r"^optim/(lr|grad_norm)$"]],
+        "checkpoint: save time and training lost (s)": ["Multiline", [r"^checkpoint/"]],
+    },
+}
+# The HPARAMS tab's metrics: the last value of these tags in each run.
+HPARAM_METRICS = ("loss/train", "throughput/tps", "throughput/mfu")
+_START_TIME = re.compile(r"-\d{8}-\d{6}$")
+
+
+def new_run_name(cfg: JobConfig) -> str:
+    """<job.description, or the dump folder's name>-<start time>, safe as a folder name."""
+    name = cfg.job.description or Path(cfg.job.dump_folder).resolve().name
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")[:60] or "run"
+    return f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def job_run_folder(cfg: JobConfig, resumed_step: int) -> Path:
+    """The newest run folder when resuming (the job's own), a new one otherwise."""
+    tb = Path(cfg.job.dump_folder) / cfg.metrics.save_tb_folder
+    runs = [p for p in tb.glob("*") if p.is_dir() and _START_TIME.search(p.name)] if tb.is_dir() else []
+    if resumed_step and runs:
+        return max(runs, key=lambda p: _START_TIME.search(p.name).group())
+    return tb / new_run_name(cfg)
+
+
+def open_writer(cfg: JobConfig, rank: int, resumed_step: int):
+    """The SummaryWriter of this rank (None where it writes nothing), purging past resumed_step."""
+    all_ranks = cfg.metrics.save_for_all_ranks
+    if not cfg.metrics.enable_tensorboard or not (all_ranks or rank == 0):
+        return None
+    folder = [job_run_folder(cfg, resumed_step) if rank == 0 else None]
+    if all_ranks:  # rank 0 names the run, so every rank writes into the same one
+        dist.broadcast_object_list(folder, src=0)
+        folder[0] = folder[0] / f"rank{rank}"
+    from torch.utils.tensorboard import SummaryWriter
+
+    resumed = f", continuing after step {resumed_step}" if resumed_step else ""
+    if rank == 0:
+        logger.info(f"TensorBoard run {folder[0]}{resumed}")
+    return SummaryWriter(str(folder[0]), purge_step=resumed_step + 1 if resumed_step else None)
+
+
+def describe_run(writer, cfg: JobConfig, hparams: dict) -> None:
+    """The config as text, the hyper-parameters and the custom-scalars layout (rank 0's run)."""
+    from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+    # Indented four spaces: the text plugin renders Markdown, and this keeps the TOML verbatim.
+    writer.add_text("config", "\n".join("    " + line for line in to_toml(cfg).splitlines()))
+    for summary in hparams_summaries(hparams, dict.fromkeys(HPARAM_METRICS, 0.0)):
+        writer.file_writer.add_summary(summary)
+    writer.add_custom_scalars(LAYOUT)
+
+
+def hyperparameters(cfg: JobConfig, world_size: int, mesh: str, batch: int, speed: dict[str, str]) -> dict:
+    """What the HPARAMS tab compares runs by; batch is sequences per optimizer step over all ranks."""
+    return {
+        "family": cfg.model.name, "flavor": cfg.model.flavor, "world_size": world_size, "mesh": mesh, **speed,
+        "batch": batch, "seq_len": cfg.training.seq_len, "lr": cfg.optimizer.lr,
+        "dataset": cfg.training.dataset_path or cfg.training.dataset,
+    }
