@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from titanlite.models import get_model_args, get_model_spec
 
@@ -68,3 +69,11 @@ def materialize(name: str, args, seed: int = 0):
         tensor.data.fill_(float("nan"))
     model.init_weights(seed=seed)
     return model
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo process group in this process (for CheckpointManager and other collectives)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -17,13 +17,6 @@ from titanlite.config_sections import Checkpoint
 from titanlite.models import get_model_args, get_model_spec
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def backward(model, vocab_size: int) -> None:
     tokens = torch.randint(vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     logits = model(tokens[:, :-1])

@@ -120,6 +120,8 @@ class MetricsLogger:
         )
         # A model's own figures (MoE: moe/*) arrive under their tags already.
         self.write_scalars(step, {TB_TAGS[name]: value for name, value in values.items()} | (extra or {}))
+        if self.writer:
+            self.writer.flush()  # a killed run keeps what it has drawn (SummaryWriter flushes every 2 minutes)
         self.reset()
         return values
 

@@ -83,19 +83,21 @@ class SaveCost:
         self.finished.append(save)
         self.waiting.append(save)
 
-    def waited_for_previous(self, step: int, previous: int, waited: float, write_seconds: float, interval: int) -> None:
-        """A save could not start before the previous one finished writing: say so once, with the fix."""
-        if self.warned_overlap:
-            return
+    def waited_for_previous(self, step: int, previous: int, previous_started: float, previous_done: float,
+                            entered: float, interval: int) -> None:
+        """The save of `step` had to wait (from `entered`) for the save of `previous` to finish
+        writing. When the interval is to blame, say so once, with the interval that avoids it:
+        the write took as long as that many steps ran while it wrote."""
+        if self.warned_overlap or step - previous != interval:
+            return  # only interval saves can be spaced out; a last or forced save may come early
         self.warned_overlap = True
-        steady = self.steady_step()
-        fix = ""
-        if steady:
-            fix = f"; at {steady:.3f}s per step, checkpoint.interval {math.ceil(write_seconds / steady) + 1} or more avoids it"
+        write_seconds = previous_done - previous_started
+        step_seconds = (entered - previous_started) / interval
         logger.warning(
-            f"checkpoint step-{step} waited {waited:.2f}s for step-{previous}'s save, which took {write_seconds:.2f}s "
-            f"to write: saves every {interval} steps come faster than they are written, so each save blocks "
-            f"training for the rest of the previous write{fix}"
+            f"checkpoint step-{step} waited {previous_done - entered:.2f}s for step-{previous}'s save, which took "
+            f"{write_seconds:.2f}s to write while steps took {step_seconds:.3f}s: with checkpoint.interval {interval} "
+            f"every save blocks training for the rest of the previous write; set checkpoint.interval to "
+            f"{math.ceil(write_seconds / step_seconds) + 1} or more to avoid it"
         )
 
     def flush(self) -> None:

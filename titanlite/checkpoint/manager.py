@@ -183,8 +183,8 @@ class CheckpointManager:
         previous = self.pending
         self.wait()
         if previous is not None and previous.done_at > entered:  # it was still writing: this save waited for it
-            self.cost.waited_for_previous(step, previous.step, previous.done_at - entered,
-                                          previous.done_at - previous.started, self.cfg.interval)
+            self.cost.waited_for_previous(step, previous.step, previous.started, previous.done_at, entered,
+                                          self.cfg.interval)
         path = step_folder(self.root, step)
         if self.rank == 0:
             # Rewriting a step (after load_step went back): its old .metadata must not vouch for
