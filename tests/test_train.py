@@ -33,6 +33,7 @@ def test_same_seed_same_losses_other_seed_other_losses(tmp_path, tiny_run):
     assert len(first) == 4 and first == again and first != logged_losses(other.stderr)
     # With a peak given, MFU = tflops / peak is printed as a percentage.
     assert re.search(r"tflops: \d+\.\d\d  mfu: \d+\.\d\d%", other.stderr), other.stderr
+    assert not list(tmp_path.rglob("events.out.tfevents*"))  # TensorBoard off (the debug config's default)
 
 
 @pytest.mark.parametrize(
