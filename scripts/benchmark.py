@@ -129,7 +129,7 @@ def bare_loop(args) -> None:
         optimizer.zero_grad(set_to_none=True)
     elapsed = now() - started
     # Counted as the trainer counts them: the same FLOPs per token, peak table and memory reading.
-    metrics = MetricsLogger(Metrics(), "", 0, device, flops_per_token(model, args.seq_len))
+    metrics = MetricsLogger(Metrics(), 0, device, flops_per_token(model, args.seq_len))
     tps, tflops, mfu_pct = metrics.throughput(args.steps * args.batch * args.seq_len, elapsed)
     print(json.dumps({
         "tps": tps, "step": elapsed / args.steps, "tflops": tflops, "mfu": "unknown" if mfu_pct is None else f"{mfu_pct:.2f}%",

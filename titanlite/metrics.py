@@ -67,7 +67,7 @@ class MetricsLogger:
     """Accumulates tokens and time between log steps, prints the line, writes TensorBoard
     (from start_tensorboard() on: the run folder depends on the step the job resumed from)."""
 
-    def __init__(self, cfg: Metrics, dump_folder: str, rank: int, device: torch.device, flops_per_token: float):
+    def __init__(self, cfg: Metrics, rank: int, device: torch.device, flops_per_token: float):
         self.cfg = cfg
         self.rank = rank
         self.device = device

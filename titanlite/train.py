@@ -192,7 +192,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         tokenizer=tokenizer, seq_len=training.seq_len, batch_size=training.local_batch_size,
         dp_rank=dims.dp_rank, dp_world=dims.dp_degree, seed=cfg.job.seed, num_workers=training.num_workers,
     )
-    metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, info.rank, info.device, flops_per_token)
+    metrics = MetricsLogger(cfg.metrics, info.rank, info.device, flops_per_token)
     tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
     if cfg.job.description:
         logger.info(f"job: {cfg.job.description}")

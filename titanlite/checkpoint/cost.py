@@ -11,8 +11,9 @@ A step touched by two saves (the later one waited for the earlier one's write) i
 them by how long each overlapped it.
 
 The training loop feeds step_done() once per step; the CheckpointManager feeds save_finished()
-(and waited_for_previous()); the figure is logged ("training lost X s"), written to TensorBoard
-and summed for the run summary once a few untouched steps have followed the write.
+(and waited_for_previous()); once a few untouched steps have followed the write (or at the end
+of the run), the figure is logged ("checkpoint step-N: training lost X s"), written to
+TensorBoard and summed for the run summary.
 """
 
 import math
@@ -41,7 +42,6 @@ class _Save:
     started: float
     done_at: float
     blocked: float
-    note: str
 
     def overlap(self, step: _Step) -> float:
         return max(0.0, min(step.ended, self.done_at) - max(step.began, self.started))
@@ -77,9 +77,9 @@ class SaveCost:
                 self._report(save)
 
     # ---------------------------------------------------------------- fed by the CheckpointManager
-    def save_finished(self, step: int, started: float, done_at: float, blocked: float, note: str = "") -> None:
+    def save_finished(self, step: int, started: float, done_at: float, blocked: float) -> None:
         """A save is complete on disk; it is reported once a few untouched steps have followed it."""
-        save = _Save(step, started, done_at, blocked, note)
+        save = _Save(step, started, done_at, blocked)
         self.finished.append(save)
         self.waiting.append(save)
 
@@ -135,10 +135,7 @@ class SaveCost:
             lost, how = save.blocked, "no steady step to compare with"
         self.saves += 1
         self.lost_seconds += lost
-        logger.info(
-            f"checkpoint step-{save.step} saved in {save.done_at - save.started:.2f}s, training blocked "
-            f"{save.blocked:.3f}s, training lost {lost:.3f}s ({how}){save.note}"
-        )
+        logger.info(f"checkpoint step-{save.step}: training lost {lost:.3f}s ({how}; blocked {save.blocked:.3f}s)")
         if self.write:
             self.write(save.step, {
                 "checkpoint/save_seconds": save.done_at - save.started,

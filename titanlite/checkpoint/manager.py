@@ -232,7 +232,11 @@ class CheckpointManager:
             save.blocked += time.perf_counter() - waited
 
     def _finished(self, save: "_Save") -> None:
-        self.cost.save_finished(save.step, save.started, save.done_at, save.blocked, save.note)
+        logger.info(
+            f"checkpoint step-{save.step} saved in {save.done_at - save.started:.2f}s, "
+            f"training blocked {save.blocked:.3f}s{save.note}"
+        )
+        self.cost.save_finished(save.step, save.started, save.done_at, save.blocked)
         if self.purger and self.cfg.keep_latest_k:
             self.purger.submit(purge_old, self.root, self.cfg.keep_latest_k)
 

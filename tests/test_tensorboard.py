@@ -1,0 +1,208 @@
+"""TensorBoard as a user sees it (the real server over HTTP), one line per job across kill -9,
+resume and rewind, and the training time a checkpoint save really cost."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from conftest import DEBUG_CONFIG, ROOT, logged_losses, run_titanlite
+from titanlite.checkpoint import CheckpointManager
+from titanlite.checkpoint.cost import SaveCost
+from titanlite.config_sections import Checkpoint
+from titanlite.log import init_logger
+
+TENSORBOARD = Path(sys.executable).parent / "tensorboard"
+SAVE_LINE = re.compile(r"checkpoint step-(\d+): training lost (-?[\d.]+)s \(.*; blocked ([\d.]+)s\)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def tensorboard_server(logdir: Path):
+    """The real `tensorboard` on 127.0.0.1; yields get(path, body=None) -> parsed JSON."""
+    port = free_port()
+    server = subprocess.Popen([str(TENSORBOARD), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def get(path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+    try:
+        for _ in range(120):  # it loads the event files in the background after it starts serving
+            try:
+                if get("/data/plugin/scalars/tags"):
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None, server.stderr.read()
+            time.sleep(0.5)
+        yield get
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def scalars(run: Path, tag: str) -> list:
+    """The events of `tag` in one run folder, as TensorBoard keeps them (purged past a restart)."""
+    events = EventAccumulator(str(run))
+    events.Reload()
+    return events.Scalars(tag)
+
+
+def test_two_rank_dashboard_read_over_http(tmp_path):
+    out = run_titanlite([
+        "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--job.description", "dash test",
+        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "13",
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--metrics.save_for_all_ranks",
+        "--metrics.summary_warmup_steps", "1",
+        "--validation.enable", "--validation.freq", "4", "--validation.steps", "2",
+        "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.async_mode", "async",
+    ], nproc=2)
+    assert out.returncode == 0, out.stderr
+    (job,) = (tmp_path / "tb").iterdir()
+    assert re.fullmatch(r"dash_test-\d{8}-\d{6}", job.name)
+    runs = {f"{job.name}/rank0", f"{job.name}/rank1"}
+    with tensorboard_server(tmp_path / "tb") as get:
+        tags = get("/data/plugin/scalars/tags")
+        assert set(tags) == runs
+        expected = {"loss/train", "loss/validation", "perplexity/validation", "throughput/tps", "throughput/tflops",
+                    "memory/reserved_gib", "memory/share", "memory/capacity_gib", "optim/lr", "optim/grad_norm",
+                    "data/wait_share", "checkpoint/save_seconds", "checkpoint/blocked_seconds",
+                    "checkpoint/training_lost_seconds"}  # no throughput/mfu: a CPU has no known peak
+        assert set(tags[f"{job.name}/rank0"]) == expected
+        assert set(tags[f"{job.name}/rank1"]) == expected  # every rank measures its own tps and memory
+
+        layout = get("/data/plugin/custom_scalars/layout")
+        charts = {c["title"]: c["multiline"]["tag"] for cat in layout["category"] for c in cat["chart"]}
+        assert charts["loss: train and validation"] == [r"^loss/(train|validation)$"]
+        assert {"tokens per second per device", "MFU (%)", "memory against the device's capacity (GiB)",
+                "lr and grad_norm"} <= set(charts)
+
+        (text,) = get(f"/data/plugin/text/text?run={job.name}/rank0&tag=config/text_summary")
+        assert "seq_len = 64" in text["text"] and 'description = "dash test"' in text["text"]
+
+        experiment = get("/data/plugin/hparams/experiment", {"experimentName": ""})
+        assert {h["name"] for h in experiment["hparamInfos"]} == {
+            "family", "flavor", "world_size", "mesh", "AC", "compile", "float8", "batch", "seq_len", "lr", "dataset"}
+        assert [m["name"]["tag"] for m in experiment["metricInfos"]] == ["loss/train", "throughput/tps", "throughput/mfu"]
+        groups = get("/data/plugin/hparams/session_groups", {
+            "experimentName": "", "startIndex": 0, "sliceSize": 10,
+            "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]})
+        (group,) = groups["sessionGroups"]  # rank 0 describes the run
+        assert group["hparams"] | {"lr": 0} == {
+            "family": "llama3", "flavor": "debugmodel", "world_size": 2.0, "mesh": "dp_replicate 1 x dp_shard 2",
+            "AC": "none", "compile": "off", "float8": "off", "batch": 4.0, "seq_len": 64.0, "lr": 0, "dataset": "sample"}
+        final = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
+        assert final["loss/train"] == pytest.approx(logged_losses(out.stderr)[13], abs=1e-4)
+
+    # The honest save figure: the async saves' blocked time is a small part of what they cost.
+    saves = {int(s): (float(b), float(lost)) for s, lost, b in SAVE_LINE.findall(out.stderr)}
+    assert sorted(saves) == [4, 8, 12, 13]
+    for step in (4, 8):
+        blocked, lost = saves[step]
+        assert lost > blocked, out.stderr
+    written = {e.step: e.value for e in scalars(job / "rank0", "checkpoint/training_lost_seconds")}
+    assert written == pytest.approx({s: lost for s, (_, lost) in saves.items()}, abs=1e-3)
+    summary_lost = float(re.search(r"checkpoints: 4 saves, training lost (-?[\d.]+)s", out.stderr).group(1))
+    assert summary_lost == pytest.approx(sum(lost for _, lost in saves.values()), abs=2e-3)
+
+
+def resume_flags(folder: Path, *extra) -> list[str]:
+    return [
+        sys.executable, "-m", "titanlite.train", "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(folder),
+        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "8",
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--checkpoint.enable",
+        "--checkpoint.interval", "1", "--checkpoint.async_mode", "async", *extra,
+    ]
+
+
+def test_kill_resume_and_rewind_draw_one_line(tmp_path):
+    killed = subprocess.Popen(resume_flags(tmp_path), cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = ""
+    for line in killed.stderr:
+        log += line
+        if re.search(r"(?<!validate )step: 6 ", line):
+            killed.send_signal(signal.SIGKILL)
+            break
+    killed.wait(timeout=60)
+    assert killed.returncode == -signal.SIGKILL, log
+    (job,) = (tmp_path / "tb").iterdir()
+    drawn = sorted(e.step for e in scalars(job, "loss/train"))
+    assert drawn[:5] == list(range(1, 6))  # flushed at each log step (step 6's line comes before its events)
+
+    resumed = subprocess.run(resume_flags(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == [job.name]  # the job's run, continued
+    steps = [e.step for e in scalars(job, "loss/train")]
+    assert steps == list(range(1, 9))  # strictly increasing, no gap, no duplicate of the killed tail
+
+    rewind_started = time.time()
+    rewound = subprocess.run(resume_flags(tmp_path, "--checkpoint.load_step", "3"), cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    assert rewound.returncode == 0, rewound.stderr
+    events = scalars(job, "loss/train")
+    assert [e.step for e in events] == list(range(1, 9))
+    assert all((e.wall_time > rewind_started) == (e.step > 3) for e in events)  # the tail is the rewound run's
+    assert {e.step: round(e.value, 4) for e in events if e.step > 3} == logged_losses(rewound.stderr)
+
+
+def test_save_cost_is_the_extra_time_of_the_steps_it_touched():
+    reported = {}
+    cost = SaveCost(lambda step, values: reported.update({step: values}), warmup_steps=1)
+    clock = 0.0
+    # Step i takes durations[i]; a save starts at 3.05 and finishes writing at 3.65.
+    durations = [2.0, 0.5, 0.5, 0.5, 0.9, 0.7, 0.5, 0.5, 0.5, 0.5]
+    for i, seconds in enumerate(durations):
+        if i == 6:
+            cost.save_finished(4, started=3.05, done_at=3.65, blocked=0.01)
+        cost.step_done(clock, clock + seconds)
+        clock += seconds
+    # Step 3 runs 3.0-3.5 and step 4 3.5-4.4: the save touched those two; the steady step is 0.5 s.
+    assert reported[4]["checkpoint/training_lost_seconds"] == pytest.approx((0.5 - 0.5) + (0.9 - 0.5))
+    assert reported[4]["checkpoint/blocked_seconds"] == pytest.approx(0.01)
+    assert reported[4]["checkpoint/save_seconds"] == pytest.approx(0.6)
+    assert cost.saves == 1 and cost.lost_seconds == pytest.approx(0.4)
+
+
+def test_a_save_that_waits_for_the_previous_write_says_so_once(tmp_path, world_of_one, capsys):
+    init_logger(0)  # onto the stderr capsys captures
+    model = torch.nn.Linear(512, 512)
+    optimizer = torch.optim.AdamW(model.parameters())
+    manager = CheckpointManager(
+        Checkpoint(enable=True, interval=1, async_mode="async"), str(tmp_path), model=model, optimizer=optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        dataloader=StatefulDataLoader(list(range(4))), dp_rank=0, dp_degree=1, model_name="linear", model_args=None,
+        hf_adapter=None,
+    )
+    for step in (1, 2, 3):  # no training between the saves: each one starts while the previous one writes
+        manager.maybe_save(step)
+    manager.close()
+    err = capsys.readouterr().err
+    (warning,) = re.findall(r"WARNING (checkpoint step-2 waited .*)", err)
+    write = float(re.search(r"step-1's save, which took ([\d.]+)s to write", warning).group(1))
+    assert write > 0 and "with checkpoint.interval 1 every save blocks training" in warning
+    assert int(re.search(r"set checkpoint.interval to (\d+) or more", warning).group(1)) > 1
+    assert sorted(int(s) for s in re.findall(r"checkpoint step-(\d) saved in", err)) == [1, 2, 3]
