@@ -2,11 +2,12 @@
 # Re-makes assets/dashboard.png, the README's picture of the TensorBoard dashboard: trains the
 # shipped debug config (with validation and async checkpoints, so every section has data), starts
 # the real tensorboard on a free local port and screenshots its page with headless Chromium.
-#   ./scripts/dashboard_screenshot.sh [page]    page: timeseries (default), custom_scalars, hparams, text
+#   ./scripts/dashboard_screenshot.sh [page]    page: custom_scalars (default: the layout titanlite writes),
+#                                               timeseries, scalars, text or hparams (into assets/dashboard_<page>.png)
 # Needs Debian's chromium (apt-get install -y chromium) and the project's .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-page=${1:-timeseries}
+page=${1:-custom_scalars}
 out=assets/dashboard${1:+_$1}.png
 work=$(mktemp -d)
 tb_pid=""
@@ -32,7 +33,7 @@ done
 # A fresh profile and no network beyond 127.0.0.1; the virtual-time budget lets the charts draw.
 chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
     --disable-component-update --disable-sync --user-data-dir="$work/chromium" --hide-scrollbars \
-    --window-size=1400,1500 --virtual-time-budget=20000 --screenshot="$work/page.png" \
+    --window-size=1400,1080 --virtual-time-budget=20000 --screenshot="$work/page.png" \
     "http://127.0.0.1:$port/#$page" 2>"$work/chromium.log"
 # 256 colours keep the PNG small (the README's picture should stay well under 300 KB).
 .venv/bin/python -c 'import sys; from PIL import Image; Image.open(sys.argv[1]).convert("RGB").quantize(256).save(sys.argv[2], optimize=True)' \

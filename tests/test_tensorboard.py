@@ -71,6 +71,12 @@ def scalars(run: Path, tag: str) -> list:
     return events.Scalars(tag)
 
 
+def config_steps(run: Path) -> list[int]:
+    events = EventAccumulator(str(run))
+    events.Reload()
+    return [e.step for e in events.Tensors("config/text_summary")]
+
+
 def test_two_rank_dashboard_read_over_http(tmp_path):
     out = run_titanlite([
         "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--job.description", "dash test",
@@ -158,6 +164,8 @@ def test_kill_resume_and_rewind_draw_one_line(tmp_path):
     assert [p.name for p in (tmp_path / "tb").iterdir()] == [job.name]  # the job's run, continued
     steps = [e.step for e in scalars(job, "loss/train")]
     assert steps == list(range(1, 9))  # strictly increasing, no gap, no duplicate of the killed tail
+    resumed_at = int(re.search(r"resumed from .* at step (\d+)", resumed.stderr).group(1))
+    assert config_steps(job) == [0, resumed_at]  # each start's config, at the step it started from
 
     rewind_started = time.time()
     rewound = subprocess.run(resume_flags(tmp_path, "--checkpoint.load_step", "3"), cwd=ROOT, capture_output=True,
@@ -167,6 +175,10 @@ def test_kill_resume_and_rewind_draw_one_line(tmp_path):
     assert [e.step for e in events] == list(range(1, 9))
     assert all((e.wall_time > rewind_started) == (e.step > 3) for e in events)  # the tail is the rewound run's
     assert {e.step: round(e.value, 4) for e in events if e.step > 3} == logged_losses(rewound.stderr)
+    with tensorboard_server(tmp_path / "tb") as get:  # as a user sees it: the abandoned tail's config went too
+        assert [e[1] for e in get(f"/data/plugin/scalars/scalars?run={job.name}&tag=loss/train")] == list(range(1, 9))
+        configs = get(f"/data/plugin/text/text?run={job.name}&tag=config/text_summary")
+        assert [e["step"] for e in configs] == sorted({0, 3} | ({resumed_at} if resumed_at < 3 else set()))
 
 
 def test_save_cost_is_the_extra_time_of_the_steps_it_touched():
@@ -206,3 +218,17 @@ def test_a_save_that_waits_for_the_previous_write_says_so_once(tmp_path, world_o
     assert write > 0 and "with checkpoint.interval 1 every save blocks training" in warning
     assert int(re.search(r"set checkpoint.interval to (\d+) or more", warning).group(1)) > 1
     assert sorted(int(s) for s in re.findall(r"checkpoint step-(\d) saved in", err)) == [1, 2, 3]
+
+
+def test_a_step_two_saves_touched_is_shared_by_their_overlaps():
+    reported = {}
+    cost = SaveCost(lambda step, values: reported.update({step: values["checkpoint/training_lost_seconds"]}))
+    # Steps of 1 s, but step 4 (4.0-5.5) took 1.5 s; save 10 writes 3.5-4.75, save 11 waits for it and writes 4.75-5.5.
+    bounds = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5.5), (5.5, 6.5), (6.5, 7.5), (7.5, 8.5), (8.5, 9.5)]
+    for i, (began, ended) in enumerate(bounds):
+        if i == 5:
+            cost.save_finished(10, started=3.5, done_at=4.75, blocked=0.0)
+            cost.save_finished(11, started=4.75, done_at=5.5, blocked=0.0)
+        cost.step_done(began, ended)
+    # Step 4's extra 0.5 s: each save overlapped 0.75 s of it; step 3 (save 10's) was steady.
+    assert reported == pytest.approx({10: 0.25, 11: 0.25})

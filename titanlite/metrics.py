@@ -80,7 +80,7 @@ class MetricsLogger:
         """Open this rank's run (continuing the job's after a resume); rank 0 describes the run."""
         self.writer = open_writer(job, self.rank, resumed_step)
         if self.writer and self.rank == 0:
-            describe_run(self.writer, job, hparams)
+            describe_run(self.writer, job, hparams, resumed_step)
 
     def write_scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer:

@@ -70,14 +70,15 @@ def open_writer(cfg: JobConfig, rank: int, resumed_step: int):
     return SummaryWriter(str(folder[0]), purge_step=resumed_step + 1 if resumed_step else None)
 
 
-def describe_run(writer, cfg: JobConfig, hparams: dict) -> None:
-    """The config as text, the hyper-parameters and the custom-scalars layout (rank 0's run)."""
+def describe_run(writer, cfg: JobConfig, hparams: dict, step: int) -> None:
+    """The config as text, the hyper-parameters and the custom-scalars layout (rank 0's run), at
+    the step the run starts from: a resumed run's config shows beside the first one's."""
     from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
     # Indented four spaces: the text plugin renders Markdown, and this keeps the TOML verbatim.
-    writer.add_text("config", "\n".join("    " + line for line in to_toml(cfg).splitlines()))
+    writer.add_text("config", "\n".join("    " + line for line in to_toml(cfg).splitlines()), step)
     for summary in hparams_summaries(hparams, dict.fromkeys(HPARAM_METRICS, 0.0)):
-        writer.file_writer.add_summary(summary)
+        writer.file_writer.add_summary(summary, step)
     writer.add_custom_scalars(LAYOUT)
 
 
