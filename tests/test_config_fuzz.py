@@ -104,7 +104,7 @@ def test_every_default_is_in_its_range():
 @pytest.mark.parametrize(
     "flags, sentence",
     [
-        (["--optimizer.lr", "-0.001"], "optimizer.lr must be above 0; got -0.001 in the command line"),
+        (["--optimizer.lr", "-0.001"], "optimizer.lr must be at least 0; got -0.001 in the command line"),
         (["--optimizer.betas", "1.5,0.95"], "each item of optimizer.betas must be at least 0 and below 1; got 1.5"),
         (["--optimizer.eps", "-1e-8"], "optimizer.eps must be above 0; got -1e-08"),
         (["--training.num_workers", "-1"], "training.num_workers must be at least 0; got -1"),

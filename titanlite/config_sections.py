@@ -45,7 +45,7 @@ class Model:
 @dataclass
 class Optimizer:
     name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16)", choices=("AdamW", "Adam", "AdamWBF16Kahan"))
-    lr: float = opt(8e-4, "peak learning rate", above=0)
+    lr: float = opt(8e-4, "peak learning rate; 0 keeps the weights as they are", at_least=0)
     betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI", at_least=0, below=1, length=2)
     eps: float = opt(1e-8, "Adam epsilon", above=0)
     weight_decay: float = opt(0.1, "decoupled weight decay", at_least=0)
