@@ -52,7 +52,7 @@ def test_float8_alias_section(tmp_path):
         (["--job.config_file", "/no/such.toml"], "config file /no/such.toml does not exist"),
         (["steps"], "unexpected command-line argument 'steps'"),
         (["--optimizer.betas", "0.9"], "optimizer.betas must hold 2 items; got [0.9] in the command line"),
-        (["--optimizer.lr", "inf"], "optimizer.lr must be a finite number above 0; got inf"),
+        (["--optimizer.lr", "inf"], "optimizer.lr must be a finite number at least 0; got inf"),
         (["--validation.steps", "0"], "validation.steps must be at least 1, or -1; got 0 in the command line"),
         (["--activation_checkpoint.selective_ac_option", "0"], "selective_ac_option must be op or a positive integer"),
         (["--activation_checkpoint.selective_ac_option", "two"], "selective_ac_option must be op or a positive integer"),
