@@ -26,13 +26,13 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
 def test_cli_forms_equals_bare_bool_and_lists(tmp_path):
     cfg = load_config([
         "--training.steps=3", "--training.deterministic", "--metrics.enable_tensorboard", "false",
-        "--optimizer.betas", "0.8,0.99", "--optimizer.lr", "-1e-3",
+        "--optimizer.betas", "0.8,0.99", "--lr_scheduler.decay_ratio", "-1",
     ])
     assert cfg.training.steps == 3
     assert cfg.training.deterministic is True
     assert cfg.metrics.enable_tensorboard is False
     assert cfg.optimizer.betas == [0.8, 0.99]
-    assert cfg.optimizer.lr == -1e-3
+    assert cfg.lr_scheduler.decay_ratio == -1.0  # a value that starts with '-' is still a value
 
 
 def test_float8_alias_section(tmp_path):
@@ -51,6 +51,12 @@ def test_float8_alias_section(tmp_path):
         (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree is not supported yet"),
         (["--job.config_file", "/no/such.toml"], "config file /no/such.toml does not exist"),
         (["steps"], "unexpected command-line argument 'steps'"),
+        (["--optimizer.betas", "0.9"], "optimizer.betas must hold 2 items; got [0.9] in the command line"),
+        (["--optimizer.lr", "inf"], "optimizer.lr must be a finite number at least 0; got inf"),
+        (["--validation.steps", "0"], "validation.steps must be at least 1, or -1; got 0 in the command line"),
+        (["--activation_checkpoint.selective_ac_option", "0"], "selective_ac_option must be op or a positive integer"),
+        (["--activation_checkpoint.selective_ac_option", "two"], "selective_ac_option must be op or a positive integer"),
+        (["--training.param_dtype", "bfloat16", "--training.mixed_precision_param", "float32"], "set training.mixed_precision_param bfloat16 too"),
     ],
 )
 def test_bad_cli_input(argv, message):
@@ -89,6 +95,7 @@ def test_help_lists_every_key_with_type_default_and_doc():
     assert "--training.steps  integer = 10000" in out.stdout
     assert "optimizer steps to train for" in out.stdout
     assert "--float8.recipe_name  string = 'tensorwise'" in out.stdout
+    assert "Adam betas, comma-separated on the CLI (2 items, each at least 0 and below 1)" in out.stdout
 
 
 def test_user_error_is_one_line_exit_2_no_traceback():
@@ -110,6 +117,7 @@ def test_every_shipped_train_config_loads():
 def test_readme_reference_documents_every_key_with_its_default():
     import dataclasses
 
+    from titanlite.config import range_text
     from titanlite.config_sections import JobConfig
 
     reference = (ROOT / "README.md").read_text().split("## Configuration reference", 1)[1]
@@ -120,4 +128,7 @@ def test_readme_reference_documents_every_key_with_its_default():
             if isinstance(default, list):
                 default = ",".join(map(str, default))
             shown = "" if default == "" else f"`{str(default).lower() if isinstance(default, bool) else default}`"
-            assert f"| `{f.name}` |" in table and f"| {shown} |" in table.split(f"| `{f.name}` |", 1)[1].split("\n")[0], (section.name, f.name)
+            row = table.split(f"| `{f.name}` |", 1)[-1].split("\n")[0]
+            assert f"| `{f.name}` |" in table and f"| {shown} |" in row, (section.name, f.name)
+            bounds = range_text(f.metadata)
+            assert not bounds or f"({bounds}) |" in row, (section.name, f.name, "the README row lacks the range")

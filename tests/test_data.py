@@ -307,3 +307,92 @@ def test_synthetic_is_deterministic_and_resumable(tokenizer):
     resumed = loader(tokenizer, dataset="synthetic", seed=7)
     resumed.load_state_dict(interrupted.state_dict())
     assert_same_batches(expected[2:], take(resumed, 4))
+
+
+# --- faults in local files: one sentence naming the file and the fix ----------------------------
+
+
+def local_fault(tokenizer, path) -> str:
+    with pytest.raises(UserError) as caught:
+        loader(tokenizer, dataset_path=str(path))
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("training.dataset_path"), message
+    return message
+
+
+def test_text_field_that_is_not_a_string_names_the_record(tokenizer, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": 5}\n')
+    assert local_fault(tokenizer, path).endswith(f"{path} record 2 (counting from 1) holds 5 in 'text', not text; fix or remove that record")
+
+
+def test_record_without_the_text_field_names_the_record(tokenizer, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"body": "where is text?"}\n')
+    assert "record 3 (counting from 1) has no 'text'" in local_fault(tokenizer, path)
+
+
+@pytest.mark.parametrize("name, loader_name", [("docs.parquet", "parquet"), ("docs.arrow", "arrow"), ("docs.json", "json")])
+def test_file_that_is_not_what_its_suffix_says(tokenizer, tmp_path, name, loader_name):
+    path = tmp_path / name
+    path.write_text("just some words, not a data file {\n")
+    assert f"{path} could not be read as {loader_name} (" in local_fault(tokenizer, path)
+
+
+def test_text_that_is_not_utf8_is_refused_with_where(tokenizer, tmp_path):
+    # Refused, not replaced: a Latin-1 file would otherwise train on replacement characters.
+    txt = tmp_path / "txt"
+    txt.mkdir()
+    (txt / "a.txt").write_text("plain words\n")
+    (txt / "b.txt").write_bytes("line one\ncaf\u00e9 in Latin-1\n".encode("latin-1"))
+    assert local_fault(tokenizer, txt).endswith(f"{txt / 'b.txt'} is not UTF-8 text (byte 0xe9 on line 2); re-encode it as UTF-8 or remove it")
+    inside_json = tmp_path / "docs.jsonl"
+    inside_json.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    assert "record 2 (counting from 1) holds text in 'text' that is not UTF-8" in local_fault(tokenizer, inside_json)
+    latin_json = tmp_path / "latin.jsonl"
+    latin_json.write_bytes(b'\xff\xfe{"text": "a"}\n')
+    assert "latin.jsonl is not UTF-8 text (byte 0xff on line 1)" in local_fault(tokenizer, latin_json)
+
+
+def test_empty_files_and_folders_are_named(tokenizer, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert "empty.jsonl is empty (or only whitespace)" in local_fault(tokenizer, empty)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n  \n")
+    assert "blank.jsonl is empty (or only whitespace)" in local_fault(tokenizer, blank)
+    folder = tmp_path / "nothing"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "notes.md").write_text("not data")
+    assert "is a folder without .jsonl/.json/.parquet/.arrow/.txt files" in local_fault(tokenizer, folder)
+
+
+def test_folder_with_an_unreadable_file_names_that_file(tokenizer, tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", numbered_texts(3))
+    (tmp_path / "b.jsonl").write_text('{"text": "a record cut off in the middle\n')
+    write_jsonl(tmp_path / "c.jsonl", numbered_texts(3))
+    message = local_fault(tokenizer, tmp_path)
+    assert f"training.dataset_path: {tmp_path / 'b.jsonl'} could not be read as json (" in message, message
+
+
+@pytest.mark.parametrize(
+    "name, content, fault",
+    [
+        ("docs.jsonl", '{"text": 5}\n', "record 1 (counting from 1) holds 5 in 'text', not text; fix or remove that record"),
+        ("docs.parquet", "not parquet\n", "could not be read as parquet (Parquet magic bytes not found in footer); fix or replace it"),
+        ("docs.jsonl", "", "is empty (or only whitespace); remove it or write the data into it"),
+    ],
+)
+def test_issue_data_commands_end_in_one_sentence(tiny_run, tmp_path, capsys, monkeypatch, name, content, fault):
+    """The data mistakes listed at the top of issue 13, through the trainer's main() in this process."""
+    from titanlite.log import logger
+    from titanlite.train import main
+
+    monkeypatch.setattr(logger, "handlers", [])  # main's logger writes to this test's captured stderr only
+    monkeypatch.delenv("RANK", raising=False)
+    path = tmp_path / name
+    path.write_text(content)
+    assert main(tiny_run + ["--training.dataset_path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"error: training.dataset_path: {path} {fault}"

@@ -10,11 +10,14 @@ config_sections.py.
 import dataclasses
 import difflib
 import json
+import math
+import operator
 import sys
 import typing
 from pathlib import Path
 from typing import Any
 
+from titanlite.config_rules import check_rules
 from titanlite.config_sections import JobConfig
 from titanlite.errors import UserError
 
@@ -93,7 +96,7 @@ def _from_toml(value: Any, tp: Any) -> Any:
     return value
 
 
-def _set(cfg: JobConfig, dotted: str, raw: Any, origin: str, from_cli: bool) -> None:
+def _set(cfg: JobConfig, dotted: str, raw: Any, origin: str, from_cli: bool, origins: dict[str, str]) -> None:
     section, key = _resolve_key(dotted, origin)
     tp = _fields(section)[key].type
     try:
@@ -101,6 +104,7 @@ def _set(cfg: JobConfig, dotted: str, raw: Any, origin: str, from_cli: bool) -> 
     except ValueError:
         raise UserError(f"{section}.{key} expects {_article(_type_name(tp))} {_type_name(tp)}, got {raw!r} in {origin}") from None
     setattr(getattr(cfg, section), key, value)
+    origins[f"{section}.{key}"] = origin
 
 
 def _flatten_toml(table: dict, path: str, origin: str) -> list[tuple[str, Any]]:
@@ -148,7 +152,39 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _check_values(cfg: JobConfig) -> None:
+def range_text(meta: dict) -> str:
+    """A field's declared range in words, e.g. 'at least 0 and below 1, or -1'; '' when it has none."""
+    words = {"at_least": "at least", "above": "above", "at_most": "at most", "below": "below"}
+    bounds = " and ".join(f"{word} {meta[name]}" for name, word in words.items() if meta[name] is not None)
+    if bounds and meta["sentinels"]:
+        bounds += ", or " + ", or ".join(map(str, meta["sentinels"]))
+    if meta["length"] is not None:
+        return f"{meta['length']} items" + (f", each {bounds}" if bounds else "")
+    return bounds
+
+
+def _in_range(value: float, meta: dict) -> bool:
+    # Written so that NaN, which fails every comparison, is out of range.
+    if value in meta["sentinels"]:
+        return True
+    checks = {"at_least": operator.ge, "above": operator.gt, "at_most": operator.le, "below": operator.lt}
+    return all(meta[name] is None or check(value, meta[name]) for name, check in checks.items())
+
+
+def _check_range(name: str, value: Any, meta: dict, origin: str) -> None:
+    """One sentence for a numeric value (or a list's length or item) outside the field's declared range."""
+    if meta["length"] is not None and len(value) != meta["length"]:
+        raise UserError(f"{name} must hold {meta['length']} items; got {value!r} in {origin}, give exactly {meta['length']}")
+    bounds = range_text({**meta, "length": None})
+    for item in value if isinstance(value, list) else [value]:
+        where = f"each item of {name}" if isinstance(value, list) else name
+        if isinstance(item, float) and not math.isfinite(item):
+            raise UserError(f"{where} must be a finite number{' ' + bounds if bounds else ''}; got {item!r} in {origin}")
+        if bounds and not _in_range(item, meta):
+            raise UserError(f"{where} must be {bounds}; got {item!r} in {origin}; pick a value in that range")
+
+
+def _check_values(cfg: JobConfig, origins: dict[str, str]) -> None:
     defaults = JobConfig()
     for section in _sections():
         for key, f in _fields(section).items():
@@ -162,6 +198,7 @@ def _check_values(cfg: JobConfig) -> None:
                 raise UserError(
                     f"{section}.{key} is not supported yet; remove it or set it back to {getattr(getattr(defaults, section), key)!r}"
                 )
+            _check_range(f"{section}.{key}", value, f.metadata, origins.get(f"{section}.{key}", "the defaults"))
 
 
 def load_config(argv: list[str]) -> JobConfig:
@@ -171,14 +208,23 @@ def load_config(argv: list[str]) -> JobConfig:
         raise SystemExit(0)
     cli = _parse_cli(argv)
     cfg = JobConfig()
+    origins: dict[str, str] = {}  # 'section.key' -> where its value came from, for the error sentences
     config_file = next((v for k, v in cli if k == "job.config_file"), "")
     if config_file:
         for dotted, value in _flatten_toml(_read_toml(config_file), "", config_file):
-            _set(cfg, dotted, value, config_file, from_cli=False)
+            _set(cfg, dotted, value, config_file, from_cli=False, origins=origins)
     for dotted, value in cli:
-        _set(cfg, dotted, value, "the command line", from_cli=True)
-    _check_values(cfg)
+        _set(cfg, dotted, value, "the command line", from_cli=True, origins=origins)
+    _check_values(cfg, origins)
+    check_rules(cfg)
     return cfg
+
+
+def field_doc(f: dataclasses.Field) -> str:
+    """The field's doc with its choices or range, as --help and the README reference show it."""
+    choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
+    bounds = f" ({range_text(f.metadata)})" if range_text(f.metadata) else ""
+    return f"{f.metadata['doc']}{choices}{bounds}"
 
 
 def help_text() -> str:
@@ -187,8 +233,7 @@ def help_text() -> str:
         lines.append(f"[{section}]")
         for key, f in _fields(section).items():
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
-            lines.append(f"  --{section}.{key}  {_type_name(f.type)} = {default!r}\n      {f.metadata['doc']}{choices}")
+            lines.append(f"  --{section}.{key}  {_type_name(f.type)} = {default!r}\n      {field_doc(f)}")
         lines.append("")
     return "\n".join(lines)
 

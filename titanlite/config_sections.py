@@ -1,6 +1,8 @@
 """The job config: one dataclass per TOML section, every field typed, defaulted and documented.
 
-`opt(default, doc)` declares a field; the doc becomes its `--help` line. A field declared with
+`opt(default, doc, ...)` declares a field; the doc (with its choices or range) becomes its `--help` line.
+Every numeric field declares its valid range (at_least/above/at_most/below, sentinels, length), which
+the loader checks and a fuzz test (tests/test_config_fuzz.py) requires. A field declared with
 `unsupported=True` belongs to a feature that has not landed yet: setting it to anything but its
 default stops the run with a "not supported yet" sentence instead of being silently ignored.
 """
@@ -27,7 +29,7 @@ class Job:
     config_file: str = opt("", "TOML file holding this job; CLI flags override its values")
     dump_folder: str = opt("./outputs", "folder for everything the run writes (config, checkpoints, TensorBoard, traces)")
     description: str = opt("", "free text describing the job, logged at start")
-    seed: int = opt(0, "seed for weight init, data order and dropout; the same seed gives the same run")
+    seed: int = opt(0, "seed for weight init, data order and dropout; the same seed gives the same run", at_least=0, at_most=2**32 - 1)
     log_rank_files: bool = opt(False, "also write every rank's log, all levels, to <dump_folder>/logs/rank<N>.log")
 
 
@@ -37,77 +39,77 @@ class Model:
     flavor: str = opt("debugmodel", "size of the family, e.g. debugmodel, 1B, 8B")
     tokenizer_path: str = opt("", "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart by its bytes; empty = the shipped assets/tokenizer.model")
     hf_assets_path: str = opt("", "folder holding tokenizer.model (as downloaded from Hugging Face); used when tokenizer_path is empty")
-    moe_aux_loss_coeff: float = opt(0.01, "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none")
+    moe_aux_loss_coeff: float = opt(0.01, "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none", at_least=0)
 
 
 @dataclass
 class Optimizer:
     name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16)", choices=("AdamW", "Adam", "AdamWBF16Kahan"))
-    lr: float = opt(8e-4, "peak learning rate")
-    betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI")
-    eps: float = opt(1e-8, "Adam epsilon")
-    weight_decay: float = opt(0.1, "decoupled weight decay")
+    lr: float = opt(8e-4, "peak learning rate; 0 keeps the weights as they are", at_least=0)
+    betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI", at_least=0, below=1, length=2)
+    eps: float = opt(1e-8, "Adam epsilon", above=0)
+    weight_decay: float = opt(0.1, "decoupled weight decay", at_least=0)
     implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere", choices=("auto", "fused", "foreach", "for-loop"))
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = opt(200, "steps of linear warmup from 0 to optimizer.lr")
+    warmup_steps: int = opt(200, "steps of linear warmup from 0 to optimizer.lr", at_least=0)
     decay_type: str = opt("linear", "shape of the decay after warmup", choices=("linear", "cosine", "sqrt"))
-    decay_ratio: float = opt(-1.0, "fraction of the steps spent decaying at the end (warmup-stable-decay); -1 = decay right after warmup")
-    min_lr_factor: float = opt(0.0, "the lr decays to min_lr_factor * optimizer.lr")
+    decay_ratio: float = opt(-1.0, "fraction of the steps spent decaying at the end (warmup-stable-decay); -1 = decay right after warmup", at_least=0, at_most=1, sentinels=(-1,))
+    min_lr_factor: float = opt(0.0, "the lr decays to min_lr_factor * optimizer.lr", at_least=0, at_most=1)
 
 
 @dataclass
 class Training:
-    local_batch_size: int = opt(8, "sequences per rank per micro-step")
-    global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks; above local x dp means gradient accumulation; -1 = local x dp")
-    seq_len: int = opt(2048, "tokens per sequence")
-    steps: int = opt(10000, "optimizer steps to train for")
-    max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
+    local_batch_size: int = opt(8, "sequences per rank per micro-step", at_least=1)
+    global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks; above local x dp means gradient accumulation; -1 = local x dp", at_least=1, sentinels=(-1,))
+    seq_len: int = opt(2048, "tokens per sequence", at_least=1)
+    steps: int = opt(10000, "optimizer steps to train for", at_least=1)
+    max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping", at_least=0)
     dataset: str = opt("sample", "sample (shipped corpus, minus the topics held out as sample_val), c4 (streamed from the Hugging Face hub), synthetic, or local (files at dataset_path)")
     dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files); setting it means dataset = local")
     dataset_text_field: str = opt("text", "field holding the text in json/parquet/arrow records")
-    num_workers: int = opt(0, "data-loading worker processes per rank")
+    num_workers: int = opt(0, "data-loading worker processes per rank", at_least=0)
     mixed_precision_param: str = opt("bfloat16", "dtype FSDP computes in (autocast dtype without FSDP)", choices=("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "dtype of FSDP gradient reduction", choices=("float32", "bfloat16"))
     param_dtype: str = opt("float32", "dtype the weights are stored and updated in; bfloat16 = pure-bf16 training (with mixed_precision_param bfloat16 and optimizer.name AdamWBF16Kahan)", choices=("float32", "bfloat16"))
-    gc_freq: int = opt(50, "run Python's garbage collector every this many steps (automatic gc is turned off)")
+    gc_freq: int = opt(50, "run Python's garbage collector every this many steps (automatic gc is turned off)", at_least=1)
     deterministic: bool = opt(False, "use deterministic algorithms (slower; for debugging numerics)")
     skip_nan_check: bool = opt(False, "keep training when the loss or gradient norm is NaN or inf (by default the run stops at that step and saves nothing of it)")
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = opt(1, "replicas of the model (HSDP when above 1 together with sharding)")
-    data_parallel_shard_degree: int = opt(-1, "ranks each replica is sharded over by FSDP; -1 = the rest of the world")
+    data_parallel_replicate_degree: int = opt(1, "replicas of the model (HSDP when above 1 together with sharding)", at_least=1)
+    data_parallel_shard_degree: int = opt(-1, "ranks each replica is sharded over by FSDP; -1 = the rest of the world", at_least=1, sentinels=(-1,))
     fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default (yes, except the root), always, never (ZeRO-2-like)", choices=("default", "always", "never"))
     fsdp_cpu_offload: bool = opt(False, "keep FSDP's sharded params, grads and optimizer state in CPU memory; the optimizer steps on the CPU (needs FSDP)")
-    tensor_parallel_degree: int = opt(1, "tensor parallel degree", unsupported=True)
-    pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", unsupported=True)
-    context_parallel_degree: int = opt(1, "context parallel degree", unsupported=True)
+    tensor_parallel_degree: int = opt(1, "tensor parallel degree", unsupported=True, at_least=1)
+    pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", unsupported=True, at_least=1)
+    context_parallel_degree: int = opt(1, "context parallel degree", unsupported=True, at_least=1)
 
 
 @dataclass
 class Metrics:
-    log_freq: int = opt(10, "print and record metrics every this many steps (and at step 1)")
+    log_freq: int = opt(10, "print and record metrics every this many steps (and at step 1)", at_least=1)
     enable_tensorboard: bool = opt(False, "write TensorBoard scalars")
     save_tb_folder: str = opt("tb", "TensorBoard folder under job.dump_folder; each job writes one run in it, which its resumes continue")
     save_for_all_ranks: bool = opt(False, "every rank writes its own TensorBoard run (<run>/rank<N>), e.g. to compare memory across pipeline stages; false = rank 0 only")
-    peak_tflops: float = opt(0.0, "peak bf16 dense TFLOP/s of one device for MFU; 0 = look the device up")
-    summary_warmup_steps: int = opt(5, "the end-of-run summary line (steady-state tps, peak memory, data share) leaves out this many first steps")
+    peak_tflops: float = opt(0.0, "peak bf16 dense TFLOP/s of one device for MFU; 0 = look the device up", at_least=0)
+    summary_warmup_steps: int = opt(5, "the end-of-run summary line (steady-state tps, peak memory, data share) leaves out this many first steps", at_least=0)
 
 
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "save checkpoints and resume from the newest complete one at start")
     folder: str = opt("checkpoint", "checkpoint folder under job.dump_folder; each save is a step-N folder in it")
-    interval: int = opt(500, "save every this many steps (the last step and preemption always save)")
+    interval: int = opt(500, "save every this many steps (the last step and preemption always save)", at_least=1)
     async_mode: str = opt("disabled", "disabled (training waits for the write), async (background threads copy the state to host memory during the next step, whose optimizer step waits for the copy, then write it), or async_with_pinned_mem (the same, copying into pinned memory on a CUDA stream of its own; CUDA only)", choices=("disabled", "async", "async_with_pinned_mem"))
-    keep_latest_k: int = opt(0, "keep only the newest k checkpoints, deleting older ones in the background; 0 = keep all")
+    keep_latest_k: int = opt(0, "keep only the newest k checkpoints, deleting older ones in the background; 0 = keep all", at_least=0)
     last_save_model_only: bool = opt(False, "the last step's save holds the model alone, in export_dtype")
     export_dtype: str = opt("float32", "dtype of the model in a model-only last save and in a Hugging Face export", choices=("float32", "bfloat16"))
-    load_step: int = opt(-1, "step to resume from; -1 = the newest complete checkpoint")
+    load_step: int = opt(-1, "step to resume from; -1 = the newest complete checkpoint", at_least=0, sentinels=(-1,))
     initial_load_path: str = opt("", "DCP checkpoint (or Hugging Face folder, see initial_load_in_hf) to start from when the folder holds no checkpoint")
     initial_load_model_only: bool = opt(True, "load only the model from initial_load_path (false: also optimizer, schedule, step and data position)")
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder (config.json + safetensors)")
@@ -142,7 +144,7 @@ class Float8:
 class Profiling:
     enable_profiling: bool = opt(False, "record torch.profiler traces (Perfetto/TensorBoard) of one step in every profile_freq")
     save_traces_folder: str = opt("profile_traces", "trace folder under job.dump_folder: iteration_<step>/rank<r>_trace.json")
-    profile_freq: int = opt(10, "profile (and snapshot memory) every this many steps")
+    profile_freq: int = opt(10, "profile (and snapshot memory) every this many steps", at_least=1)
     enable_memory_snapshot: bool = opt(False, "record CUDA memory snapshots every profile_freq steps and on out-of-memory (CUDA only)")
     save_memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder under job.dump_folder")
 
@@ -150,12 +152,12 @@ class Profiling:
 @dataclass
 class Validation:
     enable: bool = opt(False, "compute loss and perplexity on held-out data every validation.freq steps")
-    freq: int = opt(100, "validate every this many steps")
-    steps: int = opt(10, "at most this many batches per rank per validation, always from the start of the data; -1 = one whole pass")
+    freq: int = opt(100, "validate every this many steps", at_least=1)
+    steps: int = opt(10, "at most this many batches per rank per validation, always from the start of the data; -1 = one whole pass", at_least=1, sentinels=(-1,))
     dataset: str = opt("sample_val", "sample_val (the held-out part of the sample corpus), c4_val (allenai/c4 validation split), or local (files at dataset_path)")
     dataset_path: str = opt("", "file or folder of held-out local data, read like training.dataset_path; setting it means dataset = local")
-    local_batch_size: int = opt(-1, "sequences per rank per validation batch; -1 = training.local_batch_size")
-    seq_len: int = opt(-1, "tokens per validation sequence; -1 = training.seq_len")
+    local_batch_size: int = opt(-1, "sequences per rank per validation batch; -1 = training.local_batch_size", at_least=1, sentinels=(-1,))
+    seq_len: int = opt(-1, "tokens per validation sequence; -1 = training.seq_len", at_least=1, sentinels=(-1,))
 
 
 @dataclass

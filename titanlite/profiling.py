@@ -37,8 +37,6 @@ class StepProfiler:
     at the end of every training step."""
 
     def __init__(self, cfg: Profiling, dump_folder: str, rank: int, device: torch.device):
-        if cfg.profile_freq < 1:
-            raise UserError(f"profiling.profile_freq must be at least 1; got {cfg.profile_freq}")
         if cfg.enable_memory_snapshot and device.type != "cuda":
             raise UserError(
                 "profiling.enable_memory_snapshot records the CUDA allocator's history and needs a GPU; this run is "

@@ -38,17 +38,6 @@ from titanlite.tensorboard import hyperparameters
 from titanlite.validation import Validator, check_validation
 
 
-def check_training(cfg: Training) -> None:
-    for key in ("local_batch_size", "seq_len", "steps", "gc_freq"):
-        if getattr(cfg, key) < 1:
-            raise UserError(f"training.{key} must be at least 1; got {getattr(cfg, key)}")
-    if cfg.param_dtype == "bfloat16" and cfg.mixed_precision_param != "bfloat16":
-        raise UserError(
-            "training.param_dtype bfloat16 stores bf16 weights, which compute in bf16; set "
-            "training.mixed_precision_param bfloat16 too"
-        )
-
-
 def grad_accumulation_steps(cfg: Training, dp_degree: int) -> int:
     """Micro-steps per optimizer step so that local x dp x micro-steps = global batch."""
     per_micro_step = cfg.local_batch_size * dp_degree
@@ -166,7 +155,6 @@ def model_metrics(model) -> dict[str, float] | None:
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
     init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
-    check_training(cfg.training)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     dims.build_mesh(info.device.type)

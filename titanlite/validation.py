@@ -32,11 +32,6 @@ def batch_shape(cfg: Validation, training: Training) -> tuple[int, int]:
 
 def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> None:
     """Called before the model is built, so a mistake costs no time."""
-    for key in ("freq", "steps", "local_batch_size", "seq_len"):
-        value = getattr(cfg, key)
-        if value < 1 and not (key != "freq" and value == -1):
-            allowed = "at least 1" if key == "freq" else "at least 1, or -1"
-            raise UserError(f"validation.{key} must be {allowed}; got {value}")
     seq_len = batch_shape(cfg, training)[1]
     if seq_len > max_seq_len:
         raise UserError(f"validation.seq_len {seq_len} exceeds the model's context ({max_seq_len}); lower validation.seq_len")

@@ -66,12 +66,6 @@ class TrainState:
 
 
 def check_checkpoint_config(cfg: Checkpoint, world_size: int) -> None:
-    if cfg.interval < 1:
-        raise UserError(f"checkpoint.interval must be at least 1; got {cfg.interval}")
-    if cfg.keep_latest_k < 0:
-        raise UserError(f"checkpoint.keep_latest_k must be 0 (keep all) or more; got {cfg.keep_latest_k}")
-    if cfg.load_step < -1:
-        raise UserError(f"checkpoint.load_step must be -1 (the newest) or a step; got {cfg.load_step}")
     if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
         raise UserError(
             "checkpoint.async_mode async_with_pinned_mem stages into pinned (page-locked) memory for fast GPU "

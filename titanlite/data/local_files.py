@@ -4,34 +4,39 @@ The path is one file or a folder searched recursively. .jsonl/.json/.parquet/.ar
 read with the Hugging Face `datasets` loaders (converted once into its memory-mapped Arrow
 cache), one record per document, text in training.dataset_text_field; .txt files hold one
 document each and are read only when their turn comes.
+
+A fault in the files stops the run at start with one sentence naming the file: a file that is empty
+or not what its suffix says, a record whose text field is missing or not a string (with its
+number), text that is not UTF-8 (with its line). Undecodable bytes are refused, not replaced: a file
+in another encoding would otherwise train on replacement characters without anyone noticing.
 """
 
 from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 from datasets.exceptions import DatasetGenerationError
 
 from titanlite.errors import UserError
 
 LOADER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "txt"}
+KINDS = "a .jsonl/.json/.parquet/.arrow/.txt file or a folder of such files"
+# What `datasets` and pyarrow raise for file contents they cannot parse; anything else is a bug.
+READ_ERRORS = (DatasetGenerationError, pa.ArrowInvalid, UnicodeDecodeError)
 
 
 class TextFiles(Sequence):
-    """One document per UTF-8 .txt file, in sorted path order."""
+    """One document per UTF-8 .txt file, in sorted path order (checked to be UTF-8 at start)."""
 
-    def __init__(self, files: list[Path], section: str):
+    def __init__(self, files: list[Path]):
         self.files = files
-        self.section = section
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, index: int) -> str:
-        try:
-            return self.files[index].read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise UserError(f"{self.files[index]} under {self.section}.dataset_path is not UTF-8 text; convert or remove it") from None
+        return self.files[index].read_text(encoding="utf-8")
 
 
 class RecordTexts(Sequence):
@@ -49,31 +54,114 @@ class RecordTexts(Sequence):
 
 
 def find_data_files(root: Path, section: str) -> tuple[str, list[Path]]:
-    """The loader name and the files for a file or folder; one kind of data per dataset."""
-    kinds = "a .jsonl/.json/.parquet/.arrow/.txt file or a folder of such files"
+    """The loader name and the files for a file or folder; one kind of data per dataset, no empty file."""
     if not root.exists():
-        raise UserError(f"{section}.dataset_path {root} does not exist; point it at {kinds}")
+        raise UserError(f"{section}.dataset_path {root} does not exist; point it at {KINDS}")
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in LOADER_BY_SUFFIX and p.is_file())
     loaders = sorted({LOADER_BY_SUFFIX.get(path.suffix, "unknown") for path in files})
-    if loaders in ([], ["unknown"]):
-        raise UserError(f"{section}.dataset_path {root} is not {kinds}; point it at one")
+    if not files:
+        raise UserError(f"{section}.dataset_path {root} is a folder without .jsonl/.json/.parquet/.arrow/.txt files; point it at {KINDS}")
+    if loaders == ["unknown"]:
+        raise UserError(f"{section}.dataset_path {root} is not {KINDS}; point it at one")
     if len(loaders) > 1:
         raise UserError(f"{section}.dataset_path {root} mixes kinds of data files ({', '.join(loaders)}); keep one kind per dataset")
+    empty = next((path for path in files if is_blank(path)), None)
+    if empty is not None:
+        raise UserError(f"{section}.dataset_path: {empty} is empty (or only whitespace); remove it or write the data into it")
     return loaders[0], files
+
+
+def is_blank(path: Path) -> bool:
+    """True for a file holding nothing but whitespace; reads no further than the first other byte."""
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def utf8_fault(path: Path) -> str | None:
+    """Where a file stops being UTF-8, or None when all of it is."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        return f"is not UTF-8 text (byte 0x{data[error.start]:02x} on line {line}); re-encode it as UTF-8 or remove it"
+    return None
+
+
+def text_fault(records: datasets.Dataset, text_field: str) -> str | None:
+    """Why some record has no string in text_field, or None when every record has one."""
+    if text_field not in records.column_names:
+        return (f"has no field '{text_field}' (its fields are {', '.join(records.column_names)}); "
+                "set training.dataset_text_field to one of them")
+    column = records.data.column(text_field)
+    if column.null_count == 0 and (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        try:
+            column.validate(full=True)  # pyarrow's json reader keeps bytes that are not UTF-8 as they are
+            return None
+        except pa.ArrowInvalid:
+            row = next(i for i in range(len(column)) if not _decodes(column[i]))
+            return f"record {row + 1} (counting from 1) holds text in '{text_field}' that is not UTF-8; re-encode the file as UTF-8 or fix that record"
+    row, value = next(((i, v) for i, v in enumerate(records[text_field]) if not isinstance(v, str)), (None, None))
+    if row is None:
+        return None
+    what = f"has no '{text_field}'" if value is None else f"holds {value!r} in '{text_field}', not text"
+    return f"record {row + 1} (counting from 1) {what}; fix or remove that record"
+
+
+def _decodes(text: pa.Scalar) -> bool:
+    try:
+        text.as_py()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def read_fault(path: Path, loader: str, error: Exception) -> str:
+    cause = error.__cause__ or error
+    # A json file in another encoding fails to parse; say why rather than where the parser stopped.
+    if loader == "json" and (fault := utf8_fault(path)):
+        return fault
+    reason = str(cause).splitlines()[0].split(". ")[0].rstrip(".")
+    return f"could not be read as {loader} ({reason}); fix or replace it"
+
+
+def read_records(loader: str, files: list[Path]) -> datasets.Dataset:
+    # datasets logs an error line of its own for a file it cannot parse; titanlite names the fault in one sentence.
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        return datasets.load_dataset(loader, data_files=[str(path) for path in files], split="train")
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def raise_for_the_faulty_file(loader: str, files: list[Path], text_field: str, section: str, error: Exception | None):
+    """Read the files one by one to name the one at fault; called only after reading them all failed."""
+    for path in files:
+        try:
+            fault = text_fault(read_records(loader, [path]), text_field)
+        except READ_ERRORS as one_error:
+            fault = read_fault(path, loader, one_error)
+        if fault:
+            raise UserError(f"{section}.dataset_path: {path} {fault}") from None
+    reason = str(error.__cause__ or error).splitlines()[0] if error else "their fields differ"
+    raise UserError(f"{section}.dataset_path {files[0].parent}: its files read one by one but not as one dataset ({reason}); give them the same fields")
 
 
 def load_local_documents(dataset_path: str, text_field: str, section: str) -> Sequence[str]:
     loader, files = find_data_files(Path(dataset_path), section)
     if loader == "txt":
-        return TextFiles(files, section)
+        fault = next(((path, f) for path in files if (f := utf8_fault(path))), None)
+        if fault:
+            raise UserError(f"{section}.dataset_path: {fault[0]} {fault[1]}")
+        return TextFiles(files)
     try:
-        records = datasets.load_dataset(loader, data_files=[str(path) for path in files], split="train")
-    except DatasetGenerationError as error:
-        cause = str(error.__cause__ or error).splitlines()[0]
-        raise UserError(f"{section}.dataset_path {dataset_path} could not be read as {loader} ({cause}); fix or replace it") from None
-    if text_field not in records.column_names:
-        raise UserError(
-            f"training.dataset_text_field '{text_field}' is not a field of {section}.dataset_path {dataset_path}; "
-            f"its fields are {', '.join(records.column_names)}: set training.dataset_text_field to one of them"
-        )
+        records, error = read_records(loader, files), None
+    except READ_ERRORS as read_error:
+        records, error = None, read_error
+    if records is None or text_fault(records, text_field):
+        raise_for_the_faulty_file(loader, files, text_field, section, error)
     return RecordTexts(records, text_field)

@@ -17,7 +17,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.config_sections import ActivationCheckpoint
-from titanlite.errors import UserError
 
 
 def _ops(namespace, names: tuple[str, ...]) -> set:
@@ -61,14 +60,8 @@ def _op_level_context():
 
 
 def _every_nth(option: str) -> int | None:
-    """selective_ac_option as an integer N, None for "op"; anything else is refused."""
-    if option == "op":
-        return None
-    if option.isdigit() and int(option) >= 1:
-        return int(option)
-    raise UserError(
-        f"activation_checkpoint.selective_ac_option must be op or a positive integer N (checkpoint every N-th block); got {option!r}"
-    )
+    """selective_ac_option as an integer N, None for "op" (the config loader has checked it)."""
+    return None if option == "op" else int(option)
 
 
 def _wrap(block: nn.Module, **kwargs) -> nn.Module:

@@ -18,8 +18,6 @@ class ParallelDims:
     def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
         """Resolve data_parallel_shard_degree = -1 and check the degrees multiply to the world."""
         replicate, shard = cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree
-        if replicate < 1:
-            raise UserError(f"parallelism.data_parallel_replicate_degree must be at least 1; got {replicate}")
         if shard == -1:
             if world_size % replicate:
                 raise UserError(
@@ -27,8 +25,6 @@ class ParallelDims:
                     "choose a divisor of the number of processes"
                 )
             shard = world_size // replicate
-        if shard < 1:
-            raise UserError(f"parallelism.data_parallel_shard_degree must be -1 or at least 1; got {shard}")
         if replicate * shard != world_size:
             raise UserError(
                 f"parallelism degrees data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} "

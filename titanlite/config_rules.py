@@ -1,0 +1,31 @@
+"""Rules between keys, one function per section, checked by the loader once every value is in its range.
+
+Only pure config rules live here; checks that need facts of the run (the world size, CUDA, the
+tokenizer's vocabulary, the model's context) stay where those facts are known.
+"""
+
+from titanlite.config_sections import JobConfig
+from titanlite.errors import UserError
+
+
+def check_training(cfg: JobConfig) -> None:
+    training = cfg.training
+    if training.param_dtype == "bfloat16" and training.mixed_precision_param != "bfloat16":
+        raise UserError(
+            "training.param_dtype bfloat16 stores bf16 weights, which compute in bf16; set "
+            "training.mixed_precision_param bfloat16 too"
+        )
+
+
+def check_activation_checkpoint(cfg: JobConfig) -> None:
+    # Checked whatever the mode: a value that means nothing is a typo, not something to ignore.
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise UserError(
+            f"activation_checkpoint.selective_ac_option must be op or a positive integer N (checkpoint every N-th block); got {option!r}"
+        )
+
+
+def check_rules(cfg: JobConfig) -> None:
+    check_training(cfg)
+    check_activation_checkpoint(cfg)
