@@ -29,6 +29,7 @@ class Job:
     description: str = opt("", "free text describing the job, logged at start")
     seed: int = opt(0, "seed for weight init, data order and dropout; the same seed gives the same run")
     log_rank_files: bool = opt(False, "also write every rank's log, all levels, to <dump_folder>/logs/rank<N>.log")
+    init_timeout_seconds: int = opt(300, "seconds every rank waits for all WORLD_SIZE ranks to join at MASTER_ADDR:MASTER_PORT when started without torchrun, then stops naming the missing ones", at_least=1)
 
 
 @dataclass

@@ -10,6 +10,8 @@ dcp-to-hf reads any titanlite checkpoint (full or model-only; only the model is 
 layer at a time and writes safetensors shards of at most --max_shard_mb, with
 model.safetensors.index.json when there is more than one, plus config.json. hf-to-dcp writes a
 model-only DCP checkpoint, usable as checkpoint.initial_load_path; it holds the model in memory.
+The destination must be a new or empty folder: one holding files (a checkpoint of a run, above
+all) is written over only with --overwrite.
 """
 
 import dataclasses
@@ -29,7 +31,7 @@ from titanlite.models import get_model_args, get_model_spec
 from titanlite.parallel.fsdp import DTYPES
 
 USAGE = """usage: python -m titanlite.convert {hf-to-dcp,dcp-to-hf} SOURCE DESTINATION [--model.name N] [--model.flavor F]
-                                  [--job.config_file X.toml] [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000]"""
+                                  [--job.config_file X.toml] [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000] [--overwrite]"""
 COMMANDS = ("hf-to-dcp", "dcp-to-hf")
 
 
@@ -78,6 +80,15 @@ def hf_to_dcp(source: Path, destination: Path, spec, flavor: str) -> None:
     dcp.save(state, checkpoint_id=str(destination), no_dist=True)
 
 
+def check_destination(destination: Path, overwrite: bool) -> None:
+    """Never write over a checkpoint (or anything else) by accident."""
+    if destination.exists() and not destination.is_dir():
+        raise UserError(f"the destination {destination} is a file; give a folder")
+    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
+        what = "a complete DCP checkpoint" if is_complete(destination) else "files"
+        raise UserError(f"the destination {destination} already holds {what}; choose a new folder, or add --overwrite to replace them")
+
+
 def _pop_option(argv: list[str], name: str, default: str) -> tuple[list[str], str]:
     """Take `--name value` / `--name=value` out of argv (options that are not config keys)."""
     rest, value, i = [], default, 0
@@ -100,6 +111,8 @@ def run(argv: list[str]) -> None:
         raise UserError(f"expected a command ({' or '.join(COMMANDS)}), a source and a destination folder; {USAGE.split(chr(10))[0]}")
     command, source, destination = argv[0], Path(argv[1]), Path(argv[2])
     flags, max_shard_mb = _pop_option(argv[3:], "--max_shard_mb", str(DEFAULT_MAX_SHARD_BYTES // 10**6))
+    overwrite = "--overwrite" in flags
+    flags = [flag for flag in flags if flag != "--overwrite"]
     try:
         max_shard_bytes = int(float(max_shard_mb) * 10**6)
     except ValueError:
@@ -109,6 +122,7 @@ def run(argv: list[str]) -> None:
     if spec.hf_adapter is None:
         raise UserError(f"model family {spec.name} has no Hugging Face adapter yet")
     get_model_args(spec, cfg.model.flavor)  # an unknown flavor fails here, before any file is touched
+    check_destination(destination, overwrite)
     if command == "dcp-to-hf":
         dcp_to_hf(source, destination, spec, cfg.model.flavor, cfg.checkpoint.export_dtype, max_shard_bytes)
     else:

@@ -31,6 +31,7 @@ from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.fsdp import DTYPES
 from titanlite.parallel.offload import activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.parallel.dims import ParallelDims
+from titanlite.output_folders import check_output_folders
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
 from titanlite.profiling import RunSummary, StepProfiler
 from titanlite.validation import Validator, check_validation
@@ -158,7 +159,19 @@ def model_metrics(model) -> dict[str, float] | None:
     return dict(zip(values, (stacked / dist.get_world_size()).tolist()))
 
 
+def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:
+    """A stop signal during the load, or a resume at or past the last step: exit 0 untrained."""
+    if stop.signalled_anywhere():
+        logger.info(f"{stop.signal} came while loading; exiting at step {step} without training (nothing new to save)")
+        return True
+    if step >= steps:
+        logger.info(f"resumed at step {step}, which is at or past training.steps {steps}: nothing to train; raise training.steps to train further")
+        return True
+    return False
+
+
 def train(cfg: JobConfig, info: DistInfo) -> None:
+    check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
     init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
     check_training(cfg.training)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
@@ -212,14 +225,17 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         checkpointer.save_seed()
         checkpointer.close()
         return
-    state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
-
-    # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
-    gc.disable()
-    stop = StopFlags(info.device, check_finite=not training.skip_nan_check)  # SIGTERM/SIGUSR1, NaN loss
-    batches = iter(dataloader)
-    summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device)
+    # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
+    stop = StopFlags(info.device, check_finite=not training.skip_nan_check)
     try:
+        state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
+        if nothing_to_train(stop, state.step, training.steps):
+            metrics.close()
+            return
+        # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
+        gc.disable()
+        batches = iter(dataloader)
+        summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device)
         with profiler:
             for step in range(state.step + 1, training.steps + 1):
                 if step % training.gc_freq == 0:
@@ -257,7 +273,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
 def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
-        info = init_distributed()
+        info = init_distributed(cfg.job.init_timeout_seconds)
         try:
             train(cfg, info)
         finally:
@@ -266,6 +282,9 @@ def main(argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before training started (during it, StopFlags saves and stops)
+        print("\ninterrupted (Ctrl-C) before training started; nothing was saved", file=sys.stderr)
+        return 130
     return 0
 
 
