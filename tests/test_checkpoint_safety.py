@@ -124,7 +124,7 @@ def test_4_a_full_disk_stops_with_one_sentence_and_keeps_the_last_checkpoint(cap
     root = small_disk / "checkpoint"
     assert f"error: checkpoint step-4 could not be written to {root}: no space left on the device; free at least" in out
     assert "it stopped without saving step 4, and the earlier checkpoints are complete" in out
-    assert "Traceback" not in out and "step:  5" not in out
+    assert "Traceback" not in out and "step: 5 " not in out
     assert sorted(p.name for p in root.iterdir()) == ["step-2"]  # the partial step-4 is gone
     assert resumed_step(capsys, small_disk) == 2
 
@@ -177,6 +177,13 @@ def send_when_handled(signum: int, delay: float = 0.0) -> threading.Thread:
     return thread
 
 
+def wait_for_line(log: Path, text: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while text not in log.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
 def test_7_signals_during_the_load_and_ctrl_c(capsys, dump, tmp_path):
     send_when_handled(signal.SIGTERM)  # the handler is installed just before the checkpoint load
     code, out = train(capsys, dump, 10)
@@ -188,22 +195,21 @@ def test_7_signals_during_the_load_and_ctrl_c(capsys, dump, tmp_path):
     send_when_handled(signal.SIGINT, delay=1.0)  # the first Ctrl-C: stop at the step boundary and save
     code, out = train(capsys, fresh, 1000, "--checkpoint.interval", 1000)
     assert code == 0, out
-    assert "Ctrl-C: stopping at the end of this step with a checkpoint save" in out
-    stopped = int(out.split("stopped at step ")[1].split(" ")[0])
+    stopped = int(out.split("stopped at step ")[1].split(" on Ctrl-C; exiting")[0])
     assert live_steps(fresh) == [stopped] and resumed_step(capsys, fresh) == stopped
 
     twice = tmp_path / "twice"  # a second Ctrl-C exits at once: 130, no traceback, nothing more saved
     log = tmp_path / "twice.log"
     process = subprocess.Popen([sys.executable, "-m", "titanlite.train", *flags(twice, 1000, "--checkpoint.interval", 1000)],
                                cwd=ROOT, stderr=log.open("w"), stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 120
-    while "step:  1" not in log.read_text():
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
+    wait_for_line(log, "step: 1 ", process)
     process.send_signal(signal.SIGINT)
+    wait_for_line(log, "Ctrl-C again to exit at once", process)  # two signals sent at once would count as one
     process.send_signal(signal.SIGINT)
     assert process.wait(60) == 130
-    assert "second Ctrl-C: exiting now without saving" in log.read_text() and "Traceback" not in log.read_text()
+    said = log.read_text()
+    assert "Ctrl-C: stopping at the end of this step with a checkpoint save; Ctrl-C again to exit at once" in said
+    assert "second Ctrl-C: exiting now without saving" in said and "Traceback" not in said
     assert live_steps(twice) == []
 
 
