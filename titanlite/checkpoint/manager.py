@@ -269,7 +269,7 @@ class CheckpointManager:
         fix = f"free at least {gib(needed)} there (the size of one checkpoint)" if code in NO_SPACE else "make it writable"
         raise UserError(
             f"checkpoint step-{step} could not be written to {self.root}: {DISK_ERRORS[code]}; {fix} or set job.dump_folder to another disk, "
-            f"then start the run again: it stopped without saving step {step}, and the earlier checkpoints are complete"
+            f"then start the run again: it stopped without saving step {step}, and the earlier checkpoints are untouched"
         ) from None
 
     def _save_hf(self, step: int) -> None:
