@@ -183,8 +183,8 @@ class CheckpointManager:
         self.wait()
         path = step_folder(self.root, step)
         if self.rank == 0:
-            # Rewriting a step (after load_step went back): its old .metadata must not vouch for
-            # half-written new files.
+            # Rewriting a step (a model-only final export when training goes on past it, a seed
+            # checkpoint made again): its old .metadata must not vouch for half-written new files.
             (path / METADATA).unlink(missing_ok=True)
         save = _Save(step, time.perf_counter(), note=f" ({note})" if note else "")
         state = build_state()

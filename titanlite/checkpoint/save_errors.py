@@ -21,6 +21,7 @@ DISK_ERRORS = {
     errno.EACCES: "permission denied",
     errno.EPERM: "permission denied",
 }
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # the fix is free space, not permissions
 
 
 def _errors_in(error: BaseException) -> list[BaseException]:
@@ -49,9 +50,6 @@ def checkpoint_bytes(root: Path, estimate: int) -> int:
 
 def gib(size: int) -> str:
     return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def disk_failure(error: BaseException, root: Path, needed: int) -> int | None:
