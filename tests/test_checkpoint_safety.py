@@ -153,11 +153,15 @@ def test_5_folders_that_cannot_be_written_stop_the_run_before_training(capsys, t
                            "fix its permissions or mount, or choose another path")
 
 
-def test_6_a_resume_refuses_another_model_and_stops_past_the_last_step(capsys, dump):
+def test_6_a_resume_refuses_another_model_and_stops_past_the_last_step(capsys, dump, tmp_path):
     code, out = train(capsys, dump, 8, "--model.name", "mistral")
     assert code == 2
     assert (f"error: checkpoint {dump / 'checkpoint' / 'step-6'} was saved from llama3/debugmodel, but this run is "
             "mistral/debugmodel; set model.name and model.flavor to llama3/debugmodel") in out
+    weights_only = ("--model.name", "mistral", "--checkpoint.initial_load_path", dump / "checkpoint" / "step-6")
+    code, out = train(capsys, tmp_path / "mistral", 1, *weights_only)  # asked for: the weights alone
+    assert code == 0, out
+    assert f"loading the weights of llama3/debugmodel from {dump / 'checkpoint' / 'step-6'} into mistral/debugmodel" in out
     code, out = train(capsys, dump, 4)
     assert code == 0
     assert "resumed at step 6, which is at or past training.steps 4: nothing to train; raise training.steps" in out

@@ -51,7 +51,16 @@ def resolve_args(spec, flavor: str, vocab_size: int | None, source: Path):
     return args
 
 
-def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: str, max_shard_bytes: int) -> None:
+def check_destination(destination: Path, overwrite: bool) -> None:
+    """Never write over a checkpoint (or anything else) by accident."""
+    if destination.exists() and not destination.is_dir():
+        raise UserError(f"the destination {destination} is a file; give a folder")
+    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
+        what = "a complete DCP checkpoint" if is_complete(destination) else "files"
+        raise UserError(f"the destination {destination} already holds {what}; choose a new folder, or add --overwrite to replace them")
+
+
+def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: str, max_shard_bytes: int, overwrite: bool) -> None:
     if not is_complete(source):
         raise UserError(f"{source} is not a complete DCP checkpoint: it has no {METADATA}")
     metadata = read_metadata(source)
@@ -61,6 +70,7 @@ def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: st
     shapes = model_shapes(spec, args)
     model_name = f"{spec.name}/{flavor}"
     check_model_fits(metadata, shapes, source, model_name)
+    check_destination(destination, overwrite)
 
     def layers():
         for group in layer_groups(shapes):
@@ -71,22 +81,14 @@ def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: st
     write_hf_folder(layers(), destination, spec.hf_adapter, args, DTYPES[dtype_name], max_shard_bytes)
 
 
-def hf_to_dcp(source: Path, destination: Path, spec, flavor: str) -> None:
+def hf_to_dcp(source: Path, destination: Path, spec, flavor: str, overwrite: bool) -> None:
     reader = HFReader(source)
+    check_destination(destination, overwrite)  # before the model is read into memory
     args = resolve_args(spec, flavor, reader.config.get("vocab_size"), source)
     model_name = f"{spec.name}/{flavor}"
     state = dict(read_hf_tensors(reader, model_shapes(spec, args), spec.hf_adapter, args, model_name))
     (destination / METADATA).unlink(missing_ok=True)
     dcp.save(state, checkpoint_id=str(destination), no_dist=True)
-
-
-def check_destination(destination: Path, overwrite: bool) -> None:
-    """Never write over a checkpoint (or anything else) by accident."""
-    if destination.exists() and not destination.is_dir():
-        raise UserError(f"the destination {destination} is a file; give a folder")
-    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
-        what = "a complete DCP checkpoint" if is_complete(destination) else "files"
-        raise UserError(f"the destination {destination} already holds {what}; choose a new folder, or add --overwrite to replace them")
 
 
 def _pop_option(argv: list[str], name: str, default: str) -> tuple[list[str], str]:
@@ -122,11 +124,10 @@ def run(argv: list[str]) -> None:
     if spec.hf_adapter is None:
         raise UserError(f"model family {spec.name} has no Hugging Face adapter yet")
     get_model_args(spec, cfg.model.flavor)  # an unknown flavor fails here, before any file is touched
-    check_destination(destination, overwrite)
     if command == "dcp-to-hf":
-        dcp_to_hf(source, destination, spec, cfg.model.flavor, cfg.checkpoint.export_dtype, max_shard_bytes)
+        dcp_to_hf(source, destination, spec, cfg.model.flavor, cfg.checkpoint.export_dtype, max_shard_bytes, overwrite)
     else:
-        hf_to_dcp(source, destination, spec, cfg.model.flavor)
+        hf_to_dcp(source, destination, spec, cfg.model.flavor, overwrite)
     print(f"wrote {destination}")
 
 

@@ -354,7 +354,9 @@ class CheckpointManager:
         saved_from = ""
         if "train_state.model" in keys:
             saved_from = load_in_place(path, {"train_state": {"model": ""}})["train_state"]["model"]
-        if saved_from and saved_from != self.model_name:
+        model_state = self._model_state()
+        check_model_fits(metadata, {fqn: tuple(t.shape) for fqn, t in model_state.items()}, path, self.model_name, saved_from)
+        if saved_from and saved_from != self.model_name:  # the same shapes, another model
             if resume:
                 raise UserError(
                     f"checkpoint {path} was saved from {saved_from}, but this run is {self.model_name}; set model.name and "
@@ -362,8 +364,6 @@ class CheckpointManager:
                     f"{path} and checkpoint.initial_load_model_only true in another job.dump_folder"
                 )
             logger.warning(f"loading the weights of {saved_from} from {path} into {self.model_name} (checkpoint.initial_load_model_only)")
-        model_state = self._model_state()
-        check_model_fits(metadata, {fqn: tuple(t.shape) for fqn, t in model_state.items()}, path, self.model_name, saved_from)
         if not holds_training_state(metadata):
             resume = False  # a seed checkpoint or a model-only export: weights, then step 1
         elif resume and "train_state.step" not in keys:
