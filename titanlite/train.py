@@ -25,13 +25,13 @@ from titanlite.log import init_logger, logger
 from titanlite.metrics import MetricsLogger
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlite.output_folders import check_output_folders
 from titanlite.parallel import mixed_precision_context
 from titanlite.parallel.compile import maybe_compile_loss
 from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.fsdp import DTYPES
 from titanlite.parallel.offload import activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.parallel.dims import ParallelDims
-from titanlite.output_folders import check_output_folders
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
 from titanlite.profiling import RunSummary, StepProfiler
 from titanlite.validation import Validator, check_validation
@@ -282,8 +282,8 @@ def main(argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C before training started (during it, StopFlags saves and stops)
-        print("\ninterrupted (Ctrl-C) before training started; nothing was saved", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C while building the run (from the checkpoint load on, StopFlags handles it)
+        print("\ninterrupted (Ctrl-C) before training; nothing was saved", file=sys.stderr)
         return 130
     return 0
 
