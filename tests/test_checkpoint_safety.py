@@ -213,7 +213,7 @@ def test_7_signals_during_the_load_and_ctrl_c(capsys, dump, tmp_path):
     process.send_signal(signal.SIGINT)
     assert process.wait(60) == 130
     said = log.read_text()
-    assert "Ctrl-C: stopping at the end of this step with a checkpoint save; Ctrl-C again to exit at once" in said
+    assert "Ctrl-C: stopping at the end of this step, saving as on SIGTERM; Ctrl-C again to exit at once" in said
     assert "second Ctrl-C: exiting now without saving" in said and "Traceback" not in said
     assert live_steps(twice) == []
 

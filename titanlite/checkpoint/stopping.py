@@ -46,7 +46,7 @@ class StopFlags:
             if self.interrupted:
                 os.write(2, b"\nsecond Ctrl-C: exiting now without saving\n")
                 os._exit(130)
-            os.write(2, b"\nCtrl-C: stopping at the end of this step with a checkpoint save; Ctrl-C again to exit at once\n")
+            os.write(2, b"\nCtrl-C: stopping at the end of this step, saving as on SIGTERM; Ctrl-C again to exit at once\n")
             self.interrupted = True
         self.signal = self.signal or ("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
 
