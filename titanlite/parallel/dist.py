@@ -69,7 +69,7 @@ def init_distributed(init_timeout_s: int) -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
     if "MASTER_ADDR" in os.environ:
-        # Under torchrun its agent has already gathered every worker (TORCHELASTIC_USE_AGENT_STORE).
+        # With torchrun's shared store (its default) its agent has already gathered every worker.
         store = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else meet_without_torchrun(rank, world_size, init_timeout_s)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
