@@ -232,6 +232,10 @@ def test_8_a_missing_rank_times_out_naming_the_address_and_torchrun_adds_its_rep
     assert code == 2
     assert (f"error: the 2 ranks (WORLD_SIZE) did not meet at MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} within "
             "job.init_timeout_seconds 1: 1 joined, 1 missing; start every RANK from 0 to 1") in out
+    monkeypatch.setenv("RANK", "1")  # rank 0 is the one missing: this rank says so itself
+    code, out = train(capsys, tmp_path, 4, "--job.init_timeout_seconds", 1)
+    assert code == 2
+    assert f"127.0.0.1:{port} within job.init_timeout_seconds 1: rank 1 could not reach rank 0 there;" in out
     monkeypatch.undo()
 
     # Under torchrun our sentence comes first; torchrun then adds its ChildFailedError report and exits 1.

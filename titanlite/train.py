@@ -271,6 +271,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
 
 
 def main(argv: list[str]) -> int:
+    cfg = info = None
     try:
         cfg = load_config(argv)
         info = init_distributed(cfg.job.init_timeout_seconds)
@@ -279,7 +280,10 @@ def main(argv: list[str]) -> int:
         finally:
             close_distributed()
     except UserError as error:
-        if os.environ.get("RANK", "0") == "0":
+        # Rank 0 speaks for all, except where the ranks did not meet (without torchrun's store):
+        # rank 0 may be the one missing.
+        never_met = cfg is not None and info is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        if os.environ.get("RANK", "0") == "0" or never_met:
             print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while building the run (from the checkpoint load on, StopFlags handles it)
