@@ -31,6 +31,7 @@ class Job:
     description: str = opt("", "free text describing the job, logged at start")
     seed: int = opt(0, "seed for weight init, data order and dropout; the same seed gives the same run", at_least=0, at_most=2**32 - 1)
     log_rank_files: bool = opt(False, "also write every rank's log, all levels, to <dump_folder>/logs/rank<N>.log")
+    init_timeout_seconds: int = opt(300, "seconds every rank waits for all WORLD_SIZE ranks to join at MASTER_ADDR:MASTER_PORT when started without torchrun, then stops naming the missing ones", at_least=1)
 
 
 @dataclass

@@ -10,6 +10,8 @@ dcp-to-hf reads any titanlite checkpoint (full or model-only; only the model is 
 layer at a time and writes safetensors shards of at most --max_shard_mb, with
 model.safetensors.index.json when there is more than one, plus config.json. hf-to-dcp writes a
 model-only DCP checkpoint, usable as checkpoint.initial_load_path; it holds the model in memory.
+The destination must be a new or empty folder: one holding files (a checkpoint of a run, above
+all) is written over only with --overwrite.
 """
 
 import dataclasses
@@ -29,7 +31,7 @@ from titanlite.models import get_model_args, get_model_spec
 from titanlite.parallel.fsdp import DTYPES
 
 USAGE = """usage: python -m titanlite.convert {hf-to-dcp,dcp-to-hf} SOURCE DESTINATION [--model.name N] [--model.flavor F]
-                                  [--job.config_file X.toml] [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000]"""
+                                  [--job.config_file X.toml] [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000] [--overwrite]"""
 COMMANDS = ("hf-to-dcp", "dcp-to-hf")
 
 
@@ -49,7 +51,16 @@ def resolve_args(spec, flavor: str, vocab_size: int | None, source: Path):
     return args
 
 
-def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: str, max_shard_bytes: int) -> None:
+def check_destination(destination: Path, overwrite: bool) -> None:
+    """Never write over a checkpoint (or anything else) by accident."""
+    if destination.exists() and not destination.is_dir():
+        raise UserError(f"the destination {destination} is a file; give a folder")
+    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
+        what = "a complete DCP checkpoint" if is_complete(destination) else "files"
+        raise UserError(f"the destination {destination} already holds {what}; choose a new folder, or add --overwrite to replace them")
+
+
+def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: str, max_shard_bytes: int, overwrite: bool) -> None:
     if not is_complete(source):
         raise UserError(f"{source} is not a complete DCP checkpoint: it has no {METADATA}")
     metadata = read_metadata(source)
@@ -59,6 +70,7 @@ def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: st
     shapes = model_shapes(spec, args)
     model_name = f"{spec.name}/{flavor}"
     check_model_fits(metadata, shapes, source, model_name)
+    check_destination(destination, overwrite)
 
     def layers():
         for group in layer_groups(shapes):
@@ -69,8 +81,9 @@ def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: st
     write_hf_folder(layers(), destination, spec.hf_adapter, args, DTYPES[dtype_name], max_shard_bytes)
 
 
-def hf_to_dcp(source: Path, destination: Path, spec, flavor: str) -> None:
+def hf_to_dcp(source: Path, destination: Path, spec, flavor: str, overwrite: bool) -> None:
     reader = HFReader(source)
+    check_destination(destination, overwrite)  # before the model is read into memory
     args = resolve_args(spec, flavor, reader.config.get("vocab_size"), source)
     model_name = f"{spec.name}/{flavor}"
     state = dict(read_hf_tensors(reader, model_shapes(spec, args), spec.hf_adapter, args, model_name))
@@ -100,6 +113,8 @@ def run(argv: list[str]) -> None:
         raise UserError(f"expected a command ({' or '.join(COMMANDS)}), a source and a destination folder; {USAGE.split(chr(10))[0]}")
     command, source, destination = argv[0], Path(argv[1]), Path(argv[2])
     flags, max_shard_mb = _pop_option(argv[3:], "--max_shard_mb", str(DEFAULT_MAX_SHARD_BYTES // 10**6))
+    overwrite = "--overwrite" in flags
+    flags = [flag for flag in flags if flag != "--overwrite"]
     try:
         max_shard_bytes = int(float(max_shard_mb) * 10**6)
     except ValueError:
@@ -110,9 +125,9 @@ def run(argv: list[str]) -> None:
         raise UserError(f"model family {spec.name} has no Hugging Face adapter yet")
     get_model_args(spec, cfg.model.flavor)  # an unknown flavor fails here, before any file is touched
     if command == "dcp-to-hf":
-        dcp_to_hf(source, destination, spec, cfg.model.flavor, cfg.checkpoint.export_dtype, max_shard_bytes)
+        dcp_to_hf(source, destination, spec, cfg.model.flavor, cfg.checkpoint.export_dtype, max_shard_bytes, overwrite)
     else:
-        hf_to_dcp(source, destination, spec, cfg.model.flavor)
+        hf_to_dcp(source, destination, spec, cfg.model.flavor, overwrite)
     print(f"wrote {destination}")
 
 

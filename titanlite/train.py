@@ -26,6 +26,7 @@ from titanlite.log import init_logger, logger
 from titanlite.metrics import MetricsLogger
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlite.output_folders import check_output_folders
 from titanlite.parallel import mixed_precision_context
 from titanlite.parallel.compile import maybe_compile_loss
 from titanlite.parallel.float8 import register_float8_scale_precompute
@@ -153,7 +154,19 @@ def model_metrics(model) -> dict[str, float] | None:
     return dict(zip(values, (stacked / dist.get_world_size()).tolist()))
 
 
+def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:
+    """A stop signal during the load, or a resume at or past the last step: exit 0 untrained."""
+    if stop.signalled_anywhere():
+        logger.info(f"{stop.signal} came while loading; exiting at step {step} without training (nothing new to save)")
+        return True
+    if step >= steps:
+        logger.info(f"resumed at step {step}, which is at or past training.steps {steps}: nothing to train; raise training.steps to train further")
+        return True
+    return False
+
+
 def train(cfg: JobConfig, info: DistInfo) -> None:
+    check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
     init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
@@ -208,16 +221,19 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         checkpointer.save_seed()
         checkpointer.close()
         return
-    state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
-    batch = tokens_per_step // training.seq_len
-    metrics.start_tensorboard(cfg, state.step, hyperparameters(cfg, info.world_size, mesh, batch, speed_settings(cfg)))
-
-    # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
-    gc.disable()
-    stop = StopFlags(info.device, check_finite=not training.skip_nan_check)  # SIGTERM/SIGUSR1, NaN loss
-    batches = iter(dataloader)
-    summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device)
+    # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
+    stop = StopFlags(info.device, check_finite=not training.skip_nan_check)
     try:
+        state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
+        if nothing_to_train(stop, state.step, training.steps):
+            metrics.close()
+            return
+        batch = tokens_per_step // training.seq_len
+        metrics.start_tensorboard(cfg, state.step, hyperparameters(cfg, info.world_size, mesh, batch, speed_settings(cfg)))
+        # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
+        gc.disable()
+        batches = iter(dataloader)
+        summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device)
         with profiler:
             for step in range(state.step + 1, training.steps + 1):
                 began, validation_seconds = time.perf_counter(), 0.0
@@ -258,17 +274,24 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
 
 
 def main(argv: list[str]) -> int:
+    cfg = info = None
     try:
         cfg = load_config(argv)
-        info = init_distributed()
+        info = init_distributed(cfg.job.init_timeout_seconds)
         try:
             train(cfg, info)
         finally:
             close_distributed()
     except UserError as error:
-        if os.environ.get("RANK", "0") == "0":
+        # Rank 0 speaks for all, except where the ranks did not meet (without torchrun's store):
+        # rank 0 may be the one missing.
+        never_met = cfg is not None and info is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        if os.environ.get("RANK", "0") == "0" or never_met:
             print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while building the run (from the checkpoint load on, StopFlags handles it)
+        print("\ninterrupted (Ctrl-C) before training; nothing was saved", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -3,14 +3,23 @@
 DCP writes every rank's data files first and renames `.metadata` into place last, so a folder
 without it is a save that was interrupted (a crash, kill -9, a node lost) and is never loaded.
 Deleting goes the other way round: `.metadata` first, so a half-deleted folder is incomplete too.
+
+Lineage: the live history is the step folders directly in `<folder>`. A rewind (load_step below
+newer checkpoints) moves every newer step folder (complete, incomplete, `-hf` exports) into
+`<folder>/abandoned/from-step-L-<time>/` before anything is saved, so "the newest complete" and
+retention's "the newest k" only ever see the history the run continues. Nothing there is loaded
+or deleted by titanlite; the user deletes it or moves a step back by hand.
 """
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 METADATA = ".metadata"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
+_ANY_STEP_FOLDER = re.compile(r"^step-(\d+)(-hf)?$")  # checkpoints and their Hugging Face exports
+ABANDONED = "abandoned"
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -53,3 +62,17 @@ def purge_old(root: Path, keep: int) -> list[Path]:
     for folder in doomed:
         remove_checkpoint(folder)
     return doomed
+
+
+def set_aside_newer(root: Path, step: int) -> tuple[Path, list[str]] | None:
+    """Move the step folders newer than `step` to <root>/abandoned/from-step-<step>-<time>/
+    (a rewind); returns (that folder, the names moved), or None when there are none."""
+    steps = {c: int(m.group(1)) for c in (root.iterdir() if root.is_dir() else ()) if (m := _ANY_STEP_FOLDER.match(c.name))}
+    newer = sorted((c for c, s in steps.items() if s > step), key=steps.get)
+    if not newer:
+        return None
+    aside = root / ABANDONED / f"from-step-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(parents=True, exist_ok=True)
+    for folder in newer:
+        folder.rename(aside / folder.name)  # same filesystem: one atomic rename, no copy
+    return aside, [f.name for f in newer]

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -34,12 +35,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.checkpoint.fit import check_model_fits, holds_training_state, load_in_place, read_metadata
-from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, step_folder
+from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, remove_checkpoint, set_aside_newer, step_folder
 from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
+from titanlite.checkpoint.save_errors import DISK_ERRORS, NO_SPACE, checkpoint_bytes, disk_failure, gib
 from titanlite.config_sections import Checkpoint
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.parallel.fsdp import DTYPES
+from titanlite.profiling import model_state_bytes
 
 @dataclass
 class _Save:
@@ -181,13 +184,17 @@ class CheckpointManager:
                                           self.cfg.interval)
         path = step_folder(self.root, step)
         if self.rank == 0:
-            # Rewriting a step (after load_step went back): its old .metadata must not vouch for
-            # half-written new files.
+            # Rewriting a step (a model-only final export when training goes on past it, a seed
+            # checkpoint made again): its old .metadata must not vouch for half-written new files.
             (path / METADATA).unlink(missing_ok=True)
         save = _Save(step, time.perf_counter(), note=f" ({note})" if note else "")
         state = build_state()
         if wait or self.async_group is None:
-            dcp.save(state, checkpoint_id=str(path))
+            try:
+                dcp.save(state, checkpoint_id=str(path))
+            except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+                self._stop_if_disk_failure(step, error)
+                raise
             save.done_at = time.perf_counter()
             save.blocked = save.done_at - entered
             self._finished(save)
@@ -243,9 +250,29 @@ class CheckpointManager:
         """Block until the async save in flight (if any) is complete; re-raises its error."""
         if self.pending is not None:
             save, self.pending = self.pending, None
-            save.future.result()
+            try:
+                save.future.result()
+            except (Exception, CheckpointException) as error:
+                self._stop_if_disk_failure(save.step, error)
+                raise
             save.finished.wait()
             self._finished(save)
+
+    def _stop_if_disk_failure(self, step: int, error: BaseException) -> None:
+        """A full disk, a read-only filesystem or a denied write: drop the partial folder (never
+        complete: it has no .metadata) to give its space back, and stop with one sentence."""
+        sizes = model_state_bytes(self.model, self.optimizer)
+        needed = checkpoint_bytes(self.root, (sizes["params"] + sizes["optimizer"]) * self.world_size)
+        code = disk_failure(error, self.root, needed)
+        if code is None:
+            return
+        if self.rank == 0:
+            remove_checkpoint(step_folder(self.root, step))
+        fix = f"free at least {gib(needed)} there (the size of one checkpoint)" if code in NO_SPACE else "make it writable"
+        raise UserError(
+            f"checkpoint step-{step} could not be written to {self.root}: {DISK_ERRORS[code]}; {fix} or set job.dump_folder to another disk, "
+            f"then start the run again: it stopped without saving step {step}, and the earlier checkpoints are untouched"
+        ) from None
 
     def _save_hf(self, step: int) -> None:
         cfg = self.cfg
@@ -300,9 +327,7 @@ class CheckpointManager:
                     f"checkpoint.load_step {self.cfg.load_step}: there is no complete checkpoint "
                     f"{step_folder(self.root, self.cfg.load_step)} (complete steps: {found})"
                 )
-            newer = [s for s in complete if s > self.cfg.load_step]
-            if newer:
-                logger.warning(f"resuming from step {self.cfg.load_step}; the newer checkpoints {newer} will be overwritten")
+            self._rewind_to(self.cfg.load_step)
             return self.cfg.load_step
         for step in reversed(complete):
             if holds_training_state(read_metadata(step_folder(self.root, step))):
@@ -310,6 +335,20 @@ class CheckpointManager:
                     logger.info(f"step-{complete[-1]} holds the model only (a final export); resuming from step-{step}")
                 return step
         return complete[-1] if complete else None
+
+    def _rewind_to(self, step: int) -> None:
+        """Resuming from an older step starts a new history: the newer checkpoints move aside
+        (see folders.py) before anything is saved, so neither a later resume nor retention can
+        take them for this run's."""
+        if self.rank == 0:
+            moved = set_aside_newer(self.root, step)
+            if moved:
+                aside, names = moved
+                logger.warning(
+                    f"resuming from step {step}: the newer {', '.join(names)} belong to the abandoned history and were moved "
+                    f"to {aside}; they are never loaded or counted by keep_latest_k (move one back into {self.root} to use it)"
+                )
+        dist.barrier()  # no rank reads or writes the folder before the move is done
 
     def _load_dcp(self, path: Path, resume: bool) -> None:
         started = time.perf_counter()
@@ -320,6 +359,14 @@ class CheckpointManager:
             saved_from = load_in_place(path, {"train_state": {"model": ""}})["train_state"]["model"]
         model_state = self._model_state()
         check_model_fits(metadata, {fqn: tuple(t.shape) for fqn, t in model_state.items()}, path, self.model_name, saved_from)
+        if saved_from and saved_from != self.model_name:  # the same shapes, another model
+            if resume:
+                raise UserError(
+                    f"checkpoint {path} was saved from {saved_from}, but this run is {self.model_name}; set model.name and "
+                    f"model.flavor to {saved_from}, or start the new model from those weights with checkpoint.initial_load_path "
+                    f"{path} and checkpoint.initial_load_model_only true in another job.dump_folder"
+                )
+            logger.warning(f"loading the weights of {saved_from} from {path} into {self.model_name} (checkpoint.initial_load_model_only)")
         if not holds_training_state(metadata):
             resume = False  # a seed checkpoint or a model-only export: weights, then step 1
         elif resume and "train_state.step" not in keys:

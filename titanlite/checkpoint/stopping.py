@@ -5,11 +5,17 @@ Kubernetes sends SIGTERM before eviction, and torchrun forwards SIGTERM to its w
 handler only raises a flag; at the end of each step all ranks all-reduce their flags, so they
 stop at the same step boundary, save, and exit 0 together, whichever rank got the signal.
 
+Ctrl-C (SIGINT) the first time does the same as SIGTERM (stop at the step boundary, save, exit
+0); a second Ctrl-C exits at once with code 130 and no traceback, saving nothing more (a save in
+flight stays incomplete and is never loaded). The handlers are installed before the checkpoint
+is loaded, so a signal during a long load is kept and the run exits after it, training nothing.
+
 Reading the reduced flags makes the host wait for the GPU. So a step's flags are read at the end
 of the next step (the GPU is then still busy with that step's kernels), except where the step
 must be known good at once: before a save, a validation, a log line, and at the last step.
 """
 
+import os
 import signal
 
 import torch
@@ -30,11 +36,19 @@ class StopFlags:
         self.device = device
         self.check_finite = check_finite
         self.signal: str | None = None
+        self.interrupted = False  # a first Ctrl-C came
         self.unread: list[tuple[int, torch.Tensor]] = []  # (step, its reduced flags) not yet looked at
-        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in (*SIGNALS, signal.SIGINT)}
 
     def _on_signal(self, signum, _frame) -> None:
-        self.signal = self.signal or signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            # os.write, not the logger: a handler may run while the logger holds its lock.
+            if self.interrupted:
+                os.write(2, b"\nsecond Ctrl-C: exiting now without saving\n")
+                os._exit(130)
+            os.write(2, b"\nCtrl-C: stopping at the end of this step, saving as on SIGTERM; Ctrl-C again to exit at once\n")
+            self.interrupted = True
+        self.signal = self.signal or ("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
 
     def should_stop(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, settle: bool) -> bool:
         """True on every rank when any rank was signalled; a non-finite loss or gradient norm
@@ -59,6 +73,14 @@ class StopFlags:
         if signalled and self.signal is None:
             self.signal = "a stop signal on another rank"
         return signalled
+
+    def signalled_anywhere(self) -> bool:
+        """Whether any rank has had a stop signal so far (every rank calls this at the same point)."""
+        flag = torch.tensor([float(self.signal is not None)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.signal is None:
+            self.signal = "a stop signal on another rank"
+        return self.signal is not None
 
     def close(self) -> None:
         for sig, handler in self.previous.items():

@@ -6,7 +6,9 @@ one with an in-memory store, so the same code path (DeviceMesh, collectives, DCP
 """
 
 import os
+import re
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,7 +38,24 @@ def check_restartable() -> None:
         )
 
 
-def init_distributed() -> DistInfo:
+def meet_without_torchrun(rank: int, world_size: int, timeout_s: int) -> dist.TCPStore:
+    """Ranks started by hand (or by Slurm/Kubernetes without torchrun) meet at rank 0's store;
+    a rank that never starts would hang the others for torch's 30 minutes without a word."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
+    try:
+        return dist.TCPStore(addr, port, world_size, rank == 0, timeout=timedelta(seconds=timeout_s), wait_for_workers=True)
+    except dist.DistError as error:
+        joined = re.search(r"(\d+)/\d+ clients joined", str(error))  # rank 0 counts who came
+        who = (f"{joined.group(1)} joined, {world_size - int(joined.group(1))} missing" if joined
+               else f"rank {rank} could not reach rank 0 there")
+        raise UserError(
+            f"the {world_size} ranks (WORLD_SIZE) did not meet at MASTER_ADDR:MASTER_PORT {addr}:{port} within "
+            f"job.init_timeout_seconds {timeout_s}: {who}; start every RANK from 0 to {world_size - 1} with the same "
+            "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise job.init_timeout_seconds"
+        ) from None
+
+
+def init_distributed(init_timeout_s: int) -> DistInfo:
     check_restartable()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -50,7 +69,10 @@ def init_distributed() -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None)
+        # With torchrun's shared store (its default) its agent has already gathered every worker.
+        store = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else meet_without_torchrun(rank, world_size, init_timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistInfo(rank, world_size, device)
