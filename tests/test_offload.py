@@ -61,7 +61,8 @@ def test_pinned_memory_only_with_cuda(monkeypatch):
     from titanlite.parallel.offload import fsdp_offload_policy
 
     assert type(fsdp_offload_policy(False)) is OffloadPolicy
-    assert fsdp_offload_policy(True).pin_memory is False  # this CPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run (job.device cpu hides the GPUs)
+    assert fsdp_offload_policy(True).pin_memory is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     policy = fsdp_offload_policy(True)
     assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is True

@@ -29,6 +29,7 @@ class Job:
     description: str = opt("", "free text describing the job, logged at start")
     seed: int = opt(0, "seed for weight init, data order and dropout; the same seed gives the same run")
     log_rank_files: bool = opt(False, "also write every rank's log, all levels, to <dump_folder>/logs/rank<N>.log")
+    device: str = opt("auto", "auto (CUDA where a GPU is visible, else CPU), cuda (stop if there is none) or cpu (hide the GPUs from the run; e.g. CPU ranks on a GPU machine)", choices=("auto", "cuda", "cpu"))
 
 
 @dataclass

@@ -160,6 +160,8 @@ def model_metrics(model) -> dict[str, float] | None:
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
     init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
+    if info.allocator_note:
+        logger.info(info.allocator_note)
     check_training(cfg.training)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
@@ -257,7 +259,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
 def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
-        info = init_distributed()
+        info = init_distributed(cfg.job.device)
         try:
             train(cfg, info)
         finally:
