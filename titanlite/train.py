@@ -119,7 +119,7 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         metrics.data_seconds += time.perf_counter() - waited
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
-              activation_offload_context(cfg.activation_checkpoint.offload_activations, device.type)):
+              activation_offload_context(cfg.activation_checkpoint.offload_activations)):
             logits = model(inputs)
         loss = loss_fn(logits, labels) / accum_steps
         aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
