@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from titanlite.checkpoint import CheckpointManager, StopFlags
 from titanlite.config import load_config, write_resolved_config
-from titanlite.config_sections import JobConfig, Training
+from titanlite.config_sections import JobConfig, Model, Training
 from titanlite.data.datasets import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
@@ -68,10 +68,19 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def model_label(cfg: Model) -> str:
+    """The model as logs, errors and checkpoints name it; a depth override is part of the name."""
+    label = f"{cfg.name}/{cfg.flavor}"
+    return f"{label} with model.n_layers {cfg.n_layers}" if cfg.n_layers else label
+
+
 def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
-    """The flavor's args with the vocab taken from the tokenizer where the flavor leaves it open."""
+    """The flavor's args with the vocab taken from the tokenizer where the flavor leaves it open,
+    and model.n_layers blocks where it is set."""
     args = get_model_args(spec, cfg.model.flavor)
-    where = f"{cfg.model.name}/{cfg.model.flavor}"
+    if cfg.model.n_layers:
+        args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
+    where = model_label(cfg.model)
     if args.vocab_size == -1:
         args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
     elif args.vocab_size < tokenizer_vocab:
@@ -193,7 +202,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     if cfg.job.description:
         logger.info(f"job: {cfg.job.description}")
     logger.info(
-        f"model {cfg.model.name}/{cfg.model.flavor}: {num_params:,} parameters, vocab {args.vocab_size} | "
+        f"model {model_label(cfg.model)}: {num_params:,} parameters, vocab {args.vocab_size} | "
         f"world {info.world_size} on {info.device.type}, mesh dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} | "
         f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {training.dataset_path or training.dataset} | "
         f"{tokens_per_step:,} tokens per step ({accum_steps} micro-steps)"
@@ -208,7 +217,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     checkpointer = CheckpointManager(
         cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
         dataloader=dataloader, dp_rank=dims.dp_rank, dp_degree=dims.dp_degree,
-        model_name=f"{cfg.model.name}/{cfg.model.flavor}", model_args=args, hf_adapter=spec.hf_adapter,
+        model_name=model_label(cfg.model), model_args=args, hf_adapter=spec.hf_adapter,
     )
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
