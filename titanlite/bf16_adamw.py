@@ -42,34 +42,53 @@ class AdamWBF16Kahan(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            # One set of foreach kernels per device, dtype and step count (the bias corrections are
+            # per step; parameters that missed a step count one fewer).
+            batches: dict[tuple, list[torch.Tensor]] = {}
             for param in group["params"]:
                 if param.grad is not None:
-                    self._update(param, group)
+                    step = self._count_step(param)
+                    batches.setdefault((param.device, param.dtype, step), []).append(param)
+            for (_, _, step), params in batches.items():
+                self._update(params, group, step)
         return loss
 
-    def _update(self, param: torch.Tensor, group: dict) -> None:
+    def _count_step(self, param: torch.Tensor) -> float:
         state = self.state[param]
         if not state:
             state["step"] = torch.tensor(0.0)
             for name in ("exp_avg", "exp_avg_sq", "compensation"):
                 state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["step"] += 1
-        step = state["step"].item()
-        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        weight, compensation = local_tensor(param), local_tensor(state["compensation"])
-        exp_avg, exp_avg_sq = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
-        grad = local_tensor(param.grad).float()
+        return state["step"].item()
 
-        m = exp_avg.float().lerp_(grad, 1 - beta1)
-        v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        exp_avg.copy_(m)
-        exp_avg_sq.copy_(v)
-        denom = (v / (1 - beta2**step)).sqrt_().add_(eps)
-        target = weight.float() + compensation.float()  # a new tensor even when the weight is fp32
+    def _update(self, params: list[torch.Tensor], group: dict, step: float) -> None:
+        """The Kahan-compensated AdamW step of the module doc for these parameters, fp32 arithmetic."""
+        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        states = [self.state[p] for p in params]
+        weights = [local_tensor(p) for p in params]
+        exp_avgs, exp_avg_sqs, compensations = (
+            [local_tensor(s[name]) for s in states] for name in ("exp_avg", "exp_avg_sq", "compensation"))
+        grads = [local_tensor(p.grad).float() for p in params]
+
+        m = [t.float() for t in exp_avgs]  # .float() copies bf16 and aliases fp32: m and v are written
+        v = [t.float() for t in exp_avg_sqs]  # back into the states below either way
+        torch._foreach_lerp_(m, grads, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        torch._foreach_copy_(exp_avgs, m)
+        torch._foreach_copy_(exp_avg_sqs, v)
+        denom = torch._foreach_div(v, 1 - beta2**step)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        # weight + compensation in fp32, a new tensor even when the weight is fp32.
+        target = torch._foreach_add([w.float() for w in weights], [c.float() for c in compensations])
         # Decoupled weight decay on the exact weight (weight + compensation), then the Adam step.
-        target.mul_(1 - lr * decay).addcdiv_(m, denom, value=-lr / (1 - beta1**step))
-        weight.copy_(target)
-        compensation.copy_(target.sub_(weight.float()))
+        torch._foreach_mul_(target, 1 - lr * decay)
+        torch._foreach_addcdiv_(target, m, denom, value=-lr / (1 - beta1**step))
+        torch._foreach_copy_(weights, target)
+        torch._foreach_sub_(target, [w.float() for w in weights])
+        torch._foreach_copy_(compensations, target)
 
 
 def build_adamw_bf16_kahan(groups: list[dict], cfg) -> AdamWBF16Kahan:
@@ -85,9 +104,9 @@ def build_adamw_bf16_kahan(groups: list[dict], cfg) -> AdamWBF16Kahan:
             f"optimizer.betas: AdamWBF16Kahan stores the second moment in bfloat16, which cannot follow an average "
             f"with beta2 {cfg.betas[1]} (above {MAX_BETA2}); use e.g. 0.9,0.95"
         )
-    if cfg.implementation not in ("auto", "for-loop"):
+    if cfg.implementation not in ("auto", "foreach"):
         raise UserError(
-            f"optimizer.implementation {cfg.implementation} does not exist for AdamWBF16Kahan (it updates one "
-            "parameter at a time); set it to auto"
+            f"optimizer.implementation {cfg.implementation} does not exist for AdamWBF16Kahan (it updates all "
+            "parameters with foreach kernels); set it to auto"
         )
     return AdamWBF16Kahan(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
