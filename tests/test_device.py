@@ -16,6 +16,7 @@ def test_allocator_default_only_where_the_user_chose_none():
 
 
 def test_a_users_allocator_setting_is_kept(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert use_default_allocator() == ""
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
