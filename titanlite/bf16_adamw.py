@@ -23,6 +23,7 @@ parameter (so DTensor-sharded and checkpointed like it) and the update runs on l
 """
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 
 from titanlite.errors import UserError
 from titanlite.models.init import local_tensor
@@ -30,7 +31,30 @@ from titanlite.models.init import local_tensor
 MAX_BETA2 = 0.99
 
 
+def kahan_adamw_(weight, grad, exp_avg, exp_avg_sq, compensation, beta1: float, beta2: float, eps: float,
+                 decay_factor: float, step_size: float, bias_correction2: float) -> None:
+    """The Kahan-compensated AdamW step of the module doc for one parameter, in place, fp32 arithmetic."""
+    grad = grad.float()
+    m = exp_avg.float().lerp(grad, 1 - beta1)
+    v = exp_avg_sq.float() * beta2 + grad * grad * (1 - beta2)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    denom = (v / bias_correction2).sqrt() + eps
+    # Decoupled weight decay on the exact weight (weight + compensation), then the Adam step.
+    target = (weight.float() + compensation.float()) * decay_factor - step_size * (m / denom)
+    weight.copy_(target)
+    compensation.copy_(target - weight.float())
+
+
 class AdamWBF16Kahan(torch.optim.Optimizer):
+    # One fused kernel per parameter: reads 5 and writes 4 bf16 tensors, no fp32 temporaries in
+    # memory (eager or foreach ops write each intermediate out). dynamic=True: one graph serves
+    # every size; the floats change every step but are graph inputs, not constants.
+    # emulate_precision_casts: inductor otherwise folds float(bf16(target)) into target, and the
+    # compensation, target - float(weight), would come out 0.
+    update = staticmethod(torch.compile(kahan_adamw_, fullgraph=True, dynamic=True,
+                                        options={"emulate_precision_casts": True}))
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -42,53 +66,35 @@ class AdamWBF16Kahan(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            # One set of foreach kernels per device, dtype and step count (the bias corrections are
-            # per step; parameters that missed a step count one fewer).
-            batches: dict[tuple, list[torch.Tensor]] = {}
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for param in group["params"]:
-                if param.grad is not None:
-                    step = self._count_step(param)
-                    batches.setdefault((param.device, param.dtype, step), []).append(param)
-            for (_, _, step), params in batches.items():
-                self._update(params, group, step)
+                if param.grad is None:
+                    continue
+                state = self._state(param)
+                state["step"] += 1
+                step = state["step"].item()
+                tensors = [local_tensor(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                                                     state["compensation"])]
+                # Flat: one graph serves every shape. detach: the result is no view, so dynamo
+                # guards no base tensor's shape (which would recompile for every new one).
+                flat = all(t.is_contiguous() for t in tensors)
+                tensors = [(t.view(-1) if flat else t).detach() for t in tensors]
+                try:
+                    self.update(*tensors, beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step), 1 - beta2**step)
+                except BackendCompilerFailed as e:
+                    raise UserError(
+                        f"optimizer.name AdamWBF16Kahan compiles its update with torch.compile, which failed here "
+                        f"({type(e.inner_exception).__name__}); install a C++ compiler (CPU) or Triton (GPU), or use "
+                        "optimizer.name AdamW") from e
         return loss
 
-    def _count_step(self, param: torch.Tensor) -> float:
+    def _state(self, param: torch.Tensor) -> dict:
         state = self.state[param]
         if not state:
             state["step"] = torch.tensor(0.0)
             for name in ("exp_avg", "exp_avg_sq", "compensation"):
                 state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["step"] += 1
-        return state["step"].item()
-
-    def _update(self, params: list[torch.Tensor], group: dict, step: float) -> None:
-        """The Kahan-compensated AdamW step of the module doc for these parameters, fp32 arithmetic."""
-        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        states = [self.state[p] for p in params]
-        weights = [local_tensor(p) for p in params]
-        exp_avgs, exp_avg_sqs, compensations = (
-            [local_tensor(s[name]) for s in states] for name in ("exp_avg", "exp_avg_sq", "compensation"))
-        grads = [local_tensor(p.grad).float() for p in params]
-
-        m = [t.float() for t in exp_avgs]  # .float() copies bf16 and aliases fp32: m and v are written
-        v = [t.float() for t in exp_avg_sqs]  # back into the states below either way
-        torch._foreach_lerp_(m, grads, 1 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-        torch._foreach_copy_(exp_avgs, m)
-        torch._foreach_copy_(exp_avg_sqs, v)
-        denom = torch._foreach_div(v, 1 - beta2**step)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        # weight + compensation in fp32, a new tensor even when the weight is fp32.
-        target = torch._foreach_add([w.float() for w in weights], [c.float() for c in compensations])
-        # Decoupled weight decay on the exact weight (weight + compensation), then the Adam step.
-        torch._foreach_mul_(target, 1 - lr * decay)
-        torch._foreach_addcdiv_(target, m, denom, value=-lr / (1 - beta1**step))
-        torch._foreach_copy_(weights, target)
-        torch._foreach_sub_(target, [w.float() for w in weights])
-        torch._foreach_copy_(compensations, target)
+        return state
 
 
 def build_adamw_bf16_kahan(groups: list[dict], cfg) -> AdamWBF16Kahan:
@@ -104,9 +110,9 @@ def build_adamw_bf16_kahan(groups: list[dict], cfg) -> AdamWBF16Kahan:
             f"optimizer.betas: AdamWBF16Kahan stores the second moment in bfloat16, which cannot follow an average "
             f"with beta2 {cfg.betas[1]} (above {MAX_BETA2}); use e.g. 0.9,0.95"
         )
-    if cfg.implementation not in ("auto", "foreach"):
+    if cfg.implementation not in ("auto", "fused"):
         raise UserError(
-            f"optimizer.implementation {cfg.implementation} does not exist for AdamWBF16Kahan (it updates all "
-            "parameters with foreach kernels); set it to auto"
+            f"optimizer.implementation {cfg.implementation} does not exist for AdamWBF16Kahan (it updates each "
+            "parameter with one compiled, fused kernel); set it to auto"
         )
     return AdamWBF16Kahan(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
