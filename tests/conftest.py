@@ -14,17 +14,32 @@ from titanlite.models import get_model_args, get_model_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
+# Tests of CPU behaviour say so, so that the suite means the same on a GPU machine; args after it may override.
+ON_CPU = ["--job.device", "cpu"]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: runs the real GPU code paths; skipped (with the reason) without a CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
+    for item in items:
+        if item.get_closest_marker("cuda") and not HAS_CUDA:
+            item.add_marker(skip)
 
 
 def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """python -m titanlite.train (nproc 0) or torchrun --standalone with nproc processes."""
+    """python -m titanlite.train (nproc 0) or torchrun --standalone with nproc processes, on the CPU
+    unless args say --job.device cuda/auto."""
     if nproc:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     else:
         launcher = [sys.executable]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
-        launcher + ["-m", "titanlite.train", *args], cwd=ROOT, env=full_env,
+        launcher + ["-m", "titanlite.train", *ON_CPU, *args], cwd=ROOT, env=full_env,
         capture_output=True, text=True, timeout=timeout,
     )
 

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from titanlite.bf16_adamw import AdamWBF16Kahan
+from titanlite.bf16_adamw import AdamWBF16Kahan, kahan_adamw_
 from titanlite.config_sections import Optimizer
 from titanlite.errors import UserError
 from titanlite.optim import build_optimizer
@@ -67,6 +67,45 @@ def test_states_are_bf16():
     assert {state[k].dtype for k in ("exp_avg", "exp_avg_sq", "compensation")} == {torch.bfloat16}
 
 
+class EagerKahan(AdamWBF16Kahan):
+    """The same update run op by op, unfused: the oracle for the compiled kernel."""
+
+    update = staticmethod(kahan_adamw_)
+
+
+def test_compiled_step_matches_the_eager_step():
+    """Fusion may contract a multiply-add or reorder an fp32 operation (on CPU the bf16 results come
+    out bit-equal, and one fp32 moment of the fp32 weight differs by 1 ulp): each stored tensor may
+    differ by one ulp of its dtype (finfo.eps relative), and weight + compensation, which a flipped
+    bf16 rounding moves between its two parts, by fp32 rounding (1e-6 relative)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (7, 3, 5), (1,)]
+    runs = []
+    for optimizer_class in (AdamWBF16Kahan, EagerKahan):
+        params = [torch.nn.Parameter(torch.ones(shape).bfloat16()) for shape in shapes]
+        params.append(torch.nn.Parameter(torch.ones(3)))  # an fp32 weight
+        params.append(torch.nn.Parameter(torch.ones(4, 6).bfloat16().T))  # not contiguous: its own graph
+        optimizer = optimizer_class([{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}],
+                                    lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        generator.manual_seed(0)
+        for step in range(5):
+            for i, p in enumerate(params):
+                # The third parameter misses step 2: it counts one step fewer from then on.
+                p.grad = None if (i == 2 and step == 2) else torch.randn(p.shape, generator=generator).to(p.dtype)
+            optimizer.step()
+        runs.append((params, optimizer.state))
+    (ours, our_state), (eager, eager_state) = runs
+    for p, q in zip(ours, eager):
+        s, t = our_state[p], eager_state[q]
+        assert s["step"] == t["step"] and p.dtype == q.dtype and s["compensation"].dtype == p.dtype
+        ulp = torch.finfo(p.dtype).eps
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(s[name], t[name], rtol=ulp, atol=0)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=ulp, atol=0)
+        torch.testing.assert_close(p.float() + s["compensation"].float(), q.float() + t["compensation"].float(),
+                                   rtol=1e-6, atol=0)
+
+
 @pytest.fixture(scope="module")
 def one_rank_mesh():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -101,6 +140,18 @@ def test_build_optimizer_refusals():
     model = model.to(torch.bfloat16)
     with pytest.raises(UserError, match="beta2 0.999"):
         build_optimizer(model, Optimizer(name="AdamWBF16Kahan", betas=[0.9, 0.999]), "cpu")
-    with pytest.raises(UserError, match="optimizer.implementation fused does not exist"):
-        build_optimizer(model, Optimizer(name="AdamWBF16Kahan", implementation="fused"), "cpu")
+    with pytest.raises(UserError, match="optimizer.implementation foreach does not exist"):
+        build_optimizer(model, Optimizer(name="AdamWBF16Kahan", implementation="foreach"), "cpu")
+    assert isinstance(build_optimizer(model, Optimizer(name="AdamWBF16Kahan", implementation="fused"), "cpu"), AdamWBF16Kahan)
     assert isinstance(build_optimizer(model, Optimizer(name="AdamWBF16Kahan"), "cpu"), AdamWBF16Kahan)
+
+
+def test_a_failing_compile_is_a_user_error(monkeypatch, tmp_path):
+    """No C++ compiler (CPU): the step names the optimizer and the fixes. float16 weights make a
+    graph no other test compiled, and tmp_path an empty inductor cache, so the compile really runs."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/g++",))
+    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    weight.grad = torch.ones(4, dtype=torch.float16)
+    with pytest.raises(UserError, match="AdamWBF16Kahan compiles its update .*InvalidCxxCompiler.*optimizer.name AdamW"):
+        AdamWBF16Kahan([weight]).step()

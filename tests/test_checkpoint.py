@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import DEBUG_CONFIG, ROOT, logged_losses, run_titanlite, tensorboard_scalars
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, logged_losses, run_titanlite, tensorboard_scalars
 
 
 def flags(folder: Path, steps: int, *extra, tb: str = "tb") -> list[str]:
@@ -70,7 +70,7 @@ def reference_two(tmp_path_factory):
 def start(args: list[str], log: Path, nproc: int = 0) -> subprocess.Popen:
     """Launch in the background, stderr into `log`."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
-    return subprocess.Popen(launcher + ["-m", "titanlite.train", *args], cwd=ROOT, stderr=log.open("w"),
+    return subprocess.Popen(launcher + ["-m", "titanlite.train", *ON_CPU, *args], cwd=ROOT, stderr=log.open("w"),
                             stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEBUG_CONFIG, ROOT
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT
 from titanlite.errors import UserError
 from titanlite.parallel.dist import check_restartable
 
@@ -35,7 +35,7 @@ def worker_pids(launcher: int) -> dict[int, int]:
 def test_a_killed_worker_restarts_the_group_from_the_last_checkpoint(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-        "-m", "titanlite.train", "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path),
+        "-m", "titanlite.train", *ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path),
         "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
         "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
     ]

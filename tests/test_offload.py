@@ -47,7 +47,7 @@ def test_activation_offload_gives_the_same_gradients():
     grads = []
     for enabled in (False, True):
         layer.zero_grad()
-        with activation_offload_context(enabled, "cpu"):
+        with activation_offload_context(enabled):
             loss = F.mse_loss(layer(x), torch.zeros(4, 8))
         loss.backward()
         grads.append([p.grad.clone() for p in layer.parameters()])
@@ -61,7 +61,34 @@ def test_pinned_memory_only_with_cuda(monkeypatch):
     from titanlite.parallel.offload import fsdp_offload_policy
 
     assert type(fsdp_offload_policy(False)) is OffloadPolicy
-    assert fsdp_offload_policy(True).pin_memory is False  # this CPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run (job.device cpu hides the GPUs)
+    assert fsdp_offload_policy(True).pin_memory is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     policy = fsdp_offload_policy(True)
     assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is True
+
+
+@pytest.mark.parametrize("view", [
+    lambda x: x.transpose(1, 2),  # what a compiled backward saw come back contiguous (issue 17)
+    lambda x: x[:, 1::2, 3:],  # gaps and an offset
+    lambda x: x[1:, :1].expand(3, 5, 6),  # stride 0
+    lambda x: x.permute(2, 0, 1).contiguous(),
+], ids=["transposed", "strided-slice", "expanded", "contiguous"])
+def test_offloaded_tensor_comes_back_with_its_size_and_strides(view):
+    from titanlite.parallel.offload import OffloadActivations
+
+    tensor = view(torch.arange(4 * 5 * 6, dtype=torch.float32).reshape(4, 5, 6))
+    hooks = OffloadActivations()
+    packed = hooks.pack(tensor)
+    back = hooks.unpack(packed)
+    assert back.shape == tensor.shape and back.stride() == tensor.stride() and torch.equal(back, tensor)
+    assert back.storage_offset() == 0  # rebuilt from the elements the view reaches, not its whole storage
+    assert back.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()  # a copy, not the tensor
+    assert torch.equal(hooks.unpack(packed), tensor)  # again, as with retain_graph
+
+
+def test_parameters_are_not_offloaded():
+    from titanlite.parallel.offload import OffloadActivations
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    assert OffloadActivations().pack(weight) is weight

@@ -23,6 +23,7 @@ parameter (so DTensor-sharded and checkpointed like it) and the update runs on l
 """
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 
 from titanlite.errors import UserError
 from titanlite.models.init import local_tensor
@@ -30,7 +31,30 @@ from titanlite.models.init import local_tensor
 MAX_BETA2 = 0.99
 
 
+def kahan_adamw_(weight, grad, exp_avg, exp_avg_sq, compensation, beta1: float, beta2: float, eps: float,
+                 decay_factor: float, step_size: float, bias_correction2: float) -> None:
+    """The Kahan-compensated AdamW step of the module doc for one parameter, in place, fp32 arithmetic."""
+    grad = grad.float()
+    m = exp_avg.float().lerp(grad, 1 - beta1)
+    v = exp_avg_sq.float() * beta2 + grad * grad * (1 - beta2)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    denom = (v / bias_correction2).sqrt() + eps
+    # Decoupled weight decay on the exact weight (weight + compensation), then the Adam step.
+    target = (weight.float() + compensation.float()) * decay_factor - step_size * (m / denom)
+    weight.copy_(target)
+    compensation.copy_(target - weight.float())
+
+
 class AdamWBF16Kahan(torch.optim.Optimizer):
+    # One fused kernel per parameter: reads 5 and writes 4 bf16 tensors, no fp32 temporaries in
+    # memory (eager or foreach ops write each intermediate out). dynamic=True: one graph serves
+    # every size; the floats change every step but are graph inputs, not constants.
+    # emulate_precision_casts: inductor otherwise folds float(bf16(target)) into target, and the
+    # compensation, target - float(weight), would come out 0.
+    update = staticmethod(torch.compile(kahan_adamw_, fullgraph=True, dynamic=True,
+                                        options={"emulate_precision_casts": True}))
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -42,34 +66,35 @@ class AdamWBF16Kahan(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group)
+                if param.grad is None:
+                    continue
+                state = self._state(param)
+                state["step"] += 1
+                step = state["step"].item()
+                tensors = [local_tensor(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"],
+                                                     state["compensation"])]
+                # Flat: one graph serves every shape. detach: the result is no view, so dynamo
+                # guards no base tensor's shape (which would recompile for every new one).
+                flat = all(t.is_contiguous() for t in tensors)
+                tensors = [(t.view(-1) if flat else t).detach() for t in tensors]
+                try:
+                    self.update(*tensors, beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step), 1 - beta2**step)
+                except BackendCompilerFailed as e:
+                    raise UserError(
+                        f"optimizer.name AdamWBF16Kahan compiles its update with torch.compile, which failed here "
+                        f"({type(e.inner_exception).__name__}); install a C++ compiler (CPU) or Triton (GPU), or use "
+                        "optimizer.name AdamW") from e
         return loss
 
-    def _update(self, param: torch.Tensor, group: dict) -> None:
+    def _state(self, param: torch.Tensor) -> dict:
         state = self.state[param]
         if not state:
             state["step"] = torch.tensor(0.0)
             for name in ("exp_avg", "exp_avg_sq", "compensation"):
                 state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["step"] += 1
-        step = state["step"].item()
-        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        weight, compensation = local_tensor(param), local_tensor(state["compensation"])
-        exp_avg, exp_avg_sq = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
-        grad = local_tensor(param.grad).float()
-
-        m = exp_avg.float().lerp_(grad, 1 - beta1)
-        v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        exp_avg.copy_(m)
-        exp_avg_sq.copy_(v)
-        denom = (v / (1 - beta2**step)).sqrt_().add_(eps)
-        target = weight.float() + compensation.float()  # a new tensor even when the weight is fp32
-        # Decoupled weight decay on the exact weight (weight + compensation), then the Adam step.
-        target.mul_(1 - lr * decay).addcdiv_(m, denom, value=-lr / (1 - beta1**step))
-        weight.copy_(target)
-        compensation.copy_(target.sub_(weight.float()))
+        return state
 
 
 def build_adamw_bf16_kahan(groups: list[dict], cfg) -> AdamWBF16Kahan:
@@ -85,9 +110,9 @@ def build_adamw_bf16_kahan(groups: list[dict], cfg) -> AdamWBF16Kahan:
             f"optimizer.betas: AdamWBF16Kahan stores the second moment in bfloat16, which cannot follow an average "
             f"with beta2 {cfg.betas[1]} (above {MAX_BETA2}); use e.g. 0.9,0.95"
         )
-    if cfg.implementation not in ("auto", "for-loop"):
+    if cfg.implementation not in ("auto", "fused"):
         raise UserError(
-            f"optimizer.implementation {cfg.implementation} does not exist for AdamWBF16Kahan (it updates one "
-            "parameter at a time); set it to auto"
+            f"optimizer.implementation {cfg.implementation} does not exist for AdamWBF16Kahan (it updates each "
+            "parameter with one compiled, fused kernel); set it to auto"
         )
     return AdamWBF16Kahan(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)

@@ -32,6 +32,7 @@ class Job:
     seed: int = opt(0, "seed for weight init, data order and dropout; the same seed gives the same run", at_least=0, at_most=2**32 - 1)
     log_rank_files: bool = opt(False, "also write every rank's log, all levels, to <dump_folder>/logs/rank<N>.log")
     init_timeout_seconds: int = opt(300, "seconds every rank waits for all WORLD_SIZE ranks to join at MASTER_ADDR:MASTER_PORT when started without torchrun, then stops naming the missing ones", at_least=1)
+    device: str = opt("auto", "auto (CUDA where a GPU is visible, else CPU), cuda (stop if there is none) or cpu (hide the GPUs from the run; e.g. CPU ranks on a GPU machine)", choices=("auto", "cuda", "cpu"))
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Model:
     tokenizer_path: str = opt("", "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart by its bytes; empty = the shipped assets/tokenizer.model")
     hf_assets_path: str = opt("", "folder holding tokenizer.model (as downloaded from Hugging Face); used when tokenizer_path is empty")
     moe_aux_loss_coeff: float = opt(0.01, "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none", at_least=0)
+    n_layers: int = opt(0, "train the flavor with this many blocks instead (e.g. to benchmark a big model's shapes on one GPU); 0 = the flavor's; checkpoints of another depth are refused", at_least=0)
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Optimizer:
     betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI", at_least=0, below=1, length=2)
     eps: float = opt(1e-8, "Adam epsilon", above=0)
     weight_decay: float = opt(0.1, "decoupled weight decay", at_least=0)
-    implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere", choices=("auto", "fused", "foreach", "for-loop"))
+    implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: always one compiled fused kernel per parameter, auto or fused)", choices=("auto", "fused", "foreach", "for-loop"))
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from titanlite.checkpoint import CheckpointManager, StopFlags
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.config import load_config, write_resolved_config
-from titanlite.config_sections import JobConfig, Training
+from titanlite.config_sections import JobConfig, Model, Training
 from titanlite.data.datasets import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
@@ -60,10 +60,19 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def model_label(cfg: Model) -> str:
+    """The model as logs, errors and checkpoints name it; a depth override is part of the name."""
+    label = f"{cfg.name}/{cfg.flavor}"
+    return f"{label} with model.n_layers {cfg.n_layers}" if cfg.n_layers else label
+
+
 def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
-    """The flavor's args with the vocab taken from the tokenizer where the flavor leaves it open."""
+    """The flavor's args with the vocab taken from the tokenizer where the flavor leaves it open,
+    and model.n_layers blocks where it is set."""
     args = get_model_args(spec, cfg.model.flavor)
-    where = f"{cfg.model.name}/{cfg.model.flavor}"
+    if cfg.model.n_layers:
+        args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
+    where = model_label(cfg.model)
     if args.vocab_size == -1:
         args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
     elif args.vocab_size < tokenizer_vocab:
@@ -111,7 +120,7 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         metrics.data_seconds += time.perf_counter() - waited
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
-              activation_offload_context(cfg.activation_checkpoint.offload_activations, device.type)):
+              activation_offload_context(cfg.activation_checkpoint.offload_activations)):
             logits = model(inputs)
         loss = loss_fn(logits, labels) / accum_steps
         aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
@@ -168,6 +177,8 @@ def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:
 def train(cfg: JobConfig, info: DistInfo) -> None:
     check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
     init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
+    if info.allocator_note:
+        logger.info(info.allocator_note)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     dims.build_mesh(info.device.type)
@@ -199,7 +210,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         logger.info(f"job: {cfg.job.description}")
     mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
     logger.info(
-        f"model {cfg.model.name}/{cfg.model.flavor}: {num_params:,} parameters, vocab {args.vocab_size} | "
+        f"model {model_label(cfg.model)}: {num_params:,} parameters, vocab {args.vocab_size} | "
         f"world {info.world_size} on {info.device.type}, mesh {mesh} | "
         f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {training.dataset_path or training.dataset} | "
         f"{tokens_per_step:,} tokens per step ({accum_steps} micro-steps)"
@@ -214,7 +225,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     checkpointer = CheckpointManager(
         cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
         dataloader=dataloader, dp_rank=dims.dp_rank, dp_degree=dims.dp_degree,
-        model_name=f"{cfg.model.name}/{cfg.model.flavor}", model_args=args, hf_adapter=spec.hf_adapter,
+        model_name=model_label(cfg.model), model_args=args, hf_adapter=spec.hf_adapter,
         cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps),
     )
     if cfg.checkpoint.create_seed_checkpoint:
@@ -277,7 +288,7 @@ def main(argv: list[str]) -> int:
     cfg = info = None
     try:
         cfg = load_config(argv)
-        info = init_distributed(cfg.job.init_timeout_seconds)
+        info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
         try:
             train(cfg, info)
         finally:

@@ -4,13 +4,18 @@
   gradients and so the optimizer state in CPU memory (pinned on CUDA); each block's parameters
   are copied to the GPU for its all-gather and its gradients back after the reduce-scatter, and
   the optimizer steps on the CPU. It needs FSDP, i.e. more than one data-parallel rank.
-- activation_checkpoint.offload_activations: every tensor the forward saves for backward goes to
-  CPU memory (pinned on CUDA) and comes back when backward needs it
-  (torch.autograd.graph.save_on_cpu). On a CPU run activations already live in CPU memory: the
-  copies are made as asked, but they save nothing, and the run says so at start.
+- activation_checkpoint.offload_activations: every tensor the forward saves for backward (but
+  the parameters, which stay anyway) goes to CPU memory (pinned on CUDA) and comes back when
+  backward needs it, with its size and strides: a compiled backward asserts them (torch's
+  save_on_cpu brings tensors back contiguous, which crashed compiled runs). On CUDA the copies run
+  on a stream of their own, overlapped with compute: forward's device-to-host copies as soon as a
+  tensor is made, backward's host-to-device copies a few tensors ahead of their use. On a CPU run
+  activations already live in CPU memory: the copies are made as asked, but they save nothing,
+  and the run says so at start.
 """
 
 import contextlib
+import weakref
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -44,8 +49,88 @@ def note_if_offload_saves_nothing(offload_activations: bool, device_type: str) -
         )
 
 
-def activation_offload_context(enabled: bool, device_type: str):
+def activation_offload_context(enabled: bool):
     """Around the forward: saved activations go to CPU memory until backward."""
     if not enabled:
         return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=device_type == "cuda")
+    return OffloadActivations()
+
+
+def storage_span(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements a strided view reaches, from its first one, as one contiguous 1-D view: copying
+    it and rebuilding the view with the same size and strides works for any view (gaps, transposes,
+    expanded dimensions); only the storage offset becomes 0, which is at least as aligned."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
+    return tensor.as_strided((extent,), (1,))
+
+
+class _Offloaded:
+    """A saved tensor in host memory; `ready` marks its copy back to the device (CUDA)."""
+
+    __slots__ = ("index", "host", "shape", "stride", "device", "on_device", "ready", "taken", "__weakref__")
+
+    def __init__(self, index: int, tensor: torch.Tensor, stream):
+        self.index, self.shape, self.stride, self.device = index, tensor.shape, tensor.stride(), tensor.device
+        self.on_device = self.ready = None
+        self.taken = False
+        span = storage_span(tensor)
+        self.host = torch.empty(span.shape, dtype=span.dtype, pin_memory=stream is not None)
+        if stream is None:
+            self.host.copy_(span)
+            return
+        stream.wait_stream(torch.cuda.current_stream())  # the tensor is being computed on the main stream
+        with torch.cuda.stream(stream):
+            self.host.copy_(span, non_blocking=True)
+        # The main stream may free the tensor now; its memory is not reused before the copy is done.
+        span.record_stream(stream)
+
+    def fetch(self, stream) -> None:
+        """Start the copy back (on the side stream, after the copy out on the same stream)."""
+        self.on_device = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        if stream is None:
+            self.on_device.copy_(self.host)
+            return
+        stream.wait_stream(torch.cuda.current_stream())  # the memory may have been in use by the main stream
+        with torch.cuda.stream(stream):
+            self.on_device.copy_(self.host, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self.on_device.record_stream(stream)
+
+    def take(self, stream) -> torch.Tensor:
+        if self.on_device is None:
+            self.fetch(stream)
+        if self.ready is not None:
+            torch.cuda.current_stream().wait_event(self.ready)
+        tensor, self.on_device, self.ready = self.on_device.as_strided(self.shape, self.stride), None, None
+        self.taken = True  # a second unpack (retain_graph) fetches again; prefetching skips it
+        return tensor
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """saved_tensors_hooks for one forward. Backward uses saved tensors in about the reverse order of
+    forward, so unpacking one starts the copies back of the PREFETCH saved just before it."""
+
+    PREFETCH = 8  # about half a transformer block's saved tensors: enough to hide a copy behind compute
+
+    def __init__(self):
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.saved: list[weakref.ref] = []  # in forward order; an entry dies with its saved tensor
+        super().__init__(self.pack, self.unpack)
+
+    def pack(self, tensor: torch.Tensor):
+        if isinstance(tensor, torch.nn.Parameter) or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return tensor  # parameters stay anyway; tensor subclasses and sparse tensors keep their own storage
+        offloaded = _Offloaded(len(self.saved), tensor, self.stream if tensor.is_cuda else None)
+        self.saved.append(weakref.ref(offloaded))
+        return offloaded
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Offloaded):
+            return packed
+        if self.stream is not None:
+            for ref in self.saved[max(0, packed.index - self.PREFETCH):packed.index]:
+                earlier = ref()
+                if earlier is not None and earlier.on_device is None and not earlier.taken:
+                    earlier.fetch(self.stream)
+        return packed.take(self.stream)

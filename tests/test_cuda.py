@@ -1,0 +1,145 @@
+"""The cuda tier: the real GPU code paths, each a few seconds on one H100 (skipped, with the reason,
+without a CUDA GPU; see the `cuda` marker in conftest.py). Runs pin `--job.device cuda`, so a broken
+driver fails here instead of quietly training on the CPU."""
+
+import contextlib
+import importlib.util
+import math
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, run_titanlite, tensorboard_scalars
+from titanlite.parallel.dist import default_allocator_setting
+from titanlite.parallel.offload import OffloadActivations
+
+pytestmark = pytest.mark.cuda
+users_allocator = pytest.mark.skipif(default_allocator_setting(os.environ) == "",
+                                     reason="PYTORCH_CUDA_ALLOC_CONF is set here, so titanlite keeps it")
+
+
+def gpu_flags(folder, steps: int = 4, *extra) -> list[str]:
+    """The debug model on synthetic tokens, on the GPU, deterministic kernels (so reruns are bit-equal)."""
+    return [
+        "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(folder),
+        "--job.device", "cuda", "--training.dataset", "synthetic", "--training.seq_len", "256",
+        "--training.local_batch_size", "4", "--training.steps", str(steps), "--training.deterministic",
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--lr_scheduler.min_lr_factor", "1",
+        *map(str, extra),
+    ]
+
+
+def trained(folder, *extra, steps: int = 4, tb: str = "tb", first: int = 1) -> dict[int, float]:
+    out = run_titanlite(gpu_flags(folder, steps, "--metrics.save_tb_folder", tb, *extra), timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "world 1 on cuda" in out.stderr, out.stderr[-2000:]
+    losses = tensorboard_scalars(folder / tb, "loss")
+    assert sorted(losses) == list(range(first, steps + 1)) and all(math.isfinite(v) for v in losses.values()), losses
+    return losses
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    return trained(tmp_path_factory.mktemp("eager"))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return trained(tmp_path_factory.mktemp("compiled"), "--compile.enable")
+
+
+def test_compiled_steps_match_eager(eager, compiled):
+    assert compiled == pytest.approx(eager, rel=1e-3)
+
+
+def test_activation_offload_is_exact_in_eager(tmp_path, eager):
+    assert trained(tmp_path, "--activation_checkpoint.offload_activations") == eager
+
+
+@pytest.mark.parametrize("ac", ["none", "selective"])
+def test_activation_offload_under_compile(tmp_path, compiled, ac):
+    """Crashed in backward (saved tensors came back contiguous: `expected ... stride 524288==64`)."""
+    losses = trained(tmp_path, "--compile.enable", "--activation_checkpoint.offload_activations",
+                     "--activation_checkpoint.mode", ac)
+    assert losses == pytest.approx(compiled, rel=1e-4)
+
+
+def test_offloaded_tensors_come_back_with_their_strides_and_gradients():
+    """In process, on the side stream: more saved tensors than the prefetch window, transposed views."""
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(12)]).cuda()
+    x = torch.randn(32, 64, device="cuda")
+    grads = []
+    for offload in (False, True):
+        layers.zero_grad()
+        with OffloadActivations() if offload else contextlib.nullcontext():
+            loss = F.mse_loss(layers(x).t().contiguous().t(), torch.zeros(32, 64, device="cuda"))
+        loss.backward()
+        grads.append([p.grad.clone() for p in layers.parameters()])
+    for plain, offloaded in zip(*grads):
+        torch.testing.assert_close(offloaded, plain, rtol=0, atol=0)
+    hooks = OffloadActivations()
+    view = torch.arange(24.0, device="cuda").reshape(2, 3, 4).transpose(0, 2)
+    back = hooks.unpack(hooks.pack(view))
+    assert back.is_cuda and back.stride() == view.stride() and torch.equal(back, view)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="float8 needs torchao (pip install torchao)")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="float8 needs compute capability 8.9 or newer")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_converts_and_trains(tmp_path, compiled, recipe):
+    losses = trained(tmp_path, "--compile.enable", "--float8.enable", "--float8.recipe_name", recipe,
+                     "--training.mixed_precision_param", "bfloat16")
+    assert losses == pytest.approx(compiled, rel=0.05)  # float8 matmuls: close to the fp32 run, not equal
+
+
+def test_async_pinned_save_resumes_exactly(tmp_path):
+    flags = ["--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.async_mode", "async_with_pinned_mem"]
+    reference = trained(tmp_path, *flags, steps=6)
+    shutil.rmtree(tmp_path / "checkpoint" / "step-6")
+    resumed = trained(tmp_path, *flags, steps=6, tb="resumed", first=4)
+    assert resumed == {s: reference[s] for s in (4, 5, 6)}
+
+
+@users_allocator
+def test_memory_snapshot_with_the_allocator_default(tmp_path):
+    trained(tmp_path, "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2", steps=2)
+    with open(tmp_path / "memory_snapshot" / "iteration_2" / "rank0_memory_snapshot.pickle", "rb") as file:
+        snapshot = pickle.load(file)
+    assert snapshot["segments"] and snapshot["device_traces"][0]  # the history was recorded
+    assert snapshot["allocator_settings"]["expandable_segments"] is True  # the default titanlite set
+
+
+@users_allocator
+def test_eager_1b_shape_trains_with_expandable_segments(tmp_path):
+    """The shape that ran out of memory by fragmentation at step 1 (1B, seq 8192, batch 2, eager, bf16),
+    on 2 of its 16 layers so that it takes seconds."""
+    out = run_titanlite([
+        "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path),
+        "--job.device", "cuda", "--model.flavor", "1B", "--model.n_layers", "2", "--training.dataset", "synthetic",
+        "--training.seq_len", "8192", "--training.local_batch_size", "2", "--training.steps", "3",
+        "--training.mixed_precision_param", "bfloat16", "--metrics.log_freq", "1",
+    ], timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "PYTORCH_CUDA_ALLOC_CONF is not set: using expandable_segments:True" in out.stderr
+    assert "step: 3  loss:" in out.stderr
+
+
+def test_more_processes_than_gpus_is_one_sentence(tmp_path):
+    visible = torch.cuda.device_count()
+    out = run_titanlite(gpu_flags(tmp_path, 1, "--job.device", "auto"), nproc=visible + 1, timeout=300)
+    assert out.returncode != 0
+    assert (f"error: {visible + 1} processes on this machine but {visible} visible GPU") in out.stderr, out.stderr[-3000:]
+    assert "titanlite/" not in "".join(line for line in out.stderr.splitlines() if line.strip().startswith("File "))
+
+
+def test_cpu_ranks_on_a_gpu_machine(tmp_path):
+    """job.device cpu hides the GPUs: two gloo ranks train even where there are fewer GPUs than ranks."""
+    out = run_titanlite(gpu_flags(tmp_path, 2, "--job.device", "cpu"), nproc=2)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "world 2 on cpu" in out.stderr
