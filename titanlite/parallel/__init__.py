@@ -13,7 +13,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.fsdp import DTYPES, apply_fsdp
 from titanlite.parallel.offload import check_fsdp_offload
-from titanlite.parallel.tp import check_tensor_parallel
+from titanlite.parallel.tp import check_tensor_parallel, enable_async_tp
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, apply_tp: Callable) -> nn.Module:
@@ -28,7 +28,9 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, ap
     if dims.tp_enabled:
         dims.check_model(model.args)
         check_tensor_parallel(cfg.parallelism, dims.mesh.device_type, cfg.compile.enable, cfg.float8.enable)
-        apply_tp(model, dims.tp_mesh, loss_parallel=not cfg.parallelism.disable_loss_parallel)
+        apply_tp(model, dims, loss_parallel=not cfg.parallelism.disable_loss_parallel)
+        if cfg.parallelism.enable_async_tensor_parallel:
+            enable_async_tp(dims.tp_mesh)
     apply_ac(model, cfg.activation_checkpoint)
     apply_compile(model, cfg.compile)
     if dims.fsdp_enabled:

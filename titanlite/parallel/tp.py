@@ -40,6 +40,15 @@ def check_tensor_parallel(cfg: Parallelism, device_type: str, compile_enabled: b
         )
 
 
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Let inductor micro-pipeline each TP all-gather/reduce-scatter with its matmul (symmetric memory)."""
+    from torch._inductor import config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
 def vocab_parallel_plan(loss_parallel_enabled: bool) -> dict[str, ParallelStyle]:
     """tok_embeddings row-wise into sequence shards, the final norm sequence-parallel, the output
     column-wise: vocab-sharded logits (a DTensor) for loss parallel, else gathered plain logits."""

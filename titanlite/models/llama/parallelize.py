@@ -1,10 +1,10 @@
 """Llama's tensor-parallel plan (Llama 2, Llama 3, Mistral and Mixtral's attention share it)."""
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-
-from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
 from torch.distributed.tensor.parallel import SequenceParallel
+
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
 
 
 def attention_plan() -> dict:
@@ -19,7 +19,7 @@ def attention_plan() -> dict:
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
     """SwiGLU w1/w3 column-wise, w2 row-wise, on top of the attention plan."""
     block_plan = {
         **attention_plan(),
@@ -27,4 +27,4 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         "feed_forward.w1": colwise(), "feed_forward.w3": colwise(),
         "feed_forward.w2": rowwise_to_sequence(),
     }
-    apply_tp_plan(model, tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)

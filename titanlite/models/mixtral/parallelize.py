@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from titanlite.models.llama.parallelize import attention_plan
 from titanlite.models.mixtral.moe import experts_forward
+from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.tp import apply_tp_plan, vocab_parallel_plan
 
 
@@ -76,6 +77,6 @@ class ExpertParallel(ParallelStyle):
         return module
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
     block_plan = {**attention_plan(), "feed_forward": ExpertParallel()}
-    apply_tp_plan(model, tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)
