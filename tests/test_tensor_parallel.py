@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -99,3 +100,21 @@ def test_refused_layout_exits_2_without_traceback(tiny_run):
     assert out.returncode == 2
     assert "error: parallelism degrees data_parallel_replicate_degree 1 x tensor_parallel_degree 2" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_checkpoint_saved_under_tp2_resumes_on_one_process(tmp_path):
+    """DCP reshards the TP DTensors (model and optimizer) into plain tensors: the resumed steps
+    are the uninterrupted run's. Both layouts have one data-parallel rank, so the data position carries over."""
+    flags = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+             "--training.seq_len", "64", "--training.local_batch_size", "4", "--training.steps", "6",
+             "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "3"]
+    tp = run_titanlite([*flags, "--parallelism.tensor_parallel_degree", "2"], nproc=2)
+    assert tp.returncode == 0, tp.stderr
+    shutil.rmtree(tmp_path / "checkpoint" / "step-6")
+    resumed = run_titanlite(flags)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and "step-3" in resumed.stderr
+    uninterrupted, after = logged_losses(tp.stderr), logged_losses(resumed.stderr)
+    assert sorted(after) == [4, 5, 6]
+    for step in after:
+        assert after[step] == pytest.approx(uninterrupted[step], abs=1e-4)
