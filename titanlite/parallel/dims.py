@@ -77,6 +77,9 @@ class ParallelDims:
         self.mesh = init_device_mesh(
             device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
         )
+        # The global gradient norm reduces over all dims at once; a flattened mesh lets DTensor do
+        # that in one collective instead of one per dim.
+        self.mesh[MESH_DIMS]._flatten("all")
         return self.mesh
 
     @property
