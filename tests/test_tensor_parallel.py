@@ -91,6 +91,8 @@ def test_tp_must_divide_experts_and_vocab():
 def test_async_tp_and_float8_tp_are_refused_on_cpu():
     with pytest.raises(UserError, match="enable_async_tensor_parallel needs CUDA and compile.enable"):
         check_tensor_parallel(Parallelism(tensor_parallel_degree=2, enable_async_tensor_parallel=True), "cpu", True, False)
+    with pytest.raises(UserError, match="enable_async_tensor_parallel needs parallelism.tensor_parallel_degree above 1"):
+        check_tensor_parallel(Parallelism(enable_async_tensor_parallel=True), "cuda", True, False)
     with pytest.raises(UserError, match="float8.enable with parallelism.tensor_parallel_degree above 1"):
         check_tensor_parallel(Parallelism(tensor_parallel_degree=2), "cpu", False, True)
 

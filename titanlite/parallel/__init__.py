@@ -25,9 +25,10 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, cfg: JobConfig, ap
     """
     check_fsdp_offload(cfg.parallelism.fsdp_cpu_offload, dims.fsdp_enabled)
     apply_float8(model, cfg.float8)
+    if dims.tp_enabled or cfg.parallelism.enable_async_tensor_parallel:
+        check_tensor_parallel(cfg.parallelism, dims.mesh.device_type, cfg.compile.enable, cfg.float8.enable)
     if dims.tp_enabled:
         dims.check_model(model.args)
-        check_tensor_parallel(cfg.parallelism, dims.mesh.device_type, cfg.compile.enable, cfg.float8.enable)
         apply_tp(model, dims, loss_parallel=not cfg.parallelism.disable_loss_parallel)
         if cfg.parallelism.enable_async_tensor_parallel:
             enable_async_tp(dims.tp_mesh)

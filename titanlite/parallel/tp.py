@@ -28,12 +28,14 @@ from titanlite.errors import UserError
 
 
 def check_tensor_parallel(cfg: Parallelism, device_type: str, compile_enabled: bool, float8_enabled: bool) -> None:
+    if cfg.enable_async_tensor_parallel and cfg.tensor_parallel_degree == 1:
+        raise UserError("parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree above 1; set one of them")
     if cfg.enable_async_tensor_parallel and (device_type != "cuda" or not compile_enabled):
         raise UserError(
             f"parallelism.enable_async_tensor_parallel needs CUDA and compile.enable (this run: {device_type}, "
             f"compile {'on' if compile_enabled else 'off'}); set it to false"
         )
-    if float8_enabled:
+    if float8_enabled and cfg.tensor_parallel_degree > 1:
         raise UserError(
             "float8.enable with parallelism.tensor_parallel_degree above 1 is not supported yet (torchao's float8 "
             "TP styles need CUDA and are not wired in); turn one of them off"
