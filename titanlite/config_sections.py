@@ -88,7 +88,9 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "ranks each replica is sharded over by FSDP; -1 = the rest of the world", at_least=1, sentinels=(-1,))
     fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default (yes, except the root), always, never (ZeRO-2-like)", choices=("default", "always", "never"))
     fsdp_cpu_offload: bool = opt(False, "keep FSDP's sharded params, grads and optimizer state in CPU memory; the optimizer steps on the CPU (needs FSDP)")
-    tensor_parallel_degree: int = opt(1, "tensor parallel degree", unsupported=True, at_least=1)
+    tensor_parallel_degree: int = opt(1, "tensor + sequence parallel degree: ranks (innermost, i.e. within a node) that split every matmul; must divide heads, kv heads, FFN hidden size, vocab and experts", at_least=1)
+    disable_loss_parallel: bool = opt(False, "under tensor parallelism, gather the full-vocabulary logits before the loss instead of computing it on vocab shards (debugging)")
+    enable_async_tensor_parallel: bool = opt(False, "torch's async TP: all-gather/reduce-scatter micro-pipelined with the matmuls (needs CUDA and compile)")
     pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", unsupported=True, at_least=1)
     context_parallel_degree: int = opt(1, "context parallel degree", unsupported=True, at_least=1)
 

@@ -33,6 +33,7 @@ from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.fsdp import DTYPES
 from titanlite.parallel.offload import activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.tp import local_loss, loss_parallel_context
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
 from titanlite.profiling import RunSummary, StepProfiler
 from titanlite.tensorboard import hyperparameters
@@ -119,14 +120,15 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         inputs, labels = next(batches)
         metrics.data_seconds += time.perf_counter() - waited
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
-              activation_offload_context(cfg.activation_checkpoint.offload_activations)):
-            logits = model(inputs)
-        loss = loss_fn(logits, labels) / accum_steps
-        aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
-        (loss if aux_loss is None else loss + cfg.model.moe_aux_loss_coeff * aux_loss / accum_steps).backward()
+        with loss_parallel_context(dims.tp_enabled and not cfg.parallelism.disable_loss_parallel):
+            with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
+                  activation_offload_context(cfg.activation_checkpoint.offload_activations)):
+                logits = model(inputs)
+            loss = local_loss(loss_fn(logits, labels)) / accum_steps
+            aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
+            (loss if aux_loss is None else loss + cfg.model.moe_aux_loss_coeff * aux_loss / accum_steps).backward()
         total_loss += loss.detach()
-        metrics.tokens += labels.numel()
+        metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
     grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
@@ -208,7 +210,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
     if cfg.job.description:
         logger.info(f"job: {cfg.job.description}")
-    mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
+    mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
     logger.info(
         f"model {model_label(cfg.model)}: {num_params:,} parameters, vocab {args.vocab_size} | "
         f"world {info.world_size} on {info.device.type}, mesh {mesh} | "
@@ -275,7 +277,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     finally:
         checkpointer.close()  # waits for the last async save
         stop.close()
-    summary.log(model, optimizer, tokens_per_step // dims.dp_degree, metrics, checkpointer.cost)
+    summary.log(model, optimizer, tokens_per_step // info.world_size, metrics, checkpointer.cost)
     metrics.close()
     gc.enable()
     if stop.signal:

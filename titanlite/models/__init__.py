@@ -31,12 +31,17 @@ class ModelSpec:
     hf_adapter: Any = None  # a titanlite.models.hf.HFAdapter: Hugging Face names, layouts and config.json
 
 
-def parallelize_decoder(model, dims, cfg):
-    """titanlite.parallel.parallelize_decoder, imported on call so that importing the registry
+def parallelize_with(tp_plan_module: str) -> Callable:
+    """A family's parallelize(model, dims, cfg): titanlite.parallel.parallelize_decoder with the
+    TP plan `apply_tp` of tp_plan_module, both imported on call so that importing the registry
     (e.g. to list models) never pulls in the distributed stack."""
-    from titanlite.parallel import parallelize_decoder as parallelize
 
-    return parallelize(model, dims, cfg)
+    def parallelize(model, dims, cfg):
+        from titanlite.parallel import parallelize_decoder
+
+        return parallelize_decoder(model, dims, cfg, importlib.import_module(tp_plan_module).apply_tp)
+
+    return parallelize
 
 
 @functools.cache

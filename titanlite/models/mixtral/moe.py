@@ -106,11 +106,13 @@ class MoE(nn.Module):
         weights, experts = route(logits, self.top_k)
         assignments = assignments_per_sequence(experts, self.num_experts)
         counts = assignments.sum(dim=0)
-        w1, w2, w3 = (w.view(self.num_experts, -1, w.shape[-1]) for w in (self.w1, self.w2, self.w3))
-        out = experts_forward(
-            x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k), counts, w1, w2, w3
-        )
+        out = self.run_experts(x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k), counts)
         return out.view(batch, seq_len, dim), load_balancing_loss(logits, assignments), counts
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, D] through each token's experts, weighted; expert parallelism replaces this method."""
+        w1, w2, w3 = (w.view(self.num_experts, -1, w.shape[-1]) for w in (self.w1, self.w2, self.w3))
+        return experts_forward(x, weights, experts, counts, w1, w2, w3)
 
     def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
         """As Llama's FeedForward: w1 (and the router) at the base std, w2 and w3 depth-scaled."""

@@ -1,0 +1,54 @@
+"""Run under torchrun by test_tensor_parallel.py: for each family, 5 optimizer steps of the debug
+model under TP (the whole world) and of the same model unsharded on every rank (the 1-process
+run), through the trainer's own build_model / train_step, on the same batches. Rank 0 writes
+{family: [[tp loss, 1-process loss], ...]} as JSON to argv[1]."""
+
+import json
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+from titanlite.config import load_config
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.models import get_model_spec
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallel.dims import ParallelDims
+from titanlite.train import build_model, cross_entropy_loss, resolve_model_args, train_step
+
+STEPS, BATCH, SEQ = 5, 2, 64
+
+
+def losses(name: str, world: int) -> list[float]:
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--model.name", name,
+                       "--parallelism.tensor_parallel_degree", str(world)])
+    spec = get_model_spec(cfg.model.name)
+    args = resolve_model_args(cfg, spec, build_tokenizer(cfg.model).vocab_size)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world)
+    if world > 1:
+        dims.build_mesh("cpu")
+    model, *_ = build_model(cfg, spec, args, dims, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optimizer, "cpu")
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    generator = torch.Generator().manual_seed(0)  # the same batches for both runs
+    windows = [torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
+    batches = iter([(w[:, :-1], w[:, 1:]) for w in windows])
+    metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
+    return [train_step(model, optimizer, scheduler, batches, 1, cfg, dims, torch.device("cpu"), metrics,
+                       cross_entropy_loss)[0].item() for _ in range(STEPS)]
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = {name: list(zip(losses(name, dist.get_world_size()), losses(name, 1)))
+               for name in ("llama3", "mistral", "mixtral", "gpt2")}
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

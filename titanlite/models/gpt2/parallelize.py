@@ -1,0 +1,36 @@
+"""GPT-2's tensor-parallel plan: Llama's layout with a fused, head-aligned q/k/v and learned positions."""
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+from titanlite.errors import UserError
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.tp import RowsByGroups, apply_tp_plan, colwise, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
+
+
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+    """wqkv by whole heads (each rank the matching q, k and v rows, biases too), wo and w2 row-wise,
+    w1 column-wise, LayerNorms sequence-parallel. The position table is split by positions and its
+    output reduce-scattered over the sequence, so each rank adds its own positions' rows."""
+    if dims.fsdp_enabled:
+        raise UserError(
+            f"gpt2 with parallelism.tensor_parallel_degree {dims.tp} and FSDP over {dims.dp_degree} data-parallel ranks is "
+            "not supported yet (its head-aligned q/k/v shards cannot be sharded again by FSDP); use tensor or data "
+            "parallelism alone for gpt2"
+        )
+    top_plan = {
+        **vocab_parallel_plan(loss_parallel),
+        "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+    }
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": gather_sequence(),
+        "attention.wqkv": RowsByGroups(3),
+        "attention.wo": rowwise_to_sequence(),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": gather_sequence(),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w2": rowwise_to_sequence(),
+    }
+    apply_tp_plan(model, dims.tp_mesh, top_plan, block_plan)

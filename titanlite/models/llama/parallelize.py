@@ -1,0 +1,30 @@
+"""Llama's tensor-parallel plan (Llama 2, Llama 3, Mistral and Mixtral's attention share it)."""
+
+from torch import nn
+from torch.distributed.tensor.parallel import SequenceParallel
+
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
+
+
+def attention_plan() -> dict:
+    """wq/wk/wv column-wise (whole heads per rank: TP divides n_heads and n_kv_heads), wo row-wise;
+    the attention's other inputs (RoPE tables) are not sharded."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": gather_sequence(extra_inputs=2),
+        "attention.wq": colwise(), "attention.wk": colwise(), "attention.wv": colwise(),
+        "attention.wo": rowwise_to_sequence(),
+        "ffn_norm": SequenceParallel(),
+    }
+
+
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+    """SwiGLU w1/w3 column-wise, w2 row-wise, on top of the attention plan."""
+    block_plan = {
+        **attention_plan(),
+        "feed_forward": gather_sequence(),
+        "feed_forward.w1": colwise(), "feed_forward.w3": colwise(),
+        "feed_forward.w2": rowwise_to_sequence(),
+    }
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)

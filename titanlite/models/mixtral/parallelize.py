@@ -1,0 +1,82 @@
+"""Mixtral's tensor-parallel plan: Llama's attention plan, and the experts split over the TP ranks.
+
+Expert parallelism rather than splitting every expert's hidden dimension: each TP rank holds
+num_experts / tp whole experts (a plain Shard(0) of the stacked [experts * out, in] weights, so
+init, FSDP and checkpoints see ordinary DTensors) and runs only the tokens routed to them, so the
+expert matmuls stay as large as in a 1-rank run instead of shrinking by tp. The router is
+replicated: every rank routes the whole (gathered) sequence identically.
+"""
+
+import types
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from titanlite.models.llama.parallelize import attention_plan
+from titanlite.models.mixtral.moe import experts_forward
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.tp import apply_tp_plan, vocab_parallel_plan
+
+
+def _sum_grads(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over the TP ranks (each holds a part of it)."""
+    return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _local_experts(moe: nn.Module, x, weights, experts, counts) -> torch.Tensor:
+    """MoE.run_experts on this rank's experts only: a partial sum of each token's output."""
+    mesh = moe.w1.device_mesh
+    w1, w2, w3 = (w.to_local() for w in (moe.w1, moe.w2, moe.w3))
+    per_rank = moe.num_experts // mesh.size()
+    first = mesh.get_local_rank() * per_rank
+    # x and the routing weights feed every rank's experts: their gradients are partial sums.
+    x, weights = _sum_grads(x, mesh), _sum_grads(weights, mesh)
+    mine = (experts >= first) & (experts < first + per_rank)
+    tokens = mine.nonzero()[:, 0]  # the token of each local assignment, in (token, slot) order
+    w1, w2, w3 = (w.view(per_rank, -1, w.shape[-1]) for w in (w1, w2, w3))
+    out = experts_forward(x[tokens], weights[mine][:, None], (experts[mine] - first)[:, None],
+                          counts[first:first + per_rank], w1, w2, w3)
+    return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class ExpertParallel(ParallelStyle):
+    """The MoE module: sequence shards in, whole sequence routed on every rank, each rank's partial
+    output reduce-scattered back onto sequence shards; the balance loss and counts are identical on
+    every rank and pass through."""
+
+    @staticmethod
+    def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if name:  # called for every submodule too; the MoE itself places them all
+            return
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+        module.gate.weight = nn.Parameter(distribute_tensor(module.gate.weight, mesh, [Replicate()]))
+
+    @staticmethod
+    def _input(module, inputs, mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        # Every rank computes the same gradient for the gathered input, so its backward only splits.
+        return (x.redistribute(mesh, [Replicate()]).to_local(),)
+
+    @staticmethod
+    def _output(module, outputs, mesh):
+        out, aux_loss, counts = outputs
+        out = DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+        return out, aux_loss, counts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = distribute_module(module, device_mesh, self._partition, self._input, self._output)
+        gate = module.gate
+        gate.forward = lambda x: nn.functional.linear(x, gate.weight.to_local())
+        module.run_experts = types.MethodType(_local_experts, module)
+        return module
+
+
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+    block_plan = {**attention_plan(), "feed_forward": ExpertParallel()}
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)

@@ -1,0 +1,139 @@
+"""Tensor + sequence parallelism: the generic styles every family's TP plan is built from.
+
+Megatron's layout: between blocks the activations are sharded on the sequence (dim 1), so the
+norms run on T / tp tokens each (SequenceParallel); a block's input is all-gathered into the
+column-wise projections and its row-wise output projection reduce-scatters back to sequence
+shards. The token embedding is vocab-sharded (row-wise) and the output projection vocab-sharded
+(column-wise), so with loss parallel the full-vocabulary logits never exist on one rank.
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from titanlite.config_sections import Parallelism
+from titanlite.errors import UserError
+
+
+def check_tensor_parallel(cfg: Parallelism, device_type: str, compile_enabled: bool, float8_enabled: bool) -> None:
+    if cfg.enable_async_tensor_parallel and cfg.tensor_parallel_degree == 1:
+        raise UserError("parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree above 1; set one of them")
+    if cfg.enable_async_tensor_parallel and (device_type != "cuda" or not compile_enabled):
+        raise UserError(
+            f"parallelism.enable_async_tensor_parallel needs CUDA and compile.enable (this run: {device_type}, "
+            f"compile {'on' if compile_enabled else 'off'}); set it to false"
+        )
+    if float8_enabled and cfg.tensor_parallel_degree > 1:
+        raise UserError(
+            "float8.enable with parallelism.tensor_parallel_degree above 1 is not supported yet (torchao's float8 "
+            "TP styles need CUDA and are not wired in); turn one of them off"
+        )
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Let inductor micro-pipeline each TP all-gather/reduce-scatter with its matmul (symmetric memory)."""
+    from torch._inductor import config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def vocab_parallel_plan(loss_parallel_enabled: bool) -> dict[str, ParallelStyle]:
+    """tok_embeddings row-wise into sequence shards, the final norm sequence-parallel, the output
+    column-wise: vocab-sharded logits (a DTensor) for loss parallel, else gathered plain logits."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel_enabled else Replicate(),
+            use_local_output=not loss_parallel_enabled,
+        ),
+    }
+
+
+def gather_sequence(extra_inputs: int = 0) -> PrepareModuleInput:
+    """A sub-block's input: sequence shards all-gathered to the whole sequence; `extra_inputs`
+    further positional arguments (e.g. RoPE tables) pass through untouched."""
+    return PrepareModuleInput(
+        input_layouts=(Shard(1),) + (None,) * extra_inputs,
+        desired_input_layouts=(Replicate(),) + (None,) * extra_inputs,
+    )
+
+
+def colwise() -> ColwiseParallel:
+    return ColwiseParallel()
+
+
+def rowwise_to_sequence() -> RowwiseParallel:
+    """The last projection of a sub-block: partial sums reduce-scattered onto sequence shards."""
+    return RowwiseParallel(output_layouts=Shard(1))
+
+
+class RowsByGroups(ParallelStyle):
+    """Column-wise parallel for a fused projection whose output rows are `groups` equal parts (q, k, v):
+    each part is split over the TP ranks, so every rank holds the matching rows of each part (whole
+    heads of q, k and v) and the module reads its local output exactly as the unfused one would.
+
+    The weight and bias keep their full-model shape as DTensors placed by torch's _StridedShard.
+    """
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.groups = groups
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, mesh, [_StridedShard(0, split_factor=self.groups)])
+            module.register_parameter(param_name, nn.Parameter(sharded))
+
+    @staticmethod
+    def _input(module, inputs, mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        # Each rank's input-gradient is a partial sum over its rows; the sequence gather's backward sums them.
+        return (x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]),)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = distribute_module(module, device_mesh, self._partition, self._input)
+        module.forward = lambda x: nn.functional.linear(
+            x, module.weight.to_local(), None if module.bias is None else module.bias.to_local()
+        )
+        return module
+
+
+def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict, block_plan: dict) -> None:
+    """Apply the model-level plan, then the same block plan to every block in model.layers."""
+    parallelize_module(model, tp_mesh, top_plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+    if getattr(model.args, "tie_embeddings", False):
+        # Each style distributed its own copy of the tied matrix (both vocab-sharded on dim 0): tie again.
+        model.output.weight = model.tok_embeddings.weight
+
+
+def loss_parallel_context(enabled: bool):
+    """The loss (forward and backward) on vocab-sharded logits: cross-entropy's reductions become
+    collectives over the TP ranks instead of a gather of the logits."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """Loss parallel returns a replicated DTensor; the rest of the step works on plain tensors."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
