@@ -361,6 +361,9 @@ def test_empty_files_and_folders_are_named(tokenizer, tmp_path):
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n\n  \n")
     assert "blank.jsonl is empty (or only whitespace)" in local_fault(tokenizer, blank)
+    no_records = tmp_path / "none.json"
+    no_records.write_text("[]")
+    assert "none.json holds no records (a json file holding [] counts as empty)" in local_fault(tokenizer, no_records)
     folder = tmp_path / "nothing"
     (folder / "sub").mkdir(parents=True)
     (folder / "notes.md").write_text("not data")

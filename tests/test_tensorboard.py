@@ -118,7 +118,7 @@ def test_two_rank_dashboard_read_over_http(tmp_path):
             "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]})
         (group,) = groups["sessionGroups"]  # rank 0 describes the run
         assert group["hparams"] | {"lr": 0} == {
-            "family": "llama3", "flavor": "debugmodel", "world_size": 2.0, "mesh": "dp_replicate 1 x dp_shard 2",
+            "family": "llama3", "flavor": "debugmodel", "world_size": 2.0, "mesh": "dp_replicate 1 x dp_shard 2 x tp 1, pp 1",
             "AC": "none", "compile": "off", "float8": "off", "batch": 4.0, "seq_len": 64.0, "lr": 0, "dataset": "sample"}
         final = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
         assert final["loss/train"] == pytest.approx(logged_losses(out.stderr)[13], abs=1e-4)

@@ -162,6 +162,10 @@ def load_local_documents(dataset_path: str, text_field: str, section: str) -> Se
         records, error = read_records(loader, files), None
     except READ_ERRORS as read_error:
         records, error = None, read_error
+    except ValueError as no_data:  # how `datasets` says that every file held zero records (e.g. a json [])
+        if "corresponds to no data" not in str(no_data):
+            raise
+        raise UserError(f"{section}.dataset_path {dataset_path} holds no records (a json file holding [] counts as empty); write the data into it") from None
     if records is None or text_fault(records, text_field):
         raise_for_the_faulty_file(loader, files, text_field, section, error)
     return RecordTexts(records, text_field)
