@@ -2,7 +2,9 @@
 # Run the test suite (CPU; multi-process tests use torchrun with gloo). Extra flags go to pytest.
 source "$(dirname "$0")/env.sh"
 set +e
-"$PY" -m pytest "$@"
+# Two test processes: most tests wait on subprocesses (torchrun, rendezvous, servers), so two at a
+# time use 2 cores better than one (14 -> 9.5 minutes here). A later -n N among the flags wins.
+"$PY" -m pytest -n 2 "$@"
 status=$?
 # pytest exits 5 when it collected nothing: that is a failure, never a pass.
 if [ "$status" -eq 5 ]; then
