@@ -13,6 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from conftest import materialize
 from titanlite.checkpoint import CheckpointManager
+from titanlite.checkpoint.staging import host_tensors
 from titanlite.config_sections import Checkpoint
 from titanlite.models import get_model_args, get_model_spec
 
@@ -23,7 +24,7 @@ def backward(model, vocab_size: int) -> None:
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
 
 
-def test_the_optimizer_step_after_an_async_save_waits_for_its_copy(tmp_path, world_of_one):
+def test_the_optimizer_step_after_an_async_save_waits_for_its_copy_into_reused_buffers(tmp_path, world_of_one):
     spec = get_model_spec("llama3")
     args = replace(get_model_args(spec, "debugmodel"), vocab_size=2256)  # the shipped tokenizer's
     model = materialize("llama3", args)
@@ -39,21 +40,29 @@ def test_the_optimizer_step_after_an_async_save_waits_for_its_copy(tmp_path, wor
         optimizer=optimizer, lr_scheduler=scheduler, dataloader=StatefulDataLoader(list(range(4))), dp_rank=0,
         dp_degree=1, model_name="llama3/debugmodel", model_args=args, hf_adapter=spec.hf_adapter,
     )
-    at_save = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    moments_at_save = optimizer.state[model.output.weight]["exp_avg"].clone()
-    manager.maybe_save(1)
-    assert manager.pending is not None  # the save is running in the background
-    optimizer.step()
+    saved_at = {}
+    for step in (1, 2):  # the second save copies into the host buffers the first one made
+        at_save = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        at_save["optimizer.state.output.weight.exp_avg"] = optimizer.state[model.output.weight]["exp_avg"].clone()
+        manager.maybe_save(step)
+        assert manager.pending is not None  # the save is running in the background
+        optimizer.step()
+        manager.wait()
+        buffers = [t.data_ptr() for t in host_tensors(manager.staging.buffers)]
+        if step == 1:
+            first_buffers = buffers
+        saved_at[step] = at_save
+        changed = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, at_save[name])]
+        assert len(changed) == len(model.state_dict())  # the step did change every weight in place...
+        backward(model, args.vocab_size)
     manager.close()
+    assert buffers == first_buffers
 
-    changed = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, at_save[name])]
-    assert len(changed) == len(at_save)  # the step did change every weight in place...
-    folder = tmp_path / "checkpoint" / "step-1"
-    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    saved = {name: torch.empty(tensor.shape) for name, tensor in at_save.items()}
-    saved["optimizer.state.output.weight.exp_avg"] = torch.empty(moments_at_save.shape)
-    assert saved.keys() <= metadata.keys()
-    dcp.load(saved, checkpoint_id=str(folder))
-    for name, tensor in at_save.items():  # ...but the checkpoint holds them as they were at the save
-        assert torch.equal(saved[name], tensor), name
-    assert torch.equal(saved["optimizer.state.output.weight.exp_avg"], moments_at_save)
+    for step, at_save in saved_at.items():
+        folder = tmp_path / "checkpoint" / f"step-{step}"
+        metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        saved = {name: torch.empty(tensor.shape) for name, tensor in at_save.items()}
+        assert saved.keys() <= metadata.keys()
+        dcp.load(saved, checkpoint_id=str(folder))
+        for name, tensor in at_save.items():  # ...but each checkpoint holds them as they were at its save
+            assert torch.equal(saved[name], tensor), (step, name)

@@ -110,7 +110,7 @@ class Checkpoint:
     enable: bool = opt(False, "save checkpoints and resume from the newest complete one at start")
     folder: str = opt("checkpoint", "checkpoint folder under job.dump_folder; each save is a step-N folder in it")
     interval: int = opt(500, "save every this many steps (the last step and preemption always save)", at_least=1)
-    async_mode: str = opt("disabled", "disabled (training waits for the write), async (background threads copy the state to host memory during the next step, whose optimizer step waits for the copy, then write it), or async_with_pinned_mem (the same, copying into pinned memory on a CUDA stream of its own; CUDA only)", choices=("disabled", "async", "async_with_pinned_mem"))
+    async_mode: str = opt("disabled", "disabled (training waits for the write), async (background threads copy the state to host memory, allocated at the first save and reused by the later ones, during the next step, whose optimizer step waits for the copy, then write it), or async_with_pinned_mem (the same, copying into pinned memory on a CUDA stream of its own; CUDA only)", choices=("disabled", "async", "async_with_pinned_mem"))
     keep_latest_k: int = opt(0, "keep only the newest k checkpoints, deleting older ones in the background; 0 = keep all", at_least=0)
     last_save_model_only: bool = opt(False, "the last step's save holds the model alone, in export_dtype")
     export_dtype: str = opt("float32", "dtype of the model in a model-only last save and in a Hugging Face export", choices=("float32", "bfloat16"))

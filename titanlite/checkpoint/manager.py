@@ -6,8 +6,8 @@ data-parallel rank's data-loader position and every rank's RNG states. Model-onl
 (the seed checkpoint, a last_save_model_only export) hold just the model's FQNs.
 
 An async save costs the training loop only the building of the state dicts (references to the
-live tensors, no copies). A background thread then copies ("stages") them into host memory while
-the next step's forward and backward run; that step's optimizer.step, the first thing to change
+live tensors, no copies). A background thread then copies ("stages") them into host buffers kept
+from one save to the next (staging.py) while the next step's forward and backward run; that step's optimizer.step, the first thing to change
 the saved tensors, waits for the copy to finish. The copy is then written in the background, with
 its collectives on a separate gloo process group so they never interleave with training's. A new
 save first waits for the previous one; close() waits for the last. What each save cost the
@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -37,6 +36,7 @@ from titanlite.checkpoint.cost import SaveCost
 from titanlite.checkpoint.fit import check_model_fits, holds_training_state, load_in_place, read_metadata
 from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, remove_checkpoint, set_aside_newer, step_folder
 from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
+from titanlite.checkpoint.staging import HostStaging
 from titanlite.checkpoint.save_errors import DISK_ERRORS, NO_SPACE, checkpoint_bytes, disk_failure, gib
 from titanlite.config_sections import Checkpoint
 from titanlite.errors import UserError
@@ -104,10 +104,8 @@ class CheckpointManager:
             # Async saves run their collectives from a background thread; on the training process
             # group they could interleave with the training collectives and deadlock.
             self.async_group = dist.new_group(backend="gloo")
-            pinned = cfg.async_mode == "async_with_pinned_mem"
-            # The copy runs in the stager's own thread (on a CUDA stream of its own when pinned).
-            self.staging = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                          use_async_staging=True, use_non_blocking_copy=pinned)
+            # Host buffers made at the first async save and reused by the later ones (staging.py).
+            self.staging = HostStaging(pinned=cfg.async_mode == "async_with_pinned_mem")
             optimizer.register_step_pre_hook(self._wait_for_staging)
             # Even starting a DCP save costs milliseconds of Python; this thread pays them instead.
             self.saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
@@ -204,25 +202,18 @@ class CheckpointManager:
         computed = torch.cuda.Event() if torch.cuda.is_available() else None
         if computed is not None:
             computed.record()
-        # A stager per save: torch 2.11's cannot stage twice (it clears its tables after a copy).
-        # Made here, on the training thread, as DCP asks for the CUDA stream it creates.
-        stager = DefaultStager(self.staging)
-        save.future = self.saver.submit(self._save_in_background, state, path, save.staged, computed, stager)
+        save.future = self.saver.submit(self._save_in_background, state, path, save.staged, computed)
         save.blocked = time.perf_counter() - entered
         save.future.add_done_callback(save.mark_done)
         self.pending = save
 
-    def _save_in_background(self, state: dict, path: Path, staged: threading.Event, computed: torch.cuda.Event | None,
-                            stager: DefaultStager) -> None:
+    def _save_in_background(self, state: dict, path: Path, staged: threading.Event, computed: torch.cuda.Event | None) -> None:
         try:
-            if computed is not None:
-                computed.synchronize()
-            response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.async_group, async_stager=stager)
-            response.staging_completion.result()
+            host_state = self.staging.copy(state, computed)
         finally:
-            stager.close()  # its thread; the copy itself lives on in the upload until it is written
             staged.set()  # on an error too: the optimizer step goes on and the save's future holds the error
-        response.upload_completion.result()
+        # This thread is the async part: a blocking save here overlaps training as DCP's async_save would.
+        dcp.save(host_state, checkpoint_id=str(path), process_group=self.async_group)
 
     def _wait_for_staging(self, *_hook_args) -> None:
         """Before every optimizer step: the tensors it updates in place must be copied first."""
