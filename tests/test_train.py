@@ -5,6 +5,7 @@ import re
 import pytest
 
 from conftest import logged_losses, run_titanlite, tensorboard_scalars
+from titanlite.train import main
 
 LINE = re.compile(
     r"step: 1  loss: \d+\.\d{4}  grad_norm: \d+\.\d{4}  memory: \d+\.\d\dGiB\(\d+\.\d\d%\)  "
@@ -49,23 +50,23 @@ def test_same_seed_same_losses_other_seed_other_losses(tmp_path, tiny_run):
         (["--training.steps", "0"], "training.steps must be at least 1"),
     ],
 )
-def test_user_errors_are_one_sentence_and_exit_2(tiny_run, flags, message):
-    out = run_titanlite(tiny_run + flags)
-    assert out.returncode == 2, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+def test_user_errors_are_one_sentence_and_exit_2(tiny_run, flags, message, capsys):
+    """In this process (main() is what `python -m titanlite.train` exits with): a subprocess each
+    would spend ~8 s of the suite on starting Python. test_config runs the real exit path."""
+    assert main(tiny_run + flags) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
-def test_tokenizer_larger_than_the_model_vocab_is_refused(tmp_path, tiny_run):
+def test_tokenizer_larger_than_the_model_vocab_is_refused(tmp_path, tiny_run, capsys):
     """33,280 ranks + 256 specials do not fit llama2 7B's 32,000-token vocabulary."""
     import base64
     import itertools
 
     tokens = [bytes([b]) for b in range(256)] + [bytes(p) for p in itertools.product(range(256), range(129))]
     (tmp_path / "big.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
-    out = run_titanlite(tiny_run + ["--model.name", "llama2", "--model.flavor", "7B", "--model.tokenizer_path", str(tmp_path / "big.model")])
-    assert out.returncode == 2, out.stderr
-    assert out.stderr.strip() == (
+    assert main(tiny_run + ["--model.name", "llama2", "--model.flavor", "7B", "--model.tokenizer_path", str(tmp_path / "big.model")]) == 2
+    assert capsys.readouterr().err.strip() == (
         "error: the tokenizer has 33536 tokens but llama2/7B has a vocabulary of 32000; "
         "use that model's own tokenizer (model.tokenizer_path) or a debugmodel flavor"
     )
