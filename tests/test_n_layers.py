@@ -1,9 +1,9 @@
 """model.n_layers: a flavor's shapes with fewer blocks (to benchmark a big model on one GPU)."""
 
-from conftest import DEBUG_CONFIG, run_titanlite
+from conftest import DEBUG_CONFIG
 from titanlite.config import load_config
 from titanlite.models import get_model_spec
-from titanlite.train import model_label, resolve_model_args
+from titanlite.train import main, model_label, resolve_model_args
 
 
 def test_n_layers_overrides_the_flavors_depth_only():
@@ -15,13 +15,13 @@ def test_n_layers_overrides_the_flavors_depth_only():
     assert model_label(load_config(["--model.flavor", "8B", "--model.n_layers", "2"]).model) == "llama3/8B with model.n_layers 2"
 
 
-def test_a_checkpoint_of_another_depth_is_refused(tmp_path):
+def test_a_checkpoint_of_another_depth_is_refused(tmp_path, capsys):
     flags = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
-    seeded = run_titanlite(flags + ["--checkpoint.create_seed_checkpoint"])
-    assert seeded.returncode == 0, seeded.stderr
-    out = run_titanlite(flags + ["--model.n_layers", "2", "--training.steps", "1"])
-    assert out.returncode == 2, out.stderr
-    (line,) = out.stderr.strip().splitlines()[-1:]
+    # In this process (main() is what the command exits with), sparing the suite two Python start-ups.
+    assert main(flags + ["--checkpoint.create_seed_checkpoint"]) == 0
+    capsys.readouterr()
+    assert main(flags + ["--model.n_layers", "2", "--training.steps", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
     seed = tmp_path / "checkpoint" / "step-0"
     assert line.startswith(f"error: checkpoint {seed} does not fit llama3/debugmodel with model.n_layers 2: it holds layers.2."), line
     assert line.endswith("which this model lacks; check model.name and model.flavor"), line
