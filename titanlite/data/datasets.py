@@ -21,7 +21,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titanlite.data.documents import IndexedDocuments, StreamedDocuments
 from titanlite.data.local_files import load_local_documents
 from titanlite.data.packing import PackedTokens, SyntheticTokens
-from titanlite.data.sample_corpus import sample_split
+from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
 from titanlite.errors import UserError
 
 # torchdata 0.11 calls torch.set_vital, which newer torch deprecates; the warning is about
@@ -30,7 +30,6 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 DATASETS = ("sample", "sample_val", "c4", "c4_val", "local", "synthetic")
 C4_SPLITS = {"c4": "train", "c4_val": "validation"}
-SAMPLE_SPLITS = {"sample": "train", "sample_val": "validation"}
 
 
 def resolve_dataset(dataset: str, dataset_path: str, section: str = "training") -> str:
@@ -68,7 +67,7 @@ def open_documents(name: str, dataset_path: str, text_field: str, dp_rank: int, 
     if name in SAMPLE_SPLITS:
         texts = sample_split(SAMPLE_SPLITS[name])
     else:
-        texts = load_local_documents(dataset_path, text_field, section)
+        texts = load_local_documents(dataset_path, text_field, f"{section}.dataset_path")
     readers = dp_world * max(num_workers, 1)
     if len(texts) < readers:
         where = f"the {name} corpus" if name in SAMPLE_SPLITS else f"{section}.dataset_path {dataset_path}"
