@@ -23,7 +23,7 @@ from titanlite.data.datasets import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.log import init_logger, logger
-from titanlite.metrics import MetricsLogger
+from titanlite.metrics import MetricsLogger, log_tokens_by_source, source_scalars
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.output_folders import check_output_folders
@@ -205,6 +205,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
         tokenizer=tokenizer, seq_len=training.seq_len, batch_size=training.local_batch_size,
         dp_rank=dims.dp_rank, dp_world=dims.dp_degree, seed=cfg.job.seed, num_workers=training.num_workers,
+        dataset_mix=training.dataset_mix,
     )
     metrics = MetricsLogger(cfg.metrics, info.rank, info.device, flops_per_token)
     tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
@@ -263,7 +264,8 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                 settle = last or logged or validating or checkpointer.saves_at(step)
                 preempted = stop.should_stop(step, loss, grad_norm, settle)
                 if logged:
-                    metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr, extra=model_metrics(model))
+                    metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
+                                extra=(model_metrics(model) or {}) | source_scalars(dataloader))
                 if validating and not preempted:
                     validation_seconds = time.perf_counter()
                     validator.validate(model, step)
@@ -278,6 +280,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         checkpointer.close()  # waits for the last async save
         stop.close()
     summary.log(model, optimizer, tokens_per_step // info.world_size, metrics, checkpointer.cost)
+    log_tokens_by_source(dataloader)
     metrics.close()
     gc.enable()
     if stop.signal:

@@ -4,11 +4,13 @@
     sample_val  the held-out topics the sample split leaves out (validation's default)
     c4          allenai/c4 "en", streamed from the Hugging Face hub
     c4_val      the validation split of allenai/c4 "en"
-    local       files at <section>.dataset_path (chosen whenever that path is set)
+    local       files at <section>.dataset_path (chosen whenever that path is set); a token store
+                there (python -m titanlite.data.prepare) is read in one global order instead
     synthetic   seeded random tokens for benchmarks
 
 `section` ("training" or "validation") names the config keys that error messages point at.
-Each data-parallel rank reads a disjoint part of the documents (see documents.py), packs them
+Token stores and training.dataset_mix are read in one global order, whatever the number of
+ranks (global_order.py). For the others, each data-parallel rank reads a disjoint part of the documents (see documents.py), packs them
 into windows (packing.py) and gets batches of (inputs, labels), LongTensors [batch, seq_len].
 """
 
@@ -19,9 +21,12 @@ import datasets
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.data.documents import IndexedDocuments, StreamedDocuments
+from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.local_files import load_local_documents
 from titanlite.data.packing import PackedTokens, SyntheticTokens
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
+from titanlite.data.sources import global_windows
+from titanlite.data.store import is_store
 from titanlite.errors import UserError
 
 # torchdata 0.11 calls torch.set_vital, which newer torch deprecates; the warning is about
@@ -80,12 +85,14 @@ def open_documents(name: str, dataset_path: str, text_field: str, dp_rank: int, 
 
 
 class DataParallelLoader(StatefulDataLoader):
-    """A StatefulDataLoader whose state records which reader it belongs to.
+    """A StatefulDataLoader whose state records which reader it belongs to (a position per rank).
 
     A position in the data only means something for the same dataset, seed, data-parallel rank
     and world size and worker count; loading a state saved under any other layout stops the
     run instead of silently reading other data than the checkpoint expects.
     """
+
+    state_is_global = False
 
     def __init__(self, windows, *, batch_size: int, num_workers: int, layout: dict):
         super().__init__(windows, batch_size=batch_size, num_workers=num_workers)
@@ -108,12 +115,19 @@ class DataParallelLoader(StatefulDataLoader):
 def build_dataloader(
     *, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int, batch_size: int,
     dp_rank: int, dp_world: int, seed: int, num_workers: int = 0, infinite: bool = True, section: str = "training",
-) -> StatefulDataLoader:
+    dataset_mix: list = (),
+) -> StatefulDataLoader | GlobalOrderLoader:
     """Batches of (inputs, labels) for one data-parallel rank; the same arguments give the same data.
 
+    A token store at dataset_path, or a dataset_mix, is read in one global order (global_order.py);
+    the other datasets are split between the ranks and packed per rank (documents.py, packing.py).
     infinite=False: one pass over the data, and every new iter() starts it again from the beginning.
     """
     name = resolve_dataset(dataset, dataset_path, section)
+    if dataset_mix or (name == "local" and is_store(dataset_path)):
+        windows, identity, names = global_windows(dataset_path, dataset_mix, tokenizer, text_field, seq_len, seed, section)
+        return GlobalOrderLoader(windows, batch_size=batch_size, dp_rank=dp_rank, dp_world=dp_world, num_workers=num_workers,
+                                 finite=not infinite, identity=identity, source_names=names, seq_len=seq_len)
     if name == "synthetic":
         if not infinite:
             raise UserError(f"{section}.dataset synthetic is an endless stream; it cannot serve a finite pass such as validation")
