@@ -245,3 +245,11 @@ def test_training_resumes_exactly_from_two_ranks_on_one_and_one_on_two(sample_st
     assert sorted(on_two) == [3, 4, 5, 6] and sorted(back_on_one) == [5, 6]
     for step, loss in {**on_two, **back_on_one}.items():
         assert loss == pytest.approx(reference[step], abs=1e-5), step
+
+
+def test_benchmark_prints_the_loader_tokens_per_second(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/benchmark.py", "--loader", "--loader-seconds", "0.3", "--work-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rates = re.findall(r"\| token store, seq \d+, batch 8, \d workers \| ([\d,]+) \|", done.stdout)
+    assert len(rates) == 3 and all(int(r.replace(",", "")) > 0 for r in rates), done.stdout
