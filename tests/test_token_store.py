@@ -253,3 +253,15 @@ def test_benchmark_prints_the_loader_tokens_per_second(tmp_path):
     assert done.returncode == 0, done.stderr
     rates = re.findall(r"\| token store, seq \d+, batch 8, \d workers \| ([\d,]+) \|", done.stdout)
     assert len(rates) == 3 and all(int(r.replace(",", "")) > 0 for r in rates), done.stdout
+
+
+def test_validation_reads_a_store_in_one_finite_pass(sample_store, tokenizer):
+    def pass_of(rank: int) -> list:
+        finite = build_dataloader(dataset="sample_val", dataset_path=str(sample_store), text_field="text", tokenizer=tokenizer,
+                                  seq_len=SEQ, batch_size=4, dp_rank=rank, dp_world=2, seed=0, infinite=False, section="validation")
+        first, again = list(finite), list(finite)
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again)) and len(first) == len(again)
+        return first
+
+    batches = len(pass_of(0)) + len(pass_of(1))
+    assert batches == (114640 // (SEQ + 1)) // 4

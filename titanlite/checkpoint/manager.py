@@ -93,6 +93,8 @@ class CheckpointManager:
         self.root = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        # A token-store loader's position is one global count; any other (StatefulDataLoader) is per rank.
+        self.global_data = getattr(dataloader, "state_is_global", False)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
         self.state = TrainState()
@@ -147,7 +149,7 @@ class CheckpointManager:
     def _data_key(self) -> str:
         """Pickled, so DCP stores a position as one opaque value: one per data-parallel rank, or a
         single one (equal on every rank) for a global-order loader, which any layout loads."""
-        return "global" if self.dataloader.state_is_global else f"dp_rank_{self.dp_rank}"
+        return "global" if self.global_data else f"dp_rank_{self.dp_rank}"
 
     def _export_state(self) -> dict:
         dtype = DTYPES[self.cfg.export_dtype]
@@ -390,7 +392,7 @@ class CheckpointManager:
         }
         data_key = self._data_key()
         saved_dp = sum(k.startswith("dataloader.dp_rank_") for k in keys)
-        data_kind_changed = ("dataloader.global" in keys) != self.dataloader.state_is_global
+        data_kind_changed = ("dataloader.global" in keys) != self.global_data
         if data_kind_changed:
             raise UserError(
                 f"checkpoint {path} holds a data position for {'a token store or mix' if 'dataloader.global' in keys else 'raw data'}, "

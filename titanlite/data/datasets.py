@@ -92,8 +92,6 @@ class DataParallelLoader(StatefulDataLoader):
     run instead of silently reading other data than the checkpoint expects.
     """
 
-    state_is_global = False
-
     def __init__(self, windows, *, batch_size: int, num_workers: int, layout: dict):
         super().__init__(windows, batch_size=batch_size, num_workers=num_workers)
         self.layout = layout
