@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
+import huggingface_hub
 import numpy as np
 import pytest
 import torch
@@ -135,6 +137,15 @@ def test_bad_prepare_arguments_are_one_sentence(tmp_path, capsys, argv, fault):
     assert prepare_main(argv) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
     assert line.startswith("error: ") and fault in line
+
+
+def test_a_hub_dataset_that_cannot_be_streamed_is_one_sentence(tmp_path, monkeypatch):
+    # Offline mode makes the hub client fail at once instead of retrying for ~20 s.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match=r"--input allenai/c4 is no local file or folder and could not be streamed from the Hugging Face hub \(.*\); check"):
+        prepare("allenai/c4", str(tmp_path / "c4"), hf_config="en")
+    assert not (tmp_path / "c4").exists()
 
 
 def test_a_store_from_another_tokenizer_names_both(sample_store, tmp_path):

@@ -211,11 +211,12 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
     if cfg.job.description:
         logger.info(f"job: {cfg.job.description}")
+    data = f"a mix of {len(training.dataset_mix)} sources" if training.dataset_mix else training.dataset_path or training.dataset
     mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
     logger.info(
         f"model {model_label(cfg.model)}: {num_params:,} parameters, vocab {args.vocab_size} | "
         f"world {info.world_size} on {info.device.type}, mesh {mesh} | "
-        f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {training.dataset_path or training.dataset} | "
+        f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {data} | "
         f"{tokens_per_step:,} tokens per step ({accum_steps} micro-steps)"
     )
     if metrics.peak is None:

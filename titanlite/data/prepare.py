@@ -130,8 +130,8 @@ def prepare(source: str, output: str, tokenizer_path: str = "", workers: int = 1
     folder = Path(output)
     plan = {"input": source, "tokenizer_sha256": tokenizer_record(tokenizer)["sha256"], "text_field": text_field,
             "documents_per_shard": documents_per_shard, "hf_config": hf_config, "split": split}
+    documents = open_input(source, text_field, hf_config, split)  # a bad input leaves no folder behind
     check_plan(folder, plan)
-    documents = open_input(source, text_field, hf_config, split)
     dtype = token_dtype(tokenizer.vocab_size)
     total = len(documents) if hasattr(documents, "__len__") else None
     with tqdm(total=total, unit="doc", desc=f"tokenizing {source}", file=sys.stderr) as progress:
