@@ -256,6 +256,12 @@ def test_training_resumes_exactly_from_two_ranks_on_one_and_one_on_two(sample_st
     assert sorted(on_two) == [3, 4, 5, 6] and sorted(back_on_one) == [5, 6]
     for step, loss in {**on_two, **back_on_one}.items():
         assert loss == pytest.approx(reference[step], abs=1e-5), step
+    # The same job on the raw corpus instead of its store: the saved position is refused, not misread.
+    raw = run_titanlite([*flags, "--training.dataset_path", "", "--training.steps", "8",
+                         "--job.dump_folder", str(tmp_path / "back"), "--training.local_batch_size", "4"])
+    assert raw.returncode == 2 and raw.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {tmp_path / 'back' / 'checkpoint' / 'step-6'} holds a data position for a token store or mix, but this "
+        "run reads the other kind; resume with the training.dataset_path or dataset_mix it was saved with")
 
 
 def test_benchmark_prints_the_loader_tokens_per_second(tmp_path):
