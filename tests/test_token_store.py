@@ -217,6 +217,9 @@ def test_a_missing_or_empty_mix_source_is_one_sentence(tokenizer, tmp_path, mix,
     sources = [DataSource(e["path"].format(tmp=tmp_path), e["weight"]) for e in mix]
     with pytest.raises(UserError, match=fault.format(tmp=tmp_path)):
         loader(sources, tokenizer)
+    with pytest.raises(UserError, match="training.dataset_mix is set together with training.dataset 'c4'"):
+        build_dataloader(dataset="c4", dataset_path="", text_field="text", tokenizer=tokenizer, seq_len=SEQ, batch_size=1,
+                         dp_rank=0, dp_world=1, seed=0, dataset_mix=sources)
 
 
 def test_a_mix_trains_and_reports_tokens_per_source(sample_store, tmp_path, tiny_run):

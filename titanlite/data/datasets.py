@@ -121,6 +121,9 @@ def build_dataloader(
     the other datasets are split between the ranks and packed per rank (documents.py, packing.py).
     infinite=False: one pass over the data, and every new iter() starts it again from the beginning.
     """
+    if dataset_mix and (dataset_path or dataset != "sample"):
+        raise UserError(f"training.dataset_mix is set together with training.dataset {dataset!r} / dataset_path {dataset_path!r}; "
+                        "a mix names its sources itself, so leave those two at their defaults")
     name = resolve_dataset(dataset, dataset_path, section)
     if dataset_mix or (name == "local" and is_store(dataset_path)):
         windows, identity, names = global_windows(dataset_path, dataset_mix, tokenizer, text_field, seq_len, seed, section)

@@ -38,8 +38,6 @@ def global_windows(dataset_path: str, dataset_mix: list, tokenizer, text_field: 
         store = open_store(dataset_path, tokenizer, f"{section}.dataset_path")
         identity = {"sources": [str(Path(dataset_path).resolve())], "seed": seed, "seq_len": seq_len}
         return StoreWindows(store, seq_len, seed), identity, [Path(dataset_path).name]
-    if dataset_path:
-        raise UserError("training.dataset_mix and training.dataset_path are both set; keep one (a mix names its sources itself)")
     empty = next((i for i, entry in enumerate(dataset_mix) if not entry.path), None)
     if empty is not None:
         raise UserError(f"training.dataset_mix[{empty}] has no path; give it path = \"<store folder or data file>\"")
