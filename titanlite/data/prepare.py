@@ -57,7 +57,7 @@ def tokenize_shard(task: tuple) -> None:
     tokens_path, index_path = shard_paths(folder, shard)
     tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(offsets[-1]))
     write_then_rename(tokens_path, tokens.tofile)
-    write_then_rename(index_path, lambda path: np.save(path, offsets))
+    write_then_rename(index_path, lambda file: np.save(file, offsets))
 
 
 def write_then_rename(path: Path, write) -> None:
