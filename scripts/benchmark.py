@@ -4,6 +4,7 @@
     python scripts/benchmark.py --rows bare,titanlite --repeats 5
     python scripts/benchmark.py --short          # a few tiny steps of the bare/titanlite/fsdp2/checkpoint rows (tests)
     python scripts/benchmark.py --precision      # loss curves: fp32 AdamW vs pure bf16 with and without Kahan
+    python scripts/benchmark.py --loader         # tokens/s the token-store data loader delivers per process
 
 Every row is a fresh process run the way a user runs it: the trainer as `python -m titanlite.train`
 (or under torchrun), timed by its own end-of-run `run summary:` line, which leaves out the same
@@ -300,6 +301,38 @@ def benchmark(args) -> None:
     print(f"{load()} at the end; took {(datetime.datetime.now() - started).total_seconds():.0f}s")
 
 
+# ---------------------------------------------------------------- the token-store loader
+LOADER_ROWS = ((2048, 8, 0), (256, 8, 0), (2048, 8, 2))  # (seq_len, local batch, training.num_workers)
+
+
+def loader_throughput(args) -> None:
+    """--loader: tokens/s that one process's loader delivers from a token store (the sample corpus
+    prepared into <work-dir>/sample_store), with no model: what it could feed a training step."""
+    from titanlite.data.datasets import build_dataloader
+    from titanlite.data.prepare import prepare
+    from titanlite.data.store import is_store
+    from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
+
+    store = Path(args.work_dir) / "sample_store"
+    if not is_store(store):
+        prepare("sample", str(store), workers=1)
+    tokenizer = load_tokenizer(SHIPPED_TOKENIZER)
+    print(f"# token-store loader, {datetime.datetime.now():%Y-%m-%d %H:%M}; device: {device_name()}; {load()}")
+    print(f"command: {command()}")
+    print("| loader | tokens/s per process |\n|---|---:|")
+    for seq_len, batch, workers in LOADER_ROWS:
+        loader = build_dataloader(dataset="sample", dataset_path=str(store), text_field="text", tokenizer=tokenizer,
+                                  seq_len=seq_len, batch_size=batch, dp_rank=0, dp_world=1, seed=0, num_workers=workers)
+        batches = iter(loader)
+        next(batches)  # start-up (worker processes, the first epoch's order) is not the steady rate
+        tokens, began = 0, time.perf_counter()
+        while time.perf_counter() - began < args.loader_seconds:
+            inputs, _ = next(batches)
+            tokens += inputs.numel()
+        rate = tokens / (time.perf_counter() - began)
+        print(f"| token store, seq {seq_len}, batch {batch}, {workers} workers | {rate:,.0f} |", flush=True)
+
+
 # ---------------------------------------------------------------- precision curves
 def precision_curves(args) -> None:
     """fp32 AdamW vs pure bf16 weights with AdamWBF16Kahan vs pure bf16 weights with plain AdamW,
@@ -352,6 +385,8 @@ def main() -> None:
     parser.add_argument("--precision", action="store_true", help="the pure-bf16 loss-curve comparison instead")
     parser.add_argument("--work-dir", default=str(ROOT / "outputs" / "benchmark"))
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--loader", action="store_true", help="the token-store loader's tokens/s instead (no model)")
+    parser.add_argument("--loader-seconds", type=float, default=3.0, help="seconds each --loader row reads")
     parser.add_argument("--bare-loop", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.short:
@@ -368,6 +403,8 @@ def main() -> None:
         bare_loop(args)
     elif args.precision:
         precision_curves(args)
+    elif args.loader:
+        loader_throughput(args)
     else:
         benchmark(args)
 

@@ -64,6 +64,8 @@ def _resolve_key(dotted: str, origin: str) -> tuple[str, str]:
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return f"table {{{', '.join(f.name for f in dataclasses.fields(tp))}}}"
     return {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]
 
 
@@ -73,6 +75,9 @@ def _article(name: str) -> str:
 
 def _from_text(text: str, tp: Any) -> Any:
     """Convert a command-line string to the field's type; ValueError when it does not fit."""
+    if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        # A list of tables is written as on the right of a TOML `key =`: [{ path = "a", weight = 1 }]
+        return _from_toml(tomllib.loads(f"value = {text}")["value"], tp)  # TOMLDecodeError is a ValueError
     if typing.get_origin(tp) is list:
         item = typing.get_args(tp)[0]
         return [_from_text(part.strip(), item) for part in text.split(",") if part.strip()]
@@ -89,6 +94,11 @@ def _from_toml(value: Any, tp: Any) -> Any:
         if not isinstance(value, list):
             raise ValueError(value)
         return [_from_toml(v, typing.get_args(tp)[0]) for v in value]
+    if dataclasses.is_dataclass(tp):
+        names = {f.name: f.type for f in dataclasses.fields(tp)}
+        if not isinstance(value, dict) or not set(value) <= set(names):
+            raise ValueError(value)
+        return tp(**{key: _from_toml(v, names[key]) for key, v in value.items()})
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not tp:
@@ -198,7 +208,11 @@ def _check_values(cfg: JobConfig, origins: dict[str, str]) -> None:
                 raise UserError(
                     f"{section}.{key} is not supported yet; remove it or set it back to {getattr(getattr(defaults, section), key)!r}"
                 )
-            _check_range(f"{section}.{key}", value, f.metadata, origins.get(f"{section}.{key}", "the defaults"))
+            origin = origins.get(f"{section}.{key}", "the defaults")
+            _check_range(f"{section}.{key}", value, f.metadata, origin)
+            for i, table in enumerate(value if isinstance(value, list) else []):
+                for item in dataclasses.fields(table) if dataclasses.is_dataclass(table) else ():
+                    _check_range(f"{section}.{key}[{i}].{item.name}", getattr(table, item.name), item.metadata, origin)
 
 
 def load_config(argv: list[str]) -> JobConfig:
@@ -243,6 +257,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):
+        return "{ " + ", ".join(f"{f.name} = {_toml_value(getattr(value, f.name))}" for f in dataclasses.fields(value)) + " }"
     if isinstance(value, float):
         return repr(value)
     return json.dumps(value) if isinstance(value, str) else str(value)

@@ -64,6 +64,14 @@ class LRScheduler:
 
 
 @dataclass
+class DataSource:
+    """One item of training.dataset_mix: a TOML table { path = "...", weight = 0.7 }."""
+
+    path: str = opt("", "a token store folder (python -m titanlite.data.prepare) or raw data file or folder, read like training.dataset_path")
+    weight: float = opt(1.0, "its share of the training windows, relative to the other sources' weights", above=0)
+
+
+@dataclass
 class Training:
     local_batch_size: int = opt(8, "sequences per rank per micro-step", at_least=1)
     global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks; above local x dp means gradient accumulation; -1 = local x dp", at_least=1, sentinels=(-1,))
@@ -71,7 +79,8 @@ class Training:
     steps: int = opt(10000, "optimizer steps to train for", at_least=1)
     max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping", at_least=0)
     dataset: str = opt("sample", "sample (shipped corpus, minus the topics held out as sample_val), c4 (streamed from the Hugging Face hub), synthetic, or local (files at dataset_path)")
-    dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files); setting it means dataset = local")
+    dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files) or a token store (python -m titanlite.data.prepare, read in one order at any scale); setting it means dataset = local")
+    dataset_mix: list[DataSource] = opt([], "weighted sources instead of dataset/dataset_path, a TOML array of tables [{ path = \"a\", weight = 0.7 }, ...] (stores or raw files); read in one order at any scale")
     dataset_text_field: str = opt("text", "field holding the text in json/parquet/arrow records")
     num_workers: int = opt(0, "data-loading worker processes per rank", at_least=0)
     mixed_precision_param: str = opt("bfloat16", "dtype FSDP computes in (autocast dtype without FSDP)", choices=("bfloat16", "float32"))
@@ -160,7 +169,7 @@ class Validation:
     freq: int = opt(100, "validate every this many steps", at_least=1)
     steps: int = opt(10, "at most this many batches per rank per validation, always from the start of the data; -1 = one whole pass", at_least=1, sentinels=(-1,))
     dataset: str = opt("sample_val", "sample_val (the held-out part of the sample corpus), c4_val (allenai/c4 validation split), or local (files at dataset_path)")
-    dataset_path: str = opt("", "file or folder of held-out local data, read like training.dataset_path; setting it means dataset = local")
+    dataset_path: str = opt("", "file or folder of held-out local data or a token store, read like training.dataset_path; setting it means dataset = local")
     local_batch_size: int = opt(-1, "sequences per rank per validation batch; -1 = training.local_batch_size", at_least=1, sentinels=(-1,))
     seq_len: int = opt(-1, "tokens per validation sequence; -1 = training.seq_len", at_least=1, sentinels=(-1,))
 

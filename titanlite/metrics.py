@@ -137,3 +137,22 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+
+
+def tokens_by_source(dataloader) -> dict[str, int]:
+    """Tokens each source of a training.dataset_mix has given all ranks so far; {} for one source."""
+    seen = dataloader.tokens_by_source() if hasattr(dataloader, "tokens_by_source") else {}
+    return seen if len(seen) > 1 else {}
+
+
+def source_scalars(dataloader) -> dict[str, float]:
+    """TensorBoard tags data/tokens_seen/<n>_<source name> of a mix."""
+    return {f"data/tokens_seen/{name}": float(tokens) for name, tokens in tokens_by_source(dataloader).items()}
+
+
+def log_tokens_by_source(dataloader) -> None:
+    """The end-of-run line of a mix: each source's tokens and its share of all."""
+    seen = tokens_by_source(dataloader)
+    if seen:
+        total = sum(seen.values())
+        logger.info("data mix: " + ", ".join(f"{name} {tokens:,} tokens ({100 * tokens / total:.1f}%)" for name, tokens in seen.items()))

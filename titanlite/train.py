@@ -23,7 +23,7 @@ from titanlite.data.datasets import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.log import init_logger, logger
-from titanlite.metrics import MetricsLogger
+from titanlite.metrics import MetricsLogger, log_tokens_by_source, source_scalars
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.output_folders import check_output_folders
@@ -205,16 +205,18 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
         tokenizer=tokenizer, seq_len=training.seq_len, batch_size=training.local_batch_size,
         dp_rank=dims.dp_rank, dp_world=dims.dp_degree, seed=cfg.job.seed, num_workers=training.num_workers,
+        dataset_mix=training.dataset_mix,
     )
     metrics = MetricsLogger(cfg.metrics, info.rank, info.device, flops_per_token)
     tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
     if cfg.job.description:
         logger.info(f"job: {cfg.job.description}")
+    data = f"a mix of {len(training.dataset_mix)} sources" if training.dataset_mix else training.dataset_path or training.dataset
     mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
     logger.info(
         f"model {model_label(cfg.model)}: {num_params:,} parameters, vocab {args.vocab_size} | "
         f"world {info.world_size} on {info.device.type}, mesh {mesh} | "
-        f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {training.dataset_path or training.dataset} | "
+        f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {data} | "
         f"{tokens_per_step:,} tokens per step ({accum_steps} micro-steps)"
     )
     if metrics.peak is None:
@@ -263,7 +265,8 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                 settle = last or logged or validating or checkpointer.saves_at(step)
                 preempted = stop.should_stop(step, loss, grad_norm, settle)
                 if logged:
-                    metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr, extra=model_metrics(model))
+                    metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
+                                extra=(model_metrics(model) or {}) | source_scalars(dataloader))
                 if validating and not preempted:
                     validation_seconds = time.perf_counter()
                     validator.validate(model, step)
@@ -278,6 +281,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         checkpointer.close()  # waits for the last async save
         stop.close()
     summary.log(model, optimizer, tokens_per_step // info.world_size, metrics, checkpointer.cost)
+    log_tokens_by_source(dataloader)
     metrics.close()
     gc.enable()
     if stop.signal:

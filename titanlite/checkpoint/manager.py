@@ -1,8 +1,8 @@
 """CheckpointManager: DCP saves into <dump_folder>/<checkpoint.folder>/step-N, and resume.
 
 A full checkpoint holds the model (its FQNs at the top level, sharded DTensors as they are: no
-rank ever gathers the model), the optimizer, the lr schedule, the train state, every
-data-parallel rank's data-loader position and every rank's RNG states. Model-only checkpoints
+rank ever gathers the model), the optimizer, the lr schedule, the train state, the data-loader position (one per
+data-parallel rank for raw data, one global count for a token store or mix) and every rank's RNG states. Model-only checkpoints
 (the seed checkpoint, a last_save_model_only export) hold just the model's FQNs.
 
 An async save costs the training loop only the building of the state dicts (references to the
@@ -93,6 +93,8 @@ class CheckpointManager:
         self.root = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        # A token-store loader's position is one global count; any other (StatefulDataLoader) is per rank.
+        self.global_data = getattr(dataloader, "state_is_global", False)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
         self.state = TrainState()
@@ -138,10 +140,14 @@ class CheckpointManager:
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": self._train_state(),
-            # Pickled, so DCP stores each rank's position as one opaque value under its own key.
-            "dataloader": {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
+            "dataloader": {self._data_key(): pickle.dumps(self.dataloader.state_dict())},
             "rng": {f"rank_{self.rank}": self._rng_state()},
         }
+
+    def _data_key(self) -> str:
+        """Pickled, so DCP stores a position as one opaque value: one per data-parallel rank, or a
+        single one (equal on every rank) for a global-order loader, which any layout loads."""
+        return "global" if self.global_data else f"dp_rank_{self.dp_rank}"
 
     def _export_state(self) -> dict:
         dtype = DTYPES[self.cfg.export_dtype]
@@ -375,11 +381,17 @@ class CheckpointManager:
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": {"step": 0, "tokens_seen": 0, "dp_degree": 0, "world_size": 0},
         }
-        data_key = f"dataloader.dp_rank_{self.dp_rank}"
+        data_key = self._data_key()
         saved_dp = sum(k.startswith("dataloader.dp_rank_") for k in keys)
-        same_data_split = saved_dp == self.dp_degree and data_key in keys
+        data_kind_changed = ("dataloader.global" in keys) != self.global_data
+        if data_kind_changed:
+            raise UserError(
+                f"checkpoint {path} holds a data position for {'a token store or mix' if 'dataloader.global' in keys else 'raw data'}, "
+                "but this run reads the other kind; resume with the training.dataset_path or dataset_mix it was saved with"
+            )
+        same_data_split = f"dataloader.{data_key}" in keys and (data_key == "global" or saved_dp == self.dp_degree)
         if same_data_split:
-            state["dataloader"] = {f"dp_rank_{self.dp_rank}": b""}
+            state["dataloader"] = {data_key: b""}
         rng_key, rng_state = f"rng.rank_{self.rank}", self._rng_state()
         same_ranks = all(f"{rng_key}.{device}" in keys for device in rng_state)
         if same_ranks:
@@ -392,11 +404,12 @@ class CheckpointManager:
         train_state = state["train_state"]
         self.state = TrainState(train_state["step"], train_state["tokens_seen"])
         if same_data_split:
-            self.dataloader.load_state_dict(pickle.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
+            self.dataloader.load_state_dict(pickle.loads(state["dataloader"][data_key]))
         else:
             logger.warning(
                 f"the data loader restarts its stream from the beginning: the data-parallel degree changed from "
-                f"{saved_dp} to {self.dp_degree}, and each saved position belongs to the old split of the data"
+                f"{saved_dp} to {self.dp_degree}, and each saved position belongs to the old split of the data "
+                "(a token store from python -m titanlite.data.prepare resumes at any degree)"
             )
         if same_ranks:
             rng = state["rng"][f"rank_{self.rank}"]

@@ -4,11 +4,13 @@
     sample_val  the held-out topics the sample split leaves out (validation's default)
     c4          allenai/c4 "en", streamed from the Hugging Face hub
     c4_val      the validation split of allenai/c4 "en"
-    local       files at <section>.dataset_path (chosen whenever that path is set)
+    local       files at <section>.dataset_path (chosen whenever that path is set); a token store
+                there (python -m titanlite.data.prepare) is read in one global order instead
     synthetic   seeded random tokens for benchmarks
 
 `section` ("training" or "validation") names the config keys that error messages point at.
-Each data-parallel rank reads a disjoint part of the documents (see documents.py), packs them
+Token stores and training.dataset_mix are read in one global order, whatever the number of
+ranks (global_order.py). For the others, each data-parallel rank reads a disjoint part of the documents (see documents.py), packs them
 into windows (packing.py) and gets batches of (inputs, labels), LongTensors [batch, seq_len].
 """
 
@@ -19,9 +21,12 @@ import datasets
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.data.documents import IndexedDocuments, StreamedDocuments
+from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.local_files import load_local_documents
 from titanlite.data.packing import PackedTokens, SyntheticTokens
-from titanlite.data.sample_corpus import sample_split
+from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
+from titanlite.data.sources import global_windows
+from titanlite.data.store import is_store
 from titanlite.errors import UserError
 
 # torchdata 0.11 calls torch.set_vital, which newer torch deprecates; the warning is about
@@ -30,7 +35,6 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 DATASETS = ("sample", "sample_val", "c4", "c4_val", "local", "synthetic")
 C4_SPLITS = {"c4": "train", "c4_val": "validation"}
-SAMPLE_SPLITS = {"sample": "train", "sample_val": "validation"}
 
 
 def resolve_dataset(dataset: str, dataset_path: str, section: str = "training") -> str:
@@ -68,7 +72,7 @@ def open_documents(name: str, dataset_path: str, text_field: str, dp_rank: int, 
     if name in SAMPLE_SPLITS:
         texts = sample_split(SAMPLE_SPLITS[name])
     else:
-        texts = load_local_documents(dataset_path, text_field, section)
+        texts = load_local_documents(dataset_path, text_field, f"{section}.dataset_path")
     readers = dp_world * max(num_workers, 1)
     if len(texts) < readers:
         where = f"the {name} corpus" if name in SAMPLE_SPLITS else f"{section}.dataset_path {dataset_path}"
@@ -81,7 +85,7 @@ def open_documents(name: str, dataset_path: str, text_field: str, dp_rank: int, 
 
 
 class DataParallelLoader(StatefulDataLoader):
-    """A StatefulDataLoader whose state records which reader it belongs to.
+    """A StatefulDataLoader whose state records which reader it belongs to (a position per rank).
 
     A position in the data only means something for the same dataset, seed, data-parallel rank
     and world size and worker count; loading a state saved under any other layout stops the
@@ -109,12 +113,22 @@ class DataParallelLoader(StatefulDataLoader):
 def build_dataloader(
     *, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int, batch_size: int,
     dp_rank: int, dp_world: int, seed: int, num_workers: int = 0, infinite: bool = True, section: str = "training",
-) -> StatefulDataLoader:
+    dataset_mix: list = (),
+) -> StatefulDataLoader | GlobalOrderLoader:
     """Batches of (inputs, labels) for one data-parallel rank; the same arguments give the same data.
 
+    A token store at dataset_path, or a dataset_mix, is read in one global order (global_order.py);
+    the other datasets are split between the ranks and packed per rank (documents.py, packing.py).
     infinite=False: one pass over the data, and every new iter() starts it again from the beginning.
     """
+    if dataset_mix and (dataset_path or dataset != "sample"):
+        raise UserError(f"training.dataset_mix is set together with training.dataset {dataset!r} / dataset_path {dataset_path!r}; "
+                        "a mix names its sources itself, so leave those two at their defaults")
     name = resolve_dataset(dataset, dataset_path, section)
+    if dataset_mix or (name == "local" and is_store(dataset_path)):
+        windows, identity, names = global_windows(dataset_path, dataset_mix, tokenizer, text_field, seq_len, seed, section)
+        return GlobalOrderLoader(windows, batch_size=batch_size, dp_rank=dp_rank, dp_world=dp_world, num_workers=num_workers,
+                                 finite=not infinite, identity=identity, source_names=names, seq_len=seq_len)
     if name == "synthetic":
         if not infinite:
             raise UserError(f"{section}.dataset synthetic is an endless stream; it cannot serve a finite pass such as validation")

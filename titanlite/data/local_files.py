@@ -53,21 +53,21 @@ class RecordTexts(Sequence):
         return self.records[index][self.text_field]
 
 
-def find_data_files(root: Path, section: str) -> tuple[str, list[Path]]:
+def find_data_files(root: Path, key: str) -> tuple[str, list[Path]]:
     """The loader name and the files for a file or folder; one kind of data per dataset, no empty file."""
     if not root.exists():
-        raise UserError(f"{section}.dataset_path {root} does not exist; point it at {KINDS}")
+        raise UserError(f"{key} {root} does not exist; point it at {KINDS}")
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in LOADER_BY_SUFFIX and p.is_file())
     loaders = sorted({LOADER_BY_SUFFIX.get(path.suffix, "unknown") for path in files})
     if not files:
-        raise UserError(f"{section}.dataset_path {root} is a folder without .jsonl/.json/.parquet/.arrow/.txt files; point it at {KINDS}")
+        raise UserError(f"{key} {root} is a folder without .jsonl/.json/.parquet/.arrow/.txt files; point it at {KINDS}")
     if loaders == ["unknown"]:
-        raise UserError(f"{section}.dataset_path {root} is not {KINDS}; point it at one")
+        raise UserError(f"{key} {root} is not {KINDS}; point it at one")
     if len(loaders) > 1:
-        raise UserError(f"{section}.dataset_path {root} mixes kinds of data files ({', '.join(loaders)}); keep one kind per dataset")
+        raise UserError(f"{key} {root} mixes kinds of data files ({', '.join(loaders)}); keep one kind per dataset")
     empty = next((path for path in files if is_blank(path)), None)
     if empty is not None:
-        raise UserError(f"{section}.dataset_path: {empty} is empty (or only whitespace); remove it or write the data into it")
+        raise UserError(f"{key}: {empty} is empty (or only whitespace); remove it or write the data into it")
     return loaders[0], files
 
 
@@ -138,7 +138,7 @@ def read_records(loader: str, files: list[Path]) -> datasets.Dataset:
         datasets.logging.set_verbosity(verbosity)
 
 
-def raise_for_the_faulty_file(loader: str, files: list[Path], text_field: str, section: str, error: Exception | None):
+def raise_for_the_faulty_file(loader: str, files: list[Path], text_field: str, key: str, error: Exception | None):
     """Read the files one by one to name the one at fault; called only after reading them all failed."""
     for path in files:
         try:
@@ -146,17 +146,17 @@ def raise_for_the_faulty_file(loader: str, files: list[Path], text_field: str, s
         except READ_ERRORS as one_error:
             fault = read_fault(path, loader, one_error)
         if fault:
-            raise UserError(f"{section}.dataset_path: {path} {fault}") from None
+            raise UserError(f"{key}: {path} {fault}") from None
     reason = str(error.__cause__ or error).splitlines()[0] if error else "their fields differ"
-    raise UserError(f"{section}.dataset_path {files[0].parent}: its files read one by one but not as one dataset ({reason}); give them the same fields")
+    raise UserError(f"{key} {files[0].parent}: its files read one by one but not as one dataset ({reason}); give them the same fields")
 
 
-def load_local_documents(dataset_path: str, text_field: str, section: str) -> Sequence[str]:
-    loader, files = find_data_files(Path(dataset_path), section)
+def load_local_documents(dataset_path: str, text_field: str, key: str) -> Sequence[str]:
+    loader, files = find_data_files(Path(dataset_path), key)
     if loader == "txt":
         fault = next(((path, f) for path in files if (f := utf8_fault(path))), None)
         if fault:
-            raise UserError(f"{section}.dataset_path: {fault[0]} {fault[1]}")
+            raise UserError(f"{key}: {fault[0]} {fault[1]}")
         return TextFiles(files)
     try:
         records, error = read_records(loader, files), None
@@ -165,7 +165,7 @@ def load_local_documents(dataset_path: str, text_field: str, section: str) -> Se
     except ValueError as no_data:  # how `datasets` says that every file held zero records (e.g. a json [])
         if "corresponds to no data" not in str(no_data):
             raise
-        raise UserError(f"{section}.dataset_path {dataset_path} holds no records (a json file holding [] counts as empty); write the data into it") from None
+        raise UserError(f"{key} {dataset_path} holds no records (a json file holding [] counts as empty); write the data into it") from None
     if records is None or text_fault(records, text_field):
-        raise_for_the_faulty_file(loader, files, text_field, section, error)
+        raise_for_the_faulty_file(loader, files, text_field, key, error)
     return RecordTexts(records, text_field)

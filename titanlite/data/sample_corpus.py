@@ -11,6 +11,7 @@ from pydoc_data.topics import topics
 
 HELD_OUT = 10
 SPLITS = ("train", "validation")
+SAMPLE_SPLITS = {"sample": "train", "sample_val": "validation"}  # dataset name -> split
 
 
 def sample_documents() -> list[str]:

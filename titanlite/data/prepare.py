@@ -1,0 +1,177 @@
+"""Tokenize a corpus once into a token store (store.py) that training reads without tokenizing.
+
+    python -m titanlite.data.prepare --input SRC --output DIR [--tokenizer PATH] [--workers N]
+
+SRC is a .jsonl/.json/.parquet/.arrow file or folder, a folder of .txt files (read as
+training.dataset_path reads them), `sample` / `sample_val` (the shipped corpus), or a Hugging Face
+dataset name, streamed (e.g. `--input allenai/c4 --hf_config en`).
+
+Documents are cut into shards of --documents_per_shard in input order; worker processes tokenize
+whole shards, each written under a temporary name and renamed when complete (the offsets file
+last), so an interrupted prepare run again with the same arguments keeps the finished shards and
+redoes the rest. The manifest is written last: a folder with a manifest is a complete store.
+"""
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from titanlite.data.local_files import LOADER_BY_SUFFIX, load_local_documents
+from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
+from titanlite.data.store import FORMAT, MANIFEST, shard_paths, token_dtype, tokenizer_record
+from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
+from titanlite.errors import UserError
+
+PLAN = "prepare.json"  # the arguments a resume must repeat
+TOKENIZER = None  # each tokenizing process loads its own (load_worker_tokenizer)
+
+
+def open_input(source: str, text_field: str, hf_config: str, split: str):
+    """The documents of SRC: a sequence (files, sample corpus) or an iterator (a streamed hub dataset)."""
+    if source in SAMPLE_SPLITS:
+        return sample_split(SAMPLE_SPLITS[source])
+    if Path(source).exists() or Path(source).suffix in LOADER_BY_SUFFIX:
+        return load_local_documents(source, text_field, "--input")
+    import datasets
+
+    try:
+        stream = datasets.load_dataset(source, hf_config or None, split=split, streaming=True)
+    except (OSError, ValueError) as error:  # offline, unknown name or config: the hub says which in its first line
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(f"--input {source} is no local file or folder and could not be streamed from the Hugging Face hub "
+                        f"({reason}); check the path, the dataset name and --hf_config, or the network") from None
+    return (record[text_field] for record in stream)
+
+
+def tokenize_shard(task: tuple) -> None:
+    """Worker: tokenize one shard's documents as packing does (bos + text + eos) and write it."""
+    folder, shard, texts, dtype = task
+    ids = [TOKENIZER.encode(text, bos=True, eos=True) for text in texts]
+    offsets = np.concatenate([[0], np.cumsum([len(doc) for doc in ids])]).astype(np.int64)
+    tokens_path, index_path = shard_paths(folder, shard)
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(offsets[-1]))
+    write_then_rename(tokens_path, tokens.tofile)
+    write_then_rename(index_path, lambda file: np.save(file, offsets))
+
+
+def write_then_rename(path: Path, write) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("wb") as file:
+        write(file)
+    temporary.replace(path)
+
+
+def load_worker_tokenizer(path: str) -> None:
+    global TOKENIZER
+    TOKENIZER = load_tokenizer(path, origin="--tokenizer")
+
+
+def check_plan(folder: Path, plan: dict) -> None:
+    """A folder holding part of another prepare is refused, not mixed with this one."""
+    path = folder / PLAN
+    if path.is_file() and json.loads(path.read_text()) != plan:
+        raise UserError(f"--output {folder} holds a store prepared with other arguments ({path}); use another "
+                        "--output folder, or delete it to prepare it again")
+    if not path.is_file() and folder.exists() and any(folder.iterdir()):
+        raise UserError(f"--output {folder} is a folder with other files in it; give an empty or new folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=1))
+
+
+def shard_tasks(documents, folder: Path, per_shard: int, dtype, progress):
+    """(folder, shard, texts, dtype) for every shard not finished yet; finished ones are skipped unread
+    where the input has random access."""
+    indexed = hasattr(documents, "__getitem__")
+    stream = iter(documents) if not indexed else None
+    for shard in itertools.count():
+        done = shard_paths(folder, shard)[1].is_file()
+        if indexed:
+            chosen = range(shard * per_shard, min((shard + 1) * per_shard, len(documents)))
+            if not chosen:
+                return
+            texts, count = ([] if done else [documents[i] for i in chosen]), len(chosen)
+        else:
+            texts = list(itertools.islice(stream, per_shard))
+            if not texts:
+                return
+            count = len(texts)
+        progress.update(count)
+        if not done:
+            yield folder, shard, texts, dtype
+
+
+def write_manifest(folder: Path, plan: dict, tokenizer, dtype) -> dict:
+    shards = []
+    for shard in itertools.count():
+        index_path = shard_paths(folder, shard)[1]
+        if not index_path.is_file():
+            break
+        offsets = np.load(index_path)
+        shards.append({"documents": len(offsets) - 1, "tokens": int(offsets[-1])})
+    if not shards:
+        raise UserError(f"--input {plan['input']} holds no documents; point it at data that has some")
+    manifest = {"format": FORMAT, "input": plan["input"], "tokenizer": tokenizer_record(tokenizer), "dtype": dtype.name,
+                "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    write_then_rename(folder / MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+    return manifest
+
+
+def prepare(source: str, output: str, tokenizer_path: str = "", workers: int = 1, text_field: str = "text",
+            documents_per_shard: int = 20000, hf_config: str = "", split: str = "train") -> dict:
+    """Write (or finish) the store for SRC in output; returns its manifest."""
+    tokenizer_path = tokenizer_path or str(SHIPPED_TOKENIZER)
+    tokenizer = load_tokenizer(tokenizer_path, origin="--tokenizer")
+    folder = Path(output)
+    plan = {"input": source, "tokenizer_sha256": tokenizer_record(tokenizer)["sha256"], "text_field": text_field,
+            "documents_per_shard": documents_per_shard, "hf_config": hf_config, "split": split}
+    documents = open_input(source, text_field, hf_config, split)  # a bad input leaves no folder behind
+    check_plan(folder, plan)
+    dtype = token_dtype(tokenizer.vocab_size)
+    total = len(documents) if hasattr(documents, "__len__") else None
+    with tqdm(total=total, unit="doc", desc=f"tokenizing {source}", file=sys.stderr) as progress:
+        tasks = shard_tasks(documents, folder, documents_per_shard, dtype, progress)
+        if workers == 1:
+            load_worker_tokenizer(tokenizer_path)
+            for task in tasks:
+                tokenize_shard(task)
+        else:
+            with multiprocessing.Pool(workers, load_worker_tokenizer, (tokenizer_path,)) as pool:
+                # In waves: Pool.imap would read a streamed input ahead without bound.
+                while wave := list(itertools.islice(tasks, 2 * workers)):
+                    pool.map(tokenize_shard, wave)
+    return write_manifest(folder, plan, tokenizer, dtype)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m titanlite.data.prepare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, help="data file or folder, sample / sample_val, or a Hugging Face dataset name")
+    parser.add_argument("--output", required=True, help="the store's folder (new or empty, or a prepare to finish)")
+    parser.add_argument("--tokenizer", default="", help="tokenizer.model to tokenize with (default: the shipped one)")
+    parser.add_argument("--workers", type=int, default=max(multiprocessing.cpu_count() - 1, 1), help="tokenizing processes")
+    parser.add_argument("--text_field", default="text", help="field holding the text in json/parquet/arrow records")
+    parser.add_argument("--documents_per_shard", type=int, default=20000, help="documents per shard file")
+    parser.add_argument("--hf_config", default="", help="configuration of a Hugging Face dataset (e.g. en for allenai/c4)")
+    parser.add_argument("--split", default="train", help="split of a Hugging Face dataset")
+    args = parser.parse_args(argv)
+    try:
+        if args.workers < 1 or args.documents_per_shard < 1:
+            raise UserError(f"--workers ({args.workers}) and --documents_per_shard ({args.documents_per_shard}) must be at least 1")
+        manifest = prepare(args.input, args.output, args.tokenizer, args.workers, args.text_field,
+                           args.documents_per_shard, args.hf_config, args.split)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
+          f"({manifest['dtype']}) in {len(manifest['shards'])} shards")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
