@@ -80,9 +80,9 @@ class Validator:
 
     def _loss_sum(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The sum of the batch's token losses (a pipeline runs its schedule forward only)."""
-        if self.pipeline is not None:
-            return self.pipeline.eval_loss_sum(inputs, labels, {})
         with mixed_precision_context(self.dims, self.param_dtype, self.device.type):
+            if self.pipeline is not None:
+                return self.pipeline.eval_loss_sum(inputs, labels, {})
             logits = model(inputs)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
-    PipelineScheduleSingle,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -23,6 +22,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.parallel.tp import local_loss, loss_parallel_context
@@ -37,20 +37,11 @@ SCHEDULES = {
 
 
 def stages_per_rank(cfg: Parallelism) -> int:
-    """-1 takes the schedule's natural count: 1 for single-stage schedules, 2 for the multi-stage ones."""
-    single = issubclass(SCHEDULES[cfg.pipeline_parallel_schedule], PipelineScheduleSingle)
-    wanted = cfg.pipeline_parallel_stages_per_rank
-    if wanted == -1:
-        return 1 if single else 2
-    if single and wanted > 1:
-        raise UserError(
-            f"parallelism.pipeline_parallel_schedule {cfg.pipeline_parallel_schedule} runs one stage per rank, but "
-            f"pipeline_parallel_stages_per_rank is {wanted}; set it to 1 or choose Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble"
-        )
-    if cfg.pipeline_parallel_schedule == "ZBVZeroBubble" and wanted != 2:
-        raise UserError(f"parallelism.pipeline_parallel_schedule ZBVZeroBubble runs exactly 2 stages per rank, not "
-                        f"pipeline_parallel_stages_per_rank {wanted}; set it to 2 or -1")
-    return wanted
+    """-1 takes the schedule's natural count: 1 for single-stage schedules, 2 for the others
+    (config_rules refuses the counts a schedule cannot run)."""
+    if cfg.pipeline_parallel_stages_per_rank != -1:
+        return cfg.pipeline_parallel_stages_per_rank
+    return 1 if cfg.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else 2
 
 
 def layer_split(n_layers: int, num_stages: int, layers_per_stage: int) -> list[range]:
@@ -234,7 +225,7 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
         pipeline.parts.append(part)
         pipeline.stages.append(PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
     schedule_cls = SCHEDULES[par.pipeline_parallel_schedule]
-    stages = pipeline.stages[0] if issubclass(schedule_cls, PipelineScheduleSingle) else pipeline.stages
+    stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
     # Gradients are not rescaled by the schedule: the loss is already scaled per microbatch (loss_scale).
     pipeline.schedule = schedule_cls(stages, n_microbatches=n_micro, scale_grads=False,
                                      loss_fn=lambda logits, labels: pipeline._loss(logits, labels, loss_fn))
