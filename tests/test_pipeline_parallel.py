@@ -39,7 +39,8 @@ def launch(runs: list[dict], world: int, tmp_path, label: str) -> None:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else [sys.executable]
     out = subprocess.run([*launcher, *driver], cwd=ROOT, capture_output=True, text=True, timeout=400,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr[-4000:]
+    ranks = [line for line in out.stderr.splitlines() if line.startswith("[rank")]  # the ranks' tracebacks, not torchrun's
+    assert out.returncode == 0, "\n".join(ranks[-40:]) or out.stderr[-4000:]
 
 
 def run(tmp_path, name: str, flags: list[str], steps: int, resume_from: str | None = None, checkpoint: bool = False) -> dict:
@@ -61,17 +62,21 @@ def resume_runs(tmp_path, world: int) -> list[dict]:
 
 def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     """PP2 under each schedule gives the 1-process fp32 losses (within 1e-5), 1F1B learns over 20
-    steps (the issue's acceptance run), Mixtral's balance loss reaches every stage's backward, and a
-    checkpoint saved at step 5 under one layout resumes under another with the uninterrupted losses."""
-    mixtral = ["--model.name", "mixtral"]
+    steps (the issue's acceptance run) and validates (forward only) to the same loss, Mixtral's
+    balance loss reaches every stage's backward, and a checkpoint saved at step 5 under one layout
+    resumes under another with the uninterrupted losses."""
+    # Mixtral on ZBV: two stages per rank, rank 0 holding the first and the last, backward split in
+    # input and weight gradients; with 2 micro-steps of gradient accumulation.
+    mixtral = ["--model.name", "mixtral", "--training.global_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+    validated = ["--validation.enable", "--validation.freq", "10", "--validation.steps", "2"]
     world2 = [
-        run(tmp_path, "pp2", LAYOUTS["pp2"][1], 20, checkpoint=True),
+        run(tmp_path, "pp2", [*LAYOUTS["pp2"][1], *validated], 20, checkpoint=True),
         run(tmp_path, "tp2", LAYOUTS["tp2"][1], RESUME_STEPS, checkpoint=True),
         *[run(tmp_path, f"pp2_{s}", [*PP2, "--parallelism.pipeline_parallel_schedule", s], 5) for s in SCHEDULES if s != "1F1B"],
-        run(tmp_path, "mixtral_pp2", [*mixtral, *PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 5),
+        run(tmp_path, "mixtral_pp2", [*mixtral, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 5),
     ]
     launch(world2 + resume_runs(tmp_path, 2), 2, tmp_path, "world2")
-    world1 = [run(tmp_path, "one", [], 20), run(tmp_path, "mixtral_one", mixtral, 5), *resume_runs(tmp_path, 1)]
+    world1 = [run(tmp_path, "one", validated, 20), run(tmp_path, "mixtral_one", mixtral, 5), *resume_runs(tmp_path, 1)]
     launch(world1, 1, tmp_path, "world1")
 
     one = losses(tmp_path, "one")
@@ -81,6 +86,10 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
             assert got[step] == pytest.approx(one[step], abs=1e-5), (name, step)
     pp2 = losses(tmp_path, "pp2")
     assert pp2[20] < pp2[1] - 1.0, pp2
+    validation = tensorboard_scalars(tmp_path / "one" / "tb", "loss/validation")
+    assert sorted(validation) == [10, 20]
+    for step, value in tensorboard_scalars(tmp_path / "pp2" / "tb", "loss/validation").items():
+        assert value == pytest.approx(validation[step], abs=1e-5), step
     mixtral_one, mixtral_pp2 = losses(tmp_path, "mixtral_one"), losses(tmp_path, "mixtral_pp2")
     for step in range(1, 6):
         assert mixtral_pp2[step] == pytest.approx(mixtral_one[step], abs=1e-5), step

@@ -127,7 +127,10 @@ class AuxLossGrad(torch.autograd.Function):
     def forward(ctx, output, aux_loss, weight):
         ctx.weight = weight
         ctx.aux_shape = aux_loss.shape
-        return output.view_as(output)
+        # Returned as itself, with this node spliced into its history: no copy of the (possibly
+        # vocabulary-wide) output, and not a view, which the zero-bubble schedules' backward detaches in place.
+        ctx.mark_dirty(output)
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -206,6 +209,11 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
     Returns the rank's model (the one part, or a RankModel of several) and its Pipeline.
     """
     par = cfg.parallelism
+    if cfg.checkpoint.last_save_in_hf:
+        raise UserError(
+            "checkpoint.last_save_in_hf gathers the whole model on every rank, but a pipeline stage holds only its own "
+            "layers; set it to false and convert the last checkpoint with python -m titanlite.convert dcp-to-hf"
+        )
     splits = check_pipeline(par, dims.pp, model.args.n_layers, cfg.training.local_batch_size,
                             getattr(model.args, "tie_embeddings", False))
     pp_mesh = dims.mesh["pp"]
