@@ -64,7 +64,8 @@ def layer_split(n_layers: int, num_stages: int, layers_per_stage: int) -> list[r
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def microbatches(local_batch_size: int, microbatch_size: int, num_stages: int, schedule: str) -> int:
+def microbatches(local_batch_size: int, microbatch_size: int, num_stages: int, schedule: str, pp: int) -> int:
+    """Microbatches per micro-step, refused where the schedule cannot run them."""
     if local_batch_size % microbatch_size:
         raise UserError(
             f"parallelism.pipeline_parallel_microbatch_size {microbatch_size} does not divide training.local_batch_size "
@@ -76,6 +77,13 @@ def microbatches(local_batch_size: int, microbatch_size: int, num_stages: int, s
             f"parallelism.pipeline_parallel_schedule 1F1B needs at least as many microbatches as stages ({num_stages}), but "
             f"training.local_batch_size {local_batch_size} / pipeline_parallel_microbatch_size {microbatch_size} = {count}; "
             "lower the microbatch size or raise the local batch"
+        )
+    rounds = max(1, count // pp)  # torch's interleaved schedules run the microbatches in equal rounds
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and count % rounds:
+        raise UserError(
+            f"parallelism.pipeline_parallel_schedule {schedule} runs its {count} microbatches (training.local_batch_size "
+            f"{local_batch_size} / pipeline_parallel_microbatch_size {microbatch_size}) in {rounds} equal rounds, which "
+            f"they do not fill; choose a local batch giving at most {pp} microbatches or a multiple of {pp}"
         )
     return count
 
@@ -199,7 +207,7 @@ def check_pipeline(cfg: Parallelism, pp: int, n_layers: int, local_batch_size: i
             "projection (last stage), but this model ties them (tie_embeddings); use tensor or data parallelism for it"
         )
     num_stages = pp * stages_per_rank(cfg)
-    microbatches(local_batch_size, cfg.pipeline_parallel_microbatch_size, num_stages, cfg.pipeline_parallel_schedule)
+    microbatches(local_batch_size, cfg.pipeline_parallel_microbatch_size, num_stages, cfg.pipeline_parallel_schedule, pp)
     return layer_split(n_layers, num_stages, cfg.pipeline_parallel_layers_per_stage)
 
 
@@ -220,7 +228,7 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
     pp_rank, num_stages = pp_mesh.get_local_rank(), len(splits)
     ids = stage_ids(pp_rank, dims.pp, num_stages // dims.pp, par.pipeline_parallel_schedule)
     n_micro = microbatches(cfg.training.local_batch_size, par.pipeline_parallel_microbatch_size, num_stages,
-                           par.pipeline_parallel_schedule)
+                           par.pipeline_parallel_schedule, dims.pp)
     pipeline = Pipeline([], None, pp_mesh.get_group(), n_micro,
                         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel)
     for stage_id in ids:
