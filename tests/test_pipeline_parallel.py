@@ -106,7 +106,8 @@ def test_pp2_x_fsdp2_pp2_x_tp2_and_fsdp2_x_tp2_on_four_ranks_equal_one_process(t
     synthetic = ["--training.dataset", "synthetic"]
     half = ["--training.local_batch_size", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
     world4 = [
-        run(tmp_path, "pp2_fsdp2", [*synthetic, *half, *PP2], 3),
+        # Two stages per rank, each its own FSDP root, on top of the data-parallel sharding.
+        run(tmp_path, "pp2_fsdp2", [*synthetic, *half, *PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 3),
         run(tmp_path, "pp2_tp2", [*synthetic, *PP2, "--parallelism.tensor_parallel_degree", "2"], 3),
         run(tmp_path, "fsdp2_tp2", [*synthetic, *half, "--parallelism.tensor_parallel_degree", "2"], 3),
     ]

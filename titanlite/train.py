@@ -129,7 +129,8 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
         if pipeline is not None:
-            with mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type):
+            with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
+                  activation_offload_context(cfg.activation_checkpoint.offload_activations)):
                 total_loss += pipeline.train_microstep(inputs, labels, accum_steps, cfg.model.moe_aux_loss_coeff, {})
             continue
         with loss_parallel_context(dims.tp_enabled and not cfg.parallelism.disable_loss_parallel):

@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import (
 from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
+from titanlite.log import logger
 from titanlite.parallel.tp import local_loss, loss_parallel_context
 
 SCHEDULES = {
@@ -172,7 +173,7 @@ class Pipeline:
         with loss_parallel_context(self.loss_parallel):
             run(*([inputs] if self.has_first else []), target=labels if self.has_last else None, losses=losses,
                 **model_kwargs)
-        total = torch.stack(losses).sum() if self.has_last else torch.zeros((), device=labels.device)
+        total = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=labels.device)
         dist.all_reduce(total, group=self.group)  # only the last stage's rank adds a non-zero
         return total
 
@@ -180,7 +181,7 @@ class Pipeline:
         """Forward and backward of one micro-step's batch; its loss as a run without PP computes it."""
         self.loss_scale = 1.0 / (self.n_microbatches * accum_steps)
         self.aux_weight = aux_loss_coeff * self.loss_scale
-        return self._run(self.schedule.step, inputs, labels, model_kwargs).detach()
+        return self._run(self.schedule.step, inputs, labels, model_kwargs)
 
     def eval_loss_sum(self, inputs, labels, model_kwargs: dict) -> torch.Tensor:
         """Forward only: the sum of the token losses of the batch."""
@@ -229,6 +230,9 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
     ids = stage_ids(pp_rank, dims.pp, num_stages // dims.pp, par.pipeline_parallel_schedule)
     n_micro = microbatches(cfg.training.local_batch_size, par.pipeline_parallel_microbatch_size, num_stages,
                            par.pipeline_parallel_schedule, dims.pp)
+    blocks = " | ".join(f"{split.start}-{split.stop - 1}" for split in splits)
+    logger.info(f"pipeline: {par.pipeline_parallel_schedule}, {num_stages} stages ({num_stages // dims.pp} per rank) holding "
+                f"blocks {blocks}; {n_micro} microbatches of {par.pipeline_parallel_microbatch_size} per micro-step")
     pipeline = Pipeline([], None, pp_mesh.get_group(), n_micro,
                         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel)
     for stage_id in ids:
