@@ -31,8 +31,8 @@ from titanlite.parallel import mixed_precision_context
 from titanlite.parallel.compile import maybe_compile_loss
 from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.fsdp import DTYPES
-from titanlite.parallel.pp import build_pipeline
 from titanlite.parallel.offload import activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
+from titanlite.parallel.pp import build_pipeline
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.tp import local_loss, loss_parallel_context
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed

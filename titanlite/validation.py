@@ -47,6 +47,7 @@ class Validator:
         self.param_dtype = training.mixed_precision_param
         self.metrics = metrics
         batch_size, seq_len = batch_shape(cfg, training)
+        self.batch_size = batch_size
         if pipeline is not None and (batch_size, seq_len) != (training.local_batch_size, training.seq_len):
             raise UserError(
                 f"under pipeline parallelism validation runs the training schedule, so its batch of {batch_size} x {seq_len} "
@@ -99,6 +100,10 @@ class Validator:
         try:
             while self.cfg.steps == -1 or count < self.cfg.steps:
                 batch = next(batches, None)
+                if self.pipeline is not None and batch is not None and len(batch[0]) < self.batch_size:
+                    # The schedule splits every batch into the same microbatches: a short last one ends the pass.
+                    logger.info(f"validation leaves out a last batch of {len(batch[0])} sequences (pipeline batches are {self.batch_size})")
+                    batch = None
                 if not self._all_ranks_have(batch):
                     break
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in batch)

@@ -168,7 +168,11 @@ class Pipeline:
         return any(stage.is_last for stage in self.stages)
 
     def _run(self, run, inputs, labels, model_kwargs) -> torch.Tensor:
-        """The summed microbatch losses, known on every rank of the pipeline (the last stage computes them)."""
+        """The summed microbatch losses, known on every rank of the pipeline (the last stage computes them).
+
+        model_kwargs are the model's keyword inputs (e.g. document_ids, [batch, seq]): every rank passes
+        them, the schedule splits them into the microbatches and hands each stage's forward its chunk.
+        """
         losses = []
         with loss_parallel_context(self.loss_parallel):
             run(*([inputs] if self.has_first else []), target=labels if self.has_last else None, losses=losses,
