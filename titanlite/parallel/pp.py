@@ -216,6 +216,17 @@ def check_pipeline(cfg: Parallelism, pp: int, n_layers: int, local_batch_size: i
     return layer_split(n_layers, num_stages, cfg.pipeline_parallel_layers_per_stage)
 
 
+def stage_parts(model: nn.Module, dims, cfg, parallelize) -> tuple[list[range], dict[int, nn.Module]]:
+    """The pipeline's blocks per stage, and this rank's stages (stage index -> part), parallelized and
+    still on the meta device: what the rank will hold (the planner counts these)."""
+    par = cfg.parallelism
+    splits = check_pipeline(par, dims.pp, model.args.n_layers, cfg.training.local_batch_size,
+                            getattr(model.args, "tie_embeddings", False))
+    ids = stage_ids(dims.mesh["pp"].get_local_rank(), dims.pp, len(splits) // dims.pp, par.pipeline_parallel_schedule)
+    last = len(splits) - 1
+    return splits, {s: parallelize(keep_stage(model, splits[s], first=s == 0, last=s == last), dims, cfg) for s in ids}
+
+
 def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.device, loss_fn) -> tuple[nn.Module, Pipeline]:
     """Meta model -> this rank's stage parts, each parallelized, allocated and initialised -> schedule.
 
@@ -227,21 +238,16 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
             "checkpoint.last_save_in_hf gathers the whole model on every rank, but a pipeline stage holds only its own "
             "layers; set it to false and convert the last checkpoint with python -m titanlite.convert dcp-to-hf"
         )
-    splits = check_pipeline(par, dims.pp, model.args.n_layers, cfg.training.local_batch_size,
-                            getattr(model.args, "tie_embeddings", False))
-    pp_mesh = dims.mesh["pp"]
-    pp_rank, num_stages = pp_mesh.get_local_rank(), len(splits)
-    ids = stage_ids(pp_rank, dims.pp, num_stages // dims.pp, par.pipeline_parallel_schedule)
+    splits, parts = stage_parts(model, dims, cfg, parallelize)
+    num_stages = len(splits)
     n_micro = microbatches(cfg.training.local_batch_size, par.pipeline_parallel_microbatch_size, num_stages,
                            par.pipeline_parallel_schedule, dims.pp)
-    blocks = " | ".join(f"{split.start}-{split.stop - 1}" for split in splits)
+    blocks = " | ".join(f"{split[0]}-{split[-1]}" if len(split) > 1 else f"{split[0]}" for split in splits)
     logger.info(f"pipeline: {par.pipeline_parallel_schedule}, {num_stages} stages ({num_stages // dims.pp} per rank) holding "
                 f"blocks {blocks}; {n_micro} microbatches of {par.pipeline_parallel_microbatch_size} per micro-step")
-    pipeline = Pipeline([], None, pp_mesh.get_group(), n_micro,
+    pipeline = Pipeline([], None, dims.mesh["pp"].get_group(), n_micro,
                         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel)
-    for stage_id in ids:
-        part = keep_stage(model, splits[stage_id], first=stage_id == 0, last=stage_id == num_stages - 1)
-        part = parallelize(part, dims, cfg)
+    for stage_id, part in parts.items():
         part.to_empty(device=device)
         part.init_weights(seed=cfg.job.seed)
         part.train()
