@@ -46,10 +46,12 @@ ROWS = {
     "fsdp2": ("FSDP over 2 ranks (torchrun), per-rank numbers", [], 2),
     "tp2": ("tensor + sequence parallel over 2 ranks (torchrun), per-rank numbers",
             ["--parallelism.tensor_parallel_degree", "2"], 2),
+    "pp2": ("pipeline parallel over 2 ranks, 1F1B, microbatch 1 (torchrun), per-rank numbers",
+            ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"], 2),
     "ckpt_sync": ("synchronous checkpoint saves", ["--checkpoint.enable", "--checkpoint.async_mode", "disabled"], 1),
     "ckpt_async": ("async checkpoint saves", ["--checkpoint.enable", "--checkpoint.async_mode", "async"], 1),
 }
-DEFAULT_ROWS = "bare,titanlite,ac_full,ac_op,ac_every2,compile,bf16_kahan,fsdp2,tp2,ckpt_sync,ckpt_async"
+DEFAULT_ROWS = "bare,titanlite,ac_full,ac_op,ac_every2,compile,bf16_kahan,fsdp2,tp2,pp2,ckpt_sync,ckpt_async"
 SHORT_ROWS = "bare,titanlite,fsdp2,ckpt_sync,ckpt_async"
 
 SUMMARY = re.compile(
@@ -231,12 +233,13 @@ def table(results: dict[str, dict]) -> str:
 
 
 def sharded_memory_line(results: dict[str, dict], name: str) -> str:
-    """The 2-rank row's state per rank against the unsharded run's: about half for FSDP2 and TP2."""
+    """The 2-rank row's state per rank against the unsharded run's: about half for FSDP2, TP2 and PP2
+    (PP: rank 0's stage, the embedding and the first half of the blocks)."""
     whole, sharded = results["titanlite"], results[name]
     share = sharded["state"] / whole["state"]
     verdict = "within" if share <= 1.05 / 2 else "ABOVE"
     return (
-        f"{ {'fsdp2': 'FSDP', 'tp2': 'TP'}[name]} memory: params + grads + optimizer state per rank {sharded['state']:.3f} MiB over 2 ranks vs "
+        f"{ {'fsdp2': 'FSDP', 'tp2': 'TP', 'pp2': 'PP'}[name]} memory: params + grads + optimizer state per rank {sharded['state']:.3f} MiB over 2 ranks vs "
         f"{whole['state']:.3f} MiB unsharded = {share:.4f} of it ({verdict} the 1.05/N = {1.05 / 2:.3f} bound)"
     )
 
@@ -266,8 +269,8 @@ def benchmark(args) -> None:
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         sys.exit(f"benchmark: unknown rows {', '.join(unknown)}; choose from {', '.join(ROWS)}")
-    if {"fsdp2", "tp2"} & set(names) and "titanlite" not in names:
-        names.insert(0, "titanlite")  # the unsharded numbers the FSDP and TP rows are compared with
+    if {"fsdp2", "tp2", "pp2"} & set(names) and "titanlite" not in names:
+        names.insert(0, "titanlite")  # the unsharded numbers the FSDP, TP and PP rows are compared with
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now()
@@ -293,7 +296,7 @@ def benchmark(args) -> None:
         ratio = merged["titanlite"]["tps"] / merged["bare"]["tps"]
         print(f"overhead: titanlite runs at {ratio:.3f} x the bare loop's tokens/s ({100 * (1 - ratio):+.1f}% overhead; "
               f"medians of {args.repeats} alternating runs each)")
-    for name in ("fsdp2", "tp2"):
+    for name in ("fsdp2", "tp2", "pp2"):
         if name in merged:
             print(sharded_memory_line(merged, name))
     if "ckpt_sync" in merged and "ckpt_async" in merged:

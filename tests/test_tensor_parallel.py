@@ -121,18 +121,4 @@ def test_checkpoint_saved_under_tp2_resumes_on_one_process(tmp_path):
         assert after[step] == pytest.approx(uninterrupted[step], abs=1e-4)
 
 
-def test_fsdp2_x_tp2_on_four_ranks_equals_one_process(tmp_path):
-    """2D: FSDP over 2 data-parallel ranks x TP2, local batch 2 each, against one process with the
-    same global batch of 4 (synthetic data splits the same windows either way)."""
-    flags = ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "synthetic",
-             "--training.seq_len", "64", "--training.steps", "3", "--metrics.log_freq", "1"]
-    one = run_titanlite([*flags, "--job.dump_folder", str(tmp_path / "one"), "--training.local_batch_size", "4"])
-    assert one.returncode == 0, one.stderr
-    two_d = run_titanlite([*flags, "--job.dump_folder", str(tmp_path / "2d"), "--training.local_batch_size", "2",
-                           "--parallelism.tensor_parallel_degree", "2"], nproc=4)
-    assert two_d.returncode == 0, two_d.stderr
-    assert "mesh dp_replicate 1 x dp_shard 2 x tp 2, pp 1" in two_d.stderr
-    expected, got = logged_losses(one.stderr), logged_losses(two_d.stderr)
-    assert sorted(got) == [1, 2, 3]
-    for step in got:
-        assert got[step] == pytest.approx(expected[step], abs=1e-4)
+# FSDP2 x TP2 on four ranks shares the 4-process launch of tests/test_pipeline_parallel.py.

@@ -26,6 +26,25 @@ def check_activation_checkpoint(cfg: JobConfig) -> None:
         )
 
 
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # one stage per rank; the other schedules hold several
+
+
+def check_parallelism(cfg: JobConfig) -> None:
+    par = cfg.parallelism
+    schedule, per_rank = par.pipeline_parallel_schedule, par.pipeline_parallel_stages_per_rank
+    if schedule in SINGLE_STAGE_SCHEDULES and per_rank > 1:
+        raise UserError(
+            f"parallelism.pipeline_parallel_schedule {schedule} runs one stage per rank, but pipeline_parallel_stages_per_rank "
+            f"is {per_rank}; set it to 1 or choose Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble"
+        )
+    if schedule == "ZBVZeroBubble" and per_rank not in (-1, 2):
+        raise UserError(
+            f"parallelism.pipeline_parallel_schedule ZBVZeroBubble runs exactly 2 stages per rank, not "
+            f"pipeline_parallel_stages_per_rank {per_rank}; set it to 2 or -1"
+        )
+
+
 def check_rules(cfg: JobConfig) -> None:
     check_training(cfg)
     check_activation_checkpoint(cfg)
+    check_parallelism(cfg)

@@ -100,7 +100,11 @@ class Parallelism:
     tensor_parallel_degree: int = opt(1, "tensor + sequence parallel degree: ranks (innermost, i.e. within a node) that split every matmul; must divide heads, kv heads, FFN hidden size, vocab and experts", at_least=1)
     disable_loss_parallel: bool = opt(False, "under tensor parallelism, gather the full-vocabulary logits before the loss instead of computing it on vocab shards (debugging)")
     enable_async_tensor_parallel: bool = opt(False, "torch's async TP: all-gather/reduce-scatter micro-pipelined with the matmuls (needs CUDA and compile)")
-    pipeline_parallel_degree: int = opt(1, "pipeline parallel degree", unsupported=True, at_least=1)
+    pipeline_parallel_degree: int = opt(1, "pipeline parallel degree: ranks (outermost, i.e. across nodes) that each hold a share of model.layers and pass activations on", at_least=1)
+    pipeline_parallel_schedule: str = opt("1F1B", "the order microbatches move through the stages (torch.distributed.pipelining): GPipe and 1F1B run one stage per rank, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble several", choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"))
+    pipeline_parallel_microbatch_size: int = opt(1, "sequences per pipeline microbatch; must divide training.local_batch_size", at_least=1)
+    pipeline_parallel_stages_per_rank: int = opt(-1, "stages each pipeline rank holds (interleaved schedules: 2 or more, ZBVZeroBubble: 2); -1 = 1 for GPipe/1F1B, 2 for the others", at_least=1, sentinels=(-1,))
+    pipeline_parallel_layers_per_stage: int = opt(-1, "blocks of model.layers per stage; -1 = the layers spread evenly (earlier stages take one more)", at_least=1, sentinels=(-1,))
     context_parallel_degree: int = opt(1, "context parallel degree", unsupported=True, at_least=1)
 
 

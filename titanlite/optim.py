@@ -4,6 +4,7 @@ import functools
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -60,17 +61,22 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, steps
     return LambdaLR(optimizer, lambda i: factor(i + 1))
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip to the true global norm; returns that norm (before clipping) as a plain tensor.
 
     With FSDP the gradients are DTensor shards: their norm is a DTensor whose full_tensor()
-    reduces over the shards, so every rank clips by the same, global, factor.
+    reduces over the shards, so every rank clips by the same, global, factor. Pipeline stages hold
+    disjoint parameters: their squared norms add up over the pipeline group.
     """
     parameters = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in parameters]
     total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     if hasattr(total_norm, "full_tensor"):
         total_norm = total_norm.full_tensor()
+    if pp_group is not None:
+        squared = total_norm**2
+        dist.all_reduce(squared, group=pp_group)
+        total_norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
     return total_norm

@@ -32,6 +32,7 @@ from titanlite.parallel.compile import maybe_compile_loss
 from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.fsdp import DTYPES
 from titanlite.parallel.offload import activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
+from titanlite.parallel.pp import build_pipeline
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.tp import local_loss, loss_parallel_context
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
@@ -88,18 +89,22 @@ def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
     return args
 
 
-def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.device):
-    """Meta-device model -> parallelize -> allocate only this rank's shards -> initialise them."""
+def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.device, loss_fn=None):
+    """Meta-device model -> (this rank's pipeline stages) -> parallelize -> allocate only this rank's
+    shards -> initialise them. Returns the model, its size and FLOPs, and the Pipeline (None without PP)."""
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to(dtype=DTYPES[cfg.training.param_dtype])  # init_weights keeps the RoPE tables in fp32
     num_params = model.num_params()
     flops_per_token = spec.flops_per_token(model, cfg.training.seq_len)
+    if dims.pp_enabled:
+        model, pipeline = build_pipeline(model, dims, cfg, spec.parallelize, device, loss_fn or cross_entropy_loss)
+        return model, num_params, flops_per_token, pipeline
     model = spec.parallelize(model, dims, cfg)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.job.seed)
     model.train()
-    return model, num_params, flops_per_token
+    return model, num_params, flops_per_token, None
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -107,11 +112,13 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobConfig, dims, device, metrics, loss_fn):
+def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobConfig, dims, device, metrics, loss_fn,
+               pipeline=None):
     """One optimizer step over accum_steps micro-batches; returns (loss, grad_norm, lr used).
 
     Each micro-batch holds the same number of tokens (packed windows), so dividing every
     micro-batch mean by accum_steps makes the summed gradient that of the whole batch.
+    Under pipeline parallelism the pipeline's schedule runs each micro-batch's forward and backward.
     """
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
@@ -120,6 +127,12 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         inputs, labels = next(batches)
         metrics.data_seconds += time.perf_counter() - waited
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
+        if pipeline is not None:
+            with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
+                  activation_offload_context(cfg.activation_checkpoint.offload_activations)):
+                total_loss += pipeline.train_microstep(inputs, labels, accum_steps, cfg.model.moe_aux_loss_coeff, {})
+            continue
         with loss_parallel_context(dims.tp_enabled and not cfg.parallelism.disable_loss_parallel):
             with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
                   activation_offload_context(cfg.activation_checkpoint.offload_activations)):
@@ -128,8 +141,7 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
             (loss if aux_loss is None else loss + cfg.model.moe_aux_loss_coeff * aux_loss / accum_steps).backward()
         total_loss += loss.detach()
-        metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
-    grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+    grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm, pipeline.group if pipeline else None)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
@@ -193,10 +205,10 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     args = resolve_model_args(cfg, spec, tokenizer.vocab_size)
     if cfg.validation.enable:
         check_validation(cfg.validation, cfg.training, args.max_seq_len)
-    model, num_params, flops_per_token = build_model(cfg, spec, args, dims, info.device)
+    loss_fn = maybe_compile_loss(cross_entropy_loss, cfg.compile)
+    model, num_params, flops_per_token, pipeline = build_model(cfg, spec, args, dims, info.device, loss_fn)
     optimizer = build_optimizer(model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
     register_float8_scale_precompute(optimizer, model, cfg.float8)
-    loss_fn = maybe_compile_loss(cross_entropy_loss, cfg.compile)
     note_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
@@ -224,7 +236,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     validator = None
     if cfg.validation.enable:  # its own loader: validating never moves the training data position
         validator = Validator(cfg.validation, training, tokenizer=tokenizer, dims=dims, device=info.device,
-                              seed=cfg.job.seed, metrics=metrics)
+                              seed=cfg.job.seed, metrics=metrics, pipeline=pipeline)
 
     checkpointer = CheckpointManager(
         cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -256,7 +268,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                     gc.collect(1)
                 with summary.measure(metrics):
                     loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device,
-                                                     metrics, loss_fn)
+                                                     metrics, loss_fn, pipeline)
                 state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
                 last, logged = step == training.steps, metrics.should_log(step)
                 validating = validator is not None and validator.should_validate(step)

@@ -38,13 +38,22 @@ def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> N
 
 
 class Validator:
-    def __init__(self, cfg: Validation, training: Training, *, tokenizer, dims, device: torch.device, seed: int, metrics):
+    def __init__(self, cfg: Validation, training: Training, *, tokenizer, dims, device: torch.device, seed: int, metrics,
+                 pipeline=None):
         self.cfg = cfg
+        self.pipeline = pipeline
         self.dims = dims
         self.device = device
         self.param_dtype = training.mixed_precision_param
         self.metrics = metrics
         batch_size, seq_len = batch_shape(cfg, training)
+        self.batch_size = batch_size
+        if pipeline is not None and (batch_size, seq_len) != (training.local_batch_size, training.seq_len):
+            raise UserError(
+                f"under pipeline parallelism validation runs the training schedule, so its batch of {batch_size} x {seq_len} "
+                f"tokens must be training's {training.local_batch_size} x {training.seq_len}; set validation.local_batch_size "
+                "and validation.seq_len to -1"
+            )
         # Read in this process (no workers): a pass is short and a worker would be forked for each one.
         self.loader = build_dataloader(
             dataset=cfg.dataset, dataset_path=cfg.dataset_path, text_field=training.dataset_text_field,
@@ -70,6 +79,14 @@ class Validator:
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
         return bool(have.item())
 
+    def _loss_sum(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The sum of the batch's token losses (a pipeline runs its schedule forward only)."""
+        with mixed_precision_context(self.dims, self.param_dtype, self.device.type):
+            if self.pipeline is not None:
+                return self.pipeline.eval_loss_sum(inputs, labels, {})
+            logits = model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
     @torch.no_grad()
     def validate(self, model, step: int) -> tuple[float, float]:
         """Mean loss per token over all ranks and its perplexity; logs them and writes TensorBoard."""
@@ -83,12 +100,14 @@ class Validator:
         try:
             while self.cfg.steps == -1 or count < self.cfg.steps:
                 batch = next(batches, None)
+                if self.pipeline is not None and batch is not None and len(batch[0]) < self.batch_size:
+                    # The schedule splits every batch into the same microbatches: a short last one ends the pass.
+                    logger.info(f"validation leaves out a last batch of {len(batch[0])} sequences (pipeline batches are {self.batch_size})")
+                    batch = None
                 if not self._all_ranks_have(batch):
                     break
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in batch)
-                with mixed_precision_context(self.dims, self.param_dtype, self.device.type):
-                    logits = model(inputs)
-                loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                loss_sum += self._loss_sum(model, inputs, labels)
                 tokens += labels.numel()
                 count += 1
         finally:

@@ -355,7 +355,10 @@ class CheckpointManager:
         if "train_state.model" in keys:
             saved_from = load_in_place(path, {"train_state": {"model": ""}})["train_state"]["model"]
         model_state = self._model_state()
-        check_model_fits(metadata, {fqn: tuple(t.shape) for fqn, t in model_state.items()}, path, self.model_name, saved_from)
+        # Pipeline stages each hold a share of the model: the checkpoint must fit the union of the ranks' shares.
+        shares = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, {fqn: tuple(t.shape) for fqn, t in model_state.items()})
+        check_model_fits(metadata, {fqn: shape for share in shares for fqn, shape in share.items()}, path, self.model_name, saved_from)
         if saved_from and saved_from != self.model_name:  # the same shapes, another model
             if resume:
                 raise UserError(

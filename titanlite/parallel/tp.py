@@ -119,8 +119,10 @@ class RowsByGroups(ParallelStyle):
 
 
 def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict, block_plan: dict) -> None:
-    """Apply the model-level plan, then the same block plan to every block in model.layers."""
-    parallelize_module(model, tp_mesh, top_plan)
+    """Apply the model-level plan, then the same block plan to every block in model.layers; a
+    pipeline stage's absent modules (None) are left out of the plan."""
+    present = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, present)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
     if getattr(model.args, "tie_embeddings", False):

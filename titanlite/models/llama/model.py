@@ -81,7 +81,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        """rope_cos/rope_sin: the tables of at least seq_len positions (a pipeline stage after the first
+        sees only sequence shards between its blocks, so the whole sequence is known only here)."""
         batch, seq_len, _ = x.shape
+        rope_cos, rope_sin = rope_cos[:seq_len], rope_sin[:seq_len]
         # Head counts come from the weights (-1), so a tensor-parallel shard with fewer local heads works as is.
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
@@ -204,11 +207,17 @@ class Transformer(KeepsTiedEmbeddings):
         return rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype."""
-        seq_len = check_seq_len(tokens, self.args.max_seq_len)
-        rope_cos, rope_sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-        h = self.run_blocks(self.tok_embeddings(tokens), rope_cos, rope_sin)
-        return self.output(self.norm(h))
+        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype.
+
+        A pipeline stage lacks the modules of the other stages (None): a stage after the first takes
+        the previous stage's hidden states as `tokens`, one before the last returns its hidden states.
+        """
+        h = tokens
+        if self.tok_embeddings is not None:
+            check_seq_len(tokens, self.args.max_seq_len)
+            h = self.tok_embeddings(tokens)
+        h = self.run_blocks(h, self.rope_cos, self.rope_sin)
+        return h if self.output is None else self.output(self.norm(h))
 
     def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
         """The blocks in order; families whose blocks return more than h (Mixtral) override it."""
@@ -222,18 +231,21 @@ class Transformer(KeepsTiedEmbeddings):
         self.rope_cos, self.rope_sin = self._rope_tables(device=self.rope_cos.device)
         # Output std dim**-0.5 gives unit-scale logits at the start.
         out_std = self.args.dim**-0.5
-        if self.args.tie_embeddings:
+        if self.args.tie_embeddings:  # never split by a pipeline (refused)
             # One matrix, two jobs: init it for its output role (the first RMSNorm rescales its
             # embedding role anyway).
             trunc_normal_(self.tok_embeddings.weight, out_std, key="tok_embeddings.weight", seed=seed)
-        else:
+        else:  # a pipeline stage holds either, both or neither (None)
             # Std 1.0 as in torchtitan: each block's input is RMS-normalised, so the scale only makes
             # the embedding dominate the residual stream early on, which keeps the start stable.
-            trunc_normal_(self.tok_embeddings.weight, 1.0, key="tok_embeddings.weight", seed=seed)
-            trunc_normal_(self.output.weight, out_std, key="output.weight", seed=seed)
+            if self.tok_embeddings is not None:
+                trunc_normal_(self.tok_embeddings.weight, 1.0, key="tok_embeddings.weight", seed=seed)
+            if self.output is not None:
+                trunc_normal_(self.output.weight, out_std, key="output.weight", seed=seed)
         for layer_id, block in self.layers.items():
             block.init_weights(f"layers.{layer_id}.", seed)
-        nn.init.ones_(self.norm.weight)
+        if self.norm is not None:
+            nn.init.ones_(self.norm.weight)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Unique parameters (a tied matrix counts once); works on meta and sharded models.

@@ -1,0 +1,263 @@
+"""Pipeline parallelism on torch.distributed.pipelining: split the meta model into stages, run a schedule.
+
+A stage is the whole model's module with only some blocks of `model.layers` kept (the token
+embedding on the first stage, the final norm and output on the last; the others set to None, which
+the model's forward skips), so parameter names stay the whole model's and DCP checkpoints move
+between layouts. Each rank holds `stages_per_rank` stages: stage s of a looped schedule lives on
+pp rank s % pp, ZBV's two stages on rank r are r and 2 * pp - 1 - r (a V).
+"""
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
+from titanlite.config_sections import Parallelism
+from titanlite.errors import UserError
+from titanlite.log import logger
+from titanlite.parallel.tp import local_loss, loss_parallel_context
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+}
+
+
+def stages_per_rank(cfg: Parallelism) -> int:
+    """-1 takes the schedule's natural count: 1 for single-stage schedules, 2 for the others
+    (config_rules refuses the counts a schedule cannot run)."""
+    if cfg.pipeline_parallel_stages_per_rank != -1:
+        return cfg.pipeline_parallel_stages_per_rank
+    return 1 if cfg.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else 2
+
+
+def layer_split(n_layers: int, num_stages: int, layers_per_stage: int) -> list[range]:
+    """The blocks of each stage; layers_per_stage -1 spreads them evenly, earlier stages taking one more."""
+    if num_stages > n_layers:
+        raise UserError(
+            f"the pipeline has {num_stages} stages (pipeline_parallel_degree x stages per rank) but the model has only "
+            f"{n_layers} layers; lower parallelism.pipeline_parallel_degree or pipeline_parallel_stages_per_rank"
+        )
+    if layers_per_stage == -1:
+        sizes = [n_layers // num_stages + (s < n_layers % num_stages) for s in range(num_stages)]
+    elif layers_per_stage * num_stages != n_layers:
+        raise UserError(
+            f"parallelism.pipeline_parallel_layers_per_stage {layers_per_stage} x {num_stages} stages is not the model's "
+            f"{n_layers} layers; set it to -1 (an even split) or to a value whose product with the stages is {n_layers}"
+        )
+    else:
+        sizes = [layers_per_stage] * num_stages
+    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def microbatches(local_batch_size: int, microbatch_size: int, num_stages: int, schedule: str, pp: int) -> int:
+    """Microbatches per micro-step, refused where the schedule cannot run them."""
+    if local_batch_size % microbatch_size:
+        raise UserError(
+            f"parallelism.pipeline_parallel_microbatch_size {microbatch_size} does not divide training.local_batch_size "
+            f"{local_batch_size}; choose a microbatch size that divides it"
+        )
+    count = local_batch_size // microbatch_size
+    if schedule == "1F1B" and count < num_stages:
+        raise UserError(
+            f"parallelism.pipeline_parallel_schedule 1F1B needs at least as many microbatches as stages ({num_stages}), but "
+            f"training.local_batch_size {local_batch_size} / pipeline_parallel_microbatch_size {microbatch_size} = {count}; "
+            "lower the microbatch size or raise the local batch"
+        )
+    rounds = max(1, count // pp)  # torch's interleaved schedules run the microbatches in equal rounds
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and count % rounds:
+        raise UserError(
+            f"parallelism.pipeline_parallel_schedule {schedule} runs its {count} microbatches (training.local_batch_size "
+            f"{local_batch_size} / pipeline_parallel_microbatch_size {microbatch_size}) in {rounds} equal rounds, which "
+            f"they do not fill; choose a local batch giving at most {pp} microbatches or a multiple of {pp}"
+        )
+    return count
+
+
+def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
+    if schedule == "ZBVZeroBubble":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(per_rank)]
+
+
+def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """A copy of the meta model holding only this stage's blocks and ends (absent ones are None)."""
+    stage = copy.deepcopy(model)
+    stage.layers = nn.ModuleDict({str(i): stage.layers[str(i)] for i in layers})
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm, stage.output = None, None
+    return stage
+
+
+class RankModel(nn.Module):
+    """A rank's stages as one module with the whole model's names (optimizer, clipping, checkpoints);
+    its forward is never called, the stages are."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = parts  # a plain list: registering them would prefix every name
+        self.layers = nn.ModuleDict()
+        for part in parts:
+            for name, child in part.named_children():
+                if name == "layers":
+                    self.layers.update(child)
+                elif child is not None:
+                    self.add_module(name, child)
+
+    def train(self, mode: bool = True) -> "RankModel":
+        super().train(mode)
+        for part in self.parts:
+            part.train(mode)  # the parts' own flags (e.g. Mixtral's statistics) follow
+        return self
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Identity on a stage's output whose backward also sends `weight` into the stage's aux loss, so
+    every stage's MoE balance loss reaches the backward the schedule runs from the output's gradient."""
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, weight):
+        ctx.weight = weight
+        ctx.aux_shape = aux_loss.shape
+        # Returned as itself, with this node spliced into its history: no copy of the (possibly
+        # vocabulary-wide) output, and not a view, which the zero-bubble schedules' backward detaches in place.
+        ctx.mark_dirty(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, torch.full(ctx.aux_shape, ctx.weight, device=grad_output.device), None
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and schedule; the loss on the last stage is scaled by `loss_scale`."""
+
+    stages: list[PipelineStage]
+    schedule: object
+    group: dist.ProcessGroup
+    n_microbatches: int
+    loss_parallel: bool
+    loss_scale: float = 1.0
+    aux_weight: float = 0.0  # the aux loss coefficient over (microbatches x micro-steps), set each step
+    parts: list[nn.Module] = field(default_factory=list)
+
+    @property
+    def has_first(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    def _run(self, run, inputs, labels, model_kwargs) -> torch.Tensor:
+        """The summed microbatch losses, known on every rank of the pipeline (the last stage computes them).
+
+        model_kwargs are the model's keyword inputs (e.g. document_ids, [batch, seq]): every rank passes
+        them, the schedule splits them into the microbatches and hands each stage's forward its chunk.
+        """
+        losses = []
+        with loss_parallel_context(self.loss_parallel):
+            run(*([inputs] if self.has_first else []), target=labels if self.has_last else None, losses=losses,
+                **model_kwargs)
+        total = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=labels.device)
+        dist.all_reduce(total, group=self.group)  # only the last stage's rank adds a non-zero
+        return total
+
+    def train_microstep(self, inputs, labels, accum_steps: int, aux_loss_coeff: float, model_kwargs: dict) -> torch.Tensor:
+        """Forward and backward of one micro-step's batch; its loss as a run without PP computes it."""
+        self.loss_scale = 1.0 / (self.n_microbatches * accum_steps)
+        self.aux_weight = aux_loss_coeff * self.loss_scale
+        return self._run(self.schedule.step, inputs, labels, model_kwargs)
+
+    def eval_loss_sum(self, inputs, labels, model_kwargs: dict) -> torch.Tensor:
+        """Forward only: the sum of the token losses of the batch."""
+        self.loss_scale = labels.numel() / self.n_microbatches  # a microbatch's mean times its tokens
+        return self._run(self.schedule.eval, inputs, labels, model_kwargs)
+
+    def _loss(self, logits, labels, loss_fn):
+        return local_loss(loss_fn(logits, labels)) * self.loss_scale
+
+    def _add_aux_grad(self, module, _inputs, output):
+        """Forward hook of a stage part: each block's balance loss is a share of the whole model's mean."""
+        aux_loss = getattr(module, "aux_loss", None)
+        if aux_loss is None or not torch.is_grad_enabled():
+            return output
+        share = len(module.layers) / module.args.n_layers  # the part's mean of its blocks -> the model's mean
+        return AuxLossGrad.apply(output, aux_loss, self.aux_weight * share)
+
+
+def check_pipeline(cfg: Parallelism, pp: int, n_layers: int, local_batch_size: int, tie_embeddings: bool) -> list[range]:
+    """Every impossible layout as one sentence, before anything is built; returns the stages' blocks."""
+    if tie_embeddings:
+        raise UserError(
+            f"parallelism.pipeline_parallel_degree {pp} splits the token embedding (first stage) from the output "
+            "projection (last stage), but this model ties them (tie_embeddings); use tensor or data parallelism for it"
+        )
+    num_stages = pp * stages_per_rank(cfg)
+    microbatches(local_batch_size, cfg.pipeline_parallel_microbatch_size, num_stages, cfg.pipeline_parallel_schedule, pp)
+    return layer_split(n_layers, num_stages, cfg.pipeline_parallel_layers_per_stage)
+
+
+def stage_parts(model: nn.Module, dims, cfg, parallelize) -> tuple[list[range], dict[int, nn.Module]]:
+    """The pipeline's blocks per stage, and this rank's stages (stage index -> part), parallelized and
+    still on the meta device: what the rank will hold (the planner counts these)."""
+    par = cfg.parallelism
+    splits = check_pipeline(par, dims.pp, model.args.n_layers, cfg.training.local_batch_size,
+                            getattr(model.args, "tie_embeddings", False))
+    ids = stage_ids(dims.mesh["pp"].get_local_rank(), dims.pp, len(splits) // dims.pp, par.pipeline_parallel_schedule)
+    last = len(splits) - 1
+    return splits, {s: parallelize(keep_stage(model, splits[s], first=s == 0, last=s == last), dims, cfg) for s in ids}
+
+
+def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.device, loss_fn) -> tuple[nn.Module, Pipeline]:
+    """Meta model -> this rank's stage parts, each parallelized, allocated and initialised -> schedule.
+
+    Returns the rank's model (the one part, or a RankModel of several) and its Pipeline.
+    """
+    par = cfg.parallelism
+    if cfg.checkpoint.last_save_in_hf:
+        raise UserError(
+            "checkpoint.last_save_in_hf gathers the whole model on every rank, but a pipeline stage holds only its own "
+            "layers; set it to false and convert the last checkpoint with python -m titanlite.convert dcp-to-hf"
+        )
+    splits, parts = stage_parts(model, dims, cfg, parallelize)
+    num_stages = len(splits)
+    n_micro = microbatches(cfg.training.local_batch_size, par.pipeline_parallel_microbatch_size, num_stages,
+                           par.pipeline_parallel_schedule, dims.pp)
+    blocks = " | ".join(f"{split[0]}-{split[-1]}" if len(split) > 1 else f"{split[0]}" for split in splits)
+    logger.info(f"pipeline: {par.pipeline_parallel_schedule}, {num_stages} stages ({num_stages // dims.pp} per rank) holding "
+                f"blocks {blocks}; {n_micro} microbatches of {par.pipeline_parallel_microbatch_size} per micro-step")
+    pipeline = Pipeline([], None, dims.mesh["pp"].get_group(), n_micro,
+                        loss_parallel=dims.tp_enabled and not par.disable_loss_parallel)
+    for stage_id, part in parts.items():
+        part.to_empty(device=device)
+        part.init_weights(seed=cfg.job.seed)
+        part.train()
+        part.register_forward_hook(pipeline._add_aux_grad)
+        pipeline.parts.append(part)
+        pipeline.stages.append(PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
+    schedule_cls = SCHEDULES[par.pipeline_parallel_schedule]
+    stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
+    # Gradients are not rescaled by the schedule: the loss is already scaled per microbatch (loss_scale).
+    pipeline.schedule = schedule_cls(stages, n_microbatches=n_micro, scale_grads=False,
+                                     loss_fn=lambda logits, labels: pipeline._loss(logits, labels, loss_fn))
+    rank_model = pipeline.parts[0] if len(pipeline.parts) == 1 else RankModel(pipeline.parts)
+    return rank_model, pipeline
