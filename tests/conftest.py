@@ -1,5 +1,6 @@
 """Helpers to run titanlite as a user would: as a subprocess, alone or under torchrun."""
 
+import logging
 import os
 import re
 import subprocess
@@ -28,6 +29,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") and not HAS_CUDA:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def titanlite_logger_restored():
+    """A test that runs main() in-process points titanlite's logger at its captured stderr and stops
+    it propagating; the next test in this worker gets the logger as it was (caplog sees it again)."""
+    log = logging.getLogger("titanlite")
+    saved = log.handlers[:], log.propagate, log.level
+    yield
+    for handler in log.handlers:
+        if handler not in saved[0]:
+            handler.close()
+    log.handlers[:], log.propagate, log.level = saved[0], saved[1], saved[2]
 
 
 def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
