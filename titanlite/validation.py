@@ -21,6 +21,7 @@ from titanlite.config_sections import Training, Validation
 from titanlite.data.datasets import build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.models.attention import document_ids
 from titanlite.parallel import mixed_precision_context
 
 
@@ -38,8 +39,11 @@ def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> N
 
 
 class Validator:
-    def __init__(self, cfg: Validation, training: Training, *, tokenizer, dims, device: torch.device, seed: int, metrics):
+    def __init__(self, cfg: Validation, training: Training, *, tokenizer, dims, device: torch.device, seed: int, metrics,
+                 delimiters: tuple[int, int] | None = None):
+        """`delimiters` (bos, eos) split windows into documents, as in training (block_causal); None = causal."""
         self.cfg = cfg
+        self.delimiters = delimiters
         self.dims = dims
         self.device = device
         self.param_dtype = training.mixed_precision_param
@@ -87,7 +91,7 @@ class Validator:
                     break
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in batch)
                 with mixed_precision_context(self.dims, self.param_dtype, self.device.type):
-                    logits = model(inputs)
+                    logits = model(inputs, document_ids=document_ids(inputs, self.delimiters))
                 loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
                 tokens += labels.numel()
                 count += 1
