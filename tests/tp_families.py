@@ -1,6 +1,7 @@
 """Run under torchrun by test_tensor_parallel.py: for each family, 5 optimizer steps of the debug
-model under TP (the whole world), with the default block-causal mask over documents, and of the same model unsharded on every rank (the 1-process
-run), through the trainer's own build_model / train_step, on the same batches. Rank 0 writes
+model under TP (the whole world) and of the same model unsharded on every rank (the 1-process
+run), through the trainer's own build_model / train_step, on the same batches of several
+documents each (the default block-causal mask). Rank 0 writes
 {family: [[tp loss, 1-process loss], ...]} as JSON to argv[1]."""
 
 import json
