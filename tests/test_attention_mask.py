@@ -13,7 +13,9 @@ from titanlite.config import load_config
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.models.attention import document_ids, document_positions
+from titanlite.models.gpt2.parallelize import apply_tp as apply_gpt2_tp
 from titanlite.models.llama.model import apply_rope
+from titanlite.parallel.dims import ParallelDims
 
 BOS, EOS = 0, 1  # the delimiters of these tests' token streams; text tokens are 2..96
 
@@ -155,3 +157,10 @@ def test_reset_position_ids_needs_block_causal():
     assert load_config([]).model.attention_mask == "block_causal"
     with pytest.raises(UserError, match="model.reset_position_ids .* needs model.attention_mask block_causal"):
         load_config(["--model.attention_mask", "causal", "--model.reset_position_ids"])
+
+
+def test_gpt2_refuses_reset_positions_under_tensor_parallelism():
+    """Its position table is split by positions, which [B, T] per-document positions cannot use."""
+    model = materialize("gpt2", small_args("gpt2", reset_position_ids=True))
+    with pytest.raises(UserError, match="gpt2 with model.reset_position_ids and parallelism.tensor_parallel_degree 2"):
+        apply_gpt2_tp(model, ParallelDims(dp_replicate=1, dp_shard=1, tp=2), loss_parallel=False)
