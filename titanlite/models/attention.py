@@ -82,7 +82,7 @@ def attention_mask(document_ids: torch.Tensor | None, seq_len: int, window: int 
         return None
     rule = allowed(document_ids, window)
     if device.type == "cuda" and document_ids is not None:
-        return create_block_mask(rule, document_ids.shape[0], None, seq_len, seq_len, device=device)
+        return compiled(create_block_mask)(rule, document_ids.shape[0], None, seq_len, seq_len, device=device)
     positions = torch.arange(seq_len, device=device)
     queries, keys = positions[:, None], positions[None, :]
     if document_ids is None:  # Mistral's window alone: [T, T], the same for every sequence
@@ -92,10 +92,12 @@ def attention_mask(document_ids: torch.Tensor | None, seq_len: int, window: int 
 
 
 @functools.cache
-def compiled_flex_attention() -> Callable:
-    """flex_attention compiled once per process, on first use: uncompiled it computes the whole score
-    matrix (slowly), and compiling at import would load dynamo (2.7 s here) into every process."""
-    return torch.compile(flex_attention)
+def compiled(function: Callable) -> Callable:
+    """FlexAttention's functions compiled once per process, on first use. Uncompiled, flex_attention
+    computes the whole score matrix and create_block_mask materialises a [B, 1, T, T] mask; the
+    compiled mask builder traces once and takes each batch's document ids as an input, without
+    recompiling. Compiling at import would load dynamo (2.7 s here) into every process."""
+    return torch.compile(function)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
@@ -103,5 +105,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if isinstance(mask, BlockMask):
-        return compiled_flex_attention()(q, k, v, block_mask=mask)
+        return compiled(flex_attention)(q, k, v, block_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
