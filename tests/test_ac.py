@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from titanlite.config_sections import ActivationCheckpoint
+from titanlite.models.attention import document_ids
 from titanlite.models.llama.args import LLAMA3_FLAVORS
 from titanlite.models.llama.model import Transformer
 from titanlite.parallel import ac
@@ -32,14 +33,16 @@ def tiny_model() -> Transformer:
 
 
 def loss_and_grads(model, tokens):
-    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    inputs = tokens[:, :-1]  # with documents: the mask goes through the checkpointed blocks too
+    loss = F.cross_entropy(model(inputs, document_ids=document_ids(inputs, (0, 1))).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
 def reference():
-    tokens = torch.randint(0, TINY.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(2, TINY.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    tokens[0, 7] = tokens[1, 20] = 0  # a bos: two documents per row
     model = tiny_model()
     return model, tokens, *loss_and_grads(model, tokens)
 

@@ -10,6 +10,7 @@ from conftest import run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.config_sections import ActivationCheckpoint, Compile
 from titanlite.errors import UserError
+from titanlite.models.attention import document_ids
 from titanlite.models.llama.args import LLAMA3_FLAVORS
 from titanlite.models.llama.model import Transformer
 from titanlite.parallel.ac import apply_ac
@@ -39,22 +40,24 @@ def test_compiled_debug_model_matches_eager(tmp_path):
 
 
 def test_blocks_share_one_graph_and_keep_their_fqns():
-    """Compiled over op-level selective AC, as parallelize_decoder orders them."""
+    """Compiled over op-level selective AC, as parallelize_decoder orders them, with a document mask."""
     torch._dynamo.reset()
     args = replace(LLAMA3_FLAVORS["debugmodel"], dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128)
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
     keys = list(model.state_dict())
-    tokens = torch.randint(0, 128, (2, 16))
-    expected = model(tokens)
+    tokens = torch.randint(2, 128, (2, 16))
+    tokens[0, 5] = tokens[1, 9] = 0  # a bos: two documents per row
+    documents = document_ids(tokens, (0, 1))
+    expected = model(tokens, document_ids=documents)
     expected.sum().backward()
     expected_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"))
     apply_compile(model, Compile(enable=True, components=["model"], backend="eager"))  # tracing only: fast
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    got = model(tokens)
+    got = model(tokens, document_ids=documents)
     got.sum().backward()
     torch.testing.assert_close(got, expected)
     for grad, expected_grad in zip((p.grad for p in model.parameters()), expected_grads):

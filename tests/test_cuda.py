@@ -3,6 +3,8 @@ without a CUDA GPU; see the `cuda` marker in conftest.py). Runs pin `--job.devic
 driver fails here instead of quietly training on the CPU."""
 
 import contextlib
+import copy
+import dataclasses
 import importlib.util
 import math
 import os
@@ -143,3 +145,41 @@ def test_cpu_ranks_on_a_gpu_machine(tmp_path):
     out = run_titanlite(gpu_flags(tmp_path, 2, "--job.device", "cpu"), nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "world 2 on cpu" in out.stderr
+
+
+def test_block_causal_flex_attention_equals_the_cpu_mask_path():
+    """On CUDA a document mask runs compiled FlexAttention; on CPU SDPA with the same rule as a dense
+    mask. Mistral's window (16) composes with the documents; 200 tokens is no multiple of flex's 128 blocks."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from conftest import materialize
+    from titanlite.models import get_model_args, get_model_spec
+    from titanlite.models.attention import attention_mask, document_ids
+
+    args = dataclasses.replace(get_model_args(get_model_spec("mistral"), "debugmodel"), vocab_size=97, n_layers=2,
+                               max_seq_len=256, sliding_window=16)
+    cpu = materialize("mistral", args)
+    gpu = copy.deepcopy(cpu).cuda()
+    tokens = torch.randint(2, 97, (2, 201), generator=torch.Generator().manual_seed(0))
+    tokens[0, 30] = tokens[0, 90] = tokens[1, 150] = 0  # bos: 3 + 2 documents
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    ids = document_ids(inputs, (0, 1))
+    assert isinstance(attention_mask(ids.cuda(), 16, torch.device("cuda")), BlockMask)
+    losses = []
+    for model, device in ((cpu, "cpu"), (gpu, "cuda")):
+        logits = model(inputs.to(device), document_ids=ids.to(device))
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.to(device).flatten())
+        loss.backward()
+        losses.append((logits.detach().cpu(), loss.item()))
+    torch.testing.assert_close(losses[1][0], losses[0][0], rtol=1e-4, atol=1e-4)
+    assert losses[1][1] == pytest.approx(losses[0][1], abs=1e-5)
+    for (name, p_cpu), p_gpu in zip(cpu.named_parameters(), gpu.parameters()):
+        torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("extra", [[], ["--compile.enable", "--activation_checkpoint.mode", "selective"]],
+                         ids=["eager", "compiled-op-ac"])
+def test_block_causal_trains_on_documents(tmp_path, extra):
+    """The default mask on the sample corpus (several documents per 256-token window) through the trainer."""
+    losses = trained(tmp_path, "--training.dataset", "sample", "--model.reset_position_ids", *extra)
+    assert losses[4] < losses[1]

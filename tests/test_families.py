@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import build_meta, materialize, run_titanlite, tensorboard_scalars
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
-from titanlite.models.llama.model import Attention, TransformerBlock, rope_tables, sliding_window_mask
+from titanlite.models.attention import attention_mask, window_mask
+from titanlite.models.llama.model import Attention, TransformerBlock, rope_tables
 from titanlite.models.mixtral.moe import (
     MoE, _grouped_swiglu, _looped_swiglu, assignments_per_sequence, experts_forward, load_balancing_loss, route,
 )
@@ -78,7 +79,7 @@ def test_sliding_window_mask():
         [0, 0, 1, 1, 0],
         [0, 0, 0, 1, 1],
     ], dtype=torch.bool)
-    assert torch.equal(sliding_window_mask(5, 2), expected)
+    assert torch.equal(window_mask(5, 2, torch.device("cpu")), expected)
 
 
 def plain_masked_attention(attention: Attention, x, cos, sin, window: int):
@@ -104,10 +105,11 @@ def plain_masked_attention(attention: Attention, x, cos, sin, window: int):
 def test_sliding_window_attention_matches_plain_masked_attention(seq_len):
     torch.manual_seed(0)
     dim, n_heads, n_kv_heads, window = 32, 4, 2, 4
-    attention = Attention(dim, n_heads, n_kv_heads, sliding_window=window)
+    attention = Attention(dim, n_heads, n_kv_heads)
     x = torch.randn(2, seq_len, dim)
     cos, sin = rope_tables(dim // n_heads, seq_len, 10000.0, None)
-    torch.testing.assert_close(attention(x, cos, sin), plain_masked_attention(attention, x, cos, sin, window))
+    mask = attention_mask(None, window, torch.device("cpu"))  # the window alone: attend makes its [T, T] mask
+    torch.testing.assert_close(attention(x, cos, sin, mask), plain_masked_attention(attention, x, cos, sin, window))
 
 
 def test_tokens_further_back_than_the_window_are_not_attended():
@@ -127,7 +129,7 @@ def test_tokens_further_back_than_the_window_are_not_attended():
 def test_mistral_is_the_llama_decoder_with_a_window():
     model = materialize("mistral", small_args("mistral"))
     assert all(type(block) is TransformerBlock for block in model.layers.values())
-    assert model.layers["0"].attention.sliding_window == 32
+    assert model.args.sliding_window == 32
     llama_spec = get_model_spec("llama3")
     with torch.device("meta"):
         llama = llama_spec.model_cls(replace(get_model_args(llama_spec, "debugmodel"), vocab_size=97))
@@ -246,7 +248,7 @@ def test_mixtral_collects_aux_loss_and_router_metrics():
     model(tokens)
     h, block_losses = model.tok_embeddings(tokens), []
     for block in model.layers.values():
-        h, aux_loss, _ = block(h, model.rope_cos[:16], model.rope_sin[:16])
+        h, aux_loss, _ = block(h, model.rope_cos[:16], model.rope_sin[:16], None)
         block_losses.append(aux_loss)
     torch.testing.assert_close(model.aux_loss, torch.stack(block_losses).mean())
     model.aux_loss.backward()  # the balance loss reaches the routers

@@ -125,7 +125,7 @@ def test_gqa_attention_matches_naive():
     x = torch.randn(2, seq_len, dim)
     cos, sin = rope_tables(dim // n_heads, seq_len, 10000.0, RopeScaling())
     expected = naive_attention(attention, x, cos, sin, n_heads, n_kv_heads)
-    torch.testing.assert_close(attention(x, cos, sin), expected)
+    torch.testing.assert_close(attention(x, cos, sin, None), expected)
 
 
 def test_rope_scaling_keeps_fast_and_slows_slow_frequencies():

@@ -1,6 +1,7 @@
 """Run under torchrun by test_tensor_parallel.py: for each family, 5 optimizer steps of the debug
 model under TP (the whole world) and of the same model unsharded on every rank (the 1-process
-run), through the trainer's own build_model / train_step, on the same batches. Rank 0 writes
+run), through the trainer's own build_model / train_step, on the same batches of several
+documents each (the default block-causal mask). Rank 0 writes
 {family: [[tp loss, 1-process loss], ...]} as JSON to argv[1]."""
 
 import json
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from titanlite.config import load_config
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import get_model_spec
+from titanlite.models.attention import document_delimiters
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.dims import ParallelDims
 from titanlite.train import build_model, cross_entropy_loss, resolve_model_args, train_step
@@ -24,7 +26,8 @@ def losses(name: str, world: int) -> list[float]:
     cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--model.name", name,
                        "--parallelism.tensor_parallel_degree", str(world)])
     spec = get_model_spec(cfg.model.name)
-    args = resolve_model_args(cfg, spec, build_tokenizer(cfg.model).vocab_size)
+    tokenizer = build_tokenizer(cfg.model)
+    args = resolve_model_args(cfg, spec, tokenizer.vocab_size)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world)
     if world > 1:
         dims.build_mesh("cpu")
@@ -33,10 +36,13 @@ def losses(name: str, world: int) -> list[float]:
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     generator = torch.Generator().manual_seed(0)  # the same batches for both runs
     windows = [torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
+    for w in windows:  # documents starting at bos tokens, so the block-causal mask (the default) splits
+        w[:, 10::23] = tokenizer.bos_id
     batches = iter([(w[:, :-1], w[:, 1:]) for w in windows])
     metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
+    delimiters = document_delimiters(cfg.model.attention_mask, tokenizer)
     return [train_step(model, optimizer, scheduler, batches, 1, cfg, dims, torch.device("cpu"), metrics,
-                       cross_entropy_loss)[0].item() for _ in range(STEPS)]
+                       cross_entropy_loss, delimiters)[0].item() for _ in range(STEPS)]
 
 
 def main(out_path: str) -> None:

@@ -17,6 +17,14 @@ def check_training(cfg: JobConfig) -> None:
         )
 
 
+def check_model(cfg: JobConfig) -> None:
+    if cfg.model.reset_position_ids and cfg.model.attention_mask != "block_causal":
+        raise UserError(
+            "model.reset_position_ids restarts positions at each document, which needs model.attention_mask "
+            f"block_causal (got {cfg.model.attention_mask}); set model.attention_mask block_causal or reset_position_ids false"
+        )
+
+
 def check_activation_checkpoint(cfg: JobConfig) -> None:
     # Checked whatever the mode: a value that means nothing is a typo, not something to ignore.
     option = cfg.activation_checkpoint.selective_ac_option
@@ -46,5 +54,6 @@ def check_parallelism(cfg: JobConfig) -> None:
 
 def check_rules(cfg: JobConfig) -> None:
     check_training(cfg)
+    check_model(cfg)
     check_activation_checkpoint(cfg)
     check_parallelism(cfg)

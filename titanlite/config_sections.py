@@ -43,6 +43,8 @@ class Model:
     hf_assets_path: str = opt("", "folder holding tokenizer.model (as downloaded from Hugging Face); used when tokenizer_path is empty")
     moe_aux_loss_coeff: float = opt(0.01, "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none", at_least=0)
     n_layers: int = opt(0, "train the flavor with this many blocks instead (e.g. to benchmark a big model's shapes on one GPU); 0 = the flavor's; checkpoints of another depth are refused", at_least=0)
+    attention_mask: str = opt("block_causal", "block_causal (each token attends only to earlier tokens of its own document, the documents of a packed window told apart by the tokenizer's bos) or causal (to every earlier token of the window)", choices=("block_causal", "causal"))
+    reset_position_ids: bool = opt(False, "positions (RoPE, GPT-2's table) restart at 0 at each document's first token instead of counting from the window's start (needs attention_mask block_causal)")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.log import init_logger, logger
 from titanlite.metrics import MetricsLogger, log_tokens_by_source, source_scalars
+from titanlite.models.attention import document_delimiters, document_ids
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.output_folders import check_output_folders
@@ -70,8 +71,8 @@ def model_label(cfg: Model) -> str:
 
 def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
     """The flavor's args with the vocab taken from the tokenizer where the flavor leaves it open,
-    and model.n_layers blocks where it is set."""
-    args = get_model_args(spec, cfg.model.flavor)
+    model.n_layers blocks where it is set, and model.reset_position_ids."""
+    args = dataclasses.replace(get_model_args(spec, cfg.model.flavor), reset_position_ids=cfg.model.reset_position_ids)
     if cfg.model.n_layers:
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
     where = model_label(cfg.model)
@@ -113,8 +114,9 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobConfig, dims, device, metrics, loss_fn,
-               pipeline=None):
+               pipeline=None, delimiters: tuple[int, int] | None = None):
     """One optimizer step over accum_steps micro-batches; returns (loss, grad_norm, lr used).
+    `delimiters` (bos, eos) split each window into documents for block-causal attention; None = causal.
 
     Each micro-batch holds the same number of tokens (packed windows), so dividing every
     micro-batch mean by accum_steps makes the summed gradient that of the whole batch.
@@ -128,15 +130,17 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         metrics.data_seconds += time.perf_counter() - waited
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
-        if pipeline is not None:
+        ids = document_ids(inputs, delimiters)
+        if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
             with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
                   activation_offload_context(cfg.activation_checkpoint.offload_activations)):
-                total_loss += pipeline.train_microstep(inputs, labels, accum_steps, cfg.model.moe_aux_loss_coeff, {})
+                total_loss += pipeline.train_microstep(inputs, labels, accum_steps, cfg.model.moe_aux_loss_coeff,
+                                                       {} if ids is None else {"document_ids": ids})
             continue
         with loss_parallel_context(dims.tp_enabled and not cfg.parallelism.disable_loss_parallel):
             with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
                   activation_offload_context(cfg.activation_checkpoint.offload_activations)):
-                logits = model(inputs)
+                logits = model(inputs, document_ids=ids)
             loss = local_loss(loss_fn(logits, labels)) / accum_steps
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
             (loss if aux_loss is None else loss + cfg.model.moe_aux_loss_coeff * aux_loss / accum_steps).backward()
@@ -212,6 +216,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     note_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
+    delimiters = document_delimiters(cfg.model.attention_mask, tokenizer)
     training = cfg.training
     dataloader = build_dataloader(
         dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
@@ -236,7 +241,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     validator = None
     if cfg.validation.enable:  # its own loader: validating never moves the training data position
         validator = Validator(cfg.validation, training, tokenizer=tokenizer, dims=dims, device=info.device,
-                              seed=cfg.job.seed, metrics=metrics, pipeline=pipeline)
+                              seed=cfg.job.seed, metrics=metrics, pipeline=pipeline, delimiters=delimiters)
 
     checkpointer = CheckpointManager(
         cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -268,7 +273,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                     gc.collect(1)
                 with summary.measure(metrics):
                     loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device,
-                                                     metrics, loss_fn, pipeline)
+                                                     metrics, loss_fn, pipeline, delimiters)
                 state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
                 last, logged = step == training.steps, metrics.should_log(step)
                 validating = validator is not None and validator.should_validate(step)

@@ -21,6 +21,7 @@ from titanlite.config_sections import Training, Validation
 from titanlite.data.datasets import build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.models.attention import document_ids
 from titanlite.parallel import mixed_precision_context
 
 
@@ -39,9 +40,11 @@ def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> N
 
 class Validator:
     def __init__(self, cfg: Validation, training: Training, *, tokenizer, dims, device: torch.device, seed: int, metrics,
-                 pipeline=None):
+                 pipeline=None, delimiters: tuple[int, int] | None = None):
+        """`delimiters` (bos, eos) split windows into documents, as in training (block_causal); None = causal."""
         self.cfg = cfg
         self.pipeline = pipeline
+        self.delimiters = delimiters
         self.dims = dims
         self.device = device
         self.param_dtype = training.mixed_precision_param
@@ -81,10 +84,11 @@ class Validator:
 
     def _loss_sum(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The sum of the batch's token losses (a pipeline runs its schedule forward only)."""
+        ids = document_ids(inputs, self.delimiters)
         with mixed_precision_context(self.dims, self.param_dtype, self.device.type):
             if self.pipeline is not None:
-                return self.pipeline.eval_loss_sum(inputs, labels, {})
-            logits = model(inputs)
+                return self.pipeline.eval_loss_sum(inputs, labels, {} if ids is None else {"document_ids": ids})
+            logits = model(inputs, document_ids=ids)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
     @torch.no_grad()

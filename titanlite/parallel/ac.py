@@ -32,7 +32,9 @@ _SAVE_OPS = _ops(torch.ops.aten, (
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "max",
-)) | _ops(torch.ops._c10d_functional, ("reduce_scatter_tensor",))
+)) | _ops(torch.ops._c10d_functional, ("reduce_scatter_tensor",)) | {
+    torch.ops.higher_order.flex_attention,  # block-causal attention on CUDA (models/attention.py), a higher-order op
+}
 _MM = torch.ops.aten.mm.default
 
 

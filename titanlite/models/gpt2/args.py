@@ -11,6 +11,7 @@ class GPT2Args:
     vocab_size: int = 50257  # -1 = the tokenizer's vocab, filled in by the trainer
     max_seq_len: int = 1024  # rows of the learned position table: the longest sequence the model reads
     norm_eps: float = 1e-5
+    reset_position_ids: bool = False  # positions restart at each document (from model.reset_position_ids)
 
     def __post_init__(self):
         if self.dim % self.n_heads:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titanlite.models.attention import Mask, attend, attention_mask, document_positions
 from titanlite.models.gpt2.args import GPT2Args
 from titanlite.models.init import trunc_normal_
 from titanlite.models.llama.model import KeepsTiedEmbeddings, check_seq_len
@@ -19,7 +20,7 @@ POSITION_INIT_STD = 0.01
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with one fused q/k/v projection, as GPT-2's c_attn."""
+    """Multi-head attention with one fused q/k/v projection, as GPT-2's c_attn, under the model's mask."""
 
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
@@ -27,11 +28,11 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(dim, 3 * dim)
         self.wo = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Mask) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         qkv = self.wqkv(x).view(batch, seq_len, 3, -1, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, T, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -53,8 +54,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, mask: Mask) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
@@ -80,13 +81,19 @@ class GPT2(KeepsTiedEmbeddings):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.output.weight = self.tok_embeddings.weight  # tied, as in GPT-2
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype."""
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype. With `document_ids` [B, T]
+        (models/attention.py) each token attends only within its document, and with
+        args.reset_position_ids its position counts from its document's first token."""
         seq_len = check_seq_len(tokens, self.args.max_seq_len)
-        positions = torch.arange(seq_len, device=tokens.device)
+        if self.args.reset_position_ids and document_ids is not None:
+            positions = document_positions(document_ids)
+        else:
+            positions = torch.arange(seq_len, device=tokens.device)
         h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        mask = attention_mask(document_ids, None, tokens.device)  # built once, shared by every block
         for block in self.layers.values():
-            h = block(h)
+            h = block(h, mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()

@@ -19,13 +19,18 @@ def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
             "not supported yet (its head-aligned q/k/v shards cannot be sharded again by FSDP); use tensor or data "
             "parallelism alone for gpt2"
         )
+    if model.args.reset_position_ids:
+        raise UserError(
+            f"gpt2 with model.reset_position_ids and parallelism.tensor_parallel_degree {dims.tp} is not supported yet "
+            "(its position table is split by positions); turn one of them off"
+        )
     top_plan = {
         **vocab_parallel_plan(loss_parallel),
         "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
     }
     block_plan = {
         "attention_norm": SequenceParallel(),
-        "attention": gather_sequence(),
+        "attention": gather_sequence(extra_inputs=1),  # the attention mask passes through
         "attention.wqkv": RowsByGroups(3),
         "attention.wo": rowwise_to_sequence(),
         "ffn_norm": SequenceParallel(),

@@ -14,7 +14,10 @@ def flops_per_token(model: Transformer, seq_len: int) -> float:
     6 per matmul parameter (2 forward, 4 backward), counting every parameter except the token
     embedding table, which is a lookup (when tied, the shared matrix is counted once, as the
     output projection it also is); plus 12 * layers * heads * head_dim * seq_len for the
-    attention scores and weighted sum (forward and backward, the causal half not discounted).
+    attention scores and weighted sum (forward and backward). Masked-out scores are not discounted:
+    neither the causal half nor, under model.attention_mask block_causal, the other documents' keys
+    (torchtitan's convention, "we follow the convention and do not account for sparsity in causal
+    attention", torchtitan/models/utils.py), so MFU does not depend on where documents end.
     """
     args = model.args
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

@@ -29,6 +29,7 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 2048  # positions the RoPE tables cover; longer sequences are refused
     tie_embeddings: bool = False  # the output projection reuses the token embedding matrix
+    reset_position_ids: bool = False  # RoPE positions restart at each document (from model.reset_position_ids)
 
     def __post_init__(self):
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:

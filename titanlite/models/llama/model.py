@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlite.errors import UserError
+from titanlite.models.attention import Mask, attend, attention_mask, document_positions
 from titanlite.models.init import trunc_normal_
 from titanlite.models.llama.args import ModelArgs, RopeScaling
 
@@ -45,46 +46,37 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, heads, head_dim] by position; cos/sin are [T, head_dim // 2].
+    """Rotate x [B, T, heads, head_dim] by position; cos/sin are [T, head_dim // 2], or [B, T, head_dim // 2]
+    where positions differ between sequences (model.reset_position_ids).
 
     Pairs are adjacent elements (x[2i], x[2i+1]) as in Meta's checkpoints (Hugging Face permutes
     wq/wk to use split halves instead). Computed in float32 so long positions stay accurate.
     """
     real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
 
-def sliding_window_mask(seq_len: int, window: int, device=None) -> torch.Tensor:
-    """[T, T] boolean, True where query i may attend key j: i - window < j <= i, i.e. the `window`
-    most recent tokens, itself included (Hugging Face Mistral's convention)."""
-    positions = torch.arange(seq_len, device=device)
-    distance = positions[:, None] - positions[None, :]  # query minus key
-    return (distance >= 0) & (distance < window)
-
-
 class Attention(nn.Module):
-    """Causal multi-head attention with `n_kv_heads` key/value heads shared by groups of query heads.
+    """Multi-head attention with `n_kv_heads` key/value heads shared by groups of query heads, under
+    the mask the model built for this forward (causal, documents, Mistral's window: models/attention.py)."""
 
-    With `sliding_window` set (Mistral), each token attends to at most that many most recent tokens.
-    """
-
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, sliding_window: int | None = None):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
         super().__init__()
         self.head_dim = dim // n_heads
         self.n_rep = n_heads // n_kv_heads  # query heads per key/value head
-        self.sliding_window = sliding_window
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        """rope_cos/rope_sin: the tables of at least seq_len positions (a pipeline stage after the first
-        sees only sequence shards between its blocks, so the whole sequence is known only here)."""
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
+        """rope_cos/rope_sin: the tables of at least seq_len positions, [T', head_dim // 2] or per token
+        [B, T, head_dim // 2] (a pipeline stage after the first sees only sequence shards between its
+        blocks, so the whole sequence is known only here)."""
         batch, seq_len, _ = x.shape
-        rope_cos, rope_sin = rope_cos[:seq_len], rope_sin[:seq_len]
+        rope_cos, rope_sin = rope_cos[..., :seq_len, :], rope_sin[..., :seq_len, :]
         # Head counts come from the weights (-1), so a tensor-parallel shard with fewer local heads works as is.
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
@@ -96,12 +88,7 @@ class Attention(nn.Module):
             # backend, unlike enable_gqa, which some kernels do not support.
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        if self.sliding_window is not None and seq_len > self.sliding_window:
-            # Only then does the window cut anything off: an explicit mask rules out the flash kernel.
-            mask = sliding_window_mask(seq_len, self.sliding_window, device=x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
@@ -131,14 +118,14 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h)).
 
-    Self-contained (the RoPE tables come in as arguments) so FSDP, activation checkpointing and
-    torch.compile can each wrap one block.
+    Self-contained (the RoPE tables and the attention mask come in as arguments) so FSDP, activation
+    checkpointing and torch.compile can each wrap one block.
     """
 
     def __init__(self, layer_id: int, args: ModelArgs, attention: nn.Module | None = None,
                  feed_forward: nn.Module | None = None):
         """`attention` and `feed_forward` default to Llama's; families built on this block pass their
-        own (Mistral's sliding-window attention, Mixtral's experts), with the same init_weights."""
+        own (Mixtral's experts), with the same init_weights."""
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = attention if attention is not None else Attention(args.dim, args.n_heads, args.n_kv_heads)
@@ -148,8 +135,8 @@ class TransformerBlock(nn.Module):
         # layers start with smaller updates.
         self.out_init_std = BASE_INIT_STD / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, prefix: str, seed: int) -> None:
@@ -206,8 +193,10 @@ class Transformer(KeepsTiedEmbeddings):
         a = self.args
         return rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype.
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype. With `document_ids` [B, T]
+        (models/attention.py) each token attends only within its document, and with
+        args.reset_position_ids its RoPE position counts from its document's first token.
 
         A pipeline stage lacks the modules of the other stages (None): a stage after the first takes
         the previous stage's hidden states as `tokens`, one before the last returns its hidden states.
@@ -216,13 +205,19 @@ class Transformer(KeepsTiedEmbeddings):
         if self.tok_embeddings is not None:
             check_seq_len(tokens, self.args.max_seq_len)
             h = self.tok_embeddings(tokens)
-        h = self.run_blocks(h, self.rope_cos, self.rope_sin)
+        rope_cos, rope_sin = self.rope_cos, self.rope_sin  # each Attention takes the positions it sees
+        if self.args.reset_position_ids and document_ids is not None:
+            positions = document_positions(document_ids)
+            rope_cos, rope_sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, head_dim // 2]
+        # Built once here and shared by every block; Mistral and Mixtral args carry a sliding window.
+        mask = attention_mask(document_ids, getattr(self.args, "sliding_window", None), tokens.device)
+        h = self.run_blocks(h, rope_cos, rope_sin, mask)
         return h if self.output is None else self.output(self.norm(h))
 
-    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
         """The blocks in order; families whose blocks return more than h (Mixtral) override it."""
         for block in self.layers.values():
-            h = block(h, rope_cos, rope_sin)
+            h = block(h, rope_cos, rope_sin, mask)
         return h
 
     @torch.no_grad()

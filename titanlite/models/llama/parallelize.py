@@ -9,10 +9,10 @@ from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, rowwi
 
 def attention_plan() -> dict:
     """wq/wk/wv column-wise (whole heads per rank: TP divides n_heads and n_kv_heads), wo row-wise;
-    the attention's other inputs (RoPE tables) are not sharded."""
+    the attention's other inputs (RoPE tables, the mask) are not sharded."""
     return {
         "attention_norm": SequenceParallel(),
-        "attention": gather_sequence(extra_inputs=2),
+        "attention": gather_sequence(extra_inputs=3),
         "attention.wq": colwise(), "attention.wk": colwise(), "attention.wv": colwise(),
         "attention.wo": rowwise_to_sequence(),
         "ffn_norm": SequenceParallel(),

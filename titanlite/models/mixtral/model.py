@@ -7,8 +7,8 @@ router statistics that `extra_metrics()` hands to the metrics logger.
 
 import torch
 
+from titanlite.models.attention import Mask
 from titanlite.models.llama.model import Transformer, TransformerBlock
-from titanlite.models.mistral.model import sliding_window_attention
 from titanlite.models.mixtral.args import MixtralArgs
 from titanlite.models.mixtral.moe import MoE
 
@@ -18,10 +18,10 @@ class MixtralBlock(TransformerBlock):
 
     def __init__(self, layer_id: int, args: MixtralArgs):
         moe = MoE(args.dim, args.ffn_hidden_dim, args.num_experts, args.top_k)
-        super().__init__(layer_id, args, attention=sliding_window_attention(args), feed_forward=moe)
+        super().__init__(layer_id, args, feed_forward=moe)
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
-        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask):
+        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin, mask)
         out, aux_loss, tokens_per_expert = self.feed_forward(self.ffn_norm(h))
         return h + out, aux_loss, tokens_per_expert
 
@@ -37,10 +37,10 @@ class Mixtral(Transformer):
     def build_block(self, layer_id: int, args: MixtralArgs) -> MixtralBlock:
         return MixtralBlock(layer_id, args)
 
-    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
         aux_losses, loads = [], []
         for block in self.layers.values():
-            h, aux_loss, load = block(h, rope_cos, rope_sin)
+            h, aux_loss, load = block(h, rope_cos, rope_sin, mask)
             aux_losses.append(aux_loss)
             loads.append(load)
         # Outside the blocks (the root module is neither checkpointed nor compiled): side effects are fine here.

@@ -1,0 +1,120 @@
+"""Which earlier tokens each token attends to, and the one attention call every family makes.
+
+A packed window holds the end of one document and the start of others (see data/packing.py:
+every document is tokenized as bos + text + eos and the documents are concatenated). Under
+`model.attention_mask` block_causal a token attends only to earlier tokens of its own document,
+as Llama 3 was trained; under causal it attends to every earlier token of the window.
+
+The train step computes `document_ids(tokens, ...)` from the input tokens and hands them to the
+model's forward; the model builds the mask once per forward (`attention_mask`) and every block's
+attention reads that same mask through `attend`. One mask rule (`allowed`) is evaluated two ways:
+  - CUDA: a FlexAttention BlockMask and compiled `flex_attention`, which skips the masked-out
+    blocks of the score matrix.
+  - elsewhere: a boolean [batch, 1, T, T] mask for scaled_dot_product_attention. FlexAttention has
+    no backward on CPU (torch 2.13 raises NotImplementedError), and its compiled forward alone cost
+    16 s for the first shape and 7 s for each new one here, against milliseconds for the step.
+Without documents the mask is what it was before document masks existed, on every device: None
+(SDPA's is_causal path), or Mistral's [T, T] window where the window is shorter than the sequence.
+"""
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+Mask = torch.Tensor | BlockMask | int | None  # int: Mistral's window alone (window_mask)
+
+
+def document_delimiters(attention_mask: str, tokenizer) -> tuple[int, int] | None:
+    """(bos, eos) of the tokenizer when windows are to be split into documents (block_causal), else None."""
+    return (tokenizer.bos_id, tokenizer.eos_id) if attention_mask == "block_causal" else None
+
+
+def document_ids(tokens: torch.Tensor, delimiters: tuple[int, int] | None) -> torch.Tensor | None:
+    """tokens [B, T] -> int32 [B, T]: 0 for the window's first document, then one more at each
+    document's first token, its bos. `delimiters` is (bos, eos) from document_delimiters; None (causal
+    attention) gives None: no documents.
+
+    A tokenizer whose bos is its eos (GPT-2's <|endoftext|>) puts two delimiters between documents
+    (eos of one, bos of the next), so there the second of two delimiters in a row starts a document.
+    """
+    if delimiters is None:
+        return None
+    bos_id, eos_id = delimiters
+    starts = tokens == bos_id
+    if bos_id == eos_id:
+        starts = torch.cat([starts[:, :1], starts[:, 1:] & starts[:, :-1]], dim=1)
+    ids = starts.int().cumsum(dim=1, dtype=torch.int32)
+    return ids - ids[:, :1]  # the window may start mid-document or on a bos: 0 either way
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] positions that restart at 0 at each document's first token (model.reset_position_ids)."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first_of_document = torch.where(starts, index, 0).cummax(dim=1).values
+    return index - first_of_document
+
+
+def allowed(document_ids: torch.Tensor | None, window: int | None) -> Callable:
+    """The mask rule, as FlexAttention's mask_mod(b, h, q, kv) -> bool: a key at or before the
+    query, at most `window` - 1 tokens back (Mistral; None = no limit), in the query's document."""
+
+    def rule(b, h, q, kv):
+        keep = q >= kv
+        if window is not None:
+            keep = keep & (q - kv < window)
+        if document_ids is not None:
+            keep = keep & (document_ids[b, q] == document_ids[b, kv])
+        return keep
+
+    return rule
+
+
+def attention_mask(document_ids: torch.Tensor | None, window: int | None, device: torch.device) -> Mask:
+    """The mask every block of one forward shares; None = plain causal. Without documents, Mistral's
+    window stays an int that `attend` turns into its [T, T] mask: only there is the whole sequence
+    length known (a later pipeline stage under sequence parallelism receives a shard of it)."""
+    if document_ids is None:
+        return window
+    seq_len = document_ids.shape[1]
+    if window is not None and window >= seq_len:
+        window = None  # cuts nothing off
+    rule = allowed(document_ids, window)
+    if device.type == "cuda":
+        return compiled(create_block_mask)(rule, document_ids.shape[0], None, seq_len, seq_len, device=device)
+    positions = torch.arange(seq_len, device=device)
+    rows = torch.arange(document_ids.shape[0], device=device)[:, None, None, None]
+    return rule(rows, 0, positions[:, None], positions[None, :])  # [B, 1, T, T]
+
+
+def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """Mistral's window alone: [T, T], the same for every sequence; None where it cuts nothing off
+    (which keeps the unmasked flash kernels)."""
+    if window >= seq_len:
+        return None
+    positions = torch.arange(seq_len, device=device)
+    return allowed(None, window)(0, 0, positions[:, None], positions[None, :])
+
+
+@functools.cache
+def compiled(function: Callable) -> Callable:
+    """FlexAttention's functions compiled once per process, on first use. Uncompiled, flex_attention
+    computes the whole score matrix and create_block_mask materialises a [B, 1, T, T] mask; the
+    compiled mask builder traces once and takes each batch's document ids as an input, without
+    recompiling. Compiling at import would load dynamo (2.7 s here) into every process."""
+    return torch.compile(function)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """Attention of q, k, v [B, heads, T, head_dim] (as many key/value heads as query heads) under `mask`."""
+    if isinstance(mask, int):
+        mask = window_mask(q.shape[2], mask, q.device)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if isinstance(mask, BlockMask):
+        return compiled(flex_attention)(q, k, v, block_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
