@@ -42,7 +42,7 @@ def losses(name: str, world: int) -> list[float]:
     metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
     delimiters = document_delimiters(cfg.model.attention_mask, tokenizer)
     return [train_step(model, optimizer, scheduler, batches, 1, cfg, dims, torch.device("cpu"), metrics,
-                       cross_entropy_loss, delimiters)[0].item() for _ in range(STEPS)]
+                       cross_entropy_loss, delimiters=delimiters)[0].item() for _ in range(STEPS)]
 
 
 def main(out_path: str) -> None:
