@@ -13,6 +13,7 @@ import pytest
 from conftest import DEBUG_CONFIG, ON_CPU, ROOT, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.config_sections import Parallelism
+from titanlite.data.prepare import prepare
 from titanlite.errors import UserError
 from titanlite.parallel.pp import check_pipeline, layer_split
 
@@ -25,9 +26,12 @@ LAYOUTS = {  # name: (world size, flags)
     "one": (1, []),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     "pp2": (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    # Two data-parallel ranks of 2 windows: the same global batch of 4, read from a token store,
+    # whose order does not depend on the data-parallel degree.
+    "fsdp2": (2, ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]),
 }
 # Saved at step 5 under the first layout, resumed under the second: one line per pair.
-RESUMES = [("tp2", "pp2"), ("pp2", "tp2"), ("pp2", "one")]
+RESUMES = [("tp2", "pp2"), ("pp2", "tp2"), ("pp2", "one"), ("tp2", "fsdp2"), ("fsdp2", "pp2")]
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
 SAVE_STEP, RESUME_STEPS = 5, 7
 
@@ -44,7 +48,10 @@ def launch(runs: list[dict], world: int, tmp_path, label: str) -> None:
 
 
 def run(tmp_path, name: str, flags: list[str], steps: int, resume_from: str | None = None, checkpoint: bool = False) -> dict:
-    argv = [*COMMON, *flags, "--job.dump_folder", str(tmp_path / name), "--training.steps", str(steps)]
+    """One trainer run; it reads the token store in tmp_path/store when there is one."""
+    store = tmp_path / "store"
+    data = ["--training.dataset_path", str(store)] if store.exists() else []
+    argv = [*COMMON, *data, *flags, "--job.dump_folder", str(tmp_path / name), "--training.steps", str(steps)]
     if checkpoint or resume_from:
         argv += ["--checkpoint.enable", "--checkpoint.interval", str(SAVE_STEP)]
     return {"argv": argv, "resume_from": resume_from and str(tmp_path / resume_from / "checkpoint" / f"step-{SAVE_STEP}")}
@@ -69,9 +76,11 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     # input and weight gradients; with 2 micro-steps of gradient accumulation.
     mixtral = ["--model.name", "mixtral", "--training.global_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "2"]
     validated = ["--validation.enable", "--validation.freq", "10", "--validation.steps", "2"]
+    prepare("sample", str(tmp_path / "store"))  # every run below reads it (the same windows at any dp degree)
     world2 = [
         run(tmp_path, "pp2", [*LAYOUTS["pp2"][1], *validated], 20, checkpoint=True),
         run(tmp_path, "tp2", LAYOUTS["tp2"][1], RESUME_STEPS, checkpoint=True),
+        run(tmp_path, "fsdp2", LAYOUTS["fsdp2"][1], RESUME_STEPS, checkpoint=True),
         *[run(tmp_path, f"pp2_{s}", [*PP2, "--parallelism.pipeline_parallel_schedule", s], 5) for s in SCHEDULES if s != "1F1B"],
         run(tmp_path, "mixtral_pp2", [*mixtral, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 5),
     ]
@@ -80,7 +89,7 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     launch(world1, 1, tmp_path, "world1")
 
     one = losses(tmp_path, "one")
-    for name in ["pp2", *[f"pp2_{s}" for s in SCHEDULES if s != "1F1B"]]:
+    for name in ["pp2", "tp2", "fsdp2", *[f"pp2_{s}" for s in SCHEDULES if s != "1F1B"]]:
         got = losses(tmp_path, name)
         for step in range(1, 6):
             assert got[step] == pytest.approx(one[step], abs=1e-5), (name, step)
