@@ -17,11 +17,12 @@ import dataclasses
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlite.config_sections import JobConfig
+from titanlite.errors import UserError
 from titanlite.parallel import mixed_precision_context
 from titanlite.parallel.ac import _every_nth, apply_ac
 from titanlite.parallel.dims import ParallelDims
@@ -81,7 +82,8 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int) -> Ac
 
     training = cfg.training
     compute = DTYPES[training.mixed_precision_param]
-    with FakeTensorMode():
+    fake = FakeTensorMode()  # also active during the step: factory calls in forward (masks, positions) stay fake
+    with fake:
         model = spec.model_cls(dataclasses.replace(args, n_layers=n_layers))
         # FSDP gathers the parameters in the compute dtype; without it autocast casts them, as in train_step.
         dtype = compute if dims.fsdp_enabled else DTYPES[training.param_dtype]
@@ -100,12 +102,18 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int) -> Ac
 
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(keep_shard)
-    with tally:
-        with mixed_precision_context(dims, training.mixed_precision_param, "cpu"):
-            logits = model(tokens)
-        loss = cross_entropy_loss(logits, tokens)
-        saved = tally.live
-        loss.backward()
+    try:
+        with fake, tally:
+            with mixed_precision_context(dims, training.mixed_precision_param, "cpu"):
+                logits = model(tokens)
+            loss = cross_entropy_loss(logits, tokens)
+            saved = tally.live
+            loss.backward()
+    except DataDependentOutputException:
+        raise UserError(
+            f"model.name {cfg.model.name} routes tokens by their values (mixture of experts), which a forward on "
+            "fake tensors cannot follow; its activations cannot be planned yet: plan a dense model"
+        ) from None
     return Activations(saved // dims.tp, tally.peak)
 
 
