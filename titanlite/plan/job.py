@@ -41,21 +41,35 @@ def stage_model(model, stage: int, stages: int):
     return model
 
 
-def plan_job(cfg: JobConfig) -> JobPlan:
-    from titanlite.train import grad_accumulation_steps
-
-    plan = cfg.plan
-    gpu, world = GPUS[plan.gpu], plan.nodes * plan.gpus_per_node
+def plan_state(cfg: JobConfig, world: int) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state on rank 0 (the largest shard) of a world of `world`."""
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg, spec)
     dims = planned_dims(cfg, world)
-    if dims.tp_enabled or cfg.parallelism.enable_async_tensor_parallel:
-        check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, cfg.float8.enable)
-    with torch.device("meta"):
-        whole = spec.model_cls(args)
     with fake_world(world):
         dims.build_mesh("cpu")
-        state = state_bytes(stage_model(sharded_model(cfg, spec, args, dims), 0, dims.pp), cfg.optimizer.name)
+        return state_bytes(stage_model(sharded_model(cfg, spec, args, dims), 0, dims.pp), cfg.optimizer.name)
+
+
+def plan_job(cfg: JobConfig) -> JobPlan:
+    """The whole plan on the [plan] hardware, from the config alone."""
+    spec = get_model_spec(cfg.model.name)
+    args = model_args(cfg, spec)
+    world = cfg.plan.nodes * cfg.plan.gpus_per_node
+    dims = planned_dims(cfg, world)
+    if dims.tp_enabled or cfg.parallelism.enable_async_tensor_parallel:
+        check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, cfg.float8.enable)
+    return predict(cfg, spec, args, dims, plan_state(cfg, world))
+
+
+def predict(cfg: JobConfig, spec, args, dims, state: dict[str, int]) -> JobPlan:
+    """Memory and speed of a job whose per-rank state is known (planned, or counted by the trainer)."""
+    from titanlite.train import grad_accumulation_steps
+
+    plan = cfg.plan
+    gpu = GPUS[plan.gpu]
+    with torch.device("meta"):
+        whole = spec.model_cls(args)
     acts = activations(cfg, spec, args, dims)
     memory = plan_memory(cfg, state, acts, fsdp_buffers(cfg, whole, dims), gpu.memory_gib)
     intra = plan.intra_node_gbps if plan.intra_node_gbps > 0 else gpu.link_gbps
@@ -65,7 +79,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
                        whole.num_params(), grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
                        plan.gpus_per_node)
     mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
-    return JobPlan("every rank", world, mesh, memory, speed)
+    return JobPlan("every rank", dims.dp_degree * dims.model_parallel_degree, mesh, memory, speed)
 
 
 def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:
