@@ -28,11 +28,11 @@ STEP_BYTES = 4
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int = 0):
-    """A default process group of world_size ranks in which this process is `rank`."""
+def fake_world(world_size: int):
+    """A default process group of world_size ranks in which this process is rank 0 (the largest shards)."""
     if dist.is_initialized():
         raise RuntimeError("the planner needs its own (fake) process group; plan before init_process_group")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:

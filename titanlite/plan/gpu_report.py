@@ -30,7 +30,7 @@ def summary_figures(log: str) -> dict[str, float | None]:
 def markdown(results: dict[str, dict]) -> str:
     lines = ["| run | " + " | ".join(FIGURES) + " |", "| --- |" + " ---: |" * len(FIGURES)]
     for run, figures in results.items():
-        cells = ["" if figures[name] is None else f"{figures[name]:,.3g}" for name in FIGURES]
+        cells = ["" if figures[name] is None else f"{figures[name]:,.2f}" for name in FIGURES]
         lines.append(f"| {run} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
