@@ -72,6 +72,19 @@ def tensorboard_scalars(folder: Path, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars(tag)}
 
 
+def assert_planned_state(args: list[str], world: int, output: str, keys=("params", "grads", "optimizer")) -> None:
+    """The planner's per-rank parameter, gradient and optimizer bytes (built on a fake process group of
+    `world` ranks) equal, byte for byte, what the trainer's run summary reports for the same flags."""
+    from titanlite.config import load_config
+    from titanlite.plan.job import plan_state
+
+    measured = re.search(r"state_per_rank_bytes params (\d+) grads (\d+) optimizer (\d+)", output)
+    assert measured, output
+    planned = plan_state(load_config(args), world)
+    reported = dict(zip(("params", "grads", "optimizer"), map(int, measured.groups())))
+    assert {k: reported[k] for k in keys} == {k: planned[k] for k in keys}
+
+
 @pytest.fixture
 def tiny_run(tmp_path):
     """Flags for a very small, fast llama debug run writing into tmp_path."""

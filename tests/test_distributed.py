@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import logged_losses, run_titanlite, tensorboard_scalars
+from conftest import assert_planned_state, logged_losses, run_titanlite, tensorboard_scalars
 
 
 def synthetic_run(tmp_path, name, local_batch, steps=4, extra=()):
@@ -29,6 +29,8 @@ def test_fsdp_two_ranks_equals_one_process(tmp_path):
     for step in single:
         assert sharded[step] == pytest.approx(single[step], rel=1e-5, abs=1e-5)
     assert "mesh dp_replicate 1 x dp_shard 2" in second.stderr
+    assert_planned_state(one, 1, first.stderr)
+    assert_planned_state(two, 2, second.stderr)
 
 
 def test_gradient_accumulation_equals_the_big_batch(tmp_path):
@@ -54,17 +56,16 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path):
 
 @pytest.mark.parametrize("replicate", ["1", "2"], ids=["fsdp", "hsdp-2x1"])
 def test_two_ranks_learn_on_the_sample_corpus(tmp_path, replicate):
-    out = run_titanlite(
-        ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
-         "--training.seq_len", "128", "--training.steps", "16", "--metrics.log_freq", "1",
-         "--parallelism.data_parallel_replicate_degree", replicate],
-        nproc=2,
-    )
+    flags = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+             "--training.seq_len", "128", "--training.steps", "16", "--metrics.log_freq", "1",
+             "--parallelism.data_parallel_replicate_degree", replicate]
+    out = run_titanlite(flags, nproc=2)
     assert out.returncode == 0, out.stderr
     losses = logged_losses(out.stderr)
     assert sorted(losses) == list(range(1, 17))
     assert losses[16] < losses[1] - 1.0, losses
     assert "[rank1]" not in out.stderr  # rank 1 speaks only for warnings and errors
+    assert_planned_state(flags, 2, out.stderr)
 
 
 def test_impossible_degrees_name_degrees_and_world(tmp_path):

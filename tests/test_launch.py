@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ def render(env_vars: dict[str, str]) -> subprocess.CompletedProcess:
     if shutil.which("envsubst") is None:
         pytest.skip("render.sh needs envsubst, which is missing here: install gettext-base (apt-get install gettext-base)")
     env = {k: v for k, v in os.environ.items() if k not in SAMPLE}
-    env.update(env_vars)
+    env.update(env_vars, PYTHON=sys.executable)  # the planner's check runs in this interpreter
     return subprocess.run([str(RENDER)], env=env, capture_output=True, text=True, timeout=30)
 
 
@@ -86,6 +87,14 @@ def test_render_fills_the_pytorchjob():
     # elasticPolicy restarts need the rendezvous store unshared (see titanlite/parallel/dist.py).
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "${" not in out.stdout
+
+
+def test_render_refuses_a_job_the_planner_says_does_not_fit():
+    out = render({**SAMPLE, "CONFIG_FILE": "train_configs/llama3_405b.toml", "NUM_NODES": "1"})
+    assert out.returncode == 1 and out.stdout == ""
+    assert "render.sh: not rendered: python -m titanlite.plan says train_configs/llama3_405b.toml does not fit 1 node(s) x 8 GPUs" in out.stderr
+    assert render({**SAMPLE, "CONFIG_FILE": "train_configs/llama3_405b.toml", "NUM_NODES": "1",
+                   "TITANLITE_SKIP_PLAN": "1"}).returncode == 0
 
 
 def test_render_names_a_missing_variable():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, logged_losses, run_titanlite
+from conftest import ROOT, assert_planned_state, logged_losses, run_titanlite
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
@@ -42,9 +42,12 @@ def test_tp2_trainer_logs_the_one_process_losses_and_learns(tmp_path):
              "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--training.steps", "20"]
     one = run_titanlite([*flags, "--job.dump_folder", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr
-    tp = run_titanlite([*flags, "--job.dump_folder", str(tmp_path / "tp"), "--parallelism.tensor_parallel_degree", "2"],
-                       nproc=2)
+    tp_flags = [*flags, "--job.dump_folder", str(tmp_path / "tp"), "--parallelism.tensor_parallel_degree", "2"]
+    tp = run_titanlite(tp_flags, nproc=2)
     assert tp.returncode == 0, tp.stderr
+    # Gradients left out: under TP alone one vocabulary-sharded matrix's gradient comes back whole
+    # (params 11,760,640 B, grads 12,915,712 B on the debug model), which the planner does not model yet.
+    assert_planned_state(tp_flags, 2, tp.stderr, keys=("params", "optimizer"))
     assert "mesh dp_replicate 1 x dp_shard 1 x tp 2, pp 1" in tp.stderr
     expected, got = logged_losses(one.stderr), logged_losses(tp.stderr)
     for step in range(1, 6):

@@ -181,6 +181,16 @@ class Validation:
 
 
 @dataclass
+class Plan:
+    gpu: str = opt("H100 SXM", "GPU the job is planned for (python -m titanlite.plan; titanlite/plan/hardware.py has their memory, peaks and links)", choices=("A100 40GB", "A100 80GB", "H100 SXM", "H100 PCIe", "H200", "B200", "GB200"))
+    nodes: int = opt(1, "nodes the job runs on", at_least=1)
+    gpus_per_node: int = opt(8, "GPUs (ranks) per node; the world size is nodes x gpus_per_node", at_least=1)
+    fabric: str = opt("infiniband_ndr", "inter-node network: infiniband_ndr (400 Gb/s per GPU) or efa_p5 (AWS p5: 3200 Gb/s per node)", choices=("infiniband_ndr", "efa_p5"))
+    intra_node_gbps: float = opt(-1.0, "GB/s per GPU within a node for collectives; -1 = the GPU's NVLink (or PCIe) figure", above=0, sentinels=(-1,))
+    inter_node_gbps: float = opt(-1.0, "GB/s per GPU between nodes for collectives; -1 = the fabric's figure", above=0, sentinels=(-1,))
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -195,3 +205,4 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
+    plan: Plan = field(default_factory=Plan)

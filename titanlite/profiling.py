@@ -133,7 +133,9 @@ class RunSummary:
     after a synchronize, at those two moments only.
     """
 
-    def __init__(self, warmup: int, steps_to_run: int, device: torch.device):
+    def __init__(self, warmup: int, steps_to_run: int, device: torch.device, predicted=None):
+        """`predicted`: the planner's JobPlan for this run (titanlite/plan), compared with what was measured."""
+        self.predicted = predicted
         self.warmup = max(0, min(warmup, steps_to_run - 1))
         self.steps_to_run = steps_to_run
         self.device = device
@@ -185,3 +187,11 @@ class RunSummary:
             f"state_per_rank: params {mib['params']:.3f}MiB grads {mib['grads']:.3f}MiB "
             f"optimizer {mib['optimizer']:.3f}MiB total {sum(mib.values()):.3f}MiB{saves}"
         )
+        exact = dict(zip(state, per_rank.long().tolist()))
+        logger.info(f"run summary: state_per_rank_bytes params {exact['params']} grads {exact['grads']} optimizer {exact['optimizer']}")
+        if self.predicted is not None:
+            planned = self.predicted
+            logger.info(
+                f"run summary: predicted vs measured: peak_memory {planned.memory.peak / 2**30:.3f}GiB vs "
+                f"{peak_memory_gib(self.device):.3f}GiB  tps {planned.speed.tps:,.0f} vs {tps:,.0f}"
+            )

@@ -192,6 +192,20 @@ def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:
     return False
 
 
+def predict_on_gpu(cfg: JobConfig, spec, args, dims, model, info: DistInfo):
+    """The planner's memory and tps for this run, logged at start, on CUDA only: the activation tally
+    of a CPU debug run would cost it about a second of start-up for a figure nobody needs there."""
+    if info.device.type != "cuda":
+        return None
+    from titanlite.plan.fake_world import state_bytes
+    from titanlite.plan.job import predict
+
+    planned = predict(cfg, spec, args, dims, state_bytes(model, cfg.optimizer.name))
+    logger.info(f"plan on {cfg.plan.gpu}: predicted peak memory {planned.memory.peak / 2**30:.2f}GiB "
+                f"({100 * planned.memory.share:.0f}% of the GPU with margin), {planned.speed.tps:,.0f} tps per GPU")
+    return planned
+
+
 def train(cfg: JobConfig, info: DistInfo) -> None:
     check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
     init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
@@ -265,7 +279,8 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
         gc.disable()
         batches = iter(dataloader)
-        summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device)
+        summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,
+                             predicted=predict_on_gpu(cfg, spec, args, dims, model, info))
         with profiler:
             for step in range(state.step + 1, training.steps + 1):
                 began, validation_seconds = time.perf_counter(), 0.0

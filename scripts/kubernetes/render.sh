@@ -6,6 +6,9 @@
 #   CONFIG_FILE=train_configs/llama3_8b.toml DUMP_FOLDER=/checkpoints/llama3-8b CHECKPOINT_PVC=fsx-claim \
 #   scripts/kubernetes/render.sh [TEMPLATE] > job.yaml
 #
+# Before rendering, python -m titanlite.plan (CPU, seconds; PYTHON picks the interpreter [python3])
+# checks that CONFIG_FILE fits NUM_NODES x GPU_PER_NODE GPUs and refuses a job that does not;
+# TITANLITE_SKIP_PLAN=1 skips the check.
 # TEMPLATE defaults to pytorchjob.yaml.template next to this script. Every variable the template
 # uses must be set and non-empty; only those variables are substituted (envsubst, from gettext-base).
 set -euo pipefail
@@ -38,6 +41,15 @@ fi
 if ((${#bad[@]})); then
     echo "render.sh: ${bad[*]} must be a whole number" >&2
     exit 1
+fi
+
+if [[ ${TITANLITE_SKIP_PLAN:-0} != 1 && -n ${CONFIG_FILE:-} ]]; then
+    # From the repository root, where CONFIG_FILE's relative path points (as in the image).
+    if ! (cd "$(dirname "${BASH_SOURCE[0]}")/../.." && "${PYTHON:-python3}" -m titanlite.plan --job.config_file "$CONFIG_FILE" --plan.nodes "$NUM_NODES" \
+            --plan.gpus_per_node "$GPU_PER_NODE" >&2); then
+        echo "render.sh: not rendered: python -m titanlite.plan says $CONFIG_FILE does not fit $NUM_NODES node(s) x $GPU_PER_NODE GPUs (see above); apply its advice, or set TITANLITE_SKIP_PLAN=1" >&2
+        exit 1
+    fi
 fi
 
 # shellcheck disable=SC2016

@@ -1,0 +1,58 @@
+"""python -m titanlite.plan --job.config_file X.toml [--section.key value ...]
+
+Prints what one rank of the job will hold and how fast the job will run on the [plan] hardware;
+exits 0 when it fits, 1 when it does not (with the cheapest change that fits), 2 on a user error.
+"""
+
+import sys
+import time
+
+from titanlite.config import load_config
+from titanlite.errors import UserError
+from titanlite.plan.job import JobPlan, cheapest_fix, plan_job
+from titanlite.plan.memory import GIB
+
+
+def memory_table(result: JobPlan) -> str:
+    m = result.memory
+    rows = [("params", m.params), ("grads", m.grads), ("optimizer", m.optimizer), ("activations", m.activations),
+            ("fsdp buffers", m.buffers), ("peak (allocated)", m.peak), ("needs (+margin, context)", m.needs),
+            ("GPU memory", m.capacity)]
+    lines = [f"memory of {result.role} (GiB):"] + [f"  {name:<26}{value / GIB:>10.2f}" for name, value in rows]
+    lines.append(f"  {'share of the GPU':<26}{100 * m.share:>9.1f}%")
+    return "\n".join(lines)
+
+
+def speed_table(result: JobPlan) -> str:
+    s = result.speed
+    rows = [("compute per step", f"{s.compute_s:.3f} s"), ("FSDP collectives", f"{s.fsdp_s:.3f} s (overlapped)"),
+            ("TP collectives", f"{s.tp_s:.3f} s (exposed)"), ("step time", f"{s.step_s:.3f} s"),
+            ("tps per GPU", f"{s.tps:,.0f}"), ("MFU", f"{s.mfu:.1f}%"), ("tokens per day", f"{s.tokens_per_day:,.3g}"),
+            ("GPU-hours per 1B tokens", f"{s.gpu_hours_per_billion:,.1f}")]
+    return "speed:\n" + "\n".join(f"  {name:<26}{value}" for name, value in rows)
+
+
+def main(argv: list[str]) -> int:
+    began = time.perf_counter()
+    try:
+        cfg = load_config(argv)
+        result = plan_job(cfg)
+        print(f"plan: {cfg.model.name}/{cfg.model.flavor} on {cfg.plan.nodes} x {cfg.plan.gpus_per_node} {cfg.plan.gpu} "
+              f"(world {result.world_size}; mesh {result.mesh})")
+        print(memory_table(result))
+        print(speed_table(result))
+        if result.memory.fits:
+            print(f"verdict: fits, {100 * (1 - result.memory.share):.0f}% headroom ({time.perf_counter() - began:.1f}s to plan)")
+            return 0
+        fix = cheapest_fix(cfg)
+        advice = (f"the cheapest change that fits: {fix[0]} ({fix[1].memory.needs / GIB:.1f} GiB, {fix[1].speed.tps:,.0f} tps per GPU)"
+                  if fix else "no single change fits; add nodes or GPUs with more memory")
+        print(f"verdict: does not fit ({result.memory.needs / GIB:.1f} GiB needed of {result.memory.capacity / GIB:.1f}); {advice}")
+        return 1
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,128 @@
+"""Activation memory of one rank, from the real forward and backward run on fake (meta-backed) tensors.
+
+LiveBytes is a dispatch mode that tallies the bytes of every tensor storage created during the
+step that is still alive, op by op, so it sees exactly what autograd saves and what each AC mode
+keeps or recomputes (checkpoint wrappers, the op-level policy's cache). The tensors are CPU
+FakeTensors, which pick the kernels a real run picks: scaled_dot_product_attention takes the
+flash kernel, which, like the GPU's flash and memory-efficient kernels, saves the output and a
+logsumexp per row (linear in seq_len), never the seq_len^2 scores.
+
+Gradients: without FSDP each one stays as autograd made it; with FSDP the unsharded gradient
+is reduce-scattered away at once (its transient is in the buffers), leaving this rank's shard.
+Under tensor parallelism every activation of a block is split over the tp ranks (sequence
+parallel outside attention, heads inside), so the unsharded tally is divided by tp.
+"""
+
+import dataclasses
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titanlite.config_sections import JobConfig
+from titanlite.errors import UserError
+from titanlite.parallel import mixed_precision_context
+from titanlite.parallel.ac import _every_nth, apply_ac
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.fsdp import DTYPES
+
+FULL_DEPTH_UP_TO = 8  # deeper models are measured at two depths and extrapolated (the blocks are identical)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes alive of the storages created under it: `live` now, `peak` the most at any op of
+    live / split + grads, where split is the tp degree and grads the sharded gradients counted apart."""
+
+    def __init__(self, split: int, existing: list[torch.Tensor]):
+        super().__init__()
+        self.split = split
+        # Views of tensors made before (parameters' transposes, RoPE slices) allocate nothing.
+        self.existing = {tensor.untyped_storage()._cdata for tensor in existing}
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live = self.peak = self.grads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor.untyped_storage())
+        self._purge()
+        self.peak = max(self.peak, self.live // self.split + self.grads)
+        return out
+
+    def _track(self, storage) -> None:
+        key = storage._cdata
+        if key in self.existing:
+            return
+        known = self.storages.get(key)
+        if known is None or known[0].expired():
+            self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
+
+    def _purge(self) -> None:
+        dead = [key for key, (ref, _) in self.storages.items() if ref.expired()]
+        for key in dead:
+            del self.storages[key]
+        self.live = sum(nbytes for _, nbytes in self.storages.values())
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        self.storages.pop(tensor.untyped_storage()._cdata, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    saved: int  # bytes alive at the end of the forward (logits and loss included)
+    peak: int  # most bytes alive at once over forward and backward, this rank's gradients included
+
+
+def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int) -> Activations:
+    """One training micro-step of the model cut to n_layers blocks, tallied op by op."""
+    from titanlite.train import cross_entropy_loss  # the trainer's loss (train.py imports the planner's callers)
+
+    training = cfg.training
+    compute = DTYPES[training.mixed_precision_param]
+    fake = FakeTensorMode()  # also active during the step: factory calls in forward (masks, positions) stay fake
+    with fake:
+        model = spec.model_cls(dataclasses.replace(args, n_layers=n_layers))
+        # FSDP gathers the parameters in the compute dtype; without it autocast casts them, as in train_step.
+        dtype = compute if dims.fsdp_enabled else DTYPES[training.param_dtype]
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+        apply_ac(model, cfg.activation_checkpoint)
+        tokens = torch.randint(0, args.vocab_size, (training.local_batch_size, training.seq_len))
+    tally = LiveBytes(dims.tp, [*model.parameters(), *model.buffers(), tokens])
+    shard = dims.dp_shard * dims.tp
+    if dims.fsdp_enabled:
+        param_bytes = DTYPES[training.param_dtype].itemsize
+
+        def keep_shard(param):
+            tally.forget(param.grad)
+            tally.grads += param.numel() * param_bytes // shard
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(keep_shard)
+    try:
+        with fake, tally:
+            with mixed_precision_context(dims, training.mixed_precision_param, "cpu"):
+                logits = model(tokens)
+            loss = cross_entropy_loss(logits, tokens)
+            saved = tally.live
+            loss.backward()
+    except DataDependentOutputException:
+        raise UserError(
+            f"model.name {cfg.model.name} routes tokens by their values (mixture of experts), which a forward on "
+            "fake tensors cannot follow; its activations cannot be planned yet: plan a dense model"
+        ) from None
+    return Activations(saved // dims.tp, tally.peak)
+
+
+def activations(cfg: JobConfig, spec, args, dims: ParallelDims) -> Activations:
+    """measure() at the model's depth, or at depths p and 2p (p = the AC period) extrapolated linearly."""
+    if args.n_layers <= FULL_DEPTH_UP_TO:
+        return measure(cfg, spec, args, dims, args.n_layers)
+    ac = cfg.activation_checkpoint
+    period = (_every_nth(ac.selective_ac_option) or 1) if ac.mode == "selective" else 1
+    low, high = measure(cfg, spec, args, dims, period), measure(cfg, spec, args, dims, 2 * period)
+    blocks = (args.n_layers - period) / period
+    return Activations(int(low.saved + blocks * (high.saved - low.saved)), int(low.peak + blocks * (high.peak - low.peak)))

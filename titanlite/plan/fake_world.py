@@ -1,0 +1,70 @@
+"""The trainer's own build + parallelize, on the meta device under a fake process group of the
+full world size, in one process: the shards it leaves on a rank are the real ones, no byte allocated.
+
+torch's "fake" backend (torch.testing._internal.distributed.fake_pg, also used by torch's own
+FSDP memory tests) accepts every collective and does nothing, so DeviceMesh, FSDP2 and TP build
+exactly as on the cluster. Features that only refuse to build without a GPU (float8, async TP,
+CPU offload's pinned memory) are left out of the build: none changes a shard's size.
+"""
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from titanlite.config_sections import JobConfig
+from titanlite.errors import UserError
+from titanlite.models.init import local_tensor
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.fsdp import DTYPES
+
+# Optimizer states per parameter, each shaped and typed like the parameter (optim.py, bf16_adamw.py),
+# plus one float32 step counter per parameter.
+MOMENTS = {"AdamW": 2, "Adam": 2, "AdamWBF16Kahan": 3}
+STEP_BYTES = 4
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A default process group of world_size ranks in which this process is rank 0 (the largest shards)."""
+    if dist.is_initialized():
+        raise RuntimeError("the planner needs its own (fake) process group; plan before init_process_group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def buildable(cfg: JobConfig) -> JobConfig:
+    """cfg minus what cannot be built without a GPU and does not change shard sizes."""
+    return dataclasses.replace(
+        cfg, float8=dataclasses.replace(cfg.float8, enable=False),
+        parallelism=dataclasses.replace(cfg.parallelism, enable_async_tensor_parallel=False, fsdp_cpu_offload=False),
+    )
+
+
+def sharded_model(cfg: JobConfig, spec, args, dims: ParallelDims) -> nn.Module:
+    """This rank's model as train.build_model leaves it before allocation (dims' mesh must exist)."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to(dtype=DTYPES[cfg.training.param_dtype])
+    return spec.parallelize(model, dims, buildable(cfg))
+
+
+def state_bytes(model: nn.Module, optimizer_name: str) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds, as profiling.model_state_bytes
+    counts them after a step (gradients and moments are like their parameter's local shard)."""
+    params = [local_tensor(p) for p in model.parameters() if p.requires_grad]
+    shard = sum(p.numel() * p.element_size() for p in params)
+    return {"params": shard, "grads": shard, "optimizer": MOMENTS[optimizer_name] * shard + STEP_BYTES * len(params)}
+
+
+def planned_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    if dims.pp_enabled:
+        raise UserError("parallelism.pipeline_parallel_degree above 1 cannot be planned yet; plan the job without it")
+    return dims

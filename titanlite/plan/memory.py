@@ -1,0 +1,68 @@
+"""One rank's memory at its peak: exact state from the real shards, activations from the tally,
+FSDP's buffers from the block sizes, and a stated margin for what the allocator cannot give back.
+
+The peak is the larger of two moments: the start of backward (state + activations + gathered
+parameters) and the optimizer step (state + all gradients + the step's temporaries).
+"""
+
+from dataclasses import dataclass
+
+from titanlite.config_sections import JobConfig
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.fsdp import DTYPES
+from titanlite.plan.activations import Activations
+
+ALLOCATOR_MARGIN = 0.05  # fragmentation of the CUDA caching allocator, as a share of the peak
+CONTEXT_GIB = 1.0  # CUDA context, NCCL channels and cuBLAS workspaces, outside the allocator's count
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # peak of the forward + backward tally (this rank's gradient shards included)
+    buffers: int  # FSDP's gathered parameters and reduce-scatter inputs
+    peak: int  # what torch.cuda.max_memory_allocated should read
+    needs: int  # peak with the allocator margin and the CUDA context
+    capacity: int
+
+    @property
+    def share(self) -> float:
+        return self.needs / self.capacity
+
+    @property
+    def fits(self) -> bool:
+        return self.needs <= self.capacity
+
+
+def fsdp_buffers(cfg: JobConfig, model_meta, dims: ParallelDims) -> int:
+    """The block in use and the next one prefetched, gathered in the compute dtype; the root (embedding,
+    norm, output), which the default reshard policy keeps gathered; one block's gradients cast to the
+    reduce dtype for the reduce-scatter. All split over tp."""
+    if not dims.fsdp_enabled:
+        return 0
+    training = cfg.training
+    compute, reduce = DTYPES[training.mixed_precision_param].itemsize, DTYPES[training.mixed_precision_reduce].itemsize
+    block = max(sum(p.numel() for p in b.parameters()) for b in model_meta.layers.values())
+    root = model_meta.num_params() - sum(p.numel() for p in model_meta.layers.parameters())
+    kept_root = root if cfg.parallelism.fsdp_reshard_after_forward != "always" else 0
+    return (kept_root * compute + 2 * block * compute + block * reduce) // dims.tp
+
+
+def optimizer_temporaries(cfg: JobConfig, params: int) -> int:
+    """foreach AdamW writes its intermediates out (one parameter-sized set, measured on CPU); the fused
+    kernels (the GPU default) and AdamWBF16Kahan's compiled update write none."""
+    foreach = cfg.optimizer.name != "AdamWBF16Kahan" and cfg.optimizer.implementation == "foreach"
+    return params if foreach else 0
+
+
+def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffers: int, capacity_gib: float) -> Memory:
+    on_gpu = {k: 0 for k in state} if cfg.parallelism.fsdp_cpu_offload else state  # offload keeps them in CPU memory
+    params, grads, optimizer = on_gpu["params"], on_gpu["grads"], on_gpu["optimizer"]
+    backward = params + optimizer + acts.peak + buffers
+    step = params + optimizer + grads + optimizer_temporaries(cfg, params)
+    peak = max(backward, step)
+    needs = int(peak * (1 + ALLOCATOR_MARGIN) + CONTEXT_GIB * GIB)
+    return Memory(params, grads, optimizer, acts.peak, buffers, peak, needs, int(capacity_gib * GIB))
