@@ -35,7 +35,7 @@ from titanlite.parallel.fsdp import DTYPES
 from titanlite.parallel.offload import activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.parallel.pp import build_pipeline
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.tp import local_loss, loss_parallel_context
+from titanlite.parallel.tp import local_loss, loss_parallel_context, place_grads_like_params
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
 from titanlite.profiling import RunSummary, StepProfiler
 from titanlite.tensorboard import hyperparameters
@@ -103,6 +103,8 @@ def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.de
         return model, num_params, flops_per_token, pipeline
     model = spec.parallelize(model, dims, cfg)
     model.to_empty(device=device)
+    if dims.tp_enabled:
+        place_grads_like_params(model)
     model.init_weights(seed=cfg.job.seed)
     model.train()
     return model, num_params, flops_per_token, None

@@ -26,7 +26,7 @@ from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.parallel.tp import local_loss, loss_parallel_context
+from titanlite.parallel.tp import local_loss, loss_parallel_context, place_grads_like_params
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -249,6 +249,8 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
                         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel)
     for stage_id, part in parts.items():
         part.to_empty(device=device)
+        if dims.tp_enabled:
+            place_grads_like_params(part)
         part.init_weights(seed=cfg.job.seed)
         part.train()
         part.register_forward_hook(pipeline._add_aux_grad)
