@@ -32,16 +32,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def titanlite_logger_restored():
+def titanlite_logger_fresh():
     """A test that runs main() in-process points titanlite's logger at its captured stderr and stops
-    it propagating; the next test in this worker gets the logger as it was (caplog sees it again)."""
+    it propagating (so can a module-scoped fixture); every test starts from the logger as Python
+    leaves it, propagating to the root logger (where caplog sees it)."""
     log = logging.getLogger("titanlite")
-    saved = log.handlers[:], log.propagate, log.level
-    yield
     for handler in log.handlers:
-        if handler not in saved[0]:
-            handler.close()
-    log.handlers[:], log.propagate, log.level = saved[0], saved[1], saved[2]
+        handler.close()
+    log.handlers[:], log.propagate, log.level = [], True, logging.NOTSET
+    yield
 
 
 def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -31,7 +31,7 @@ LAYOUTS = {  # name: (world size, flags)
     "fsdp2": (2, ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]),
 }
 # Saved at step 5 under the first layout, resumed under the second: one line per pair.
-RESUMES = [("tp2", "pp2"), ("pp2", "tp2"), ("pp2", "one"), ("tp2", "fsdp2"), ("fsdp2", "pp2")]
+RESUMES = [("tp2", "pp2"), ("pp2", "tp2"), ("pp2", "one"), ("tp2", "fsdp2"), ("fsdp2", "tp2"), ("fsdp2", "pp2")]
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
 SAVE_STEP, RESUME_STEPS = 5, 7
 
