@@ -1,7 +1,8 @@
 """The planner: activation + gradient peak against real CPU steps measured by torch's profiler,
 every shipped config fits its hardware, and the CLI's table, verdict and advice.
-(Exact per-rank state bytes against real FSDP2/HSDP/TP2 runs: conftest.assert_planned_state, called
-from tests/test_distributed.py and tests/test_tensor_parallel.py on the runs they already make.)"""
+(Exact per-rank state bytes against real FSDP2/HSDP/TP2/PP2 runs: conftest.assert_planned_state, called
+from tests/test_distributed.py, tests/test_tensor_parallel.py and tests/test_pipeline_parallel.py on the
+runs they already make.)"""
 
 import time
 from pathlib import Path
