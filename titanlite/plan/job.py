@@ -22,7 +22,7 @@ from titanlite.parallel.tp import check_tensor_parallel
 
 @dataclass(frozen=True)
 class JobPlan:
-    roles: list[tuple[str, Memory]]  # (the ranks, their memory): every rank, or under PP its first and last stage
+    roles: list[tuple[str, Memory]]  # (the ranks, their memory): every rank, or under PP each pp rank role
     world_size: int
     mesh: str
     speed: Speed
@@ -45,11 +45,12 @@ def model_args(cfg: JobConfig, spec):
 def rank_stages(cfg: JobConfig, n_layers: int, pp: int, pp_rank: int) -> Stages:
     """The stages pp rank `pp_rank` holds, from pp.py's own split (the whole model without PP)."""
     if pp == 1:
-        return Stages(0, [0], n_layers, True, True)
+        return Stages(0, [0], n_layers, n_layers, True, True)
     par = cfg.parallelism
     splits = layer_split(n_layers, pp * stages_per_rank(par), par.pipeline_parallel_layers_per_stage)
     ids = stage_ids(pp_rank, pp, len(splits) // pp, par.pipeline_parallel_schedule)
-    return Stages(pp_rank, ids, max(len(splits[s]) for s in ids), 0 in ids, len(splits) - 1 in ids)
+    sizes = [len(splits[s]) for s in ids]
+    return Stages(pp_rank, ids, max(sizes), sum(sizes), 0 in ids, len(splits) - 1 in ids)
 
 
 def root_params(whole, stages: Stages) -> int:
@@ -61,13 +62,16 @@ def root_params(whole, stages: Stages) -> int:
 
 
 def plan_states(cfg: JobConfig, world: int) -> dict[int, dict[str, int]]:
-    """Bytes of parameters, gradients and optimizer state per pp rank, each on the rank of its pp stage
-    with the largest shards (dp and tp rank 0) of a world of `world`."""
+    """Bytes of parameters, gradients and optimizer state per pp rank role, each on its rank with the
+    largest shards (dp and tp rank 0) of a world of `world`: the first and the last pp rank, and any
+    other holding more blocks than the first (ZBV's V over uneven stages). The others hold no more than
+    the first (no embedding) and no more microbatches in flight (plan/pipeline.py): they are bounded."""
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg, spec)
     pp = cfg.parallelism.pipeline_parallel_degree
+    held = [rank_stages(cfg, args.n_layers, pp, pp_rank).held for pp_rank in range(pp)]
     states = {}
-    for pp_rank in range(pp):
+    for pp_rank in sorted({0, pp - 1} | {r for r in range(pp) if held[r] > held[0]}):
         dims = ParallelDims.from_config(cfg.parallelism, world)
         with fake_world(world, rank=pp_rank * world // pp):  # pp is the mesh's outermost dimension
             dims.build_mesh("cpu")
@@ -94,7 +98,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
 
 def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]]) -> JobPlan:
     """Memory and speed of a job whose per-rank state is known (planned, or counted by the trainer),
-    for each pp rank in `states`; printed: the first and last pp rank, and the one that needs the most."""
+    for each pp rank in `states`."""
     from titanlite.train import grad_accumulation_steps
 
     plan = cfg.plan
@@ -106,23 +110,21 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
         # Each in-flight microbatch's activations, measured at the microbatch size and composed per stage.
         microbatch = dataclasses.replace(cfg.training, local_batch_size=cfg.parallelism.pipeline_parallel_microbatch_size)
         per_block, ends = per_block_and_ends(dataclasses.replace(cfg, training=microbatch), spec, args, dims)
-    roles = {}
+    roles = []
     for pp_rank, state in states.items():
         stages = rank_stages(cfg, args.n_layers, dims.pp, pp_rank)
         acts = (stage_activations(per_block, ends, stages, in_flight(cfg, dims.pp, pp_rank),
                                   last_stage_in_flight(cfg, dims.pp)) if dims.pp_enabled
                 else activations(cfg, spec, args, dims))
         buffers = fsdp_buffers(cfg, block, root_params(whole, stages), dims)
-        roles[pp_rank] = (stages.name if dims.pp_enabled else "every rank", plan_memory(cfg, state, acts, buffers, gpu.memory_gib))
-    neediest = max(roles, key=lambda pp_rank: roles[pp_rank][1].needs)
-    shown = sorted({min(roles), neediest, max(roles)})
+        roles.append((stages.name if dims.pp_enabled else "every rank", plan_memory(cfg, state, acts, buffers, gpu.memory_gib)))
     intra = plan.intra_node_gbps if plan.intra_node_gbps > 0 else gpu.link_gbps
     inter = plan.inter_node_gbps if plan.inter_node_gbps > 0 else FABRIC_GBPS[plan.fabric]
     speed = plan_speed(cfg, gpu, dims, args, spec.flops_per_token(whole, cfg.training.seq_len), block,
                        whole.num_params(), grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
                        plan.gpus_per_node)
     mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
-    return JobPlan([roles[pp_rank] for pp_rank in shown], dims.dp_degree * dims.model_parallel_degree, mesh, speed)
+    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, speed)
 
 
 def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:

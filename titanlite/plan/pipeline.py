@@ -30,6 +30,7 @@ class Stages:
     pp_rank: int
     ids: list[int]  # stage indices (of pp x stages per rank)
     blocks: int  # blocks of its largest stage
+    held: int  # blocks of all its stages
     first: bool  # holds the token embedding
     last: bool  # holds the final norm, output, logits and loss
 
