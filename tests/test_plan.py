@@ -87,7 +87,7 @@ def test_405b_table_in_seconds_and_advice_when_it_does_not_fit(capsys):
     assert plan_main(["--job.config_file", config]) == 0
     assert time.perf_counter() - began < 30
     out = capsys.readouterr().out
-    assert "verdict: fits" in out and "world 256" in out and "tp 8" in out and "MFU" in out
+    assert "verdict: fits" in out and "world 256" in out and "tp 8, pp 8" in out and "pipeline bubble" in out and "MFU" in out
     # 8B at seq 8192 without AC keeps ~70 GiB of activations: over an H100; the advice is one change that fits.
     assert plan_main(["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"),
                       "--activation_checkpoint.mode", "none"]) == 1
