@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import DEBUG_CONFIG, ON_CPU, ROOT, run_titanlite, tensorboard_scalars
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, assert_planned_state, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.config_sections import Parallelism
 from titanlite.data.prepare import prepare
@@ -36,7 +36,8 @@ SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZe
 SAVE_STEP, RESUME_STEPS = 5, 7
 
 
-def launch(runs: list[dict], world: int, tmp_path, label: str) -> None:
+def launch(runs: list[dict], world: int, tmp_path, label: str) -> str:
+    """The runs in one process group of `world` ranks; returns their log (stderr), the runs in order."""
     spec = tmp_path / f"{label}.json"
     spec.write_text(json.dumps(runs))
     driver = [str(ROOT / "tests" / "layout_runs.py"), str(spec)]
@@ -45,6 +46,7 @@ def launch(runs: list[dict], world: int, tmp_path, label: str) -> None:
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     ranks = [line for line in out.stderr.splitlines() if line.startswith("[rank")]  # the ranks' tracebacks, not torchrun's
     assert out.returncode == 0, "\n".join(ranks[-40:]) or out.stderr[-4000:]
+    return out.stderr
 
 
 def run(tmp_path, name: str, flags: list[str], steps: int, resume_from: str | None = None, checkpoint: bool = False) -> dict:
@@ -84,7 +86,8 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
         *[run(tmp_path, f"pp2_{s}", [*PP2, "--parallelism.pipeline_parallel_schedule", s], 5) for s in SCHEDULES if s != "1F1B"],
         run(tmp_path, "mixtral_pp2", [*mixtral, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 5),
     ]
-    launch(world2 + resume_runs(tmp_path, 2), 2, tmp_path, "world2")
+    log = launch(world2 + resume_runs(tmp_path, 2), 2, tmp_path, "world2")
+    assert_planned_state(world2[0]["argv"], 2, log)  # the first run's summary: the planner's bytes of PP2 1F1B
     world1 = [run(tmp_path, "one", validated, 20), run(tmp_path, "mixtral_one", mixtral, 5), *resume_runs(tmp_path, 1)]
     launch(world1, 1, tmp_path, "world1")
 
@@ -120,7 +123,8 @@ def test_pp2_x_fsdp2_pp2_x_tp2_and_fsdp2_x_tp2_on_four_ranks_equal_one_process(t
         run(tmp_path, "pp2_tp2", [*synthetic, *PP2, "--parallelism.tensor_parallel_degree", "2"], 3),
         run(tmp_path, "fsdp2_tp2", [*synthetic, *half, "--parallelism.tensor_parallel_degree", "2"], 3),
     ]
-    launch(world4, 4, tmp_path, "world4")
+    log = launch(world4, 4, tmp_path, "world4")
+    assert_planned_state(world4[0]["argv"], 4, log)  # two FSDP-sharded stages per rank, counted by the planner
     launch([run(tmp_path, "one", synthetic, 3)], 1, tmp_path, "world1")
     one = losses(tmp_path, "one")
     for name in ("pp2_fsdp2", "pp2_tp2", "fsdp2_tp2"):

@@ -1,7 +1,8 @@
 """The planner: activation + gradient peak against real CPU steps measured by torch's profiler,
 every shipped config fits its hardware, and the CLI's table, verdict and advice.
-(Exact per-rank state bytes against real FSDP2/HSDP/TP2 runs: conftest.assert_planned_state, called
-from tests/test_distributed.py and tests/test_tensor_parallel.py on the runs they already make.)"""
+(Exact per-rank state bytes against real FSDP2/HSDP/TP2/PP2 runs: conftest.assert_planned_state, called
+from tests/test_distributed.py, tests/test_tensor_parallel.py and tests/test_pipeline_parallel.py on the
+runs they already make.)"""
 
 import time
 from pathlib import Path
@@ -86,7 +87,7 @@ def test_405b_table_in_seconds_and_advice_when_it_does_not_fit(capsys):
     assert plan_main(["--job.config_file", config]) == 0
     assert time.perf_counter() - began < 30
     out = capsys.readouterr().out
-    assert "verdict: fits" in out and "world 256" in out and "tp 8" in out and "MFU" in out
+    assert "verdict: fits" in out and "world 256" in out and "tp 8, pp 8" in out and "pipeline bubble" in out and "MFU" in out
     # 8B at seq 8192 without AC keeps ~70 GiB of activations: over an H100; the advice is one change that fits.
     assert plan_main(["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"),
                       "--activation_checkpoint.mode", "none"]) == 1
@@ -111,3 +112,24 @@ def test_gpu_check_report_reads_the_run_summary_lines(tmp_path):
                                "predicted_tps": 13000.0, "checkpoint_lost_s": 0.42}
     assert set(results["float8"].values()) == {None}
     assert "| bf16 | 12,345.00 | 40.45 | 60.12 | 58.00 | 13,000.00 | 0.42 |" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
+def test_pipeline_plan_shows_first_and_last_stage_with_each_schedules_bubble(capsys):
+    """PP2 of the debug model, 4 microbatches: one memory table per role (the first stage with the
+    embedding, the last with the output and loss), the bubble of each schedule, GPipe holding all its
+    microbatches' activations where 1F1B's first stage holds 2, and the activations sent between stages."""
+    pp2 = ["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "64", "--training.local_batch_size", "4",
+           "--parallelism.pipeline_parallel_degree", "2", "--plan.gpus_per_node", "2"]
+    assert plan_main(pp2) == 0
+    out = capsys.readouterr().out
+    assert "memory of pp rank 0 (stage 0; embedding) (GiB):" in out and "memory of pp rank 1 (stage 1; output + loss) (GiB):" in out
+    assert "pipeline bubble           20.0% of the step" in out  # (pp - 1) / (microbatches + pp - 1) = 1 / 5
+    plans = {schedule: plan_job(load_config([*pp2, "--parallelism.pipeline_parallel_schedule", schedule]))
+             for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")}
+    bubbles = {schedule: round(plan.speed.bubble, 4) for schedule, plan in plans.items()}
+    assert bubbles == {"GPipe": 0.2, "1F1B": 0.2, "Interleaved1F1B": 0.1, "ZBVZeroBubble": round(0.1 / 3, 4)}
+    first_stage = {schedule: plan.roles[0][1].activations for schedule, plan in plans.items()}
+    assert first_stage["GPipe"] > 1.5 * first_stage["1F1B"]
+    assert [name for name, _ in plans["ZBVZeroBubble"].roles] == ["pp rank 0 (stages 0, 3; embedding; output + loss)",
+                                                                  "pp rank 1 (stages 1, 2)"]
+    assert plans["1F1B"].speed.pp_s > 0 and plan_job(load_config([*pp2, "--parallelism.pipeline_parallel_degree", "1"])).speed.pp_s == 0

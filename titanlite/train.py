@@ -202,7 +202,8 @@ def predict_on_gpu(cfg: JobConfig, spec, args, dims, model, info: DistInfo):
     from titanlite.plan.fake_world import state_bytes
     from titanlite.plan.job import predict
 
-    planned = predict(cfg, spec, args, dims, state_bytes(model, cfg.optimizer.name))
+    pp_rank = dims.mesh["pp"].get_local_rank() if dims.pp_enabled else 0
+    planned = predict(cfg, spec, args, dims, {pp_rank: state_bytes(model, cfg.optimizer.name)})
     logger.info(f"plan on {cfg.plan.gpu}: predicted peak memory {planned.memory.peak / 2**30:.2f}GiB "
                 f"({100 * planned.memory.share:.0f}% of the GPU with margin), {planned.speed.tps:,.0f} tps per GPU")
     return planned

@@ -10,15 +10,14 @@ import time
 from titanlite.config import load_config
 from titanlite.errors import UserError
 from titanlite.plan.job import JobPlan, cheapest_fix, plan_job
-from titanlite.plan.memory import GIB
+from titanlite.plan.memory import GIB, Memory
 
 
-def memory_table(result: JobPlan) -> str:
-    m = result.memory
+def memory_table(role: str, m: Memory) -> str:
     rows = [("params", m.params), ("grads", m.grads), ("optimizer", m.optimizer), ("activations", m.activations),
             ("fsdp buffers", m.buffers), ("peak (allocated)", m.peak), ("needs (+margin, context)", m.needs),
             ("GPU memory", m.capacity)]
-    lines = [f"memory of {result.role} (GiB):"] + [f"  {name:<26}{value / GIB:>10.2f}" for name, value in rows]
+    lines = [f"memory of {role} (GiB):"] + [f"  {name:<26}{value / GIB:>10.2f}" for name, value in rows]
     lines.append(f"  {'share of the GPU':<26}{100 * m.share:>9.1f}%")
     return "\n".join(lines)
 
@@ -26,7 +25,8 @@ def memory_table(result: JobPlan) -> str:
 def speed_table(result: JobPlan) -> str:
     s = result.speed
     rows = [("compute per step", f"{s.compute_s:.3f} s"), ("FSDP collectives", f"{s.fsdp_s:.3f} s (overlapped)"),
-            ("TP collectives", f"{s.tp_s:.3f} s (exposed)"), ("step time", f"{s.step_s:.3f} s"),
+            ("TP collectives", f"{s.tp_s:.3f} s (exposed)"), ("PP send/recv", f"{s.pp_s:.3f} s (exposed)"),
+            ("pipeline bubble", f"{100 * s.bubble:.1f}% of the step"), ("step time", f"{s.step_s:.3f} s"),
             ("tps per GPU", f"{s.tps:,.0f}"), ("MFU", f"{s.mfu:.1f}%"), ("tokens per day", f"{s.tokens_per_day:,.3g}"),
             ("GPU-hours per 1B tokens", f"{s.gpu_hours_per_billion:,.1f}")]
     return "speed:\n" + "\n".join(f"  {name:<26}{value}" for name, value in rows)
@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
         result = plan_job(cfg)
         print(f"plan: {cfg.model.name}/{cfg.model.flavor} on {cfg.plan.nodes} x {cfg.plan.gpus_per_node} {cfg.plan.gpu} "
               f"(world {result.world_size}; mesh {result.mesh})")
-        print(memory_table(result))
+        for role, memory in result.roles:
+            print(memory_table(role, memory))
         print(speed_table(result))
         if result.memory.fits:
             print(f"verdict: fits, {100 * (1 - result.memory.share):.0f}% headroom ({time.perf_counter() - began:.1f}s to plan)")

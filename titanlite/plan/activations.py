@@ -117,12 +117,19 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int) -> Ac
     return Activations(saved // dims.tp, tally.peak)
 
 
-def activations(cfg: JobConfig, spec, args, dims: ParallelDims) -> Activations:
-    """measure() at the model's depth, or at depths p and 2p (p = the AC period) extrapolated linearly."""
-    if args.n_layers <= FULL_DEPTH_UP_TO:
-        return measure(cfg, spec, args, dims, args.n_layers)
+def per_block_and_ends(cfg: JobConfig, spec, args, dims: ParallelDims) -> tuple[Activations, Activations]:
+    """measure() at depths p and 2p (p = the AC period): one block's share, and the rest (the embedding,
+    final norm, logits and loss, and the first measured depth's AC remainder)."""
     ac = cfg.activation_checkpoint
     period = (_every_nth(ac.selective_ac_option) or 1) if ac.mode == "selective" else 1
     low, high = measure(cfg, spec, args, dims, period), measure(cfg, spec, args, dims, 2 * period)
-    blocks = (args.n_layers - period) / period
-    return Activations(int(low.saved + blocks * (high.saved - low.saved)), int(low.peak + blocks * (high.peak - low.peak)))
+    block = Activations((high.saved - low.saved) / period, (high.peak - low.peak) / period)
+    return block, Activations(low.saved - period * block.saved, low.peak - period * block.peak)
+
+
+def activations(cfg: JobConfig, spec, args, dims: ParallelDims) -> Activations:
+    """measure() at the model's depth, or per_block_and_ends() extrapolated to it."""
+    if args.n_layers <= FULL_DEPTH_UP_TO:
+        return measure(cfg, spec, args, dims, args.n_layers)
+    block, ends = per_block_and_ends(cfg, spec, args, dims)
+    return Activations(int(ends.saved + args.n_layers * block.saved), int(ends.peak + args.n_layers * block.peak))

@@ -16,10 +16,10 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titanlite.config_sections import JobConfig
-from titanlite.errors import UserError
 from titanlite.models.init import local_tensor
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import DTYPES
+from titanlite.parallel.pp import RankModel, stage_parts
 
 # Optimizer states per parameter, each shaped and typed like the parameter (optim.py, bf16_adamw.py),
 # plus one float32 step counter per parameter.
@@ -28,11 +28,12 @@ STEP_BYTES = 4
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int):
-    """A default process group of world_size ranks in which this process is rank 0 (the largest shards)."""
+def fake_world(world_size: int, rank: int = 0):
+    """A default process group of world_size ranks in which this process is `rank` (rank 0 of a mesh
+    dimension holds its largest shards)."""
     if dist.is_initialized():
         raise RuntimeError("the planner needs its own (fake) process group; plan before init_process_group")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -48,10 +49,14 @@ def buildable(cfg: JobConfig) -> JobConfig:
 
 
 def sharded_model(cfg: JobConfig, spec, args, dims: ParallelDims) -> nn.Module:
-    """This rank's model as train.build_model leaves it before allocation (dims' mesh must exist)."""
+    """This rank's model (under PP: its stages) as train.build_model leaves it before allocation
+    (dims' mesh must exist)."""
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to(dtype=DTYPES[cfg.training.param_dtype])
+    if dims.pp_enabled:
+        _, parts = stage_parts(model, dims, buildable(cfg), spec.parallelize)
+        return RankModel(list(parts.values()))
     return spec.parallelize(model, dims, buildable(cfg))
 
 
@@ -62,9 +67,3 @@ def state_bytes(model: nn.Module, optimizer_name: str) -> dict[str, int]:
     shard = sum(p.numel() * p.element_size() for p in params)
     return {"params": shard, "grads": shard, "optimizer": MOMENTS[optimizer_name] * shard + STEP_BYTES * len(params)}
 
-
-def planned_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
-    dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    if dims.pp_enabled:
-        raise UserError("parallelism.pipeline_parallel_degree above 1 cannot be planned yet; plan the job without it")
-    return dims

@@ -9,21 +9,28 @@ import torch
 from titanlite.config_sections import JobConfig
 from titanlite.errors import UserError
 from titanlite.models import get_model_spec
-from titanlite.plan.activations import activations
-from titanlite.plan.fake_world import fake_world, planned_dims, sharded_model, state_bytes
+from titanlite.plan.activations import activations, per_block_and_ends
+from titanlite.plan.fake_world import fake_world, sharded_model, state_bytes
 from titanlite.plan.hardware import FABRIC_GBPS, GPUS
 from titanlite.plan.memory import Memory, fsdp_buffers, plan_memory
+from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
 from titanlite.plan.speed import Speed, plan_speed
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
 from titanlite.parallel.tp import check_tensor_parallel
 
 
 @dataclass(frozen=True)
 class JobPlan:
-    role: str  # the ranks this memory is of (all ranks until pipeline stages differ)
+    roles: list[tuple[str, Memory]]  # (the ranks, their memory): every rank, or under PP each pp rank role
     world_size: int
     mesh: str
-    memory: Memory
     speed: Speed
+
+    @property
+    def memory(self) -> Memory:
+        """The role that needs the most: the one that must fit."""
+        return max((memory for _, memory in self.roles), key=lambda memory: memory.needs)
 
 
 def model_args(cfg: JobConfig, spec):
@@ -35,20 +42,47 @@ def model_args(cfg: JobConfig, spec):
     return resolve_model_args(cfg, spec, vocab if vocab > 0 else build_tokenizer(cfg.model).vocab_size)
 
 
-def stage_model(model, stage: int, stages: int):
-    """The model a pipeline stage holds; with one stage, all of it. (Pipeline splitting lands with
-    parallel/pp.py; each role then plans its own stage's blocks.)"""
-    return model
+def rank_stages(cfg: JobConfig, n_layers: int, pp: int, pp_rank: int) -> Stages:
+    """The stages pp rank `pp_rank` holds, from pp.py's own split (the whole model without PP)."""
+    if pp == 1:
+        return Stages(0, [0], n_layers, n_layers, True, True)
+    par = cfg.parallelism
+    splits = layer_split(n_layers, pp * stages_per_rank(par), par.pipeline_parallel_layers_per_stage)
+    ids = stage_ids(pp_rank, pp, len(splits) // pp, par.pipeline_parallel_schedule)
+    sizes = [len(splits[s]) for s in ids]
+    return Stages(pp_rank, ids, max(sizes), sum(sizes), 0 in ids, len(splits) - 1 in ids)
+
+
+def root_params(whole, stages: Stages) -> int:
+    """Parameters outside model.layers that the stages hold: the embedding on the first, the rest on the last."""
+    held = [module for name, module in whole.named_children()
+            if name != "layers" and (stages.first if name == "tok_embeddings" else stages.last)]
+    unique = {id(p): p for module in held for p in module.parameters()}  # tied embeddings count once
+    return sum(p.numel() for p in unique.values())
+
+
+def plan_states(cfg: JobConfig, world: int) -> dict[int, dict[str, int]]:
+    """Bytes of parameters, gradients and optimizer state per pp rank role, each on its rank with the
+    largest shards (dp and tp rank 0) of a world of `world`: the first and the last pp rank, and any
+    other holding more blocks than the first (ZBV's V over uneven stages). The others hold no more than
+    the first (no embedding) and no more microbatches in flight (plan/pipeline.py): they are bounded."""
+    spec = get_model_spec(cfg.model.name)
+    args = model_args(cfg, spec)
+    pp = cfg.parallelism.pipeline_parallel_degree
+    held = [rank_stages(cfg, args.n_layers, pp, pp_rank).held for pp_rank in range(pp)]
+    states = {}
+    for pp_rank in sorted({0, pp - 1} | {r for r in range(pp) if held[r] > held[0]}):
+        dims = ParallelDims.from_config(cfg.parallelism, world)
+        with fake_world(world, rank=pp_rank * world // pp):  # pp is the mesh's outermost dimension
+            dims.build_mesh("cpu")
+            states[pp_rank] = state_bytes(sharded_model(cfg, spec, args, dims), cfg.optimizer.name)
+    return states
 
 
 def plan_state(cfg: JobConfig, world: int) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state on rank 0 (the largest shard) of a world of `world`."""
-    spec = get_model_spec(cfg.model.name)
-    args = model_args(cfg, spec)
-    dims = planned_dims(cfg, world)
-    with fake_world(world):
-        dims.build_mesh("cpu")
-        return state_bytes(stage_model(sharded_model(cfg, spec, args, dims), 0, dims.pp), cfg.optimizer.name)
+    """The largest per-rank bytes of each kind, as the trainer's run summary reports them (a max over ranks)."""
+    states = plan_states(cfg, world).values()
+    return {kind: max(state[kind] for state in states) for kind in ("params", "grads", "optimizer")}
 
 
 def plan_job(cfg: JobConfig) -> JobPlan:
@@ -56,30 +90,41 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg, spec)
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
-    dims = planned_dims(cfg, world)
+    dims = ParallelDims.from_config(cfg.parallelism, world)
     if dims.tp_enabled or cfg.parallelism.enable_async_tensor_parallel:
         check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, cfg.float8.enable)
-    return predict(cfg, spec, args, dims, plan_state(cfg, world))
+    return predict(cfg, spec, args, dims, plan_states(cfg, world))
 
 
-def predict(cfg: JobConfig, spec, args, dims, state: dict[str, int]) -> JobPlan:
-    """Memory and speed of a job whose per-rank state is known (planned, or counted by the trainer)."""
+def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]]) -> JobPlan:
+    """Memory and speed of a job whose per-rank state is known (planned, or counted by the trainer),
+    for each pp rank in `states`."""
     from titanlite.train import grad_accumulation_steps
 
     plan = cfg.plan
     gpu = GPUS[plan.gpu]
     with torch.device("meta"):
         whole = spec.model_cls(args)
-    acts = activations(cfg, spec, args, dims)
-    memory = plan_memory(cfg, state, acts, fsdp_buffers(cfg, whole, dims), gpu.memory_gib)
+    block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
+    if dims.pp_enabled:
+        # Each in-flight microbatch's activations, measured at the microbatch size and composed per stage.
+        microbatch = dataclasses.replace(cfg.training, local_batch_size=cfg.parallelism.pipeline_parallel_microbatch_size)
+        per_block, ends = per_block_and_ends(dataclasses.replace(cfg, training=microbatch), spec, args, dims)
+    roles = []
+    for pp_rank, state in states.items():
+        stages = rank_stages(cfg, args.n_layers, dims.pp, pp_rank)
+        acts = (stage_activations(per_block, ends, stages, in_flight(cfg, dims.pp, pp_rank),
+                                  last_stage_in_flight(cfg, dims.pp)) if dims.pp_enabled
+                else activations(cfg, spec, args, dims))
+        buffers = fsdp_buffers(cfg, block, root_params(whole, stages), dims)
+        roles.append((stages.name if dims.pp_enabled else "every rank", plan_memory(cfg, state, acts, buffers, gpu.memory_gib)))
     intra = plan.intra_node_gbps if plan.intra_node_gbps > 0 else gpu.link_gbps
     inter = plan.inter_node_gbps if plan.inter_node_gbps > 0 else FABRIC_GBPS[plan.fabric]
-    block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
     speed = plan_speed(cfg, gpu, dims, args, spec.flops_per_token(whole, cfg.training.seq_len), block,
                        whole.num_params(), grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
                        plan.gpus_per_node)
     mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
-    return JobPlan("every rank", dims.dp_degree * dims.model_parallel_degree, mesh, memory, speed)
+    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, speed)
 
 
 def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:

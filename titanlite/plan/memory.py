@@ -37,16 +37,15 @@ class Memory:
         return self.needs <= self.capacity
 
 
-def fsdp_buffers(cfg: JobConfig, model_meta, dims: ParallelDims) -> int:
-    """The block in use and the next one prefetched, gathered in the compute dtype; the root (embedding,
-    norm, output), which the default reshard policy keeps gathered; one block's gradients cast to the
-    reduce dtype for the reduce-scatter. All split over tp."""
+def fsdp_buffers(cfg: JobConfig, block: int, root: int, dims: ParallelDims) -> int:
+    """The block (of `block` parameters) in use and the next one prefetched, gathered in the compute
+    dtype; the `root` parameters (embedding, norm, output of this rank's stages), which the default
+    reshard policy keeps gathered; one block's gradients cast to the reduce dtype for the
+    reduce-scatter. All split over tp."""
     if not dims.fsdp_enabled:
         return 0
     training = cfg.training
     compute, reduce = DTYPES[training.mixed_precision_param].itemsize, DTYPES[training.mixed_precision_reduce].itemsize
-    block = max(sum(p.numel() for p in b.parameters()) for b in model_meta.layers.values())
-    root = model_meta.num_params() - sum(p.numel() for p in model_meta.layers.parameters())
     kept_root = root if cfg.parallelism.fsdp_reshard_after_forward != "always" else 0
     return (kept_root * compute + 2 * block * compute + block * reduce) // dims.tp
 

@@ -3,8 +3,9 @@
 
 Overlap model: FSDP's all-gathers and reduce-scatters run on their own stream, prefetched a block
 ahead, so only the part longer than the compute shows; TP's collectives sit between the matmuls
-that need them and are all exposed; a pipeline adds its bubble, (pp - 1) / (microbatches + pp - 1)
-of the step for a 1F1B or GPipe schedule.
+that need them and are all exposed; a pipeline adds its bubble (plan/pipeline.py's bubble, per
+schedule) and its send/recv between stages, counted as exposed (torch's schedules wait for each
+receive before the stage's compute). Under PP each rank runs and gathers only its share of the layers.
 """
 
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from titanlite.config_sections import JobConfig
 from titanlite.parallel.ac import _every_nth
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import DTYPES
+from titanlite.plan.pipeline import bubble, send_recv_bytes
 from titanlite.plan.hardware import COLLECTIVE_EFFICIENCY, EAGER_SLOWDOWN, Gpu, efficiency
 
 
@@ -21,6 +23,8 @@ class Speed:
     compute_s: float
     fsdp_s: float
     tp_s: float
+    pp_s: float  # sending activations and their gradients between stages
+    bubble: float  # idle share of the step (pipeline)
     step_s: float
     tps: float  # tokens per second per GPU, as the trainer counts them
     mfu: float  # percent of the bf16 peak, as metrics.py computes it
@@ -37,10 +41,6 @@ def recompute_share(cfg: JobConfig) -> float:
         every = _every_nth(ac.selective_ac_option)
         return 1 / 6 if every is None else 1 / (3 * every)  # op: every second matmul is recomputed
     return 0.0
-
-
-def bubble(pp: int, microbatches: int) -> float:
-    return (pp - 1) / (microbatches + pp - 1)
 
 
 def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, args, flops_per_token: float, block_params: int,
@@ -65,7 +65,7 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, args, flops_per_tok
 
     fsdp = 0.0
     if dims.fsdp_enabled:
-        n, local = dims.dp_shard, total_params / dims.tp
+        n, local = dims.dp_shard, total_params / (dims.tp * dims.pp)
         within_node = dims.dp_shard * dims.tp <= gpus_per_node
         gathers = 1 if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2  # forward, and again in backward
         per_micro = local * (n - 1) / n * (gathers * compute_bytes + reduce_bytes)
@@ -78,9 +78,12 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, args, flops_per_tok
         t = dims.tp
         activation = training.local_batch_size * training.seq_len * args.dim * compute_bytes * (t - 1) / t
         passes = 3 if cfg.activation_checkpoint.mode == "full" else 2  # full AC repeats the forward's
-        tp = accum * seconds(4 * passes * args.n_layers * activation, intra_gbps)
-    step = (compute + max(0.0, fsdp - compute) + tp) / (1 - bubble(dims.pp, training.local_batch_size))
+        tp = accum * seconds(4 * passes * args.n_layers / dims.pp * activation, intra_gbps)
+    across_nodes = dims.dp_degree * dims.tp >= gpus_per_node  # pp is outermost: stage neighbours sit on other nodes
+    pp = accum * seconds(send_recv_bytes(cfg, dims.pp, dims.tp, args.dim, compute_bytes), inter_gbps if across_nodes else intra_gbps)
+    idle = bubble(cfg, dims.pp)
+    step = (compute + max(0.0, fsdp - compute) + tp + pp) / (1 - idle)
     tps = tokens / step
     world = dims.dp_degree * dims.model_parallel_degree
-    return Speed(compute, fsdp, tp, step, tps, 100 * tps * flops_per_token / (gpu.bf16_tflops * 1e12),
+    return Speed(compute, fsdp, tp, pp, idle, step, tps, 100 * tps * flops_per_token / (gpu.bf16_tflops * 1e12),
                  tps * world * 86400, 1e9 / tps / 3600)
