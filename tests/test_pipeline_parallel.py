@@ -120,8 +120,9 @@ def test_pp2_x_fsdp2_pp2_x_tp2_and_fsdp2_x_tp2_on_four_ranks_equal_one_process(t
         run(tmp_path, "pp2_fsdp2", [*synthetic, *half, *PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 3),
         run(tmp_path, "pp2_tp2", [*synthetic, *PP2, "--parallelism.tensor_parallel_degree", "2"], 3),
         run(tmp_path, "fsdp2_tp2", [*synthetic, *half, "--parallelism.tensor_parallel_degree", "2"], 3),
-        # GPT-2's q/k/v split by heads: FSDP shards that weight on dim 1, the TP-local rows being several ranges.
-        run(tmp_path, "gpt2_fsdp2_tp2", [*gpt2, *synthetic, *half, "--parallelism.tensor_parallel_degree", "2"], 3),
+        # GPT-2's fused q/k/v split by heads (a replicated weight, each TP rank slicing its heads);
+        # its final checkpoint must save (DCP refused the earlier strided layout).
+        run(tmp_path, "gpt2_fsdp2_tp2", [*gpt2, *synthetic, *half, "--parallelism.tensor_parallel_degree", "2"], 3, checkpoint=True),
     ]
     launch(world4, 4, tmp_path, "world4")
     launch([run(tmp_path, "one", synthetic, 3), run(tmp_path, "gpt2_one", [*gpt2, *synthetic], 3)], 1, tmp_path, "world1")
@@ -130,6 +131,7 @@ def test_pp2_x_fsdp2_pp2_x_tp2_and_fsdp2_x_tp2_on_four_ranks_equal_one_process(t
         assert sorted(got) == [1, 2, 3], name
         for step in got:
             assert got[step] == pytest.approx(one[step], abs=1e-5), (name, step)
+    assert (tmp_path / "gpt2_fsdp2_tp2" / "checkpoint" / "step-3").is_dir()
 
 
 @pytest.mark.parametrize(

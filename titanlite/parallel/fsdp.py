@@ -4,8 +4,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from titanlite.parallel.offload import fsdp_offload_policy
 
@@ -27,15 +25,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str, reduce_dtyp
     n_blocks = len(model.layers)
     for index, block in enumerate(model.layers.values()):
         reshard = {"always": True, "never": False, "default": index < n_blocks - 1}[reshard_after_forward]
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload,
-                    shard_placement_fn=shard_placement)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always",
-                offload_policy=offload, shard_placement_fn=shard_placement)
-
-
-def shard_placement(param: nn.Parameter) -> Shard | None:
-    """FSDP chunks the TP-local rows (dim 0), which composes with a TP Shard(0) but not with a strided
-    shard (GPT-2's q/k/v by heads: a rank's rows are several ranges), so shard those on dim 1.
-    None keeps FSDP's default, dim 0."""
-    strided = isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
-    return Shard(1) if strided else None
+                offload_policy=offload)

@@ -10,8 +10,8 @@ from titanlite.parallel.tp import RowsByGroups, apply_tp_plan, colwise, gather_s
 
 
 def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
-    """wqkv by whole heads (each rank the matching q, k and v rows; the small bias replicated and
-    sliced the same way in forward, see RowsByGroups), wo and w2 row-wise,
+    """wqkv by whole heads (each rank computes the matching q, k and v rows of a replicated weight,
+    see RowsByGroups), wo and w2 row-wise,
     w1 column-wise, LayerNorms sequence-parallel. The position table is split by positions and its
     output reduce-scattered over the sequence, so each rank adds its own positions' rows."""
     if model.args.reset_position_ids:
