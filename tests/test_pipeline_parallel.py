@@ -117,21 +117,25 @@ def test_pp2_x_fsdp2_pp2_x_tp2_and_fsdp2_x_tp2_on_four_ranks_equal_one_process(t
     global batch of 4 (synthetic data splits the same windows either way)."""
     synthetic = ["--training.dataset", "synthetic"]
     half = ["--training.local_batch_size", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
+    gpt2 = ["--model.name", "gpt2"]
     world4 = [
         # Two stages per rank, each its own FSDP root, on top of the data-parallel sharding.
         run(tmp_path, "pp2_fsdp2", [*synthetic, *half, *PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 3),
         run(tmp_path, "pp2_tp2", [*synthetic, *PP2, "--parallelism.tensor_parallel_degree", "2"], 3),
         run(tmp_path, "fsdp2_tp2", [*synthetic, *half, "--parallelism.tensor_parallel_degree", "2"], 3),
+        # GPT-2's fused q/k/v split by heads (a replicated weight, each TP rank slicing its heads);
+        # its final checkpoint must save (DCP refused the earlier strided layout).
+        run(tmp_path, "gpt2_fsdp2_tp2", [*gpt2, *synthetic, *half, "--parallelism.tensor_parallel_degree", "2"], 3, checkpoint=True),
     ]
     log = launch(world4, 4, tmp_path, "world4")
     assert_planned_state(world4[0]["argv"], 4, log)  # two FSDP-sharded stages per rank, counted by the planner
-    launch([run(tmp_path, "one", synthetic, 3)], 1, tmp_path, "world1")
-    one = losses(tmp_path, "one")
-    for name in ("pp2_fsdp2", "pp2_tp2", "fsdp2_tp2"):
-        got = losses(tmp_path, name)
+    launch([run(tmp_path, "one", synthetic, 3), run(tmp_path, "gpt2_one", [*gpt2, *synthetic], 3)], 1, tmp_path, "world1")
+    for name, reference in [("pp2_fsdp2", "one"), ("pp2_tp2", "one"), ("fsdp2_tp2", "one"), ("gpt2_fsdp2_tp2", "gpt2_one")]:
+        got, one = losses(tmp_path, name), losses(tmp_path, reference)
         assert sorted(got) == [1, 2, 3], name
         for step in got:
             assert got[step] == pytest.approx(one[step], abs=1e-5), (name, step)
+    assert (tmp_path / "gpt2_fsdp2_tp2" / "checkpoint" / "step-3").is_dir()
 
 
 @pytest.mark.parametrize(

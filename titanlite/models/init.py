@@ -9,7 +9,7 @@ N processes — and no rank ever materialises more than one block of a tensor it
 import zlib
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 # Blocks of about this many elements: big enough to be fast, small enough to stay cheap for
 # ranks that need only a sliver of a block.
@@ -44,13 +44,6 @@ def trunc_normal_(param: torch.Tensor, std: float, key: str, seed: int = 0) -> N
     `key` names the parameter (its FQN is the natural choice) so every tensor draws
     its own stream; `seed` is the job seed.
     """
-    if isinstance(param, DTensor) and not all(type(p) in (Shard, Replicate) for p in param.placements):
-        # A strided shard (e.g. GPT-2's fused q/k/v split by heads) is several row ranges, not one
-        # offset: draw the whole tensor, the same way, and keep this rank's part.
-        full = torch.empty(param.shape, device=param.to_local().device, dtype=torch.float32)
-        trunc_normal_(full, std, key, seed)
-        param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
-        return
     local, offset = local_view(param)
     if local.numel() == 0:
         return

@@ -85,22 +85,23 @@ def rowwise_to_sequence() -> RowwiseParallel:
 
 class RowsByGroups(ParallelStyle):
     """Column-wise parallel for a fused projection whose output rows are `groups` equal parts (q, k, v):
-    each part is split over the TP ranks, so every rank holds the matching rows of each part (whole
-    heads of q, k and v) and the module reads its local output exactly as the unfused one would.
+    every rank computes the matching rows of each part (whole heads of q, k and v), so the module reads
+    its local output exactly as the unfused one would.
 
-    The weight and bias keep their full-model shape as DTensors placed by torch's _StridedShard.
+    The weight and bias are replicated and each rank slices its rows in forward: a rank's rows are
+    several ranges, which a DCP checkpoint cannot store (one box per rank) and FSDP's dim-0 chunks would
+    straddle. The price: the whole q/k/v weight on every TP rank (FSDP still shards it over the data
+    ranks) and an all-reduce of its gradient over the TP ranks.
     """
 
     def __init__(self, groups: int):
         super().__init__()
         self.groups = groups
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        from torch.distributed.tensor.placement_types import _StridedShard
-
+    @staticmethod
+    def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for param_name, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param, mesh, [_StridedShard(0, split_factor=self.groups)])
-            module.register_parameter(param_name, nn.Parameter(sharded))
+            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
 
     @staticmethod
     def _input(module, inputs, mesh):
@@ -110,10 +111,16 @@ class RowsByGroups(ParallelStyle):
         # Each rank's input-gradient is a partial sum over its rows; the sequence gather's backward sums them.
         return (x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]),)
 
+    def _local_rows(self, param: DTensor) -> torch.Tensor:
+        """This rank's rows of each part; their gradient is zero elsewhere, so the ranks' partial sums add up."""
+        mesh = param.device_mesh
+        parts = param.to_local(grad_placements=[Partial()]).unflatten(0, (self.groups, mesh.size(), -1))
+        return parts[:, mesh.get_local_rank()].flatten(0, 1)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = distribute_module(module, device_mesh, self._partition, self._input)
         module.forward = lambda x: nn.functional.linear(
-            x, module.weight.to_local(), None if module.bias is None else module.bias.to_local()
+            x, self._local_rows(module.weight), None if module.bias is None else self._local_rows(module.bias)
         )
         return module
 

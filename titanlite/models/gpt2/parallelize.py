@@ -10,15 +10,10 @@ from titanlite.parallel.tp import RowsByGroups, apply_tp_plan, colwise, gather_s
 
 
 def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
-    """wqkv by whole heads (each rank the matching q, k and v rows, biases too), wo and w2 row-wise,
+    """wqkv by whole heads (each rank computes the matching q, k and v rows of a replicated weight,
+    see RowsByGroups), wo and w2 row-wise,
     w1 column-wise, LayerNorms sequence-parallel. The position table is split by positions and its
     output reduce-scattered over the sequence, so each rank adds its own positions' rows."""
-    if dims.fsdp_enabled:
-        raise UserError(
-            f"gpt2 with parallelism.tensor_parallel_degree {dims.tp} and FSDP over {dims.dp_degree} data-parallel ranks is "
-            "not supported yet (its head-aligned q/k/v shards cannot be sharded again by FSDP); use tensor or data "
-            "parallelism alone for gpt2"
-        )
     if model.args.reset_position_ids:
         raise UserError(
             f"gpt2 with model.reset_position_ids and parallelism.tensor_parallel_degree {dims.tp} is not supported yet "
