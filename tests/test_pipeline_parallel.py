@@ -148,12 +148,7 @@ def test_pp2_x_fsdp2_pp2_x_tp2_and_fsdp2_x_tp2_on_four_ranks_equal_one_process(t
 )
 def test_impossible_pipeline_layouts_are_one_sentence(keys, n_layers, local_batch, message):
     with pytest.raises(UserError, match=re.escape(message)):
-        check_pipeline(Parallelism(**keys), keys["pipeline_parallel_degree"], n_layers, local_batch, tie_embeddings=False)
-
-
-def test_tied_embeddings_cannot_be_split_by_a_pipeline():
-    with pytest.raises(UserError, match="pipeline_parallel_degree 2 splits the token embedding .* but this model ties them"):
-        check_pipeline(Parallelism(pipeline_parallel_degree=2), 2, 6, 8, tie_embeddings=True)
+        check_pipeline(Parallelism(**keys), keys["pipeline_parallel_degree"], n_layers, local_batch)
 
 
 def test_schedule_and_stages_per_rank_must_agree():
