@@ -299,3 +299,28 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
                                      loss_fn=lambda logits, labels: pipeline._loss(logits, labels, loss_fn))
     rank_model = pipeline.parts[0] if len(pipeline.parts) == 1 else RankModel(pipeline.parts)
     return rank_model, pipeline
+
+
+def ties_embeddings(model: nn.Module) -> bool:
+    return getattr(getattr(getattr(model, "parts", [model])[0], "args", None), "tie_embeddings", False)
+
+
+def tied_state_as_one_process(optim_state: dict, ties: bool) -> dict:
+    """A pipeline's last-stage copy of a tied matrix keeps its optimizer state under `output.weight`,
+    a 1-process model (one parameter) under `tok_embeddings.weight`: checkpoints use the latter, which
+    the first stage writes with the same values, so they load under any layout. Returns whether the
+    rank held the embedding itself, for `tied_state_as_stage`."""
+    state = optim_state["state"]
+    had_embedding = "tok_embeddings.weight" in state
+    if ties and "output.weight" in state:
+        state.setdefault("tok_embeddings.weight", state.pop("output.weight"))
+    return had_embedding
+
+
+def tied_state_as_stage(optim_state: dict, ties: bool, own_names: set[str], had_embedding: bool) -> None:
+    """The inverse of tied_state_as_one_process on a loaded state: the output copy takes its own copy of the state."""
+    state = optim_state["state"]
+    if ties and "output.weight" in own_names and "tok_embeddings.weight" in state:
+        state["output.weight"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state["tok_embeddings.weight"].items()}
+        if not had_embedding:
+            del state["tok_embeddings.weight"]
