@@ -290,7 +290,8 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
         pipeline.stages.append(PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
     if getattr(model.args, "tie_embeddings", False):
         per_rank = num_stages // dims.pp
-        last_pp_rank = next(r for r in range(dims.pp) if num_stages - 1 in stage_ids(r, dims.pp, per_rank, par.pipeline_parallel_schedule))
+        last_pp_rank = next(r for r in range(dims.pp)
+                            if num_stages - 1 in stage_ids(r, dims.pp, per_rank, par.pipeline_parallel_schedule))
         tie_copies(pipeline, dims, last_pp_rank)
     schedule_cls = SCHEDULES[par.pipeline_parallel_schedule]
     stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
@@ -305,7 +306,7 @@ def ties_embeddings(model: nn.Module) -> bool:
     return getattr(getattr(getattr(model, "parts", [model])[0], "args", None), "tie_embeddings", False)
 
 
-def tied_state_as_one_process(optim_state: dict, ties: bool) -> dict:
+def tied_state_as_one_process(optim_state: dict, ties: bool) -> bool:
     """A pipeline's last-stage copy of a tied matrix keeps its optimizer state under `output.weight`,
     a 1-process model (one parameter) under `tok_embeddings.weight`: checkpoints use the latter, which
     the first stage writes with the same values, so they load under any layout. Returns whether the
