@@ -72,12 +72,14 @@ def resume_runs(tmp_path, world: int) -> list[dict]:
 def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     """PP2 under each schedule gives the 1-process fp32 losses (within 1e-5), 1F1B learns over 20
     steps (the issue's acceptance run) and validates (forward only) to the same loss, Mixtral's
-    balance loss reaches every stage's backward, and a checkpoint saved at step 5 under one layout
+    balance loss reaches every stage's backward, GPT-2's tied embedding (a copy on each end) trains and
+    resumes under 1 process as on one, and a checkpoint saved at step 5 under one layout
     resumes under another with the uninterrupted losses."""
     # Mixtral on ZBV: two stages per rank, rank 0 holding the first and the last, backward split in
     # input and weight gradients; with 2 micro-steps of gradient accumulation.
     mixtral = ["--model.name", "mixtral", "--training.global_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "2"]
     validated = ["--validation.enable", "--validation.freq", "10", "--validation.steps", "2"]
+    gpt2 = ["--model.name", "gpt2"]  # tied embeddings: a copy on each end of the pipeline
     prepare("sample", str(tmp_path / "store"))  # every run below reads it (the same windows at any dp degree)
     world2 = [
         run(tmp_path, "pp2", [*LAYOUTS["pp2"][1], *validated], 20, checkpoint=True),
@@ -85,10 +87,12 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
         run(tmp_path, "fsdp2", LAYOUTS["fsdp2"][1], RESUME_STEPS, checkpoint=True),
         *[run(tmp_path, f"pp2_{s}", [*PP2, "--parallelism.pipeline_parallel_schedule", s], 5) for s in SCHEDULES if s != "1F1B"],
         run(tmp_path, "mixtral_pp2", [*mixtral, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 5),
+        run(tmp_path, "gpt2_pp2", [*gpt2, *LAYOUTS["pp2"][1]], SAVE_STEP, checkpoint=True),
     ]
     log = launch(world2 + resume_runs(tmp_path, 2), 2, tmp_path, "world2")
     assert_planned_state(world2[0]["argv"], 2, log)  # the first run's summary: the planner's bytes of PP2 1F1B
-    world1 = [run(tmp_path, "one", validated, 20), run(tmp_path, "mixtral_one", mixtral, 5), *resume_runs(tmp_path, 1)]
+    world1 = [run(tmp_path, "one", validated, 20), run(tmp_path, "mixtral_one", mixtral, 5), *resume_runs(tmp_path, 1),
+              run(tmp_path, "gpt2_one", gpt2, RESUME_STEPS), run(tmp_path, "gpt2_pp2_to_one", gpt2, RESUME_STEPS, resume_from="gpt2_pp2")]
     launch(world1, 1, tmp_path, "world1")
 
     one = losses(tmp_path, "one")
@@ -105,6 +109,10 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     mixtral_one, mixtral_pp2 = losses(tmp_path, "mixtral_one"), losses(tmp_path, "mixtral_pp2")
     for step in range(1, 6):
         assert mixtral_pp2[step] == pytest.approx(mixtral_one[step], abs=1e-5), step
+    gpt2_one, gpt2_pp2, gpt2_resumed = losses(tmp_path, "gpt2_one"), losses(tmp_path, "gpt2_pp2"), losses(tmp_path, "gpt2_pp2_to_one")
+    assert sorted(gpt2_pp2) == [1, 2, 3, 4, 5] and sorted(gpt2_resumed) == [6, 7]
+    for step, value in {**gpt2_pp2, **gpt2_resumed}.items():
+        assert value == pytest.approx(gpt2_one[step], abs=1e-5), step
     for source, target in RESUMES:
         uninterrupted, resumed = losses(tmp_path, source), losses(tmp_path, f"{source}_to_{target}")
         assert sorted(resumed) == [6, 7], (source, target)
@@ -156,12 +164,7 @@ def test_pp2_x_fsdp2_pp2_x_tp2_and_fsdp2_x_tp2_on_four_ranks_equal_one_process(t
 )
 def test_impossible_pipeline_layouts_are_one_sentence(keys, n_layers, local_batch, message):
     with pytest.raises(UserError, match=re.escape(message)):
-        check_pipeline(Parallelism(**keys), keys["pipeline_parallel_degree"], n_layers, local_batch, tie_embeddings=False)
-
-
-def test_tied_embeddings_cannot_be_split_by_a_pipeline():
-    with pytest.raises(UserError, match="pipeline_parallel_degree 2 splits the token embedding .* but this model ties them"):
-        check_pipeline(Parallelism(pipeline_parallel_degree=2), 2, 6, 8, tie_embeddings=True)
+        check_pipeline(Parallelism(**keys), keys["pipeline_parallel_degree"], n_layers, local_batch)
 
 
 def test_schedule_and_stages_per_rank_must_agree():

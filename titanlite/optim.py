@@ -61,15 +61,16 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, steps
     return LambdaLR(optimizer, lambda i: factor(i + 1))
 
 
-def clip_grad_norm_(parameters, max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_group: dist.ProcessGroup | None = None, uncounted=()) -> torch.Tensor:
     """Clip to the true global norm; returns that norm (before clipping) as a plain tensor.
 
     With FSDP the gradients are DTensor shards: their norm is a DTensor whose full_tensor()
     reduces over the shards, so every rank clips by the same, global, factor. Pipeline stages hold
-    disjoint parameters: their squared norms add up over the pipeline group.
+    disjoint parameters: their squared norms add up over the pipeline group, except `uncounted`
+    (a tied matrix's copies on the last stage, counted once on the first), which are only clipped.
     """
     parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
+    grads = [p.grad for p in parameters if not any(p is u for u in uncounted)]
     total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     if hasattr(total_norm, "full_tensor"):
         total_norm = total_norm.full_tensor()

@@ -147,7 +147,10 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
             (loss if aux_loss is None else loss + cfg.model.moe_aux_loss_coeff * aux_loss / accum_steps).backward()
         total_loss += loss.detach()
-    grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm, pipeline.group if pipeline else None)
+    if pipeline is not None:
+        pipeline.sum_tied_grads()
+    grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm, pipeline.group if pipeline else None,
+                                uncounted=pipeline.uncounted if pipeline else ())
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()

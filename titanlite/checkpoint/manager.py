@@ -37,6 +37,7 @@ from titanlite.checkpoint.fit import check_model_fits, holds_training_state, loa
 from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, remove_checkpoint, set_aside_newer, step_folder
 from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
 from titanlite.checkpoint.staging import HostStaging
+from titanlite.parallel.pp import tied_state_as_one_process, tied_state_as_stage, ties_embeddings
 from titanlite.checkpoint.save_errors import DISK_ERRORS, NO_SPACE, checkpoint_bytes, disk_failure, gib
 from titanlite.config_sections import Checkpoint
 from titanlite.errors import UserError
@@ -135,9 +136,11 @@ class CheckpointManager:
         }
 
     def _full_state(self) -> dict:
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer)
+        tied_state_as_one_process(optimizer, ties_embeddings(self.model))
         return {
             **self._model_state(),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "optimizer": optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": self._train_state(),
             "dataloader": {self._data_key(): pickle.dumps(self.dataloader.state_dict())},
@@ -378,9 +381,14 @@ class CheckpointManager:
             logger.info(f"loaded the model (weights only) from {path} in {time.perf_counter() - started:.2f}s")
             return
 
+        own_optimizer = get_optimizer_state_dict(self.model, self.optimizer)
+        own_groups = [group["params"] for group in own_optimizer["param_groups"]]
+        ties = ties_embeddings(self.model)
+        own_names = set(own_optimizer["state"])
+        had_embedding = tied_state_as_one_process(own_optimizer, ties)
         state = {
             **model_state,
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "optimizer": own_optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": {"step": 0, "tokens_seen": 0, "dp_degree": 0, "world_size": 0},
         }
@@ -402,6 +410,11 @@ class CheckpointManager:
         load_in_place(path, state)
 
         set_model_state_dict(self.model, {k: state[k] for k in model_state})
+        # The saved groups list one rank's parameter names; a pipeline's ranks list different ones, and
+        # torch picks a tied matrix's state by the names listed: keep this layout's own lists.
+        for group, names in zip(state["optimizer"]["param_groups"], own_groups):
+            group["params"] = names
+        tied_state_as_stage(state["optimizer"], ties, own_names, had_embedding)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         train_state = state["train_state"]

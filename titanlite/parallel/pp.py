@@ -101,6 +101,8 @@ def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.M
     stage.layers = nn.ModuleDict({str(i): stage.layers[str(i)] for i in layers})
     if not first:
         stage.tok_embeddings = None
+        if hasattr(stage, "pos_embeddings"):  # GPT-2's learned positions
+            stage.pos_embeddings = None
     if not last:
         stage.norm, stage.output = None, None
     return stage
@@ -158,6 +160,11 @@ class Pipeline:
     loss_scale: float = 1.0
     aux_weight: float = 0.0  # the aux loss coefficient over (microbatches x micro-steps), set each step
     parts: list[nn.Module] = field(default_factory=list)
+    # A tied embedding's copies: the first stage's embedding and the last stage's output weight,
+    # which sum their gradients over `tied_group` (this pipeline's first and last ranks; None when
+    # one rank holds both).
+    tied: list[nn.Parameter] = field(default_factory=list)
+    tied_group: dist.ProcessGroup | None = None
 
     @property
     def has_first(self) -> bool:
@@ -192,6 +199,24 @@ class Pipeline:
         self.loss_scale = labels.numel() / self.n_microbatches  # a microbatch's mean times its tokens
         return self._run(self.schedule.eval, inputs, labels, model_kwargs)
 
+    def sum_tied_grads(self) -> None:
+        """After backward, before clipping: every copy of the tied matrix takes the gradient of the
+        one matrix (the sum of its embedding and output roles), so all copies take the same step."""
+        if not self.tied:
+            return
+        total = self.tied[0].grad
+        for copy_ in self.tied[1:]:  # ZBV's V: one rank holds the first and the last stage
+            total = total + copy_.grad
+        if self.tied_group is not None:  # the same shard (FSDP, TP) on both ranks: reduce the local tensors
+            dist.all_reduce(total.to_local() if hasattr(total, "to_local") else total, group=self.tied_group)
+        for i, copy_ in enumerate(self.tied):
+            copy_.grad = total if i == 0 else total.clone()  # clipping scales each grad in place
+
+    @property
+    def uncounted(self) -> list[nn.Parameter]:
+        """The tied matrix's last-stage copies: clipped, but left out of the norm (the first stage counts it once)."""
+        return self.tied[1:] if self.has_first else self.tied
+
     def _loss(self, logits, labels, loss_fn):
         return local_loss(loss_fn(logits, labels)) * self.loss_scale
 
@@ -204,13 +229,8 @@ class Pipeline:
         return AuxLossGrad.apply(output, aux_loss, self.aux_weight * share)
 
 
-def check_pipeline(cfg: Parallelism, pp: int, n_layers: int, local_batch_size: int, tie_embeddings: bool) -> list[range]:
+def check_pipeline(cfg: Parallelism, pp: int, n_layers: int, local_batch_size: int) -> list[range]:
     """Every impossible layout as one sentence, before anything is built; returns the stages' blocks."""
-    if tie_embeddings:
-        raise UserError(
-            f"parallelism.pipeline_parallel_degree {pp} splits the token embedding (first stage) from the output "
-            "projection (last stage), but this model ties them (tie_embeddings); use tensor or data parallelism for it"
-        )
     num_stages = pp * stages_per_rank(cfg)
     microbatches(local_batch_size, cfg.pipeline_parallel_microbatch_size, num_stages, cfg.pipeline_parallel_schedule, pp)
     return layer_split(n_layers, num_stages, cfg.pipeline_parallel_layers_per_stage)
@@ -220,11 +240,23 @@ def stage_parts(model: nn.Module, dims, cfg, parallelize) -> tuple[list[range], 
     """The pipeline's blocks per stage, and this rank's stages (stage index -> part), parallelized and
     still on the meta device: what the rank will hold (the planner counts these)."""
     par = cfg.parallelism
-    splits = check_pipeline(par, dims.pp, model.args.n_layers, cfg.training.local_batch_size,
-                            getattr(model.args, "tie_embeddings", False))
+    splits = check_pipeline(par, dims.pp, model.args.n_layers, cfg.training.local_batch_size)
     ids = stage_ids(dims.mesh["pp"].get_local_rank(), dims.pp, len(splits) // dims.pp, par.pipeline_parallel_schedule)
     last = len(splits) - 1
     return splits, {s: parallelize(keep_stage(model, splits[s], first=s == 0, last=s == last), dims, cfg) for s in ids}
+
+
+def tie_copies(pipeline: Pipeline, dims, last_pp_rank: int) -> None:
+    """Megatron's tied embedding: the first stage's embedding and the last stage's output projection
+    are copies of one matrix (initialised alike, from the embedding's key), whose gradients are summed
+    over a group of each pipeline's first and last ranks (every rank creates every group)."""
+    pipeline.tied = [part.tok_embeddings.weight for part in pipeline.parts if part.tok_embeddings is not None]
+    pipeline.tied += [part.output.weight for part in pipeline.parts if part.output is not None]
+    if last_pp_rank == 0:  # ZBV's V (or pp 1): the first rank holds both
+        return
+    ranks = dims.mesh.mesh.reshape(dims.pp, -1)  # pp is the mesh's first dim: column j is pipeline j
+    ends = [[int(ranks[0, j]), int(ranks[last_pp_rank, j])] for j in range(ranks.shape[1])]
+    pipeline.tied_group, _ = dist.new_subgroups_by_enumeration(ends)
 
 
 def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.device, loss_fn) -> tuple[nn.Module, Pipeline]:
@@ -256,6 +288,11 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
         part.register_forward_hook(pipeline._add_aux_grad)
         pipeline.parts.append(part)
         pipeline.stages.append(PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
+    if getattr(model.args, "tie_embeddings", False):
+        per_rank = num_stages // dims.pp
+        last_pp_rank = next(r for r in range(dims.pp)
+                            if num_stages - 1 in stage_ids(r, dims.pp, per_rank, par.pipeline_parallel_schedule))
+        tie_copies(pipeline, dims, last_pp_rank)
     schedule_cls = SCHEDULES[par.pipeline_parallel_schedule]
     stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
     # Gradients are not rescaled by the schedule: the loss is already scaled per microbatch (loss_scale).
@@ -263,3 +300,28 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
                                      loss_fn=lambda logits, labels: pipeline._loss(logits, labels, loss_fn))
     rank_model = pipeline.parts[0] if len(pipeline.parts) == 1 else RankModel(pipeline.parts)
     return rank_model, pipeline
+
+
+def ties_embeddings(model: nn.Module) -> bool:
+    return getattr(getattr(getattr(model, "parts", [model])[0], "args", None), "tie_embeddings", False)
+
+
+def tied_state_as_one_process(optim_state: dict, ties: bool) -> bool:
+    """A pipeline's last-stage copy of a tied matrix keeps its optimizer state under `output.weight`,
+    a 1-process model (one parameter) under `tok_embeddings.weight`: checkpoints use the latter, which
+    the first stage writes with the same values, so they load under any layout. Returns whether the
+    rank held the embedding itself, for `tied_state_as_stage`."""
+    state = optim_state["state"]
+    had_embedding = "tok_embeddings.weight" in state
+    if ties and "output.weight" in state:
+        state.setdefault("tok_embeddings.weight", state.pop("output.weight"))
+    return had_embedding
+
+
+def tied_state_as_stage(optim_state: dict, ties: bool, own_names: set[str], had_embedding: bool) -> None:
+    """The inverse of tied_state_as_one_process on a loaded state: the output copy takes its own copy of the state."""
+    state = optim_state["state"]
+    if ties and "output.weight" in own_names and "tok_embeddings.weight" in state:
+        state["output.weight"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state["tok_embeddings.weight"].items()}
+        if not had_embedding:
+            del state["tok_embeddings.weight"]

@@ -84,28 +84,38 @@ class GPT2(KeepsTiedEmbeddings):
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype. With `document_ids` [B, T]
         (models/attention.py) each token attends only within its document, and with
-        args.reset_position_ids its position counts from its document's first token."""
-        seq_len = check_seq_len(tokens, self.args.max_seq_len)
-        if self.args.reset_position_ids and document_ids is not None:
-            positions = document_positions(document_ids)
-        else:
-            positions = torch.arange(seq_len, device=tokens.device)
-        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        args.reset_position_ids its position counts from its document's first token.
+
+        A pipeline stage lacks the modules of the other stages (None): a stage after the first takes
+        the previous stage's hidden states as `tokens`, one before the last returns its hidden states."""
+        h = tokens
+        if self.tok_embeddings is not None:
+            seq_len = check_seq_len(tokens, self.args.max_seq_len)
+            if self.args.reset_position_ids and document_ids is not None:
+                positions = document_positions(document_ids)
+            else:
+                positions = torch.arange(seq_len, device=tokens.device)
+            h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         mask = attention_mask(document_ids, None, tokens.device)  # built once, shared by every block
         for block in self.layers.values():
             h = block(h, mask)
-        return self.output(self.norm(h))
+        return h if self.output is None else self.output(self.norm(h))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """(Re)initialise every parameter in place, identically for any sharding."""
-        trunc_normal_(self.tok_embeddings.weight, INIT_STD, key="tok_embeddings.weight", seed=seed)
-        trunc_normal_(self.pos_embeddings.weight, POSITION_INIT_STD, key="pos_embeddings.weight", seed=seed)
+        """(Re)initialise every parameter in place, identically for any sharding; a pipeline stage
+        holds some of them (the others None), the first and last stages each a copy of the tied matrix."""
+        tied = self.tok_embeddings if self.tok_embeddings is not None else self.output
+        if tied is not None:
+            trunc_normal_(tied.weight, INIT_STD, key="tok_embeddings.weight", seed=seed)
+        if self.pos_embeddings is not None:
+            trunc_normal_(self.pos_embeddings.weight, POSITION_INIT_STD, key="pos_embeddings.weight", seed=seed)
         out_std = INIT_STD / (2 * self.args.n_layers) ** 0.5
         for layer_id, block in self.layers.items():
             block.init_weights(f"layers.{layer_id}.", seed, out_std)
-        nn.init.ones_(self.norm.weight)
-        nn.init.zeros_(self.norm.bias)
+        if self.norm is not None:
+            nn.init.ones_(self.norm.weight)
+            nn.init.zeros_(self.norm.bias)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Unique parameters (the tied matrix counts once); works on meta and sharded models.

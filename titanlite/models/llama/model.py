@@ -165,7 +165,7 @@ class KeepsTiedEmbeddings(nn.Module):
         # Module.to_empty / .to may replace each module's Parameter separately, which would split
         # a tied matrix in two; point the output back at the embedding.
         super()._apply(fn, recurse)
-        if self.args.tie_embeddings:
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
         return self
 
@@ -226,10 +226,12 @@ class Transformer(KeepsTiedEmbeddings):
         self.rope_cos, self.rope_sin = self._rope_tables(device=self.rope_cos.device)
         # Output std dim**-0.5 gives unit-scale logits at the start.
         out_std = self.args.dim**-0.5
-        if self.args.tie_embeddings:  # never split by a pipeline (refused)
+        if self.args.tie_embeddings:
             # One matrix, two jobs: init it for its output role (the first RMSNorm rescales its
-            # embedding role anyway).
-            trunc_normal_(self.tok_embeddings.weight, out_std, key="tok_embeddings.weight", seed=seed)
+            # embedding role anyway). A pipeline's first and last stages each hold a copy, drawn alike.
+            tied = self.tok_embeddings if self.tok_embeddings is not None else self.output
+            if tied is not None:
+                trunc_normal_(tied.weight, out_std, key="tok_embeddings.weight", seed=seed)
         else:  # a pipeline stage holds either, both or neither (None)
             # Std 1.0 as in torchtitan: each block's input is RMS-normalised, so the scale only makes
             # the embedding dominate the residual stream early on, which keeps the start stable.
