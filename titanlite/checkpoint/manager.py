@@ -136,10 +136,13 @@ class CheckpointManager:
         }
 
     def _full_state(self) -> dict:
+        # The model's first: FSDP's state_dict hook reshards a root that a validation forward (no
+        # backward) left gathered; the optimizer's names are found from the sharded parameters.
+        model = self._model_state()
         optimizer = get_optimizer_state_dict(self.model, self.optimizer)
         tied_state_as_one_process(optimizer, ties_embeddings(self.model))
         return {
-            **self._model_state(),
+            **model,
             "optimizer": optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": self._train_state(),
