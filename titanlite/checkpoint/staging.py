@@ -17,6 +17,8 @@ background thread that called `copy` waits for the stream, not the training thre
 import torch
 from torch.distributed._state_dict_utils import _check_state_dict_similarity, _copy_state_dict, _create_cpu_state_dict
 
+from titanlite.models.init import local_tensor
+
 
 class HostStaging:
     def __init__(self, pinned: bool):
@@ -39,12 +41,6 @@ class HostStaging:
         self.stream.synchronize()
         return staged
 
-    def bytes(self) -> int:
-        """Host memory the kept buffers hold (0 before the first async save)."""
-        if self.buffers is None:
-            return 0
-        return sum(t.untyped_storage().nbytes() for t in host_tensors(self.buffers))
-
 
 def host_tensors(state) -> list[torch.Tensor]:
     """Every tensor leaf of a nested state dict (a DTensor's local tensor for a DTensor)."""
@@ -53,5 +49,5 @@ def host_tensors(state) -> list[torch.Tensor]:
     if isinstance(state, (list, tuple)):
         return [t for value in state for t in host_tensors(value)]
     if isinstance(state, torch.Tensor):
-        return [state.to_local() if hasattr(state, "to_local") else state]
+        return [local_tensor(state)]
     return []
