@@ -108,6 +108,25 @@ def test_async_pinned_save_resumes_exactly(tmp_path):
     assert resumed == {s: reference[s] for s in (4, 5, 6)}
 
 
+def test_pinned_staging_reuses_its_buffers_and_waits_for_the_step():
+    """checkpoint/staging.py on the GPU: pinned host buffers made at the first copy and reused by the
+    next, each copy made on the side stream after the event that marks the state as computed."""
+    from titanlite.checkpoint.staging import HostStaging, host_tensors
+
+    staging = HostStaging(pinned=True)
+    weight = torch.zeros(1024, 1024, device="cuda")
+    for value in (1.0, 2.0):
+        weight.fill_(value)  # queued on the training stream; the copy must wait for it
+        computed = torch.cuda.Event()
+        computed.record()
+        host = staging.copy({"model": {"w": weight}, "step": int(value)}, computed)
+        if value == 1.0:
+            first = [t.data_ptr() for t in host_tensors(staging.buffers)]
+        assert host["model"]["w"].is_pinned() and host["step"] == int(value)
+        assert torch.equal(host["model"]["w"], torch.full((1024, 1024), value))
+    assert [t.data_ptr() for t in host_tensors(staging.buffers)] == first
+
+
 @users_allocator
 def test_memory_snapshot_with_the_allocator_default(tmp_path):
     trained(tmp_path, "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2", steps=2)
