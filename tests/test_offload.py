@@ -1,12 +1,14 @@
 """Offloading: FSDP2's CPU offload of params/grads/optimizer state, and activation offload."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import run_titanlite, tensorboard_scalars
 from titanlite.errors import UserError
-from titanlite.parallel.offload import activation_offload_context, check_fsdp_offload
+from titanlite.parallel.offload import HeldBytes, OffloadActivations, activation_offload_context, check_fsdp_offload
 
 
 def synthetic_run(folder, local_batch, extra=()):
@@ -26,6 +28,9 @@ def test_two_ranks_with_cpu_offload_equal_one_process(tmp_path):
         "--parallelism.fsdp_cpu_offload", "--activation_checkpoint.offload_activations"]), nproc=2)
     assert two.returncode == 0, two.stderr
     assert "activations already live in CPU memory" in two.stderr
+    assert "activation_offload: peak" in two.stderr and "(no memory saved on a CPU run)" in two.stderr
+    assert int(re.search(r"activation_offload_peak (\d+)", two.stderr).group(1)) > 0
+    assert "activation_offload" not in one.stderr
     expected = tensorboard_scalars(tmp_path / "one" / "tb", "loss/train")
     got = tensorboard_scalars(tmp_path / "two" / "tb", "loss/train")
     assert sorted(got) == [1, 2, 3]
@@ -47,7 +52,7 @@ def test_activation_offload_gives_the_same_gradients():
     grads = []
     for enabled in (False, True):
         layer.zero_grad()
-        with activation_offload_context(enabled):
+        with activation_offload_context(HeldBytes() if enabled else None):
             loss = F.mse_loss(layer(x), torch.zeros(4, 8))
         loss.backward()
         grads.append([p.grad.clone() for p in layer.parameters()])
@@ -75,10 +80,8 @@ def test_pinned_memory_only_with_cuda(monkeypatch):
     lambda x: x.permute(2, 0, 1).contiguous(),
 ], ids=["transposed", "strided-slice", "expanded", "contiguous"])
 def test_offloaded_tensor_comes_back_with_its_size_and_strides(view):
-    from titanlite.parallel.offload import OffloadActivations
-
     tensor = view(torch.arange(4 * 5 * 6, dtype=torch.float32).reshape(4, 5, 6))
-    hooks = OffloadActivations()
+    hooks = OffloadActivations(HeldBytes())
     packed = hooks.pack(tensor)
     back = hooks.unpack(packed)
     assert back.shape == tensor.shape and back.stride() == tensor.stride() and torch.equal(back, tensor)
@@ -88,7 +91,25 @@ def test_offloaded_tensor_comes_back_with_its_size_and_strides(view):
 
 
 def test_parameters_are_not_offloaded():
-    from titanlite.parallel.offload import OffloadActivations
-
     weight = torch.nn.Parameter(torch.ones(3))
-    assert OffloadActivations().pack(weight) is weight
+    held = HeldBytes()
+    hooks = OffloadActivations(held)
+    assert hooks.pack(weight) is weight
+    transposed = weight.view(1, 3).t()  # a Linear saves its weight transposed
+    assert hooks.pack(transposed) is transposed
+    assert held.peak == 0
+
+
+def test_held_bytes_count_what_backward_will_need_and_return_to_zero():
+    """Each Linear saves its [4, 16] fp32 input (and its weight, which stays), each ReLU its [4, 16]
+    output: 256 bytes apiece, all held from the forward until their backward; after it, none."""
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[module for _ in range(3) for module in (torch.nn.Linear(16, 16), torch.nn.ReLU())])
+    held = HeldBytes()
+    for _ in range(2):  # a second step counts the same, not more
+        with activation_offload_context(held):
+            loss = layers(torch.randn(4, 16, requires_grad=True)).sum()
+        assert held.live == 6 * 4 * 16 * 4
+        loss.backward()
+        assert held.live == 0
+    assert held.peak == 6 * 4 * 16 * 4

@@ -165,30 +165,38 @@ class RunSummary:
             if self.seen == self.steps_to_run:
                 self.ended = self._now()
 
-    def log(self, model, optimizer, tokens_per_step_per_rank: int, metrics, save_cost=None) -> None:
-        """`save_cost` (checkpoint/cost.py's SaveCost) adds the training time checkpoint saves lost."""
+    def log(self, model, optimizer, tokens_per_step_per_rank: int, metrics, save_cost=None, offloaded=None) -> None:
+        """`save_cost` (checkpoint/cost.py's SaveCost) adds the training time checkpoint saves lost;
+        `offloaded` (parallel/offload.py's HeldBytes) the most activation bytes offload held in host memory."""
         if not self.steps:
             return
         elapsed = (self.ended or self._now()) - self.started
         tps, tflops, mfu_pct = metrics.throughput(self.steps * tokens_per_step_per_rank, elapsed)
         mfu = "unknown" if mfu_pct is None else f"{mfu_pct:.2f}%"
         state = model_state_bytes(model, optimizer)
-        # The largest shard is what must fit on a device.
-        per_rank = torch.tensor(list(state.values()), dtype=torch.float64)
+        # The largest shard (and offload peak) is what must fit on a device.
+        per_rank = torch.tensor([*state.values(), offloaded.peak if offloaded else 0], dtype=torch.float64)
         dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-        mib = dict(zip(state, (per_rank / 2**20).tolist()))
-        saves = ""
+        *state_bytes, offloaded_peak = per_rank.tolist()
+        mib = {name: value / 2**20 for name, value in zip(state, state_bytes)}
+        tail = ""
         if save_cost is not None and save_cost.saves:
-            saves = f"  checkpoints: {save_cost.saves} saves, training lost {save_cost.lost_seconds:.3f}s"
+            tail = f"  checkpoints: {save_cost.saves} saves, training lost {save_cost.lost_seconds:.3f}s"
+        if offloaded is not None:
+            # On a CPU run the activations live in host memory either way.
+            saved = "not held on the device" if self.device.type == "cuda" else "no memory saved on a CPU run"
+            tail += f"  activation_offload: peak {offloaded_peak / 2**30:.3f}GiB held in host memory ({saved})"
         logger.info(
             f"run summary: {self.steps} steps after {self.warmup} warm-up  tps: {tps:,.0f}  "
             f"step: {elapsed / self.steps:.4f}s  tflops: {tflops:.3f}  mfu: {mfu}  "
             f"peak_memory: {peak_memory_gib(self.device):.3f}GiB  data: {100 * self.data_seconds / elapsed:.2f}%  "
             f"state_per_rank: params {mib['params']:.3f}MiB grads {mib['grads']:.3f}MiB "
-            f"optimizer {mib['optimizer']:.3f}MiB total {sum(mib.values()):.3f}MiB{saves}"
+            f"optimizer {mib['optimizer']:.3f}MiB total {sum(mib.values()):.3f}MiB{tail}"
         )
-        exact = dict(zip(state, per_rank.long().tolist()))
-        logger.info(f"run summary: state_per_rank_bytes params {exact['params']} grads {exact['grads']} optimizer {exact['optimizer']}")
+        exact = dict(zip(state, map(int, state_bytes)))
+        offload_bytes = f" activation_offload_peak {int(offloaded_peak)}" if offloaded is not None else ""
+        logger.info(f"run summary: state_per_rank_bytes params {exact['params']} grads {exact['grads']} "
+                    f"optimizer {exact['optimizer']}{offload_bytes}")
         if self.predicted is not None:
             planned = self.predicted
             logger.info(

@@ -32,7 +32,7 @@ from titanlite.parallel import mixed_precision_context
 from titanlite.parallel.compile import maybe_compile_loss
 from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.fsdp import DTYPES
-from titanlite.parallel.offload import activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
+from titanlite.parallel.offload import HeldBytes, activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.parallel.pp import build_pipeline
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.tp import local_loss, loss_parallel_context, place_grads_like_params
@@ -116,9 +116,10 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobConfig, dims, device, metrics, loss_fn,
-               pipeline=None, delimiters: tuple[int, int] | None = None):
+               pipeline=None, delimiters: tuple[int, int] | None = None, offloaded: HeldBytes | None = None):
     """One optimizer step over accum_steps micro-batches; returns (loss, grad_norm, lr used).
     `delimiters` (bos, eos) split each window into documents for block-causal attention; None = causal.
+    `offloaded` counts the activations offloaded to host memory; None = no activation offload.
 
     Each micro-batch holds the same number of tokens (packed windows), so dividing every
     micro-batch mean by accum_steps makes the summed gradient that of the whole batch.
@@ -135,13 +136,13 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         ids = document_ids(inputs, delimiters)
         if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
             with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
-                  activation_offload_context(cfg.activation_checkpoint.offload_activations)):
+                  activation_offload_context(offloaded)):
                 total_loss += pipeline.train_microstep(inputs, labels, accum_steps, cfg.model.moe_aux_loss_coeff,
                                                        {} if ids is None else {"document_ids": ids})
             continue
         with loss_parallel_context(dims.tp_enabled and not cfg.parallelism.disable_loss_parallel):
             with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
-                  activation_offload_context(cfg.activation_checkpoint.offload_activations)):
+                  activation_offload_context(offloaded)):
                 logits = model(inputs, document_ids=ids)
             loss = local_loss(loss_fn(logits, labels)) / accum_steps
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
@@ -234,6 +235,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     optimizer = build_optimizer(model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
     register_float8_scale_precompute(optimizer, model, cfg.float8)
     note_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
+    offloaded = HeldBytes() if cfg.activation_checkpoint.offload_activations else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
     delimiters = document_delimiters(cfg.model.attention_mask, tokenizer)
@@ -294,7 +296,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                     gc.collect(1)
                 with summary.measure(metrics):
                     loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device,
-                                                     metrics, loss_fn, pipeline, delimiters)
+                                                     metrics, loss_fn, pipeline, delimiters, offloaded)
                 state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
                 last, logged = step == training.steps, metrics.should_log(step)
                 validating = validator is not None and validator.should_validate(step)
@@ -318,7 +320,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     finally:
         checkpointer.close()  # waits for the last async save
         stop.close()
-    summary.log(model, optimizer, tokens_per_step // info.world_size, metrics, checkpointer.cost)
+    summary.log(model, optimizer, tokens_per_step // info.world_size, metrics, checkpointer.cost, offloaded)
     log_tokens_by_source(dataloader)
     metrics.close()
     gc.enable()

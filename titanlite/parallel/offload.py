@@ -11,7 +11,7 @@
   on a stream of their own, overlapped with compute: forward's device-to-host copies as soon as a
   tensor is made, backward's host-to-device copies a few tensors ahead of their use. On a CPU run
   activations already live in CPU memory: the copies are made as asked, but they save nothing,
-  and the run says so at start.
+  and the run says so at start. `HeldBytes` counts the bytes held in host memory, for the run summary.
 """
 
 import contextlib
@@ -49,11 +49,27 @@ def note_if_offload_saves_nothing(offload_activations: bool, device_type: str) -
         )
 
 
-def activation_offload_context(enabled: bool):
-    """Around the forward: saved activations go to CPU memory until backward."""
-    if not enabled:
+class HeldBytes:
+    """Bytes of saved activations in host memory: `live` now, `peak` the most at once over the run.
+    On CUDA that is device memory the activations did not hold (the run summary reports the peak)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def remove(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def activation_offload_context(held: HeldBytes | None):
+    """Around the forward: saved activations go to CPU memory until backward, counted in `held`;
+    None = no offload."""
+    if held is None:
         return contextlib.nullcontext()
-    return OffloadActivations()
+    return OffloadActivations(held)
 
 
 def storage_span(tensor: torch.Tensor) -> torch.Tensor:
@@ -67,14 +83,16 @@ def storage_span(tensor: torch.Tensor) -> torch.Tensor:
 class _Offloaded:
     """A saved tensor in host memory; `ready` marks its copy back to the device (CUDA)."""
 
-    __slots__ = ("index", "host", "shape", "stride", "device", "on_device", "ready", "taken", "__weakref__")
+    __slots__ = ("index", "host", "shape", "stride", "device", "on_device", "ready", "taken", "held", "__weakref__")
 
-    def __init__(self, index: int, tensor: torch.Tensor, stream):
+    def __init__(self, index: int, tensor: torch.Tensor, stream, held: HeldBytes):
         self.index, self.shape, self.stride, self.device = index, tensor.shape, tensor.stride(), tensor.device
         self.on_device = self.ready = None
         self.taken = False
         span = storage_span(tensor)
         self.host = torch.empty(span.shape, dtype=span.dtype, pin_memory=stream is not None)
+        self.held = held
+        held.add(self.host.nbytes)
         if stream is None:
             self.host.copy_(span)
             return
@@ -106,6 +124,9 @@ class _Offloaded:
         self.taken = True  # a second unpack (retain_graph) fetches again; prefetching skips it
         return tensor
 
+    def __del__(self):  # autograd frees the saved tensor: after its backward, or with the graph
+        self.held.remove(self.host.nbytes)
+
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """saved_tensors_hooks for one forward. Backward uses saved tensors in about the reverse order of
@@ -113,15 +134,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     PREFETCH = 8  # about half a transformer block's saved tensors: enough to hide a copy behind compute
 
-    def __init__(self):
+    def __init__(self, held: HeldBytes):
+        self.held = held
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.saved: list[weakref.ref] = []  # in forward order; an entry dies with its saved tensor
         super().__init__(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor):
-        if isinstance(tensor, torch.nn.Parameter) or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
-            return tensor  # parameters stay anyway; tensor subclasses and sparse tensors keep their own storage
-        offloaded = _Offloaded(len(self.saved), tensor, self.stream if tensor.is_cuda else None)
+        # Parameters and their views (Linear saves weight.t()) stay on the device anyway: copying them
+        # would move every weight out and back each step and save nothing. Tensor subclasses and
+        # sparse tensors keep their own storage.
+        base = tensor if tensor._base is None else tensor._base
+        if isinstance(base, torch.nn.Parameter) or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return tensor
+        offloaded = _Offloaded(len(self.saved), tensor, self.stream if tensor.is_cuda else None, self.held)
         self.saved.append(weakref.ref(offloaded))
         return offloaded
 
