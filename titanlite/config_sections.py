@@ -141,7 +141,7 @@ class Checkpoint:
 class ActivationCheckpoint:
     mode: str = opt("none", "recompute activations in backward instead of keeping them: none, full (every block) or selective", choices=("none", "full", "selective"))
     selective_ac_option: str = opt("op", "with mode selective: op (keep matmul/attention outputs, recompute the cheap ops) or an integer N (fully checkpoint every N-th block)")
-    offload_activations: bool = opt(False, "keep the activations saved for backward in CPU memory (pinned on CUDA) until backward needs them; saves nothing on a CPU run")
+    offload_activations: bool = opt(False, "keep the activations saved for backward in CPU memory (pinned on CUDA) until backward needs them; the run summary says the most it held there; saves nothing on a CPU run")
 
 
 @dataclass
