@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import materialize
+from conftest import ROOT, materialize
 from titanlite.config import load_config
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
@@ -165,3 +165,18 @@ def test_gpt2_refuses_reset_positions_under_tensor_parallelism():
     model = materialize("gpt2", small_args("gpt2", reset_position_ids=True))
     with pytest.raises(UserError, match="gpt2 with model.reset_position_ids and parallelism.tensor_parallel_degree 2"):
         apply_gpt2_tp(model, ParallelDims(dp_replicate=1, dp_shard=1, tp=2), loss_parallel=False)
+
+
+def test_synthetic_tokens_are_attended_causally_and_the_run_says_so(caplog):
+    """Random ids hold no documents: their stray bos ids must not cut windows (issue 17's benchmarks
+    time causal attention on them); real text keeps its documents."""
+    from titanlite.data.tokenizer import load_tokenizer
+    from titanlite.models.attention import document_delimiters
+
+    tokenizer = load_tokenizer(ROOT / "assets" / "tokenizer.model")
+    assert document_delimiters("block_causal", tokenizer, "sample") == (tokenizer.bos_id, tokenizer.eos_id)
+    assert "holds no documents" not in caplog.text
+    with caplog.at_level("INFO", logger="titanlite"):
+        assert document_delimiters("block_causal", tokenizer, "synthetic") is None
+    assert "training.dataset synthetic holds no documents: attention is causal" in caplog.text
+    assert document_delimiters("causal", tokenizer, "sample") is None

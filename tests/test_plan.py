@@ -95,25 +95,6 @@ def test_405b_table_in_seconds_and_advice_when_it_does_not_fit(capsys):
     assert "verdict: does not fit" in out and "the cheapest change that fits: --" in out, out
 
 
-def test_gpu_check_report_reads_the_run_summary_lines(tmp_path):
-    """scripts/gpu_check.sh's JSON + markdown writer, on the lines RunSummary prints (a missing log = blanks)."""
-    import json
-
-    from titanlite.plan.gpu_report import main as report_main
-
-    log = tmp_path / "bf16.log"
-    log.write_text(
-        "run summary: 30 steps after 10 warm-up  tps: 12,345  step: 1.3271s  tflops: 400.1  mfu: 40.45%  "
-        "peak_memory: 60.125GiB  data: 0.10%  state_per_rank: params 1.000MiB  checkpoints: 2 saves, training lost 0.420s\n"
-        "run summary: predicted vs measured: peak_memory 58.000GiB vs 60.125GiB  tps 13,000 vs 12,345\n")
-    assert report_main([str(tmp_path / "out"), f"bf16={log}", f"float8={tmp_path / 'missing.log'}"]) == 0
-    results = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert results["bf16"] == {"tps": 12345.0, "mfu_pct": 40.45, "peak_memory_gib": 60.125, "predicted_peak_gib": 58.0,
-                               "predicted_tps": 13000.0, "checkpoint_lost_s": 0.42}
-    assert set(results["float8"].values()) == {None}
-    assert "| bf16 | 12,345.00 | 40.45 | 60.12 | 58.00 | 13,000.00 | 0.42 |" in (tmp_path / "out" / "gpu_check.md").read_text()
-
-
 def test_pipeline_plan_shows_first_and_last_stage_with_each_schedules_bubble(capsys):
     """PP2 of the debug model, 4 microbatches: one memory table per role (the first stage with the
     embedding, the last with the output and loss), the bubble of each schedule, GPipe holding all its

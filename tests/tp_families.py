@@ -40,7 +40,7 @@ def losses(name: str, world: int) -> list[float]:
         w[:, 10::23] = tokenizer.bos_id
     batches = iter([(w[:, :-1], w[:, 1:]) for w in windows])
     metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
-    delimiters = document_delimiters(cfg.model.attention_mask, tokenizer)
+    delimiters = document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
     return [train_step(model, optimizer, scheduler, batches, 1, cfg, dims, torch.device("cpu"), metrics,
                        cross_entropy_loss, delimiters=delimiters)[0].item() for _ in range(STEPS)]
 

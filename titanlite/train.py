@@ -238,7 +238,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     offloaded = HeldBytes() if cfg.activation_checkpoint.offload_activations else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
-    delimiters = document_delimiters(cfg.model.attention_mask, tokenizer)
+    delimiters = document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
     training = cfg.training
     dataloader = build_dataloader(
         dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,

@@ -24,12 +24,23 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from titanlite.log import logger
+
 Mask = torch.Tensor | BlockMask | int | None  # int: Mistral's window alone (window_mask)
 
 
-def document_delimiters(attention_mask: str, tokenizer) -> tuple[int, int] | None:
-    """(bos, eos) of the tokenizer when windows are to be split into documents (block_causal), else None."""
-    return (tokenizer.bos_id, tokenizer.eos_id) if attention_mask == "block_causal" else None
+def document_delimiters(attention_mask: str, tokenizer, dataset: str) -> tuple[int, int] | None:
+    """(bos, eos) of the tokenizer when windows are to be split into documents (block_causal), else None.
+    Synthetic tokens are uniform random ids, not documents: a bos among them is noise, so their
+    windows are attended causally (the kernel a benchmark on them should time, as on real text
+    with causal), and the run says so."""
+    if attention_mask != "block_causal":
+        return None
+    if dataset == "synthetic":
+        logger.info("training.dataset synthetic holds no documents: attention is causal over each window "
+                    "(model.attention_mask block_causal applies to real text)")
+        return None
+    return tokenizer.bos_id, tokenizer.eos_id
 
 
 def document_ids(tokens: torch.Tensor, delimiters: tuple[int, int] | None) -> torch.Tensor | None:
