@@ -93,6 +93,8 @@ def test_405b_table_in_seconds_and_advice_when_it_does_not_fit(capsys):
                       "--activation_checkpoint.mode", "none"]) == 1
     out = capsys.readouterr().out
     assert "verdict: does not fit" in out and "the cheapest change that fits: --" in out, out
+    assert "note: activations are counted as an eager step keeps them" in out  # the config compiles
+    assert "note: float8 tensorwise measured 1.10x at dim 2048, 1.10x at dim 4096" in out  # 8B: dim 4096
 
 
 def test_pipeline_plan_shows_first_and_last_stage_with_each_schedules_bubble(capsys):
@@ -114,3 +116,22 @@ def test_pipeline_plan_shows_first_and_last_stage_with_each_schedules_bubble(cap
     assert [name for name, _ in plans["ZBVZeroBubble"].roles] == ["pp rank 0 (stages 0, 3; embedding; output + loss)",
                                                                   "pp rank 1 (stages 1, 2)"]
     assert plans["1F1B"].speed.pp_s > 0 and plan_job(load_config([*pp2, "--parallelism.pipeline_parallel_degree", "1"])).speed.pp_s == 0
+
+
+def test_float8_note_says_when_float8_pays_by_the_measured_figures():
+    """Issue 17, defect 7: rowwise at dim 2048 is slower than bf16; tensorwise pays where measured."""
+    from titanlite.plan.hardware import GPUS
+    from titanlite.plan.notes import float8_note
+
+    def note(*flags, dim=2048, gpu="H100 SXM"):
+        cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / "llama3_1b.toml"), *flags])
+        return float8_note(cfg, dim, GPUS[gpu])
+
+    assert note("--float8.recipe_name", "rowwise").startswith("float8 rowwise measured 0.96x compiled bf16 tps at dim 2048 on one H100: slower")
+    assert note() == "float8 tensorwise measured 1.10x at dim 2048, 1.10x at dim 4096 of compiled bf16 tps on one H100"
+    assert note(dim=8192).endswith("; dim 8192 was not measured")
+    assert note("--compile.enable", "false").startswith("float8 without compile.enable")
+    off = ["--float8.enable", "false", "--float8.enable_fsdp_float8_all_gather", "false",
+           "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
+    assert note(*off).startswith("float8 is off; float8 tensorwise measured 1.10x at dim 2048")
+    assert note(*off, gpu="A100 80GB") is None  # no float8 tensor cores

@@ -42,6 +42,8 @@ def main(argv: list[str]) -> int:
         for role, memory in result.roles:
             print(memory_table(role, memory))
         print(speed_table(result))
+        for note in result.notes:
+            print(f"note: {note}")
         if result.memory.fits:
             print(f"verdict: fits, {100 * (1 - result.memory.share):.0f}% headroom ({time.perf_counter() - began:.1f}s to plan)")
             return 0

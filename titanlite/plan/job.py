@@ -13,6 +13,7 @@ from titanlite.plan.activations import activations, per_block_and_ends
 from titanlite.plan.fake_world import fake_world, sharded_model, state_bytes
 from titanlite.plan.hardware import FABRIC_GBPS, GPUS
 from titanlite.plan.memory import Memory, fsdp_buffers, plan_memory
+from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
 from titanlite.plan.speed import Speed, plan_speed
 from titanlite.parallel.dims import ParallelDims
@@ -26,6 +27,7 @@ class JobPlan:
     world_size: int
     mesh: str
     speed: Speed
+    notes: list[str]  # plan/notes.py: float8 at this shape, compile and the memory count
 
     @property
     def memory(self) -> Memory:
@@ -124,7 +126,7 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
                        whole.num_params(), grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
                        plan.gpus_per_node)
     mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
-    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, speed)
+    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, speed, plan_notes(cfg, args.dim, gpu))
 
 
 def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:
