@@ -1,6 +1,6 @@
 """What the planner says beside its tables: when float8 pays at the job's shape, by the figures
-measured on one H100 (issue 17; docs/benchmarks.md "When float8 pays"), and where its memory
-count is an upper bound.
+measured on one H100 (issue 17; docs/benchmarks.md "When float8 pays"), and why its memory count
+may exceed what a compiled run holds.
 """
 
 from titanlite.config_sections import JobConfig
