@@ -17,6 +17,23 @@ def check_training(cfg: JobConfig) -> None:
         )
 
 
+def check_loss_chunking(cfg: JobConfig) -> None:
+    """The chunked loss runs inside the model's forward; tensor and pipeline parallelism compute the loss elsewhere."""
+    chunk, par = cfg.training.loss_chunk_tokens, cfg.parallelism
+    if chunk and par.tensor_parallel_degree > 1:
+        raise UserError(
+            f"training.loss_chunk_tokens {chunk} is not supported with parallelism.tensor_parallel_degree "
+            f"{par.tensor_parallel_degree} yet (the output projection is vocab-sharded there, with loss parallel); "
+            "set training.loss_chunk_tokens 0"
+        )
+    if chunk and par.pipeline_parallel_degree > 1:
+        raise UserError(
+            f"training.loss_chunk_tokens {chunk} is not supported with parallelism.pipeline_parallel_degree "
+            f"{par.pipeline_parallel_degree} yet (the schedule computes the loss outside the last stage's forward); "
+            "set training.loss_chunk_tokens 0"
+        )
+
+
 def check_model(cfg: JobConfig) -> None:
     if cfg.model.reset_position_ids and cfg.model.attention_mask != "block_causal":
         raise UserError(
@@ -57,3 +74,4 @@ def check_rules(cfg: JobConfig) -> None:
     check_model(cfg)
     check_activation_checkpoint(cfg)
     check_parallelism(cfg)
+    check_loss_chunking(cfg)
