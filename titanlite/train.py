@@ -174,12 +174,13 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
 
 
 def speed_settings(cfg: JobConfig) -> dict[str, str]:
-    """Activation checkpointing, compile and float8 as the run uses them (start-up line, TensorBoard hparams)."""
+    """Activation checkpointing, compile, float8 and loss chunks as the run uses them (start-up line, TensorBoard hparams)."""
     ac = cfg.activation_checkpoint
     ac_text = f"selective ({ac.selective_ac_option})" if ac.mode == "selective" else ac.mode
     compile_text = ",".join(cfg.compile.components) if cfg.compile.enable else "off"
     float8_text = cfg.float8.recipe_name if cfg.float8.enable else "off"
-    return {"AC": ac_text, "compile": compile_text, "float8": float8_text}
+    chunks_text = f"{cfg.training.loss_chunk_tokens} tokens" if cfg.training.loss_chunk_tokens else "off"
+    return {"AC": ac_text, "compile": compile_text, "float8": float8_text, "loss chunks": chunks_text}
 
 
 def speed_features(cfg: JobConfig) -> str:

@@ -54,7 +54,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if wants_h:
                 torch.mm(grad_logits, weight_c, out=grad_h[rows])
             if wants_weight:
-                grad_weight += (grad_logits.T @ h_c[rows]).float()
+                grad_weight.add_(grad_logits.T @ h_c[rows])
         ctx.save_for_backward(None if grad_h is None else grad_h.to(h.dtype),
                               None if grad_weight is None else grad_weight.to(weight.dtype))
         return loss / n
