@@ -6,7 +6,8 @@
 # 1. the CUDA test tier (pytest -m cuda);
 # 2. Llama 3.2 1B (H100; 3B on an H200) bf16 + compile + selective op AC at seq 8192: tps, MFU,
 #    peak memory, and the planner's predicted peak memory and tps beside them (the trainer logs both);
-# 3. the same with float8 (tensorwise);
+# 3. the same with float8 (tensorwise), and with training.loss_chunk_tokens 4096 (the chunked output
+#    projection + loss: its speed against step 2's is unmeasured until this runs);
 # 4. training time lost to checkpoint saves: async_with_pinned_mem vs a sync save;
 # 5. a CUDA memory snapshot (open it at pytorch.org/memory_viz).
 # Writes OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md (titanlite/plan/gpu_report.py) and the logs.
@@ -47,6 +48,8 @@ train bf16 --training.steps 40 --float8.enable false --float8.enable_fsdp_float8
     --float8.precompute_float8_dynamic_scale_for_fsdp false
 train float8 --training.steps 40 --float8.enable --float8.enable_fsdp_float8_all_gather false \
     --float8.precompute_float8_dynamic_scale_for_fsdp false
+train bf16_loss_chunks --training.steps 40 --float8.enable false --float8.enable_fsdp_float8_all_gather false \
+    --float8.precompute_float8_dynamic_scale_for_fsdp false --training.loss_chunk_tokens 4096
 for mode in disabled async_with_pinned_mem; do
     train "save_$mode" --training.steps 30 --float8.enable false --float8.enable_fsdp_float8_all_gather false \
         --float8.precompute_float8_dynamic_scale_for_fsdp false --checkpoint.enable --checkpoint.interval 10 \
@@ -54,5 +57,6 @@ for mode in disabled async_with_pinned_mem; do
 done
 
 "$PYTHON" -m titanlite.plan.gpu_report "$OUT" bf16="$OUT/bf16.log" float8="$OUT/float8.log" \
+    bf16_loss_chunks="$OUT/bf16_loss_chunks.log" \
     save_sync="$OUT/save_disabled.log" save_async_pinned="$OUT/save_async_with_pinned_mem.log"
 echo "gpu_check: memory snapshots under $OUT/save_disabled/memory_snapshot"
