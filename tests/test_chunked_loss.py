@@ -18,7 +18,7 @@ from titanlite.train import cross_entropy_loss, main
 N, D, V = 300, 64, 1000
 
 
-def loss_and_grads(loss_fn, dtype, labels):
+def loss_and_grads(loss_fn, dtype):
     """loss_fn(h, weight) with h [N, D] and weight [V, D] drawn in float64 and cast to dtype, and the
     gradients of both; all returned in float64."""
     torch.manual_seed(0)
@@ -42,9 +42,9 @@ def test_loss_and_gradients_equal_the_logits_path_in_fp32():
     relative, the gradients within 1.4e-6 (max difference / max value), the same distance from a
     float64 reference as the plain path's fp32 (both differ there only by GEMM rounding)."""
     labels = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(1))
-    want = loss_and_grads(lambda h, w: unfused(h, w, labels), torch.float32, labels)
+    want = loss_and_grads(lambda h, w: unfused(h, w, labels), torch.float32)
     for chunk in (60, 7, N, 4096):
-        got = loss_and_grads(lambda h, w: chunked_cross_entropy(h, w, labels, chunk), torch.float32, labels)
+        got = loss_and_grads(lambda h, w: chunked_cross_entropy(h, w, labels, chunk), torch.float32)
         assert relative(got[0], want[0]) <= 1e-6, chunk
         assert relative(got[1], want[1]) <= 2e-6 and relative(got[2], want[2]) <= 2e-6, chunk
 
@@ -54,8 +54,8 @@ def test_bf16_is_close_to_the_bf16_logits_path():
     gradient of h within 2**-8 (reached 0: the same bf16 GEMMs) and the weight's within 2**-7, one bf16
     step at its largest value (reached 5.9e-3: each path rounds its sum to bf16 once, from different partial sums)."""
     labels = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(1))
-    plain = loss_and_grads(lambda h, w: unfused(h, w, labels), torch.bfloat16, labels)
-    chunked = loss_and_grads(lambda h, w: chunked_cross_entropy(h, w, labels, 64), torch.bfloat16, labels)
+    plain = loss_and_grads(lambda h, w: unfused(h, w, labels), torch.bfloat16)
+    chunked = loss_and_grads(lambda h, w: chunked_cross_entropy(h, w, labels, 64), torch.bfloat16)
     assert relative(chunked[0], plain[0]) <= 1e-6
     assert relative(chunked[1], plain[1]) <= 2**-8 and relative(chunked[2], plain[2]) <= 2**-7
 
