@@ -36,6 +36,7 @@ OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.s
 FLOAT8 = ["--float8.enable", "--float8.recipe_name", "tensorwise"]
 BATCH_1 = ["--training.local_batch_size", "1"]
 OFFLOAD = ["--activation_checkpoint.offload_activations"]
+LOSS_CHUNKS = ["--training.loss_chunk_tokens", "4096"]
 LAYERS_8B = ["--model.flavor", "8B", "--model.n_layers", "8", "--training.local_batch_size", "1"]
 SAVES = ["--training.steps", "40", "--checkpoint.enable", "--checkpoint.interval", "10",
          "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "20"]
@@ -55,6 +56,10 @@ GROUPS: dict[str, dict[str, list[str]]] = {
         "offload_eager_b1": BATCH_1 + OFFLOAD,
         "compile_b1": BATCH_1 + COMPILE,
         "offload_compile_b1": BATCH_1 + COMPILE + OFFLOAD,
+        # The chunked output loss (training.loss_chunk_tokens): its speed beside compile_b1, and the
+        # batch its memory buys beside `best` (the planner, counting eagerly, fits batch 10 with op AC).
+        "loss_chunks_b1": BATCH_1 + COMPILE + LOSS_CHUNKS,
+        "best_loss_chunks": COMPILE + FLOAT8 + OP_AC + LOSS_CHUNKS + ["--training.local_batch_size", "6"],
     },
     "shapes": {
         "best": COMPILE + FLOAT8 + OP_AC + ["--training.local_batch_size", "4"],  # target 66% MFU

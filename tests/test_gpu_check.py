@@ -21,7 +21,8 @@ def test_every_run_is_a_valid_job(name, tmp_path):
     assert (cfg.model.flavor, cfg.training.seq_len) == ("8B" if name.startswith("8b") else "1B", 8192)
     assert cfg.model.attention_mask == ("block_causal" if name == "sample_block_causal" else "causal")
     assert cfg.activation_checkpoint.offload_activations == ("offload" in name)
-    assert cfg.float8.enable == (name.startswith("float8") or name in ("best", "8b_layers_float8"))
+    assert cfg.float8.enable == (name.startswith(("float8", "best")) or name == "8b_layers_float8")
+    assert cfg.training.loss_chunk_tokens == (4096 if "loss_chunks" in name else 0)
 
 
 def test_report_reads_the_run_summary_lines(tmp_path):

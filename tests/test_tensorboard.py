@@ -111,7 +111,7 @@ def test_two_rank_dashboard_read_over_http(tmp_path):
 
         experiment = get("/data/plugin/hparams/experiment", {"experimentName": ""})
         assert {h["name"] for h in experiment["hparamInfos"]} == {
-            "family", "flavor", "world_size", "mesh", "AC", "compile", "float8", "batch", "seq_len", "lr", "dataset"}
+            "family", "flavor", "world_size", "mesh", "AC", "compile", "float8", "loss chunks", "batch", "seq_len", "lr", "dataset"}
         assert [m["name"]["tag"] for m in experiment["metricInfos"]] == ["loss/train", "throughput/tps", "throughput/mfu"]
         groups = get("/data/plugin/hparams/session_groups", {
             "experimentName": "", "startIndex": 0, "sliceSize": 10,
@@ -119,7 +119,7 @@ def test_two_rank_dashboard_read_over_http(tmp_path):
         (group,) = groups["sessionGroups"]  # rank 0 describes the run
         assert group["hparams"] | {"lr": 0} == {
             "family": "llama3", "flavor": "debugmodel", "world_size": 2.0, "mesh": "dp_replicate 1 x dp_shard 2 x tp 1, pp 1",
-            "AC": "none", "compile": "off", "float8": "off", "batch": 4.0, "seq_len": 64.0, "lr": 0, "dataset": "sample"}
+            "AC": "none", "compile": "off", "float8": "off", "loss chunks": "off", "batch": 4.0, "seq_len": 64.0, "lr": 0, "dataset": "sample"}
         final = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
         assert final["loss/train"] == pytest.approx(logged_losses(out.stderr)[13], abs=1e-4)
 

@@ -90,6 +90,7 @@ class Training:
     param_dtype: str = opt("float32", "dtype the weights are stored and updated in; bfloat16 = pure-bf16 training (with mixed_precision_param bfloat16 and optimizer.name AdamWBF16Kahan)", choices=("float32", "bfloat16"))
     gc_freq: int = opt(50, "run Python's garbage collector every this many steps (automatic gc is turned off)", at_least=1)
     deterministic: bool = opt(False, "use deterministic algorithms (slower; for debugging numerics)")
+    loss_chunk_tokens: int = opt(0, "tokens per chunk of the fused output projection + cross-entropy, which never holds the whole micro-batch's logits (0 = off: the logits of the whole micro-batch, then the loss); opt-in while its GPU speed is unmeasured", at_least=0)
     skip_nan_check: bool = opt(False, "keep training when the loss or gradient norm is NaN or inf (by default the run stops at that step and saves nothing of it)")
 
 

@@ -4,6 +4,7 @@ Reads top to bottom in the order a job happens: config -> mesh -> model -> optim
 loop -> close. Each component comes from one build_* call; this file owns only the loop.
 """
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from titanlite.checkpoint import CheckpointManager, StopFlags
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.config import load_config, write_resolved_config
-from titanlite.config_sections import JobConfig, Model, Training
+from titanlite.config_sections import Compile, JobConfig, Model, Training
 from titanlite.data.datasets import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
@@ -26,6 +27,7 @@ from titanlite.log import init_logger, logger
 from titanlite.metrics import MetricsLogger, log_tokens_by_source, source_scalars
 from titanlite.models.attention import document_delimiters, document_ids
 from titanlite.models import get_model_args, get_model_spec
+from titanlite.models.output_loss import ChunkedCrossEntropy, chunk_loss, micro_batch_loss
 from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from titanlite.output_folders import check_output_folders
 from titanlite.parallel import mixed_precision_context
@@ -115,6 +117,24 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def build_loss(cfg: Training, compile_cfg: Compile):
+    """cross_entropy_loss of the logits, or with training.loss_chunk_tokens the chunked output projection +
+    loss that the model's forward runs (models/output_loss.py); compiled where compile.components has "loss"
+    (the chunked one per chunk: its loop stays eager)."""
+    if cfg.loss_chunk_tokens:
+        return ChunkedCrossEntropy(cfg.loss_chunk_tokens, maybe_compile_loss(chunk_loss, compile_cfg))
+    return maybe_compile_loss(cross_entropy_loss, compile_cfg)
+
+
+@contextlib.contextmanager
+def forward_context(cfg: JobConfig, dims, device_type: str, offloaded: HeldBytes | None):
+    """Around every training forward: autocast where FSDP does not cast, and activation offload where
+    asked (`offloaded` counts what it holds; None = no offload)."""
+    with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device_type),
+          activation_offload_context(offloaded)):
+        yield
+
+
 def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobConfig, dims, device, metrics, loss_fn,
                pipeline=None, delimiters: tuple[int, int] | None = None, offloaded: HeldBytes | None = None):
     """One optimizer step over accum_steps micro-batches; returns (loss, grad_norm, lr used).
@@ -135,16 +155,13 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
         metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
         ids = document_ids(inputs, delimiters)
         if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
-            with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
-                  activation_offload_context(offloaded)):
+            with forward_context(cfg, dims, device.type, offloaded):
                 total_loss += pipeline.train_microstep(inputs, labels, accum_steps, cfg.model.moe_aux_loss_coeff,
                                                        {} if ids is None else {"document_ids": ids})
             continue
         with loss_parallel_context(dims.tp_enabled and not cfg.parallelism.disable_loss_parallel):
-            with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device.type),
-                  activation_offload_context(offloaded)):
-                logits = model(inputs, document_ids=ids)
-            loss = local_loss(loss_fn(logits, labels)) / accum_steps
+            loss = micro_batch_loss(model, inputs, labels, ids, loss_fn, forward_context(cfg, dims, device.type, offloaded))
+            loss = local_loss(loss) / accum_steps
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
             (loss if aux_loss is None else loss + cfg.model.moe_aux_loss_coeff * aux_loss / accum_steps).backward()
         total_loss += loss.detach()
@@ -159,12 +176,13 @@ def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobC
 
 
 def speed_settings(cfg: JobConfig) -> dict[str, str]:
-    """Activation checkpointing, compile and float8 as the run uses them (start-up line, TensorBoard hparams)."""
+    """Activation checkpointing, compile, float8 and loss chunks as the run uses them (start-up line, TensorBoard hparams)."""
     ac = cfg.activation_checkpoint
     ac_text = f"selective ({ac.selective_ac_option})" if ac.mode == "selective" else ac.mode
     compile_text = ",".join(cfg.compile.components) if cfg.compile.enable else "off"
     float8_text = cfg.float8.recipe_name if cfg.float8.enable else "off"
-    return {"AC": ac_text, "compile": compile_text, "float8": float8_text}
+    chunks_text = f"{cfg.training.loss_chunk_tokens} tokens" if cfg.training.loss_chunk_tokens else "off"
+    return {"AC": ac_text, "compile": compile_text, "float8": float8_text, "loss chunks": chunks_text}
 
 
 def speed_features(cfg: JobConfig) -> str:
@@ -230,7 +248,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     args = resolve_model_args(cfg, spec, tokenizer.vocab_size)
     if cfg.validation.enable:
         check_validation(cfg.validation, cfg.training, args.max_seq_len)
-    loss_fn = maybe_compile_loss(cross_entropy_loss, cfg.compile)
+    loss_fn = build_loss(cfg.training, cfg.compile)
     model, num_params, flops_per_token, pipeline = build_model(cfg, spec, args, dims, info.device, loss_fn)
     optimizer = build_optimizer(model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
     register_float8_scale_precompute(optimizer, model, cfg.float8)
@@ -263,7 +281,8 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     validator = None
     if cfg.validation.enable:  # its own loader: validating never moves the training data position
         validator = Validator(cfg.validation, training, tokenizer=tokenizer, dims=dims, device=info.device,
-                              seed=cfg.job.seed, metrics=metrics, pipeline=pipeline, delimiters=delimiters)
+                              seed=cfg.job.seed, metrics=metrics, pipeline=pipeline, delimiters=delimiters,
+                              loss_fn=loss_fn)
 
     checkpointer = CheckpointManager(
         cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,

@@ -22,6 +22,7 @@ from titanlite.data.datasets import build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.models.attention import document_ids
+from titanlite.models.output_loss import ChunkedCrossEntropy, micro_batch_loss
 from titanlite.parallel import mixed_precision_context
 
 
@@ -40,9 +41,11 @@ def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> N
 
 class Validator:
     def __init__(self, cfg: Validation, training: Training, *, tokenizer, dims, device: torch.device, seed: int, metrics,
-                 pipeline=None, delimiters: tuple[int, int] | None = None):
-        """`delimiters` (bos, eos) split windows into documents, as in training (block_causal); None = causal."""
+                 pipeline=None, delimiters: tuple[int, int] | None = None, loss_fn=None):
+        """`delimiters` (bos, eos) split windows into documents, as in training (block_causal); None = causal.
+        `loss_fn`: the trainer's; a ChunkedCrossEntropy (training.loss_chunk_tokens) validates by chunks too."""
         self.cfg = cfg
+        self.chunked_loss = loss_fn if isinstance(loss_fn, ChunkedCrossEntropy) else None
         self.pipeline = pipeline
         self.delimiters = delimiters
         self.dims = dims
@@ -85,6 +88,9 @@ class Validator:
     def _loss_sum(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The sum of the batch's token losses (a pipeline runs its schedule forward only)."""
         ids = document_ids(inputs, self.delimiters)
+        if self.chunked_loss is not None:  # the mean over the batch's tokens, computed inside the forward
+            context = mixed_precision_context(self.dims, self.param_dtype, self.device.type)
+            return micro_batch_loss(model, inputs, labels, ids, self.chunked_loss, context) * labels.numel()
         with mixed_precision_context(self.dims, self.param_dtype, self.device.type):
             if self.pipeline is not None:
                 return self.pipeline.eval_loss_sum(inputs, labels, {} if ids is None else {"document_ids": ids})

@@ -21,8 +21,9 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titanlite.config_sections import JobConfig
+from titanlite.config_sections import Compile, JobConfig
 from titanlite.errors import UserError
+from titanlite.models.output_loss import micro_batch_loss
 from titanlite.parallel import mixed_precision_context
 from titanlite.parallel.ac import _every_nth, apply_ac
 from titanlite.parallel.dims import ParallelDims
@@ -78,10 +79,11 @@ class Activations:
 
 def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int) -> Activations:
     """One training micro-step of the model cut to n_layers blocks, tallied op by op."""
-    from titanlite.train import cross_entropy_loss  # the trainer's loss (train.py imports the planner's callers)
+    from titanlite.train import build_loss  # the trainer's loss (train.py imports the planner's callers)
 
     training = cfg.training
     compute = DTYPES[training.mixed_precision_param]
+    loss_fn = build_loss(training, Compile())  # eager: compile's fused loss keeps fewer temporaries, never more
     fake = FakeTensorMode()  # also active during the step: factory calls in forward (masks, positions) stay fake
     with fake:
         model = spec.model_cls(dataclasses.replace(args, n_layers=n_layers))
@@ -104,9 +106,8 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int) -> Ac
             param.register_post_accumulate_grad_hook(keep_shard)
     try:
         with fake, tally:
-            with mixed_precision_context(dims, training.mixed_precision_param, "cpu"):
-                logits = model(tokens)
-            loss = cross_entropy_loss(logits, tokens)
+            context = mixed_precision_context(dims, training.mixed_precision_param, "cpu")
+            loss = micro_batch_loss(model, tokens, tokens, None, loss_fn, context)
             saved = tally.live
             loss.backward()
     except DataDependentOutputException:

@@ -81,8 +81,9 @@ class GPT2(KeepsTiedEmbeddings):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.output.weight = self.tok_embeddings.weight  # tied, as in GPT-2
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype. With `document_ids` [B, T]
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
+        given (KeepsTiedEmbeddings.head). With `document_ids` [B, T]
         (models/attention.py) each token attends only within its document, and with
         args.reset_position_ids its position counts from its document's first token.
 
@@ -99,7 +100,7 @@ class GPT2(KeepsTiedEmbeddings):
         mask = attention_mask(document_ids, None, tokens.device)  # built once, shared by every block
         for block in self.layers.values():
             h = block(h, mask)
-        return h if self.output is None else self.output(self.norm(h))
+        return h if self.output is None else self.head(h, output_loss)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

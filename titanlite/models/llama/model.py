@@ -159,7 +159,18 @@ def check_seq_len(tokens: torch.Tensor, max_seq_len: int) -> int:
 
 
 class KeepsTiedEmbeddings(nn.Module):
-    """Base of models whose output projection may be their token embedding (`args.tie_embeddings`)."""
+    """Base of the decoders: their output head (the final norm and output projection), which may be
+    their token embedding (`args.tie_embeddings`)."""
+
+    def head(self, h: torch.Tensor, output_loss=None) -> torch.Tensor:
+        """The final norm, then the logits [B, T, vocab] in the compute dtype, or, given `output_loss`
+        (models/output_loss.py: (hidden states [N, D], output weight) -> loss), that loss, which need not
+        hold the logits. It runs inside the model's forward, where FSDP has gathered the weights; a tied
+        output weight is the embedding's, so it gets both gradients."""
+        h = self.norm(h)
+        if output_loss is None:
+            return self.output(h)
+        return output_loss(h.flatten(0, 1), self.output.weight)
 
     def _apply(self, fn, recurse=True):
         # Module.to_empty / .to may replace each module's Parameter separately, which would split
@@ -193,8 +204,9 @@ class Transformer(KeepsTiedEmbeddings):
         a = self.args
         return rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype. With `document_ids` [B, T]
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
+        given (head()). With `document_ids` [B, T]
         (models/attention.py) each token attends only within its document, and with
         args.reset_position_ids its RoPE position counts from its document's first token.
 
@@ -212,7 +224,7 @@ class Transformer(KeepsTiedEmbeddings):
         # Built once here and shared by every block; Mistral and Mixtral args carry a sliding window.
         mask = attention_mask(document_ids, getattr(self.args, "sliding_window", None), tokens.device)
         h = self.run_blocks(h, rope_cos, rope_sin, mask)
-        return h if self.output is None else self.output(self.norm(h))
+        return h if self.output is None else self.head(h, output_loss)
 
     def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
         """The blocks in order; families whose blocks return more than h (Mixtral) override it."""
