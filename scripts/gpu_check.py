@@ -133,15 +133,21 @@ def run_tests(out: Path) -> None:
     print(f"tests: {'passed' if code == 0 else f'FAILED (exit {code}), see {out}/tests.log'}", flush=True)
 
 
+RUN_TIMEOUT_S = 240  # a run takes about a minute; a hung one must not take the group's whole command with it
+
+
 def train(name: str, out: Path, gpu: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                "-m", "titanlite.train", *job_arguments(name, out, gpu)]
     with open(out / f"{name}.log", "w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
-        code = subprocess.call(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
-    print(f"{name}: {'done' if code == 0 else f'FAILED (exit {code}), see {out}/{name}.log'}", flush=True)
+        try:
+            code = subprocess.call(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
+                                   env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+        except subprocess.TimeoutExpired:
+            code = f"timed out after {RUN_TIMEOUT_S} s"
+    print(f"{name}: {'done' if code == 0 else f'FAILED ({code}), see {out}/{name}.log'}", flush=True)
 
 
 def main(argv: list[str]) -> int:
