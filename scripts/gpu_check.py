@@ -14,7 +14,6 @@ that every run's flags form a valid job, so no GPU minute is lost to a typo.
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -143,13 +142,14 @@ def train(name: str, out: Path, gpu: str) -> None:
     with open(out / f"{name}.log", "w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
-        # Its own process group: on a timeout torchrun's worker goes too, and frees the GPU for the next run.
-        run = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        run = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
         try:
             code = run.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(run.pid, signal.SIGKILL)
+            # SIGTERM, not SIGKILL: torchrun runs its worker in a session of its own, and only torchrun
+            # itself, on SIGTERM, stops it (SIGTERM, then SIGKILL after 30 s) and so frees the GPU.
+            run.terminate()
             run.wait()
             code = f"timed out after {RUN_TIMEOUT_S} s"
     print(f"{name}: {'done' if code == 0 else f'FAILED ({code}), see {out}/{name}.log'}", flush=True)

@@ -46,3 +46,14 @@ def test_unknown_group_is_refused_and_list_names_every_run(capsys):
     assert gpu_check.main(["--list"]) == 0
     listed = [line.split("\t")[1] for line in capsys.readouterr().out.splitlines()]
     assert listed == list(gpu_check.RUNS)
+
+
+def test_a_run_past_its_time_is_killed_with_its_worker(tmp_path, monkeypatch, capsys):
+    """A hung run must not take its group's GPU command with it: torchrun and its worker both go."""
+    import subprocess
+
+    monkeypatch.setattr(gpu_check, "RUN_TIMEOUT_S", 3)  # the 1B model on a CPU is far from done by then
+    gpu_check.train("compile", tmp_path, "H100 SXM")
+    assert f"compile: FAILED (timed out after 3 s), see {tmp_path}/compile.log" in capsys.readouterr().out
+    assert (tmp_path / "compile.log").read_text().startswith(f"{sys.executable} -m torch.distributed.run")
+    assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).returncode == 1  # nothing left
