@@ -117,12 +117,10 @@ def test_trainer_with_chunks_equals_without_for_llama3_gpt2_mixtral_and_on_two_f
 @pytest.mark.parametrize("flags, message", [
     (["--parallelism.tensor_parallel_degree", "2"],
      "is not supported with parallelism.tensor_parallel_degree 2 yet (the output projection is vocab-sharded"),
-    (["--parallelism.pipeline_parallel_degree", "2"],
-     "is not supported with parallelism.pipeline_parallel_degree 2 yet (the schedule computes the loss outside"),
     (["--float8.enable", "--float8.filter_fqns", "wq"],
      "multiplies by the output weight in the compute dtype, but float8.filter_fqns wq lets float8 convert the output layer"),
 ])
-def test_tensor_and_pipeline_parallelism_and_float8_output_are_refused_in_one_sentence(tiny_run, flags, message, capsys):
+def test_tensor_parallelism_and_float8_output_are_refused_in_one_sentence(tiny_run, flags, message, capsys):
     assert main([*tiny_run, "--training.loss_chunk_tokens", "4096", *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: training.loss_chunk_tokens 4096 {message}")

@@ -71,7 +71,8 @@ def resume_runs(tmp_path, world: int) -> list[dict]:
 
 def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     """PP2 under each schedule gives the 1-process fp32 losses (within 1e-5), 1F1B learns over 20
-    steps (the issue's acceptance run) and validates (forward only) to the same loss, Mixtral's
+    steps (the issue's acceptance run) and validates (forward only) to the same loss, with and without
+    the chunked loss, Mixtral's
     balance loss reaches every stage's backward, GPT-2's tied embedding (a copy on each end) trains and
     resumes under 1 process as on one, and a checkpoint saved at step 5 under one layout
     resumes under another with the uninterrupted losses."""
@@ -80,6 +81,7 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     mixtral = ["--model.name", "mixtral", "--training.global_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "2"]
     validated = ["--validation.enable", "--validation.freq", "10", "--validation.steps", "2"]
     gpt2 = ["--model.name", "gpt2"]  # tied embeddings: a copy on each end of the pipeline
+    CHUNKS = ["--training.loss_chunk_tokens", "50"]  # windows of 64 tokens: chunks of 50 and 14
     prepare("sample", str(tmp_path / "store"))  # every run below reads it (the same windows at any dp degree)
     world2 = [
         run(tmp_path, "pp2", [*LAYOUTS["pp2"][1], *validated], 20, checkpoint=True),
@@ -88,6 +90,10 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
         *[run(tmp_path, f"pp2_{s}", [*PP2, "--parallelism.pipeline_parallel_schedule", s], 5) for s in SCHEDULES if s != "1F1B"],
         run(tmp_path, "mixtral_pp2", [*mixtral, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 5),
         run(tmp_path, "gpt2_pp2", [*gpt2, *LAYOUTS["pp2"][1]], SAVE_STEP, checkpoint=True),
+        # The chunked loss runs in the last stage's forward: training and validation (1F1B), and GPT-2's
+        # tied output on ZBV, where rank 0 holds the first and the last stage.
+        run(tmp_path, "pp2_chunks", [*LAYOUTS["pp2"][1], *validated, *CHUNKS], 10),
+        run(tmp_path, "gpt2_zbv_chunks", [*gpt2, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", *CHUNKS], 5),
     ]
     log = launch(world2 + resume_runs(tmp_path, 2), 2, tmp_path, "world2")
     assert_planned_state(world2[0]["argv"], 2, log)  # the first run's summary: the planner's bytes of PP2 1F1B
@@ -96,7 +102,7 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     launch(world1, 1, tmp_path, "world1")
 
     one = losses(tmp_path, "one")
-    for name in ["pp2", "tp2", "fsdp2", *[f"pp2_{s}" for s in SCHEDULES if s != "1F1B"]]:
+    for name in ["pp2", "tp2", "fsdp2", "pp2_chunks", *[f"pp2_{s}" for s in SCHEDULES if s != "1F1B"]]:
         got = losses(tmp_path, name)
         for step in range(1, 6):
             assert got[step] == pytest.approx(one[step], abs=1e-5), (name, step)
@@ -106,12 +112,17 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     assert sorted(validation) == [10, 20]
     for step, value in tensorboard_scalars(tmp_path / "pp2" / "tb", "loss/validation").items():
         assert value == pytest.approx(validation[step], abs=1e-5), step
+    assert tensorboard_scalars(tmp_path / "pp2_chunks" / "tb", "loss/validation")[10] == pytest.approx(validation[10], abs=1e-5)
     mixtral_one, mixtral_pp2 = losses(tmp_path, "mixtral_one"), losses(tmp_path, "mixtral_pp2")
     for step in range(1, 6):
         assert mixtral_pp2[step] == pytest.approx(mixtral_one[step], abs=1e-5), step
     gpt2_one, gpt2_pp2, gpt2_resumed = losses(tmp_path, "gpt2_one"), losses(tmp_path, "gpt2_pp2"), losses(tmp_path, "gpt2_pp2_to_one")
     assert sorted(gpt2_pp2) == [1, 2, 3, 4, 5] and sorted(gpt2_resumed) == [6, 7]
     for step, value in {**gpt2_pp2, **gpt2_resumed}.items():
+        assert value == pytest.approx(gpt2_one[step], abs=1e-5), step
+    gpt2_chunks = losses(tmp_path, "gpt2_zbv_chunks")
+    assert sorted(gpt2_chunks) == [1, 2, 3, 4, 5] and "loss chunks 50 tokens" in log
+    for step, value in gpt2_chunks.items():
         assert value == pytest.approx(gpt2_one[step], abs=1e-5), step
     for source, target in RESUMES:
         uninterrupted, resumed = losses(tmp_path, source), losses(tmp_path, f"{source}_to_{target}")

@@ -18,8 +18,9 @@ def check_training(cfg: JobConfig) -> None:
 
 
 def check_loss_chunking(cfg: JobConfig) -> None:
-    """The chunked loss runs inside the model's forward; tensor and pipeline parallelism compute the loss
-    elsewhere, and it multiplies by the output weight itself, which float8 must leave in high precision."""
+    """The chunked loss runs inside the model's forward (the last pipeline stage's); tensor parallelism
+    computes the loss on vocab shards, and it multiplies by the output weight itself, which float8 must
+    leave in high precision."""
     chunk, par = cfg.training.loss_chunk_tokens, cfg.parallelism
     if chunk and cfg.float8.enable and not any(name in "output" for name in cfg.float8.filter_fqns):
         raise UserError(
@@ -31,12 +32,6 @@ def check_loss_chunking(cfg: JobConfig) -> None:
         raise UserError(
             f"training.loss_chunk_tokens {chunk} is not supported with parallelism.tensor_parallel_degree "
             f"{par.tensor_parallel_degree} yet (the output projection is vocab-sharded there, with loss parallel); "
-            "set training.loss_chunk_tokens 0"
-        )
-    if chunk and par.pipeline_parallel_degree > 1:
-        raise UserError(
-            f"training.loss_chunk_tokens {chunk} is not supported with parallelism.pipeline_parallel_degree "
-            f"{par.pipeline_parallel_degree} yet (the schedule computes the loss outside the last stage's forward); "
             "set training.loss_chunk_tokens 0"
         )
 

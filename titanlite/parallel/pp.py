@@ -8,6 +8,7 @@ pp rank s % pp, ZBV's two stages on rank r are r and 2 * pp - 1 - r (a V).
 """
 
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.models.output_loss import ChunkedCrossEntropy
 from titanlite.parallel.tp import local_loss, loss_parallel_context, place_grads_like_params
 
 SCHEDULES = {
@@ -158,6 +160,7 @@ class Pipeline:
     n_microbatches: int
     loss_parallel: bool
     loss_scale: float = 1.0
+    chunked: bool = False  # training.loss_chunk_tokens: the last stage's forward computes the loss
     aux_weight: float = 0.0  # the aux loss coefficient over (microbatches x micro-steps), set each step
     parts: list[nn.Module] = field(default_factory=list)
     # A tied embedding's copies: the first stage's embedding and the last stage's output weight,
@@ -179,8 +182,12 @@ class Pipeline:
 
         model_kwargs are the model's keyword inputs (e.g. document_ids, [batch, seq]): every rank passes
         them, the schedule splits them into the microbatches and hands each stage's forward its chunk.
+        The chunked loss (training.loss_chunk_tokens) runs inside the last stage's forward, so there the
+        labels travel the same way, and the schedule's loss_fn receives the loss itself.
         """
         losses = []
+        if self.chunked:
+            model_kwargs = {**model_kwargs, "labels": labels}
         with loss_parallel_context(self.loss_parallel):
             run(*([inputs] if self.has_first else []), target=labels if self.has_last else None, losses=losses,
                 **model_kwargs)
@@ -217,8 +224,11 @@ class Pipeline:
         """The tied matrix's last-stage copies: clipped, but left out of the norm (the first stage counts it once)."""
         return self.tied[1:] if self.has_first else self.tied
 
-    def _loss(self, logits, labels, loss_fn):
-        return local_loss(loss_fn(logits, labels)) * self.loss_scale
+    def _loss(self, output, labels, loss_fn):
+        """A microbatch's scaled loss from the last stage's output: its logits, or with the chunked loss
+        the loss itself (shape [1], which the schedule can concatenate over microbatches)."""
+        loss = output.sum() if self.chunked else local_loss(loss_fn(output, labels))
+        return loss * self.loss_scale
 
     def _add_aux_grad(self, module, _inputs, output):
         """Forward hook of a stage part: each block's balance loss is a share of the whole model's mean."""
@@ -227,6 +237,14 @@ class Pipeline:
             return output
         share = len(module.layers) / module.args.n_layers  # the part's mean of its blocks -> the model's mean
         return AuxLossGrad.apply(output, aux_loss, self.aux_weight * share)
+
+
+def stage_forward(forward, chunked_loss: ChunkedCrossEntropy | None, h, document_ids=None, labels=None):
+    """A stage's forward under the chunked loss: every stage receives its microbatch's labels; the last
+    computes the loss from them inside its forward (where FSDP has gathered the output weight)."""
+    if chunked_loss is None:
+        return forward(h, document_ids=document_ids)
+    return forward(h, document_ids=document_ids, output_loss=chunked_loss.against(labels)).reshape(1)
 
 
 def check_pipeline(cfg: Parallelism, pp: int, n_layers: int, local_batch_size: int) -> list[range]:
@@ -278,8 +296,11 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
     logger.info(f"pipeline: {par.pipeline_parallel_schedule}, {num_stages} stages ({num_stages // dims.pp} per rank) holding "
                 f"blocks {blocks}; {n_micro} microbatches of {par.pipeline_parallel_microbatch_size} per micro-step")
     pipeline = Pipeline([], None, dims.mesh["pp"].get_group(), n_micro,
-                        loss_parallel=dims.tp_enabled and not par.disable_loss_parallel)
+                        loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
+                        chunked=isinstance(loss_fn, ChunkedCrossEntropy))
     for stage_id, part in parts.items():
+        if pipeline.chunked:
+            part.forward = functools.partial(stage_forward, part.forward, loss_fn if stage_id == num_stages - 1 else None)
         part.to_empty(device=device)
         if dims.tp_enabled:
             place_grads_like_params(part)
