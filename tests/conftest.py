@@ -32,6 +32,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def environment_restored():
+    """A test that runs main() in-process may set variables for its run (the CUDA allocator setting,
+    hidden GPUs); the next test, and the runs it starts, see the environment as it was."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def titanlite_logger_fresh():
     """A test that runs main() in-process points titanlite's logger at its captured stderr and stops
     it propagating (so can a module-scoped fixture); every test starts from the logger as Python
@@ -88,7 +98,7 @@ def assert_planned_state(args: list[str], world: int, output: str, keys=("params
 def tiny_run(tmp_path):
     """Flags for a very small, fast llama debug run writing into tmp_path."""
     return [
-        "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path),
+        *ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path),
         "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "4",
         "--metrics.log_freq", "1",
     ]

@@ -26,7 +26,7 @@ from titanlite.train import main
 
 def flags(folder: Path, steps: int, *extra, tb: str = "tb") -> list[str]:
     return [
-        "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(folder),
+        *ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(folder),
         "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(steps),
         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--metrics.save_tb_folder", tb,
         "--lr_scheduler.min_lr_factor", "1", *map(str, extra),

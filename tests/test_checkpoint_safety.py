@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEBUG_CONFIG, ROOT, run_titanlite
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, run_titanlite
 from titanlite.checkpoint.fit import holds_training_state, read_metadata
 from titanlite.checkpoint.stopping import StopFlags
 from titanlite.convert import main as convert_main
@@ -28,7 +28,7 @@ LLAMA = ["--model.name", "llama3", "--model.flavor", "debugmodel"]
 
 def flags(folder: Path, steps: int, *extra) -> list[str]:
     return [
-        "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(folder), "--training.seq_len", "64",
+        *ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(folder), "--training.seq_len", "64",
         "--training.local_batch_size", "2", "--training.steps", str(steps), "--metrics.log_freq", "1",
         "--checkpoint.enable", "true", "--checkpoint.interval", "2", *map(str, extra),
     ]

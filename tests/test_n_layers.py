@@ -1,6 +1,6 @@
 """model.n_layers: a flavor's shapes with fewer blocks (to benchmark a big model on one GPU)."""
 
-from conftest import DEBUG_CONFIG
+from conftest import DEBUG_CONFIG, ON_CPU
 from titanlite.config import load_config
 from titanlite.models import get_model_spec
 from titanlite.train import main, model_label, resolve_model_args
@@ -16,7 +16,7 @@ def test_n_layers_overrides_the_flavors_depth_only():
 
 
 def test_a_checkpoint_of_another_depth_is_refused(tmp_path, capsys):
-    flags = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
+    flags = [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--checkpoint.enable"]
     # In this process (main() is what the command exits with), sparing the suite two Python start-ups.
     assert main(flags + ["--checkpoint.create_seed_checkpoint"]) == 0
     capsys.readouterr()

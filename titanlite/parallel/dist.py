@@ -99,10 +99,18 @@ def choose_device_type(requested: str, gpus: int, local_rank: int, local_world_s
 
 
 def hide_gpus() -> None:
-    """A CPU run: the GPUs disappear for this process (and its children) before CUDA starts."""
+    """A CPU run: the GPUs disappear for this process (and its children) before CUDA starts.
+
+    A process that has already asked CUDA for its GPUs (a test runner that imported torch.cuda's
+    checks, then calls main() in-process) keeps seeing them whatever the variable says: there the
+    variable is put back as it was, and the run goes on, on the CPU device and gloo it was given."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if torch.cuda.is_available():  # CUDA had already started in this process: too late to hide them
-        raise RuntimeError("job.device cpu must be chosen before this process first uses CUDA")
+    if torch.cuda.is_available():  # CUDA counted the GPUs earlier in this process: too late to hide them
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def init_distributed(device_choice: str, init_timeout_s: int) -> DistInfo:
