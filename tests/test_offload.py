@@ -102,14 +102,38 @@ def test_parameters_are_not_offloaded():
 
 def test_held_bytes_count_what_backward_will_need_and_return_to_zero():
     """Each Linear saves its [4, 16] fp32 input (and its weight, which stays), each ReLU its [4, 16]
-    output: 256 bytes apiece, all held from the forward until their backward; after it, none."""
+    output, which is also the next Linear's input: 4 tensors of 256 bytes (the input and the three
+    ReLU outputs), all held from the forward until their backward; after it, none."""
     torch.manual_seed(0)
     layers = torch.nn.Sequential(*[module for _ in range(3) for module in (torch.nn.Linear(16, 16), torch.nn.ReLU())])
     held = HeldBytes()
     for _ in range(2):  # a second step counts the same, not more
         with activation_offload_context(held):
             loss = layers(torch.randn(4, 16, requires_grad=True)).sum()
-        assert held.live == 6 * 4 * 16 * 4
+        assert held.live == 4 * 4 * 16 * 4
         loss.backward()
         assert held.live == 0
-    assert held.peak == 6 * 4 * 16 * 4
+    assert held.peak == 4 * 4 * 16 * 4
+
+
+def test_a_tensor_saved_by_several_ops_is_copied_once_and_serves_them_all():
+    """q, k and v projections all save the same normed input (as Attention's wq, wk, wv do): one host
+    copy, counted once, and the same gradients as without offload."""
+    torch.manual_seed(0)
+    norm, projections = torch.nn.LayerNorm(16), torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+    x = torch.randn(4, 16)
+    grads, held = [], HeldBytes()
+    for offloaded in (None, held):
+        for p in [*norm.parameters(), *projections.parameters()]:
+            p.grad = None
+        with activation_offload_context(offloaded):
+            h = norm(x)
+            loss = sum((projection(h) ** 2).sum() for projection in projections)
+        loss.backward()
+        grads.append([p.grad.clone() for p in [*norm.parameters(), *projections.parameters()]])
+    for plain, offloaded in zip(*grads):
+        torch.testing.assert_close(offloaded, plain, rtol=0, atol=0)
+    # Saved: h once for the three projections, their three outputs (for ** 2), and the norm's
+    # input (x, 256 bytes) with its mean and rstd ([4, 1] each, 16 bytes).
+    assert held.peak == 256 + 3 * 256 + 256 + 2 * 16, held.peak
+    assert held.live == 0

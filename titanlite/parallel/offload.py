@@ -19,6 +19,7 @@ import weakref
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from titanlite.errors import UserError
 from titanlite.log import logger
@@ -81,14 +82,16 @@ def storage_span(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Offloaded:
-    """A saved tensor in host memory; `ready` marks its copy back to the device (CUDA)."""
+    """A saved tensor in host memory; `ready` marks its copy back to the device (CUDA). `uses` counts
+    the ops that saved it (wq, wk and wv all save the same normed input): one copy out, one copy back,
+    and the copy back lives until the last of them has taken it in backward."""
 
-    __slots__ = ("index", "host", "shape", "stride", "device", "on_device", "ready", "taken", "held", "__weakref__")
+    __slots__ = ("index", "host", "shape", "stride", "device", "on_device", "ready", "uses", "taken", "held", "__weakref__")
 
     def __init__(self, index: int, tensor: torch.Tensor, stream, held: HeldBytes):
         self.index, self.shape, self.stride, self.device = index, tensor.shape, tensor.stride(), tensor.device
         self.on_device = self.ready = None
-        self.taken = False
+        self.uses, self.taken = 1, 0
         span = storage_span(tensor)
         self.host = torch.empty(span.shape, dtype=span.dtype, pin_memory=stream is not None)
         self.held = held
@@ -120,8 +123,10 @@ class _Offloaded:
             self.fetch(stream)
         if self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
-        tensor, self.on_device, self.ready = self.on_device.as_strided(self.shape, self.stride), None, None
-        self.taken = True  # a second unpack (retain_graph) fetches again; prefetching skips it
+        tensor = self.on_device.as_strided(self.shape, self.stride)
+        self.taken += 1
+        if self.taken % self.uses == 0:  # its last user: a later unpack (retain_graph) fetches again
+            self.on_device, self.ready = None, None
         return tensor
 
     def __del__(self):  # autograd frees the saved tensor: after its backward, or with the graph
@@ -138,6 +143,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.held = held
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.saved: list[weakref.ref] = []  # in forward order; an entry dies with its saved tensor
+        # (storage address, offset, size, strides, version) -> (the storage, its _Offloaded), both weakly:
+        # a tensor saved again while its storage lives is the same data, so it is copied once.
+        self.copies: dict[tuple, tuple[StorageWeakRef, weakref.ref]] = {}
         super().__init__(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor):
@@ -147,8 +155,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         base = tensor if tensor._base is None else tensor._base
         if isinstance(base, torch.nn.Parameter) or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return tensor
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor._version)
+        storage_ref, offloaded_ref = self.copies.get(key, (None, None))
+        # Two live storages never share an address, so a live earlier one with this key is this one.
+        offloaded = offloaded_ref() if storage_ref is not None and not storage_ref.expired() else None
+        if offloaded is not None:
+            offloaded.uses += 1
+            return offloaded
         offloaded = _Offloaded(len(self.saved), tensor, self.stream if tensor.is_cuda else None, self.held)
         self.saved.append(weakref.ref(offloaded))
+        self.copies[key] = (StorageWeakRef(storage), weakref.ref(offloaded))
         return offloaded
 
     def unpack(self, packed):
@@ -157,6 +174,6 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if self.stream is not None:
             for ref in self.saved[max(0, packed.index - self.PREFETCH):packed.index]:
                 earlier = ref()
-                if earlier is not None and earlier.on_device is None and not earlier.taken:
+                if earlier is not None and earlier.on_device is None and not earlier.taken:  # not yet in backward
                     earlier.fetch(self.stream)
         return packed.take(self.stream)
