@@ -25,6 +25,7 @@ from titanlite.tensorboard import describe_run, open_writer
 PEAK_BF16_TFLOPS = [
     ("GB200", 2500.0),
     ("B200", 2250.0),
+    ("H200 NVL", 835.0),  # the PCIe card: lower clocks than the SXM H200 (NVIDIA's spec, 1,671 with sparsity)
     ("H200", 989.0),
     ("H100 NVL", 835.0),
     ("H100 PCIe", 756.0),

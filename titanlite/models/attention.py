@@ -126,6 +126,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
         mask = window_mask(q.shape[2], mask, q.device)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if isinstance(mask, BlockMask):
-        return compiled(flex_attention)(q, k, v, block_mask=mask)
+    if isinstance(mask, BlockMask):  # inside a compiled block dynamo traces flex_attention itself
+        attention = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
+        return attention(q, k, v, block_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
