@@ -1,7 +1,7 @@
 """Everything a CPU cannot show, on one GPU (issue 17): the test suite with its cuda tier, and the
 benchmark rows of the issue's table at its shape (Llama 3.2 1B, seq 8192, synthetic tokens).
 
-    python3 scripts/gpu_check.py OUT_DIR GROUP [GROUP ...]   groups: tests table offload shapes saves
+    python3 scripts/gpu_check.py OUT_DIR GROUP [GROUP ...]   groups: tests table offload shapes attention saves
     python3 scripts/gpu_check.py --list                      every run of every group, with its flags
 
 Each group fits in one 10-minute command of the lent GPU (see shared/GPU.md: carry the wheels, set
@@ -37,6 +37,8 @@ FLOAT8 = ["--float8.enable", "--float8.recipe_name", "tensorwise"]
 BATCH_1 = ["--training.local_batch_size", "1"]
 OFFLOAD = ["--activation_checkpoint.offload_activations"]
 LOSS_CHUNKS = ["--training.loss_chunk_tokens", "4096"]
+SAMPLE = ["--training.dataset", "sample"]
+BLOCK_CAUSAL = ["--model.attention_mask", "block_causal"]
 LAYERS_8B = ["--model.flavor", "8B", "--model.n_layers", "8", "--training.local_batch_size", "1"]
 SAVES = ["--training.steps", "40", "--checkpoint.enable", "--checkpoint.interval", "10",
          "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "20"]
@@ -65,9 +67,14 @@ GROUPS: dict[str, dict[str, list[str]]] = {
         "best": COMPILE + FLOAT8 + OP_AC + ["--training.local_batch_size", "4"],  # target 66% MFU
         "8b_layers_compile": COMPILE + LAYERS_8B,  # target 60% MFU
         "8b_layers_float8": COMPILE + FLOAT8 + LAYERS_8B,
-        # Attention inside documents (FlexAttention) against causal (cuDNN) on packed real text.
-        "sample_causal": COMPILE + ["--training.dataset", "sample"],
-        "sample_block_causal": COMPILE + ["--training.dataset", "sample", "--model.attention_mask", "block_causal"],
+    },
+    "attention": {  # inside documents (FlexAttention) against causal (cuDNN), on packed real text
+        "sample_causal": COMPILE + SAMPLE,
+        "sample_block_causal": COMPILE + SAMPLE + BLOCK_CAUSAL,
+        # Eager selective op AC runs each block under a dispatch mode, which dynamo does not compile
+        # under: does FlexAttention stay compiled there, or fall back to its unfused path (the whole
+        # score matrix, about 17 GB per layer at this shape)?
+        "sample_block_causal_eager_op_ac": OP_AC + SAMPLE + BLOCK_CAUSAL,
     },
     "saves": {  # training time lost per save of the 1B state; target at most 1 s for the async pinned save
         "save_sync": COMPILE + SAVES + ["--checkpoint.async_mode", "disabled"],

@@ -19,7 +19,7 @@ def test_every_run_is_a_valid_job(name, tmp_path):
     """A typo in a flag would cost GPU minutes: each run's arguments load as they would there."""
     cfg = load_config(gpu_check.job_arguments(name, tmp_path, "H100 SXM"))
     assert (cfg.model.flavor, cfg.training.seq_len) == ("8B" if name.startswith("8b") else "1B", 8192)
-    assert cfg.model.attention_mask == ("block_causal" if name == "sample_block_causal" else "causal")
+    assert cfg.model.attention_mask == ("block_causal" if name.startswith("sample_block_causal") else "causal")
     assert cfg.activation_checkpoint.offload_activations == ("offload" in name)
     assert cfg.float8.enable == (name.startswith(("float8", "best")) or name == "8b_layers_float8")
     assert cfg.training.loss_chunk_tokens == (4096 if "loss_chunks" in name else 0)
@@ -42,7 +42,7 @@ def test_report_reads_the_run_summary_lines(tmp_path):
 
 def test_unknown_group_is_refused_and_list_names_every_run(capsys):
     assert gpu_check.main(["out", "tabel"]) == 2
-    assert "groups: tests table offload shapes saves" in capsys.readouterr().err
+    assert "groups: tests table offload shapes attention saves" in capsys.readouterr().err
     assert gpu_check.main(["--list"]) == 0
     listed = [line.split("\t")[1] for line in capsys.readouterr().out.splitlines()]
     assert listed == list(gpu_check.RUNS)
