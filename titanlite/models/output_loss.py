@@ -55,16 +55,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad_logits, weight_c, out=grad_h[rows])
             if wants_weight:
                 grad_weight.add_(grad_logits.T @ h_c[rows])
-        # Kept on ctx, not save_for_backward: they are neither inputs nor outputs, and saved-tensor hooks
-        # (activation offload) would copy a weight-sized gradient to the host and back for nothing.
-        ctx.grad_h = None if grad_h is None else grad_h.to(h.dtype)
-        ctx.grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        ctx.save_for_backward(None if grad_h is None else grad_h.to(h.dtype),
+                              None if grad_weight is None else grad_weight.to(weight.dtype))
         return loss / n
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_weight = ctx.grad_h, ctx.grad_weight
-        del ctx.grad_h, ctx.grad_weight  # freed by this backward, as saved tensors are (no retain_graph)
+        grad_h, grad_weight = ctx.saved_tensors
         return (None if grad_h is None else grad_h * grad_loss,
                 None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None)
 
