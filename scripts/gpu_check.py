@@ -4,8 +4,8 @@ benchmark rows of the issue's table at its shape (Llama 3.2 1B, seq 8192, synthe
     python3 scripts/gpu_check.py OUT_DIR GROUP [GROUP ...]   groups: tests table offload shapes attention saves
     python3 scripts/gpu_check.py --list                      every run of every group, with its flags
 
-Each group fits in one 10-minute command of the lent GPU (see shared/GPU.md: carry the wheels, set
-PYTHONPATH). Each run writes OUT_DIR/NAME.log; after each group OUT_DIR/gpu_check.json and
+Each group is sized, from issue 17's timings (never run yet), for one 10-minute command of the
+lent GPU (see shared/GPU.md: carry the wheels, set PYTHONPATH). Each run writes OUT_DIR/NAME.log; after each group OUT_DIR/gpu_check.json and
 gpu_check.md hold the run summary figures of every log present so far, next to the planner's
 prediction for the run (the trainer logs both on CUDA). tests/test_gpu_check.py checks on the CPU
 that every run's flags form a valid job, so no GPU minute is lost to a typo.
