@@ -88,13 +88,13 @@ class Validator:
     def _loss_sum(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The sum of the batch's token losses (a pipeline runs its schedule forward only)."""
         ids = document_ids(inputs, self.delimiters)
+        context = mixed_precision_context(self.dims, self.param_dtype, self.device.type)  # one path enters it
         if self.pipeline is not None:
-            with mixed_precision_context(self.dims, self.param_dtype, self.device.type):
+            with context:
                 return self.pipeline.eval_loss_sum(inputs, labels, {} if ids is None else {"document_ids": ids})
         if self.chunked_loss is not None:  # the mean over the batch's tokens, computed inside the forward
-            context = mixed_precision_context(self.dims, self.param_dtype, self.device.type)
             return micro_batch_loss(model, inputs, labels, ids, self.chunked_loss, context) * labels.numel()
-        with mixed_precision_context(self.dims, self.param_dtype, self.device.type):
+        with context:
             logits = model(inputs, document_ids=ids)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
