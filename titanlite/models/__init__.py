@@ -18,6 +18,7 @@ _FAMILY_PACKAGES = (
     "titanlite.models.mistral",
     "titanlite.models.mixtral",
     "titanlite.models.gpt2",
+    "titanlite.models.deepseek_v3",
 )
 
 

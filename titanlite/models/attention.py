@@ -120,13 +120,14 @@ def compiled(function: Callable) -> Callable:
     return torch.compile(function)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
-    """Attention of q, k, v [B, heads, T, head_dim] (as many key/value heads as query heads) under `mask`."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float | None = None) -> torch.Tensor:
+    """Attention of q, k [B, heads, T, qk_dim] and v [B, heads, T, v_dim] (as many key/value heads as query
+    heads) under `mask`; the scores are scaled by `scale`, 1 / sqrt(qk_dim) when None (DeepSeek's YaRN changes it)."""
     if isinstance(mask, int):
         mask = window_mask(q.shape[2], mask, q.device)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if isinstance(mask, BlockMask):  # inside a compiled block dynamo traces flex_attention itself
         attention = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
-        return attention(q, k, v, block_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return attention(q, k, v, block_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
