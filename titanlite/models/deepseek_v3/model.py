@@ -19,3 +19,10 @@ class DeepSeekV3(Transformer):
 
     def _rope_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.args, device=device)
+
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """As Llama's; active=True counts what one token uses: top_k of the routed experts in each MoE block."""
+        a = self.args
+        moe_blocks = sum(int(layer_id) >= a.n_dense_layers for layer_id in self.layers)
+        idle_experts = moe_blocks * (a.num_experts - a.top_k) * 3 * a.dim * a.moe_hidden_dim
+        return super().num_params(exclude_embedding) - (idle_experts if active else 0)

@@ -1,0 +1,87 @@
+"""DeepSeek-V3's tensor-parallel plan: multi-head latent attention split on heads, the dense
+feed-forward as Llama's, and the MoE blocks through the shared MoE layer's plan.
+
+MLA on tp ranks: the up projections wq_b (or wq) and wkv_b are column-wise, whole heads per rank
+(TP divides n_heads), and wo row-wise back onto sequence shards. The low-rank down projections
+wq_a, wkv_a and their norms are small (rank x dim) and run whole on every rank, on the gathered
+sequence, with replicated weights. Their outputs' gradients must be whole on every rank for their
+weights' gradients to be: the column-wise wq_b / wkv_b all-reduce the gradients of their inputs,
+and the rope key, which every head reads but each rank reads only for its own heads, gets its
+gradient summed over the ranks explicitly (SharedRopeKey).
+"""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
+
+from titanlite.models.llama.model import FeedForward
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
+
+
+def _sum_grads_over(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over the mesh's ranks (each holds a part of it)."""
+    return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class Replicated(ParallelStyle):
+    """The whole module on every rank: replicated weights, a plain tensor out. With `rope_dim`, the
+    last rope_dim output features (wkv_a's rope key) get their gradient summed over the ranks."""
+
+    def __init__(self, rope_dim: int = 0):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    @staticmethod
+    def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+    @staticmethod
+    def _input(module, inputs, mesh):
+        x = inputs[0]
+        return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False),)
+
+    def _output(self, module, output, mesh):
+        output = output.to_local()
+        if not self.rope_dim:
+            return output
+        latent, rope_key = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+        return torch.cat([latent, _sum_grads_over(rope_key, mesh)], dim=-1)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._input, self._output)
+
+
+def attention_plan(q_lora_rank: int, rope_dim: int) -> dict:
+    plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": gather_sequence(extra_inputs=3),  # the RoPE tables and the mask pass as they are
+        "attention.wkv_a": Replicated(rope_dim=rope_dim),
+        "attention.kv_norm": Replicated(),
+        "attention.wkv_b": colwise(),
+        "attention.wo": rowwise_to_sequence(),
+        "ffn_norm": SequenceParallel(),
+    }
+    if q_lora_rank:
+        plan.update({"attention.wq_a": Replicated(), "attention.q_norm": Replicated(), "attention.wq_b": colwise()})
+    else:
+        plan["attention.wq"] = colwise()
+    return plan
+
+
+DENSE_PLAN = {
+    "feed_forward": gather_sequence(),
+    "feed_forward.w1": colwise(), "feed_forward.w3": colwise(),
+    "feed_forward.w2": rowwise_to_sequence(),
+}
+
+
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+    args = model.args
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), attention_plan(args.q_lora_rank, args.qk_rope_head_dim))
+    for block in model.layers.values():
+        if isinstance(block.feed_forward, FeedForward):
+            parallelize_module(block, dims.tp_mesh, DENSE_PLAN)
