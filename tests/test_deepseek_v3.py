@@ -1,0 +1,132 @@
+"""DeepSeek-V3: sizes and FLOPs, YaRN, multi-head latent attention and the routed experts against
+transformers' DeepseekV3ForCausalLM through files both ways, bad shapes, and training under FSDP2,
+TP2 and PP2 on the shipped sample."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import build_meta, materialize
+from test_pipeline_parallel import COMMON, launch, losses, run
+from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
+from titanlite.data.prepare import prepare
+from titanlite.errors import UserError
+from titanlite.models import get_model_spec
+from titanlite.models.deepseek_v3.args import YarnScaling
+from titanlite.models.deepseek_v3.rope import rope_tables, softmax_scale
+
+SPEC = get_model_spec("deepseek_v3")
+ADAPTER = SPEC.hf_adapter
+
+
+def small_args(**overrides):
+    """Debug sizes for the comparisons with transformers: YaRN stretched past 16 positions with
+    mscale != mscale_all_dim (both magnitudes matter), v_head_dim unlike the qk head, 8 experts in 4
+    groups of which a token may use 2, one dense block then MoE blocks."""
+    args = dataclasses.replace(
+        SPEC.flavors["debugmodel"], vocab_size=97, n_layers=3, n_dense_layers=1, dim=64, n_heads=4, ffn_hidden_dim=96,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, moe_hidden_dim=24,
+        num_experts=8, num_shared_experts=2, top_k=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, max_seq_len=64,
+        norm_eps=1e-5, rope_scaling=YarnScaling(factor=4.0, original_max_seq_len=16, mscale=0.9, mscale_all_dim=0.7))
+    return dataclasses.replace(args, **overrides)
+
+
+# --- sizes and FLOPs ---
+
+
+def test_671b_counts_the_published_total_and_active_parameters():
+    """DeepSeek-V3 without its MTP module: 671,026,404,352 trained parameters (the report's 671B), and
+    with the 58 MoE blocks' 256 routing biases (buffers, in the checkpoint) 671,026,419,200 values.
+    A token uses 37,552,282,624 (the report's 37B active, embedding included)."""
+    model = build_meta("deepseek_v3", "671B")
+    layer = 187_107_328 + 2 * 7168  # MLA (wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo) + two norms
+    expert = 3 * 7168 * 2048
+    dense, moe = layer + 3 * 7168 * 18432, layer + 257 * expert + 256 * 7168  # 256 routed + 1 shared, router
+    assert model.num_params() == 3 * dense + 58 * moe + 2 * 129280 * 7168 + 7168 == 671_026_404_352
+    assert model.num_params() + sum(b.numel() for name, b in model.named_buffers() if "bias" in name) == 671_026_419_200
+    assert model.num_params(active=True) == 671_026_404_352 - 58 * 248 * expert == 37_552_282_624
+
+
+def test_16b_is_moonlight_sized():
+    """Moonlight-16B-A3B's config.json shapes: 15.96B parameters, 2.91B active (its "A3B")."""
+    model = build_meta("deepseek_v3", "16B")
+    assert model.num_params() == 15_960_108_544
+    assert model.num_params(active=True) == 15_960_108_544 - 26 * 58 * 3 * 2048 * 1408 == 2_914_774_528
+
+
+def test_flops_count_active_parameters_and_mla_attention():
+    model = build_meta("deepseek_v3", "671B")
+    active_matmuls = 37_552_282_624 - 129280 * 7168  # the embedding is a lookup; the output projection counts
+    attention = 6 * 61 * 128 * (192 + 128) * 4096  # scores over nope + rope dims, weighted sums over v dims
+    assert SPEC.flops_per_token(model, 4096) == 6 * active_matmuls + attention
+
+
+# --- YaRN and the softmax scale, against transformers ---
+
+
+def test_yarn_frequencies_and_scales_are_transformers():
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    for args in (SPEC.flavors["671B"], small_args()):
+        args = dataclasses.replace(args, max_seq_len=300)
+        config = DeepseekV3Config(**{k: v for k, v in ADAPTER.hf_config(args).items() if k != "architectures"})
+        inv_freq, magnitude = ROPE_INIT_FUNCTIONS["yarn"](config)
+        cos, sin = rope_tables(args)
+        angles = torch.outer(torch.arange(300.0), inv_freq)
+        torch.testing.assert_close(cos, angles.cos() * magnitude)
+        torch.testing.assert_close(sin, angles.sin() * magnitude)
+        assert softmax_scale(args) == pytest.approx(DeepseekV3Attention(config, 0).scaling, rel=1e-12)
+    # DeepSeek-V3: cos/sin unscaled (mscale == mscale_all_dim), softmax scale (0.1 ln 40 + 1)^2 / sqrt(192).
+    assert softmax_scale(SPEC.flavors["671B"]) == pytest.approx((0.1 * torch.tensor(40.0).log().item() + 1) ** 2 / 192**0.5)
+
+
+# --- bad shapes: one sentence each ---
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"kv_lora_rank": 0}, "the MLA ranks q_lora_rank 32 and kv_lora_rank 0 must be low ranks of dim"),
+    ({"q_lora_rank": 64}, "the MLA ranks q_lora_rank 64 and kv_lora_rank 16 must be low ranks of dim"),
+    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim 7, qk_nope_head_dim 8 and v_head_dim 12 must be an even"),
+    ({"top_k": 9}, r"top_k \(num_experts_per_tok\) 9 must be between 1 and num_experts \(n_routed_experts\) 8"),
+    ({"topk_group": 5}, "topk_group 5 must be between 1 and n_group 4"),
+    ({"n_group": 3}, r"n_group 3 must divide num_experts \(n_routed_experts\) 8"),
+    ({"top_k": 5}, "top_k .* exceeds the 4 experts of the topk_group 2 groups"),
+])
+def test_inconsistent_shapes_are_one_sentence(overrides, message):
+    with pytest.raises(UserError, match=message) as error:
+        small_args(**overrides)
+    assert str(error.value).count(". ") == 0 and "\n" not in str(error.value)
+
+
+# --- training on the shipped sample: one process, FSDP2, TP2, PP2 ---
+
+STEPS = 40
+LAYOUTS = {  # name: (world size, flags); the global batch is 4 windows of 64 tokens in every layout
+    "one": (1, []),
+    "fsdp2": (2, ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]),
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+}
+
+
+def test_trains_on_the_sample_under_fsdp2_tp2_pp2_as_on_one_process(tmp_path):
+    """40 steps of the debug model (one dense block, three MoE blocks, low-rank q) in each layout: the
+    loss falls by more than 1 in each, and FSDP2, TP2 (MLA split on heads) and PP2 (1F1B, a dense and
+    an MoE block per stage) give the 1-process fp32 losses within 1e-5 over the first 5 steps (later,
+    rounding differences compound: within 1e-4 to step 40)."""
+    prepare("sample", str(tmp_path / "store"))  # the same windows at any data-parallel degree
+    deepseek = ["--model.name", "deepseek_v3", "--model.moe_aux_loss_coeff", "0.01"]
+    runs = {name: run(tmp_path, name, [*deepseek, *flags], STEPS) for name, (_, flags) in LAYOUTS.items()}
+    launch([runs[name] for name, (world, _) in LAYOUTS.items() if world == 2], 2, tmp_path, "world2")
+    launch([runs["one"]], 1, tmp_path, "world1")
+    one = losses(tmp_path, "one")
+    assert sorted(one) == list(range(1, STEPS + 1)) and one[STEPS] < one[1] - 1.0, one
+    for name in ("fsdp2", "tp2", "pp2"):
+        got = losses(tmp_path, name)
+        assert sorted(got) == sorted(one) and got[STEPS] < got[1] - 1.0, (name, got)
+        for step in one:
+            assert got[step] == pytest.approx(one[step], abs=1e-5 if step <= 5 else 1e-4), (name, step)
