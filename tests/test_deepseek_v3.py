@@ -84,6 +84,83 @@ def test_yarn_frequencies_and_scales_are_transformers():
     assert softmax_scale(SPEC.flavors["671B"]) == pytest.approx((0.1 * torch.tensor(40.0).log().item() + 1) ** 2 / 192**0.5)
 
 
+# --- Hugging Face through files, both ways, against transformers ---
+
+
+def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every weight and buffer random (norm weights around 1), the routers' weights and routing biases
+    wide enough that the experts chosen differ between tokens and depend on the bias."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if not tensor.is_floating_point() or "rope" in name or "inv_freq" in name:
+                continue  # RoPE tables are derived, not weights
+            if tensor.dim() == 1 and "bias" not in name:
+                tensor.copy_(1 + 0.3 * torch.randn(tensor.shape, generator=generator))
+            else:
+                std = 1.0 if ("gate" in name and "gate_proj" not in name) or "bias" in name else 0.15
+                tensor.copy_(std * torch.randn(tensor.shape, generator=generator))
+    return model.eval()
+
+
+def transformers_model(args):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = {k: v for k, v in ADAPTER.hf_config(args).items() if k != "architectures"}
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**config, attn_implementation="eager"))
+
+
+def titanlite_model(args):
+    model = SPEC.model_cls(args)
+    model.init_weights(seed=0)
+    return model.eval()
+
+
+TOKENS = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))  # 40 positions: past YaRN's 16
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 0, "rope_scaling": None}], ids=["low-rank-q-yarn", "direct-q"])
+def test_transformers_checkpoint_loads_with_equal_logits(tmp_path, overrides):
+    """transformers writes a random DeepseekV3ForCausalLM (save_pretrained); titanlite reads the folder
+    as it loads HF weights into a model, and the logits agree within 1e-4 (fp32), routing included."""
+    args = small_args(**overrides)
+    theirs = randomized(transformers_model(args), seed=0)
+    theirs.save_pretrained(tmp_path)
+    ours = titanlite_model(args)
+    load_model_from_hf(ours.state_dict(), tmp_path, ADAPTER, args, "deepseek_v3/test")
+    with torch.no_grad():
+        expected, got = theirs(TOKENS).logits, ours(TOKENS)
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 0, "rope_scaling": None}], ids=["low-rank-q-yarn", "direct-q"])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, overrides):
+    """titanlite writes its random model as an HF folder (as checkpoint.last_save_in_hf does);
+    transformers' from_pretrained reads it, every tensor used, and the logits agree within 1e-4."""
+    from transformers import DeepseekV3ForCausalLM
+
+    args = small_args(**overrides)
+    ours = randomized(titanlite_model(args), seed=1)
+    save_model_as_hf(ours.state_dict(), tmp_path, ADAPTER, args, torch.float32, writer_rank=True)
+    theirs, info = DeepseekV3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    with torch.no_grad():
+        expected, got = theirs.eval()(TOKENS).logits, ours(TOKENS)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["architectures"], config["rope_interleave"], config["num_nextn_predict_layers"]) == (
+        ["DeepseekV3ForCausalLM"], True, 0)
+
+
+def test_folder_of_another_model_is_one_sentence(tmp_path):
+    args = small_args()
+    transformers_model(dataclasses.replace(args, routed_scaling_factor=1.0)).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match=f"the Hugging Face folder {tmp_path} does not fit deepseek_v3/test: "
+                                        "its config.json has routed_scaling_factor 1.0 where this model has 2.5"):
+        load_model_from_hf(titanlite_model(args).state_dict(), tmp_path, ADAPTER, args, "deepseek_v3/test")
+
+
 # --- bad shapes: one sentence each ---
 
 
