@@ -11,9 +11,9 @@ receive before the stage's compute). Under PP each rank runs and gathers only it
 from dataclasses import dataclass
 
 from titanlite.config_sections import JobConfig
-from titanlite.parallel.ac import _every_nth
+from titanlite.parallel.ac import every_nth
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.dtypes import DTYPES
 from titanlite.plan.pipeline import bubble, send_recv_bytes
 from titanlite.plan.hardware import COLLECTIVE_EFFICIENCY, EAGER_SLOWDOWN, Gpu, efficiency
 
@@ -38,7 +38,7 @@ def recompute_share(cfg: JobConfig) -> float:
     if ac.mode == "full":
         return 1 / 3
     if ac.mode == "selective":
-        every = _every_nth(ac.selective_ac_option)
+        every = every_nth(ac.selective_ac_option)
         return 1 / 6 if every is None else 1 / (3 * every)  # op: every second matmul is recomputed
     return 0.0
 
