@@ -1,12 +1,11 @@
 """The DeepSeek-V3 family: multi-head latent attention, dense then mixture-of-experts blocks (DeepSeek-V3
 671B, and Moonlight-16B-A3B's shapes as 16B); multi-token prediction is left out."""
 
-from titanlite.models import ModelSpec, parallelize_with
+from titanlite.models import ModelSpec
 from titanlite.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from titanlite.models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
 from titanlite.models.deepseek_v3.model import DeepSeekV3
-
-PARALLELIZE = parallelize_with("titanlite.models.deepseek_v3.parallelize")
+from titanlite.models.deepseek_v3.parallelize import apply_tp
 
 
 def flops_per_token(model: DeepSeekV3, seq_len: int) -> float:
@@ -20,7 +19,7 @@ def flops_per_token(model: DeepSeekV3, seq_len: int) -> float:
     return float(6 * model.num_params(exclude_embedding=True, active=True) + attention)
 
 
-DEEPSEEK_V3_SPEC = ModelSpec("deepseek_v3", DeepSeekV3, DEEPSEEK_V3_FLAVORS, PARALLELIZE, flops_per_token,
+DEEPSEEK_V3_SPEC = ModelSpec("deepseek_v3", DeepSeekV3, DEEPSEEK_V3_FLAVORS, apply_tp, flops_per_token,
                              hf_adapter=DeepSeekV3HFAdapter())
 SPECS = (DEEPSEEK_V3_SPEC,)
 __all__ = ["DEEPSEEK_V3_SPEC", "DeepSeekV3", "DeepSeekV3Args", "flops_per_token"]
