@@ -161,6 +161,23 @@ def test_folder_of_another_model_is_one_sentence(tmp_path):
         load_model_from_hf(titanlite_model(args).state_dict(), tmp_path, ADAPTER, args, "deepseek_v3/test")
 
 
+def test_blocks_compile_fullgraph_under_activation_checkpointing():
+    """As parallelize_decoder applies them: op-level selective AC, then compile of each block (dense and
+    MoE); losses and every gradient equal the plain model's."""
+    from titanlite.config_sections import ActivationCheckpoint, Compile
+    from titanlite.parallel.ac import apply_ac
+    from titanlite.parallel.compile import apply_compile
+
+    args = small_args()
+    reference, model = materialize("deepseek_v3", args), materialize("deepseek_v3", args)
+    apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"))
+    apply_compile(model, Compile(enable=True, components=["model"], backend="eager"))
+    for m in (reference, model):
+        m(TOKENS).float().logsumexp(-1).mean().backward()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 # --- bad shapes: one sentence each ---
 
 
