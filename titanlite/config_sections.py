@@ -183,7 +183,7 @@ class Validation:
 
 @dataclass
 class Plan:
-    gpu: str = opt("H100 SXM", "GPU the job is planned for (python -m titanlite.plan; titanlite/plan/hardware.py has their memory, peaks and links)", choices=("A100 40GB", "A100 80GB", "H100 SXM", "H100 PCIe", "H200", "B200", "GB200"))
+    gpu: str = opt("H100 SXM", "GPU the job is planned for (python -m titanlite.plan; titanlite/plan/hardware.py has their memory, peaks and links)", choices=("A100 40GB", "A100 80GB", "H100 SXM", "H100 PCIe", "H100 96GB 500W", "H200", "B200", "GB200"))
     nodes: int = opt(1, "nodes the job runs on", at_least=1)
     gpus_per_node: int = opt(8, "GPUs (ranks) per node; the world size is nodes x gpus_per_node", at_least=1)
     fabric: str = opt("infiniband_ndr", "inter-node network: infiniband_ndr (400 Gb/s per GPU) or efa_p5 (AWS p5: 3200 Gb/s per node)", choices=("infiniband_ndr", "efa_p5"))

@@ -15,7 +15,7 @@ from titanlite.plan.hardware import FABRIC_GBPS, GPUS
 from titanlite.plan.memory import Memory, fsdp_buffers, plan_memory
 from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
-from titanlite.plan.speed import Speed, plan_speed
+from titanlite.plan.speed import Shape, Speed, plan_speed
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
 from titanlite.parallel.tp import check_tensor_parallel
@@ -93,9 +93,15 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     args = model_args(cfg, spec)
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
     dims = ParallelDims.from_config(cfg.parallelism, world)
+    refused = None
     if dims.tp_enabled or cfg.parallelism.enable_async_tensor_parallel:
-        check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, cfg.float8.enable)
-    return predict(cfg, spec, args, dims, plan_states(cfg, world))
+        check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, False)
+        try:  # planned all the same: the plan says what the layout would give once the trainer runs it
+            check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, cfg.float8.enable)
+        except UserError as error:
+            refused = f"the trainer refuses this layout today: {error}"
+    result = predict(cfg, spec, args, dims, plan_states(cfg, world))
+    return dataclasses.replace(result, notes=[*result.notes, refused]) if refused else result
 
 
 def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]]) -> JobPlan:
@@ -122,8 +128,9 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
         roles.append((stages.name if dims.pp_enabled else "every rank", plan_memory(cfg, state, acts, buffers, gpu.memory_gib)))
     intra = plan.intra_node_gbps if plan.intra_node_gbps > 0 else gpu.link_gbps
     inter = plan.inter_node_gbps if plan.inter_node_gbps > 0 else FABRIC_GBPS[plan.fabric]
-    speed = plan_speed(cfg, gpu, dims, args, spec.flops_per_token(whole, cfg.training.seq_len), block,
-                       whole.num_params(), grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
+    shape = Shape.of(whole, cfg.training.seq_len, spec.flops_per_token(whole, cfg.training.seq_len))
+    state = max(sum(role.values()) for role in states.values())
+    speed = plan_speed(cfg, gpu, dims, shape, state, grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
                        plan.gpus_per_node)
     mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
     return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, speed, plan_notes(cfg, args.dim, gpu))
