@@ -107,10 +107,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
 def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]]) -> JobPlan:
     """Memory and speed of a job whose per-rank state is known (planned, or counted by the trainer),
     for each pp rank in `states`."""
-    from titanlite.train import grad_accumulation_steps
-
-    plan = cfg.plan
-    gpu = GPUS[plan.gpu]
+    gpu = GPUS[cfg.plan.gpu]
     with torch.device("meta"):
         whole = spec.model_cls(args)
     block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
@@ -126,14 +123,23 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
                 else activations(cfg, spec, args, dims))
         buffers = fsdp_buffers(cfg, block, root_params(whole, stages), dims)
         roles.append((stages.name if dims.pp_enabled else "every rank", plan_memory(cfg, state, acts, buffers, gpu.memory_gib)))
+    mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
+    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, job_speed(cfg, spec, whole, dims, states),
+                   plan_notes(cfg, args.dim, gpu))
+
+
+def job_speed(cfg: JobConfig, spec, whole, dims, states: dict[int, dict[str, int]]) -> Speed:
+    """The step's speed on the [plan] hardware (`whole`: the unsharded model on meta)."""
+    from titanlite.train import grad_accumulation_steps
+
+    plan = cfg.plan
+    gpu = GPUS[plan.gpu]
     intra = plan.intra_node_gbps if plan.intra_node_gbps > 0 else gpu.link_gbps
     inter = plan.inter_node_gbps if plan.inter_node_gbps > 0 else FABRIC_GBPS[plan.fabric]
     shape = Shape.of(whole, cfg.training.seq_len, spec.flops_per_token(whole, cfg.training.seq_len))
     state = max(sum(role.values()) for role in states.values())
-    speed = plan_speed(cfg, gpu, dims, shape, state, grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
-                       plan.gpus_per_node)
-    mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
-    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, speed, plan_notes(cfg, args.dim, gpu))
+    return plan_speed(cfg, gpu, dims, shape, state, grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
+                      plan.gpus_per_node)
 
 
 def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:

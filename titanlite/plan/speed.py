@@ -13,8 +13,8 @@ backward's kernels).
 
 Overlap model: FSDP's all-gathers and reduce-scatters run on their own stream, prefetched a block
 ahead, so only the part longer than the compute shows; TP's collectives sit between the matmuls
-that need them and are all exposed, unless async TP splits them into the matmuls, where only the part
-longer than the matmuls shows; a pipeline adds its bubble (plan/pipeline.py's bubble, per schedule) and
+that need them and are all exposed, less the share of their bytes async TP hides by splitting them
+into the matmuls; a pipeline adds its bubble (plan/pipeline.py's bubble, per schedule) and
 its send/recv between stages, counted as exposed (torch's schedules wait for each receive before the
 stage's compute). Under PP each rank runs and gathers only its share of the layers.
 """
@@ -142,16 +142,20 @@ def fsdp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, s
     return total
 
 
-def tp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, seconds, intra: float) -> float:
-    """Sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, the same in backward
-    (and in full AC's repeated forward)."""
+def tp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, intra: float) -> tuple[float, float]:
+    """(moving the bytes, waiting at the collectives) of sequence parallel: 2 all-gathers + 2 reduce-scatters
+    per block forward, the same in backward (and in full AC's repeated forward); each collective also
+    waits for the slowest of the tp ranks (hardware.TP_SYNC_S)."""
     if not dims.tp_enabled:
-        return 0.0
+        return 0.0, 0.0
     training, t = cfg.training, dims.tp
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
-    activation = training.local_batch_size * training.seq_len * shape.dim * compute_bytes * (t - 1) / t
+    # torchao's tensorwise float8 TP styles cast before the all-gathers (half the collectives): 1 byte there.
+    gathered_bytes = 1 if cfg.float8.enable and cfg.float8.recipe_name == "tensorwise" else compute_bytes
+    activation = training.local_batch_size * training.seq_len * shape.dim * (compute_bytes + gathered_bytes) / 2 * (t - 1) / t
     passes = 3 if cfg.activation_checkpoint.mode == "full" else 2
-    return accum * seconds(4 * passes * shape.n_layers / dims.pp * activation, intra)
+    collectives = accum * 4 * passes * shape.n_layers / dims.pp
+    return collectives * activation / (intra * 1e9 * hardware.COLLECTIVE_EFFICIENCY), collectives * hardware.TP_SYNC_S
 
 
 def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state_bytes: int, accum: int,
@@ -166,13 +170,14 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
         return nbytes / (gbps * 1e9 * hardware.COLLECTIVE_EFFICIENCY)
 
     fsdp = fsdp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
-    tp = tp_seconds(cfg, dims, shape, accum, seconds, intra_gbps)
-    tp_exposed = max(0.0, tp - parts["matmuls"]) if cfg.parallelism.enable_async_tensor_parallel else tp
+    tp_bytes, tp_sync = tp_seconds(cfg, dims, shape, accum, intra_gbps)
+    hidden = hardware.ASYNC_TP_HIDDEN if cfg.parallelism.enable_async_tensor_parallel else 0.0
+    tp = tp_bytes * (1 - hidden) + tp_sync
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
     across_nodes = dims.dp_degree * dims.tp >= gpus_per_node  # pp is outermost: stage neighbours sit on other nodes
     pp = accum * seconds(send_recv_bytes(cfg, dims.pp, dims.tp, shape.dim, compute_bytes), inter_gbps if across_nodes else intra_gbps)
     idle = bubble(cfg, dims.pp)
-    step = (compute + max(0.0, fsdp - compute) + tp_exposed + pp) / (1 - idle)
+    step = (compute + max(0.0, fsdp - compute) + tp + pp) / (1 - idle)
     tps = tokens / step
     world = dims.dp_degree * dims.model_parallel_degree
     return Speed(compute, tuple(parts.items()), fsdp, tp, pp, idle, step, tps,

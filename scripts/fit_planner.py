@@ -1,0 +1,78 @@
+"""Fit the planner's fitted constants (titanlite/plan/hardware.py) on the tuning rows of
+titanlite/plan/published_rows.py, and only on them; print the values to write into hardware.py.
+
+    PYTHONPATH=. python scripts/fit_planner.py
+
+Least squares on log(predicted / measured) tps, so a row 10% fast weighs as one 10% slow. Each
+constant is fitted where the tuning rows can tell it apart from the others: the eager factor from
+the eager rows, the float8 casts from the float8 rows, the Grand Teton clock from its rows, TP's
+wait per collective and async TP's hidden share from the TP rows, the A100's efficiency from its rows.
+"""
+
+import dataclasses
+
+import numpy as np
+import torch
+from scipy.optimize import least_squares
+
+from titanlite.config import load_config
+from titanlite.models import get_model_spec
+from titanlite.parallel.dims import ParallelDims
+from titanlite.plan import hardware
+from titanlite.plan.job import job_speed, model_args, plan_states
+from titanlite.plan.published_rows import CONFIGS, ROWS
+
+# name, starting value, bounds
+CONSTANTS = [
+    ("EAGER_ELEMENTWISE", 3.0, (1.0, 20.0)),
+    ("FLOAT8_CAST_BYTES tensorwise", 8.0, (0.0, 200.0)),
+    ("FLOAT8_CAST_BYTES rowwise", 16.0, (0.0, 400.0)),
+    ("GRAND_TETON_CLOCK", 0.8, (0.3, 1.0)),
+    ("TP_SYNC_S", 0.002, (0.0, 0.05)),
+    ("ASYNC_TP_HIDDEN", 0.3, (0.0, 1.0)),
+    ("MATMUL ampere", 0.78, (0.3, 1.0)),
+]
+
+
+def set_constants(values) -> None:
+    for (name, _, _), value in zip(CONSTANTS, values):
+        if name.startswith("FLOAT8_CAST_BYTES"):
+            hardware.FLOAT8_CAST_BYTES[name.split()[1]] = value
+        elif name == "MATMUL ampere":  # the A100's matmuls and attention scale together from the H100's measured shares
+            hardware.ATTENTION["ampere"] = hardware.ATTENTION["hopper"] * value / hardware.MATMUL["hopper"]
+            hardware.MATMUL["ampere"] = value
+        elif name == "GRAND_TETON_CLOCK":
+            gpu = hardware.GPUS["H100 96GB 500W"]
+            hardware.GPUS[gpu.name] = dataclasses.replace(gpu, clock=value)
+        else:
+            setattr(hardware, name, value)
+
+
+def speed_inputs(item):
+    """What job_speed needs for the row, computed once (the shards come from the fake world)."""
+    cfg = load_config(["--job.config_file", str(CONFIGS / f"{item.config}.toml"), *item.flags])
+    spec = get_model_spec(cfg.model.name)
+    args = model_args(cfg, spec)
+    world = cfg.plan.nodes * cfg.plan.gpus_per_node
+    with torch.device("meta"):
+        whole = spec.model_cls(args)
+    return cfg, spec, whole, ParallelDims.from_config(cfg.parallelism, world), plan_states(cfg, world)
+
+
+def main() -> None:
+    rows = [(item, speed_inputs(item)) for item in ROWS if item.tuning]
+
+    def residuals(values):
+        set_constants(values)
+        return np.array([np.log(job_speed(*inputs).tps / item.tps) for item, inputs in rows])
+
+    fit = least_squares(residuals, [start for _, start, _ in CONSTANTS],
+                        bounds=([low for _, _, (low, _) in CONSTANTS], [high for _, _, (_, high) in CONSTANTS]))
+    for (name, _, _), value in zip(CONSTANTS, fit.x):
+        print(f"{name} = {value:.3g}")
+    for (item, _), error in zip(rows, residuals(fit.x)):
+        print(f"  {np.exp(error):.3f}  {item.name}")
+
+
+if __name__ == "__main__":
+    main()
