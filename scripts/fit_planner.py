@@ -1,4 +1,4 @@
-"""Fit the planner's fitted constants (titanlite/plan/hardware.py) on the tuning rows of
+"""Fit the planner's fitted constants (titanlite/plan/hardware.py, memory.COMPILED_KEPT) on the tuning rows of
 titanlite/plan/published_rows.py, and only on them; print the values to write into hardware.py.
 
     PYTHONPATH=. python scripts/fit_planner.py
@@ -20,7 +20,7 @@ from titanlite.models import get_model_spec
 from titanlite.parallel.dims import ParallelDims
 from titanlite.plan import hardware
 from titanlite.plan.job import job_speed, model_args, plan_states
-from titanlite.plan.published_rows import CONFIGS, ROWS
+from titanlite.plan.published_rows import CONFIGS, ROWS, plan_row, predicted_memory_gib
 
 # name, starting value, bounds
 CONSTANTS = [
@@ -59,7 +59,27 @@ def speed_inputs(item):
     return cfg, spec, whole, ParallelDims.from_config(cfg.parallelism, world), plan_states(cfg, world)
 
 
+def fit_memory() -> None:
+    """memory.COMPILED_KEPT on the compiled tuning rows with a measured peak: the peak, where the start of
+    backward sets it, is lower + kept x (eager - lower); a reserved figure adds the allocator's margin."""
+    rows = [(item, plan_row(item).memory) for item in ROWS if item.tuning and item.memory_gib and plan_row_compiles(item)]
+
+    def residuals(kept):
+        return np.array([np.log(predicted_memory_gib(item, low + kept[0] * (high - low)) / item.memory_gib)
+                         for item, memory in rows for low, high in [memory.peak_range]])
+
+    fit = least_squares(residuals, [0.3], bounds=([0.0], [1.0]))
+    print(f"COMPILED_KEPT = {fit.x[0]:.3g}")
+    for (item, _), error in zip(rows, residuals(fit.x)):
+        print(f"  {np.exp(error):.3f}  {item.name} (peak memory)")
+
+
+def plan_row_compiles(item) -> bool:
+    return load_config(["--job.config_file", str(CONFIGS / f"{item.config}.toml"), *item.flags]).compile.enable
+
+
 def main() -> None:
+    fit_memory()
     rows = [(item, speed_inputs(item)) for item in ROWS if item.tuning]
 
     def residuals(values):

@@ -16,6 +16,7 @@ from titanlite.plan.memory import Memory, fsdp_buffers, plan_memory
 from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
 from titanlite.plan.speed import Shape, Speed, plan_speed
+from titanlite.parallel.compile import compiles
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
 from titanlite.parallel.tp import check_tensor_parallel
@@ -111,18 +112,22 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
     with torch.device("meta"):
         whole = spec.model_cls(args)
     block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
+    tallies = (False, True) if compiles(cfg.compile, "model") else (False,)  # eager; a compiled step's lower bound
     if dims.pp_enabled:
         # Each in-flight microbatch's activations, measured at the microbatch size and composed per stage.
-        microbatch = dataclasses.replace(cfg.training, local_batch_size=cfg.parallelism.pipeline_parallel_microbatch_size)
-        per_block, ends = per_block_and_ends(dataclasses.replace(cfg, training=microbatch), spec, args, dims)
+        microbatch = dataclasses.replace(cfg, training=dataclasses.replace(
+            cfg.training, local_batch_size=cfg.parallelism.pipeline_parallel_microbatch_size))
+        pieces = [per_block_and_ends(microbatch, spec, args, dims, compiled) for compiled in tallies]
+    else:
+        whole_model = [activations(cfg, spec, args, dims, compiled) for compiled in tallies]
     roles = []
     for pp_rank, state in states.items():
         stages = rank_stages(cfg, args.n_layers, dims.pp, pp_rank)
-        acts = (stage_activations(per_block, ends, stages, in_flight(cfg, dims.pp, pp_rank),
-                                  last_stage_in_flight(cfg, dims.pp)) if dims.pp_enabled
-                else activations(cfg, spec, args, dims))
+        acts = ([stage_activations(per_block, ends, stages, in_flight(cfg, dims.pp, pp_rank), last_stage_in_flight(cfg, dims.pp))
+                 for per_block, ends in pieces] if dims.pp_enabled else whole_model)
         buffers = fsdp_buffers(cfg, block, root_params(whole, stages), dims)
-        roles.append((stages.name if dims.pp_enabled else "every rank", plan_memory(cfg, state, acts, buffers, gpu.memory_gib)))
+        memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None)
+        roles.append((stages.name if dims.pp_enabled else "every rank", memory))
     mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
     return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, job_speed(cfg, spec, whole, dims, states),
                    plan_notes(cfg, args.dim, gpu))

@@ -4,8 +4,8 @@ Each row is a shipped config plus flags (the job as titanlite would run it) and 
 measured: tps per GPU (tokens every GPU processes per second, each token counted once, as titanlite
 and torchtitan both count it) and, where given, peak memory per GPU. Memory kinds differ by source:
 titanlite's run summary reports torch.cuda.max_memory_allocated, torchtitan logs
-max_memory_reserved (torchtitan/metrics.py at commit 9dec370), which the planner's peak plus its
-allocator margin predicts.
+max_memory_reserved (torchtitan/metrics.py at commit 9dec370; its launch script sets expandable
+segments, as titanlite does), which the planner's peak plus memory.ALLOCATOR_MARGIN predicts.
 
 The split into TUNING rows (the constants of plan/hardware.py are fitted on them, by
 scripts/fit_planner.py) and held-out rows was fixed before any constant was fitted, by one rule: each
@@ -153,13 +153,12 @@ def plan_row(item: Row):
     return plan_job(load_config(["--job.config_file", str(CONFIGS / f"{item.config}.toml"), *item.flags]))
 
 
-def predicted_memory_gib(item: Row, plan) -> float:
-    """The planner's figure for what the row's source reports: allocated (its peak) or reserved
-    (the peak plus the allocator's margin)."""
+def predicted_memory_gib(item: Row, peak: int) -> float:
+    """The planner's figure for what the row's source reports, from its peak allocated bytes: that peak, or
+    reserved, the peak plus the allocator's margin."""
     from titanlite.plan.memory import ALLOCATOR_MARGIN, GIB
 
-    peak = plan.memory.peak
-    return (peak if item.memory_kind == "allocated" else peak * (1 + ALLOCATOR_MARGIN)) / GIB
+    return peak * (1 if item.memory_kind == "allocated" else 1 + ALLOCATOR_MARGIN) / GIB
 
 
 def table() -> str:
@@ -168,7 +167,7 @@ def table() -> str:
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for item in ROWS:
         plan = plan_row(item)
-        memory = predicted_memory_gib(item, plan)
+        memory = predicted_memory_gib(item, plan.memory.peak)
         measured = f"{item.memory_gib:.1f} {item.memory_kind}" if item.memory_gib else "-"
         ratio = f"{memory / item.memory_gib:.2f}" if item.memory_gib else "-"
         lines.append(f"| {item.name} | {item.source} | {'tuning' if item.tuning else 'held out'} | {item.tps:,.0f} | "
