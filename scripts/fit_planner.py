@@ -12,15 +12,11 @@ wait per collective and async TP's hidden share from the TP rows, the A100's eff
 import dataclasses
 
 import numpy as np
-import torch
 from scipy.optimize import least_squares
 
-from titanlite.config import load_config
-from titanlite.models import get_model_spec
-from titanlite.parallel.dims import ParallelDims
 from titanlite.plan import hardware
-from titanlite.plan.job import job_speed, model_args, plan_states
-from titanlite.plan.published_rows import CONFIGS, ROWS, plan_row, predicted_memory_gib
+from titanlite.plan.job import job_speed
+from titanlite.plan.published_rows import ROWS, plan_row, predicted_memory_gib, row_config, speed_inputs
 
 # name, starting value, bounds
 CONSTANTS = [
@@ -48,21 +44,10 @@ def set_constants(values) -> None:
             setattr(hardware, name, value)
 
 
-def speed_inputs(item):
-    """What job_speed needs for the row, computed once (the shards come from the fake world)."""
-    cfg = load_config(["--job.config_file", str(CONFIGS / f"{item.config}.toml"), *item.flags])
-    spec = get_model_spec(cfg.model.name)
-    args = model_args(cfg, spec)
-    world = cfg.plan.nodes * cfg.plan.gpus_per_node
-    with torch.device("meta"):
-        whole = spec.model_cls(args)
-    return cfg, spec, whole, ParallelDims.from_config(cfg.parallelism, world), plan_states(cfg, world)
-
-
 def fit_memory() -> None:
     """memory.COMPILED_KEPT on the compiled tuning rows with a measured peak: the peak, where the start of
     backward sets it, is lower + kept x (eager - lower); a reserved figure adds the allocator's margin."""
-    rows = [(item, plan_row(item).memory) for item in ROWS if item.tuning and item.memory_gib and plan_row_compiles(item)]
+    rows = [(item, plan_row(item).memory) for item in ROWS if item.tuning and item.memory_gib and row_config(item).compile.enable]
 
     def residuals(kept):
         return np.array([np.log(predicted_memory_gib(item, low + kept[0] * (high - low)) / item.memory_gib)
@@ -72,10 +57,6 @@ def fit_memory() -> None:
     print(f"COMPILED_KEPT = {fit.x[0]:.3g}")
     for (item, _), error in zip(rows, residuals(fit.x)):
         print(f"  {np.exp(error):.3f}  {item.name} (peak memory)")
-
-
-def plan_row_compiles(item) -> bool:
-    return load_config(["--job.config_file", str(CONFIGS / f"{item.config}.toml"), *item.flags]).compile.enable
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.plan.__main__ import main as plan_main
 from titanlite.plan.activations import activations
 from titanlite.plan.job import model_args, plan_job
-from titanlite.train import cross_entropy_loss
+from titanlite.train import build_loss
 
 SHIPPED = sorted((ROOT / "train_configs").glob("*.toml"))
 MOE = {"mixtral_8x7b.toml"}  # routing depends on the data: refused by the planner, in one sentence
@@ -26,8 +26,8 @@ MOE = {"mixtral_8x7b.toml"}  # routing depends on the data: refused by the plann
 
 def measured_fwd_bwd_peak(cfg) -> int:
     """Most bytes the CPU allocator held at once above the step's start, over a real forward + backward
-    of the trainer's model (built as train.build_model does, on one process), from the profiler's
-    allocation events."""
+    of the trainer's model and loss (built as the trainer builds them, on one process; compiled where
+    cfg compiles, after two steps that compile), from the profiler's allocation events."""
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg, spec)
     dims = ParallelDims(1, 1)
@@ -36,12 +36,19 @@ def measured_fwd_bwd_peak(cfg) -> int:
     model = spec.parallelize(model, dims, cfg)
     model.to_empty(device="cpu")
     model.init_weights(0)
+    loss_fn = build_loss(cfg.training, cfg.compile)
     tokens = torch.randint(0, args.vocab_size, (cfg.training.local_batch_size, cfg.training.seq_len))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+
+    def step():
         with mixed_precision_context(dims, cfg.training.mixed_precision_param, "cpu"):
             logits = model(tokens)
-        cross_entropy_loss(logits, tokens).backward()
-        del logits
+        loss_fn(logits, tokens).backward()
+
+    for _ in range(2 if cfg.compile.enable else 0):
+        step()
+        model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
@@ -66,6 +73,21 @@ def test_activation_peak_within_10_percent_of_a_real_cpu_step(model):
         predicted = activations(cfg, spec, model_args(cfg, spec), ParallelDims(1, 1)).peak
         measured = measured_fwd_bwd_peak(cfg)
         assert predicted == pytest.approx(measured, rel=0.10), (mode, option, predicted, measured)
+
+
+def test_a_compiled_cpu_step_peaks_between_the_planners_two_counts():
+    """Inductor on the CPU runs the same min-cut partitioner as on a GPU: the peak of a real compiled step
+    (blocks and loss compiled) lies between the planner's lower bound and its eager count, without AC and
+    with op-level AC (at seq 256 x 4 it sat 0.63 of the way up in both; memory.COMPILED_KEPT puts 0.44)."""
+    for mode in ("none", "selective"):
+        cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "128", "--training.local_batch_size", "2",
+                           "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", "op",
+                           "--compile.enable"])
+        spec = get_model_spec(cfg.model.name)
+        args, dims = model_args(cfg, spec), ParallelDims(1, 1)
+        lower, eager = (activations(cfg, spec, args, dims, compiled).peak for compiled in (True, False))
+        measured = measured_fwd_bwd_peak(cfg)
+        assert lower < measured < 1.05 * eager, (mode, lower, measured, eager)  # the eager count is itself within 10% (above)
 
 
 @pytest.mark.parametrize("config", [path for path in SHIPPED if path.name not in MOE], ids=lambda path: path.stem)
@@ -137,3 +159,37 @@ def test_float8_note_says_when_float8_pays_by_the_measured_figures():
            "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
     assert note(*off).startswith("float8 is off; float8 tensorwise measured 1.10x at dim 2048")
     assert note(*off, gpu="A100 80GB") is None  # no float8 tensor cores
+
+
+# Held-out rows the planner misses by more than 15%, each held to its present error so that the table in
+# docs/benchmarks.md (which says why each misses) stays true: (row, "tps" or "memory") -> the error allowed.
+HELD_OUT_MISSES = {
+    ("405B, 128 H100, FSDP 16 x TP 8, float8", "tps"): 0.22,
+    ("405B, 128 H100, FSDP 16 x TP 8, float8, async TP", "tps"): 0.22,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8 rowwise, async TP", "tps"): 0.17,
+    ("8B, 32 H200, FSDP, compile, float8", "tps"): 0.16,
+    ("8B, 64 H200, FSDP, compile, float8", "tps"): 0.16,
+    ("Llama 2 70B, 64 A100, FSDP, bs 1, op AC", "tps"): 0.21,
+    ("8B, 128 H100, FSDP, compile", "memory"): 0.18,
+    ("8B, 128 H100, FSDP, compile, float8", "memory"): 0.18,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8", "memory"): 0.46,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8, async TP", "memory"): 0.42,
+    ("405B, 512 H100, FSDP 8 x TP 8 x PP 8, float8, async TP, 1F1B", "memory"): 0.64,
+    ("405B, 512 H100, FSDP 8 x TP 8 x PP 8, float8, async TP, Interleaved1F1B", "memory"): 0.59,
+}
+
+
+def test_planner_within_15_percent_of_the_held_out_published_rows():
+    """The planner's tps and peak memory for every row of plan/published_rows.py it was not fitted on, against
+    what the run measured: within 15%, or within the error HELD_OUT_MISSES records for it."""
+    from titanlite.plan.published_rows import ROWS, plan_row, predicted_memory_gib
+
+    held_out = [item for item in ROWS if not item.tuning]
+    assert len(held_out) == 26 and {name for name, _ in HELD_OUT_MISSES} <= {item.name for item in held_out}
+    for item in held_out:
+        plan = plan_row(item)
+        errors = {"tps": plan.speed.tps / item.tps - 1}
+        if item.memory_gib:
+            errors["memory"] = predicted_memory_gib(item, plan.memory.peak) / item.memory_gib - 1
+        for kind, error in errors.items():
+            assert abs(error) <= HELD_OUT_MISSES.get((item.name, kind), 0.15), (item.name, kind, f"{error:+.1%}")

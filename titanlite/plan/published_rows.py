@@ -145,12 +145,33 @@ ROWS = [
 ]
 
 
+def row_config(item: Row):
+    from titanlite.config import load_config
+
+    return load_config(["--job.config_file", str(CONFIGS / f"{item.config}.toml"), *item.flags])
+
+
 def plan_row(item: Row):
     """The planner's JobPlan for the row's job."""
-    from titanlite.config import load_config
     from titanlite.plan.job import plan_job
 
-    return plan_job(load_config(["--job.config_file", str(CONFIGS / f"{item.config}.toml"), *item.flags]))
+    return plan_job(row_config(item))
+
+
+def speed_inputs(item: Row) -> tuple:
+    """job_speed's arguments for the row's job (its shards from the fake world; no activation tally)."""
+    import torch
+
+    from titanlite.models import get_model_spec
+    from titanlite.parallel.dims import ParallelDims
+    from titanlite.plan.job import model_args, plan_states
+
+    cfg = row_config(item)
+    spec = get_model_spec(cfg.model.name)
+    world = cfg.plan.nodes * cfg.plan.gpus_per_node
+    with torch.device("meta"):
+        whole = spec.model_cls(model_args(cfg, spec))
+    return cfg, spec, whole, ParallelDims.from_config(cfg.parallelism, world), plan_states(cfg, world)
 
 
 def predicted_memory_gib(item: Row, peak: int) -> float:
