@@ -13,7 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from conftest import materialize
 from titanlite.checkpoint import CheckpointManager
-from titanlite.checkpoint.staging import host_tensors
+from titanlite.checkpoint.async_save import host_tensors
 from titanlite.config_sections import Checkpoint
 from titanlite.models import get_model_args, get_model_spec
 
@@ -45,10 +45,10 @@ def test_the_optimizer_step_after_an_async_save_waits_for_its_copy_into_reused_b
         at_save = {name: tensor.clone() for name, tensor in model.state_dict().items()}
         at_save["optimizer.state.output.weight.exp_avg"] = optimizer.state[model.output.weight]["exp_avg"].clone()
         manager.maybe_save(step)
-        assert manager.pending is not None  # the save is running in the background
+        assert manager.saver.pending is not None  # the save is running in the background
         optimizer.step()
         manager.wait()
-        buffers = [t.data_ptr() for t in host_tensors(manager.staging.buffers)]
+        buffers = [t.data_ptr() for t in host_tensors(manager.saver.staging.buffers)]
         if step == 1:
             first_buffers = buffers
         saved_at[step] = at_save

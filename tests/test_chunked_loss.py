@@ -9,11 +9,11 @@ from conftest import ROOT, tensorboard_scalars
 from test_pipeline_parallel import launch, run
 from titanlite.config import load_config
 from titanlite.models import get_model_spec
-from titanlite.models.output_loss import chunk_loss, chunked_cross_entropy
+from titanlite.loss import chunk_loss, chunked_cross_entropy, cross_entropy_loss
 from titanlite.parallel.dims import ParallelDims
 from titanlite.plan.activations import activations
 from titanlite.plan.job import model_args
-from titanlite.train import cross_entropy_loss, main
+from titanlite.train import main
 
 N, D, V = 300, 64, 1000
 
@@ -93,7 +93,7 @@ def test_trainer_with_chunks_equals_without_for_llama3_gpt2_mixtral_and_on_two_f
     validated = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]
     models = {"llama3": validated, "gpt2": ["--model.name", "gpt2"], "mixtral": ["--model.name", "mixtral"]}
     recording = Recording()
-    monkeypatch.setattr("titanlite.train.chunk_loss", recording)  # what build_loss hands the model
+    monkeypatch.setattr("titanlite.loss.chunk_loss", recording)  # what build_loss hands the model
     for name, flags in models.items():
         for chunk in ("0", "50"):
             assert main(run(tmp_path, f"{name}_{chunk}", [*base, *flags, "--training.loss_chunk_tokens", chunk], 3)["argv"]) == 0

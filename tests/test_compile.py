@@ -14,7 +14,8 @@ from titanlite.models.attention import document_ids
 from titanlite.models.llama.args import LLAMA3_FLAVORS
 from titanlite.models.llama.model import Transformer
 from titanlite.parallel.ac import apply_ac
-from titanlite.parallel.compile import apply_compile, maybe_compile_loss
+from titanlite.loss import maybe_compile_loss
+from titanlite.parallel.compile import apply_compile
 
 
 def synthetic_run(folder, extra=()):

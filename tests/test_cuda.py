@@ -131,9 +131,9 @@ def test_async_pinned_save_resumes_exactly(tmp_path):
 
 
 def test_pinned_staging_reuses_its_buffers_and_waits_for_the_step():
-    """checkpoint/staging.py on the GPU: pinned host buffers made at the first copy and reused by the
+    """checkpoint/async_save.py's HostStaging on the GPU: pinned host buffers made at the first copy and reused by the
     next, each copy made on the side stream after the event that marks the state as computed."""
-    from titanlite.checkpoint.staging import HostStaging, host_tensors
+    from titanlite.checkpoint.async_save import HostStaging, host_tensors
 
     staging = HostStaging(pinned=True)
     weight = torch.zeros(1024, 1024, device="cuda")

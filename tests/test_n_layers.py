@@ -3,7 +3,8 @@
 from conftest import DEBUG_CONFIG, ON_CPU
 from titanlite.config import load_config
 from titanlite.models import get_model_spec
-from titanlite.train import main, model_label, resolve_model_args
+from titanlite.build import model_label, resolve_model_args
+from titanlite.train import main
 
 
 def test_n_layers_overrides_the_flavors_depth_only():

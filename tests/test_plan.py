@@ -13,12 +13,14 @@ import torch
 from conftest import DEBUG_CONFIG, ROOT
 from titanlite.config import load_config
 from titanlite.models import get_model_spec
-from titanlite.parallel import mixed_precision_context
+from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.parallel.dims import ParallelDims
 from titanlite.plan.__main__ import main as plan_main
 from titanlite.plan.activations import activations
 from titanlite.plan.job import model_args, plan_job
-from titanlite.train import build_loss
+from titanlite.build import meta_model, parallelizer
+from titanlite.loss import build_loss
+from titanlite.parallel.parallelize import ParallelizeSettings
 
 SHIPPED = sorted((ROOT / "train_configs").glob("*.toml"))
 MOE = {"mixtral_8x7b.toml"}  # routing depends on the data: refused by the planner, in one sentence
@@ -26,14 +28,12 @@ MOE = {"mixtral_8x7b.toml"}  # routing depends on the data: refused by the plann
 
 def measured_fwd_bwd_peak(cfg) -> int:
     """Most bytes the CPU allocator held at once above the step's start, over a real forward + backward
-    of the trainer's model and loss (built as the trainer builds them, on one process; compiled where
-    cfg compiles, after two steps that compile), from the profiler's allocation events."""
+    of the trainer's model and loss (built as build.build_model and loss.build_loss do, on one process;
+    compiled where cfg compiles, after two steps that compile), from the profiler's allocation events."""
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg, spec)
     dims = ParallelDims(1, 1)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model = spec.parallelize(model, dims, cfg)
+    model = parallelizer(spec, dims, ParallelizeSettings.of(cfg))(meta_model(spec, args, cfg.training.param_dtype))
     model.to_empty(device="cpu")
     model.init_weights(0)
     loss_fn = build_loss(cfg.training, cfg.compile)

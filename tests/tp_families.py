@@ -17,7 +17,9 @@ from titanlite.models import get_model_spec
 from titanlite.models.attention import document_delimiters
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.dims import ParallelDims
-from titanlite.train import build_model, cross_entropy_loss, resolve_model_args, train_step
+from titanlite.build import build_model, resolve_model_args
+from titanlite.loss import cross_entropy_loss
+from titanlite.step import StepSettings, train_step
 
 STEPS, BATCH, SEQ = 5, 2, 64
 
@@ -31,7 +33,7 @@ def losses(name: str, world: int) -> list[float]:
     dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world)
     if world > 1:
         dims.build_mesh("cpu")
-    model, *_ = build_model(cfg, spec, args, dims, torch.device("cpu"))
+    model, *_ = build_model(cfg, spec, args, dims, torch.device("cpu"), cross_entropy_loss)
     optimizer = build_optimizer(model, cfg.optimizer, "cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     generator = torch.Generator().manual_seed(0)  # the same batches for both runs
@@ -41,7 +43,7 @@ def losses(name: str, world: int) -> list[float]:
     batches = iter([(w[:, :-1], w[:, 1:]) for w in windows])
     metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
     delimiters = document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
-    return [train_step(model, optimizer, scheduler, batches, 1, cfg, dims, torch.device("cpu"), metrics,
+    return [train_step(model, optimizer, scheduler, batches, StepSettings.of(cfg, dims, 1), dims, torch.device("cpu"), metrics,
                        cross_entropy_loss, delimiters=delimiters)[0].item() for _ in range(STEPS)]
 
 

@@ -10,6 +10,11 @@ from titanlite.errors import UserError
 
 def check_training(cfg: JobConfig) -> None:
     training = cfg.training
+    if training.on_nonfinite == "skip" and training.skip_nan_check:
+        raise UserError(
+            "training.on_nonfinite skip checks every step for NaN or inf, but training.skip_nan_check true turns the "
+            "check off; set training.skip_nan_check false"
+        )
     if training.param_dtype == "bfloat16" and training.mixed_precision_param != "bfloat16":
         raise UserError(
             "training.param_dtype bfloat16 stores bf16 weights, which compute in bf16; set "
@@ -69,6 +74,19 @@ def check_parallelism(cfg: JobConfig) -> None:
             f"parallelism.pipeline_parallel_schedule ZBVZeroBubble runs exactly 2 stages per rank, not "
             f"pipeline_parallel_stages_per_rank {per_rank}; set it to 2 or -1"
         )
+    if par.pipeline_parallel_degree > 1 and cfg.checkpoint.last_save_in_hf:
+        raise UserError(
+            "checkpoint.last_save_in_hf gathers the whole model on every rank, but a pipeline stage holds only its own "
+            "layers; set it to false and convert the last checkpoint with python -m titanlite.convert dcp-to-hf"
+        )
+
+
+def check_checkpoint(cfg: JobConfig) -> None:
+    ckpt = cfg.checkpoint
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
+        raise UserError("checkpoint.initial_load_in_hf is set but checkpoint.initial_load_path is empty; set it to the Hugging Face folder")
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
+        raise UserError("a Hugging Face folder holds only the model; set checkpoint.initial_load_model_only true with initial_load_in_hf")
 
 
 def check_rules(cfg: JobConfig) -> None:
@@ -77,3 +95,4 @@ def check_rules(cfg: JobConfig) -> None:
     check_activation_checkpoint(cfg)
     check_parallelism(cfg)
     check_loss_chunking(cfg)
+    check_checkpoint(cfg)

@@ -33,6 +33,7 @@ class Job:
     log_rank_files: bool = opt(False, "also write every rank's log, all levels, to <dump_folder>/logs/rank<N>.log")
     init_timeout_seconds: int = opt(300, "seconds every rank waits for all WORLD_SIZE ranks to join at MASTER_ADDR:MASTER_PORT when started without torchrun, then stops naming the missing ones", at_least=1)
     device: str = opt("auto", "auto (CUDA where a GPU is visible, else CPU), cuda (stop if there is none) or cpu (hide the GPUs from the run; e.g. CPU ranks on a GPU machine)", choices=("auto", "cuda", "cpu"))
+    hang_timeout_seconds: int = opt(-1, "a training step (with its log, validation and save) that takes longer than this is a hang: every rank dumps its Python stacks to its rank log, rank 0 names the ranks that did not finish the step, and the job exits with code 3 so the scheduler restarts it from the last checkpoint; -1 = max(300, 20 x the steady step time) (30 minutes until the first steps have run), 0 = off", at_least=1, sentinels=(-1, 0))
 
 
 @dataclass
@@ -92,6 +93,8 @@ class Training:
     deterministic: bool = opt(False, "use deterministic algorithms (slower; for debugging numerics)")
     loss_chunk_tokens: int = opt(0, "tokens per chunk of the fused output projection + cross-entropy, which never holds the whole micro-batch's logits (0 = off: the logits of the whole micro-batch, then the loss); opt-in while its GPU speed is unmeasured", at_least=0)
     skip_nan_check: bool = opt(False, "keep training when the loss or gradient norm is NaN or inf (by default the run stops at that step and saves nothing of it)")
+    on_nonfinite: str = opt("stop", "a step whose loss or gradients hold NaN or inf: stop (the run stops at that step and saves nothing of it) or skip (its update is not applied: gradients dropped, optimizer and lr schedule not stepped, its batch consumed; costs one host-device sync per step)", choices=("stop", "skip"))
+    max_nonfinite_skips: int = opt(5, "with on_nonfinite skip, stop the run after this many skipped steps in a row", at_least=1)
 
 
 @dataclass

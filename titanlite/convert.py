@@ -28,7 +28,7 @@ from titanlite.checkpoint.hf_io import DEFAULT_MAX_SHARD_BYTES, HFReader, layer_
 from titanlite.config import load_config
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.dtypes import DTYPES
 
 USAGE = """usage: python -m titanlite.convert {hf-to-dcp,dcp-to-hf} SOURCE DESTINATION [--model.name N] [--model.flavor F]
                                   [--job.config_file X.toml] [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000] [--overwrite]"""

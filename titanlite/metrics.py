@@ -16,9 +16,11 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from titanlite.config_sections import JobConfig, Metrics
 from titanlite.log import logger
+from titanlite.observers import observer
 from titanlite.tensorboard import describe_run, open_writer
 
 # Dense bf16 TFLOP/s (no sparsity), matched against torch.cuda.get_device_name().
@@ -77,16 +79,20 @@ class MetricsLogger:
         self.writer = None
         self.reset()
 
+    @observer("TensorBoard")
     def start_tensorboard(self, job: JobConfig, resumed_step: int, hparams: dict) -> None:
         """Open this rank's run (continuing the job's after a resume); rank 0 describes the run."""
         self.writer = open_writer(job, self.rank, resumed_step)
         if self.writer and self.rank == 0:
             describe_run(self.writer, job, hparams, resumed_step)
 
-    def write_scalars(self, step: int, values: dict[str, float]) -> None:
+    @observer("TensorBoard")
+    def write_scalars(self, step: int, values: dict[str, float], flush: bool = False) -> None:
         if self.writer:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
+            if flush:
+                self.writer.flush()  # a killed run keeps what it has drawn (SummaryWriter flushes every 2 minutes)
 
     def reset(self) -> None:
         self.tokens = 0
@@ -102,6 +108,7 @@ class MetricsLogger:
         tflops = tps * self.flops_per_token / 1e12
         return tps, tflops, (100.0 * tflops / self.peak if self.peak else None)
 
+    @observer("metrics")
     def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None) -> dict:
         elapsed = time.perf_counter() - self.started
         tps, tflops, mfu_pct = self.throughput(self.tokens, elapsed)
@@ -120,12 +127,11 @@ class MetricsLogger:
             f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%"
         )
         # A model's own figures (MoE: moe/*) arrive under their tags already.
-        self.write_scalars(step, {TB_TAGS[name]: value for name, value in values.items()} | (extra or {}))
-        if self.writer:
-            self.writer.flush()  # a killed run keeps what it has drawn (SummaryWriter flushes every 2 minutes)
+        self.write_scalars(step, {TB_TAGS[name]: value for name, value in values.items()} | (extra or {}), flush=True)
         self.reset()
         return values
 
+    @observer("metrics")
     def log_validation(self, step: int, loss: float, perplexity: float, batches: int, tokens: int, seconds: float) -> None:
         """The validation line and validation/* scalars; its time is left out of the next tps."""
         logger.info(
@@ -135,6 +141,7 @@ class MetricsLogger:
         self.write_scalars(step, {"loss/validation": loss, "perplexity/validation": perplexity})
         self.started += seconds
 
+    @observer("TensorBoard")
     def close(self) -> None:
         if self.writer:
             self.writer.close()
@@ -157,3 +164,33 @@ def log_tokens_by_source(dataloader) -> None:
     if seen:
         total = sum(seen.values())
         logger.info("data mix: " + ", ".join(f"{name} {tokens:,} tokens ({100 * tokens / total:.1f}%)" for name, tokens in seen.items()))
+
+
+def speed_settings(cfg: JobConfig) -> dict[str, str]:
+    """Activation checkpointing, compile, float8 and loss chunks as the run uses them (start-up line, TensorBoard hparams)."""
+    ac = cfg.activation_checkpoint
+    ac_text = f"selective ({ac.selective_ac_option})" if ac.mode == "selective" else ac.mode
+    compile_text = ",".join(cfg.compile.components) if cfg.compile.enable else "off"
+    float8_text = cfg.float8.recipe_name if cfg.float8.enable else "off"
+    chunks_text = f"{cfg.training.loss_chunk_tokens} tokens" if cfg.training.loss_chunk_tokens else "off"
+    return {"AC": ac_text, "compile": compile_text, "float8": float8_text, "loss chunks": chunks_text}
+
+
+def speed_features(cfg: JobConfig) -> str:
+    return " | ".join(f"{name} {value}" for name, value in speed_settings(cfg).items())
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value)  # gloo has no AVG; sum and divide
+    return value.item() / dist.get_world_size()
+
+
+def model_metrics(model) -> dict[str, float] | None:
+    """What a model reports about itself since the last log (e.g. MoE expert load), averaged over ranks."""
+    values = model.extra_metrics() if hasattr(model, "extra_metrics") else {}
+    if not values:
+        return None
+    stacked = torch.stack([v.float() for v in values.values()])
+    dist.all_reduce(stacked)
+    return dict(zip(values, (stacked / dist.get_world_size()).tolist()))

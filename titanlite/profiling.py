@@ -13,7 +13,6 @@ when the run dies of CUDA out-of-memory, each rank dumps
 refuses the option: the CPU allocator keeps no such history.
 """
 
-import contextlib
 import pickle
 import resource
 import time
@@ -27,6 +26,7 @@ from titanlite.config_sections import Profiling
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.models.init import local_tensor
+from titanlite.observers import observer
 
 _PROFILER_WARMUP = 3  # steps the profiler runs unrecorded before the recorded one
 _SNAPSHOT_ENTRIES = 100_000  # allocation events kept by the CUDA allocator's history
@@ -50,6 +50,7 @@ class StepProfiler:
             # Started here, before the model is built, so the snapshots show where every byte came from.
             torch.cuda.memory._record_memory_history(max_entries=_SNAPSHOT_ENTRIES)
 
+    @observer("profiling")
     def __enter__(self) -> "StepProfiler":
         if self.cfg.enable_profiling:
             freq = self.cfg.profile_freq
@@ -75,6 +76,7 @@ class StepProfiler:
         folder.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))
 
+    @observer("profiling")
     def step(self, step: int) -> None:
         """End of training step `step` (1-based; continues after a resume)."""
         if self.profiler is not None:
@@ -91,6 +93,7 @@ class StepProfiler:
             pickle.dump(torch.cuda.memory._snapshot(), file)
         return path
 
+    @observer("profiling")
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.profiler is not None:
             self.profiler.__exit__(exc_type, exc, tb)
@@ -127,7 +130,7 @@ def peak_memory_gib(device: torch.device) -> float:
 class RunSummary:
     """Steady-state numbers of the whole run, logged once at the end as a `run summary:` line.
 
-    Wrap each training step in `with summary.measure(metrics):`. The clock runs from the start
+    Call step_began(metrics) and step_ended(metrics) around each training step. The clock runs from the start
     of the first step after `warmup` steps (compilation, allocator warm-up) to the end of the last
     step, so the logging, stop checks and gc between steps are inside it. On CUDA it is read
     after a synchronize, at those two moments only.
@@ -141,6 +144,7 @@ class RunSummary:
         self.device = device
         self.seen = 0  # steps run so far
         self.data_seconds = 0.0
+        self.data_before = 0.0
         self.started: float | None = None
         self.ended: float | None = None
 
@@ -153,18 +157,21 @@ class RunSummary:
     def steps(self) -> int:
         return max(0, self.seen - self.warmup)
 
-    @contextlib.contextmanager
-    def measure(self, metrics):
+    @observer("run summary")
+    def step_began(self, metrics) -> None:
         if self.seen == self.warmup:
             self.started = self._now()
-        data_before = metrics.data_seconds  # train_step adds its wait for data
-        yield
+        self.data_before = metrics.data_seconds  # train_step adds its wait for data
+
+    @observer("run summary")
+    def step_ended(self, metrics) -> None:
         self.seen += 1
         if self.seen > self.warmup:
-            self.data_seconds += metrics.data_seconds - data_before
+            self.data_seconds += metrics.data_seconds - self.data_before
             if self.seen == self.steps_to_run:
                 self.ended = self._now()
 
+    @observer("run summary")
     def log(self, model, optimizer, tokens_per_step_per_rank: int, metrics, save_cost=None, offloaded=None) -> None:
         """`save_cost` (checkpoint/cost.py's SaveCost) adds the training time checkpoint saves lost;
         `offloaded` (parallel/offload.py's HeldBytes) the most activation bytes offload held in host memory."""

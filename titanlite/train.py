@@ -4,231 +4,40 @@ Reads top to bottom in the order a job happens: config -> mesh -> model -> optim
 loop -> close. Each component comes from one build_* call; this file owns only the loop.
 """
 
-import contextlib
-import dataclasses
 import gc
 import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
+from titanlite.build import build_model, grad_accumulation_steps, model_label, resolve_model_args, seed_everything
 from titanlite.checkpoint import CheckpointManager, StopFlags
 from titanlite.checkpoint.cost import SaveCost
+from titanlite.checkpoint.stopping import NonfiniteSkips, nothing_to_train
 from titanlite.config import load_config, write_resolved_config
-from titanlite.config_sections import Compile, JobConfig, Model, Training
+from titanlite.config_sections import JobConfig
 from titanlite.data.datasets import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.log import init_logger, logger
-from titanlite.metrics import MetricsLogger, log_tokens_by_source, source_scalars
-from titanlite.models.attention import document_delimiters, document_ids
-from titanlite.models import get_model_args, get_model_spec
-from titanlite.models.output_loss import ChunkedCrossEntropy, chunk_loss, micro_batch_loss
-from titanlite.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from titanlite.loss import build_loss
+from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
+                               speed_features, speed_settings)
+from titanlite.models import get_model_spec
+from titanlite.models.attention import document_delimiters
+from titanlite.observers import observe
+from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.output_folders import check_output_folders
-from titanlite.parallel import mixed_precision_context
-from titanlite.parallel.compile import maybe_compile_loss
-from titanlite.parallel.float8 import register_float8_scale_precompute
-from titanlite.parallel.fsdp import DTYPES
-from titanlite.parallel.offload import HeldBytes, activation_offload_context, note_if_offload_saves_nothing, optimizer_device_type
-from titanlite.parallel.pp import build_pipeline
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.tp import local_loss, loss_parallel_context, place_grads_like_params
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
+from titanlite.parallel.float8 import register_float8_scale_precompute
+from titanlite.parallel.offload import HeldBytes, note_if_offload_saves_nothing, optimizer_device_type
+from titanlite.plan.startup import predict_on_gpu
 from titanlite.profiling import RunSummary, StepProfiler
+from titanlite.step import StepSettings, train_step
 from titanlite.tensorboard import hyperparameters
 from titanlite.validation import Validator, check_validation
-
-
-def grad_accumulation_steps(cfg: Training, dp_degree: int) -> int:
-    """Micro-steps per optimizer step so that local x dp x micro-steps = global batch."""
-    per_micro_step = cfg.local_batch_size * dp_degree
-    if cfg.global_batch_size == -1:
-        return 1
-    if cfg.global_batch_size < per_micro_step or cfg.global_batch_size % per_micro_step:
-        raise UserError(
-            f"training.global_batch_size {cfg.global_batch_size} must be a multiple of local_batch_size "
-            f"{cfg.local_batch_size} x data-parallel degree {dp_degree} = {per_micro_step}"
-        )
-    return cfg.global_batch_size // per_micro_step
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    torch.manual_seed(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-
-
-def model_label(cfg: Model) -> str:
-    """The model as logs, errors and checkpoints name it; a depth override is part of the name."""
-    label = f"{cfg.name}/{cfg.flavor}"
-    return f"{label} with model.n_layers {cfg.n_layers}" if cfg.n_layers else label
-
-
-def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
-    """The flavor's args with the vocab taken from the tokenizer where the flavor leaves it open,
-    model.n_layers blocks where it is set, and model.reset_position_ids."""
-    args = dataclasses.replace(get_model_args(spec, cfg.model.flavor), reset_position_ids=cfg.model.reset_position_ids)
-    if cfg.model.n_layers:
-        args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
-    where = model_label(cfg.model)
-    if args.vocab_size == -1:
-        args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
-    elif args.vocab_size < tokenizer_vocab:
-        raise UserError(
-            f"the tokenizer has {tokenizer_vocab} tokens but {where} has a vocabulary of {args.vocab_size}; "
-            "use that model's own tokenizer (model.tokenizer_path) or a debugmodel flavor"
-        )
-    if cfg.training.seq_len > args.max_seq_len:
-        raise UserError(
-            f"training.seq_len {cfg.training.seq_len} exceeds the context of {where} ({args.max_seq_len}); lower training.seq_len"
-        )
-    return args
-
-
-def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.device, loss_fn=None):
-    """Meta-device model -> (this rank's pipeline stages) -> parallelize -> allocate only this rank's
-    shards -> initialise them. Returns the model, its size and FLOPs, and the Pipeline (None without PP)."""
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to(dtype=DTYPES[cfg.training.param_dtype])  # init_weights keeps the RoPE tables in fp32
-    num_params = model.num_params()
-    flops_per_token = spec.flops_per_token(model, cfg.training.seq_len)
-    if dims.pp_enabled:
-        model, pipeline = build_pipeline(model, dims, cfg, spec.parallelize, device, loss_fn or cross_entropy_loss)
-        return model, num_params, flops_per_token, pipeline
-    model = spec.parallelize(model, dims, cfg)
-    model.to_empty(device=device)
-    if dims.tp_enabled:
-        place_grads_like_params(model)
-    model.init_weights(seed=cfg.job.seed)
-    model.train()
-    return model, num_params, flops_per_token, None
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def build_loss(cfg: Training, compile_cfg: Compile):
-    """cross_entropy_loss of the logits, or with training.loss_chunk_tokens the chunked output projection +
-    loss that the model's forward runs (models/output_loss.py); compiled where compile.components has "loss"
-    (the chunked one per chunk: its loop stays eager)."""
-    if cfg.loss_chunk_tokens:
-        return ChunkedCrossEntropy(cfg.loss_chunk_tokens, maybe_compile_loss(chunk_loss, compile_cfg))
-    return maybe_compile_loss(cross_entropy_loss, compile_cfg)
-
-
-@contextlib.contextmanager
-def forward_context(cfg: JobConfig, dims, device_type: str, offloaded: HeldBytes | None):
-    """Around every training forward: autocast where FSDP does not cast, and activation offload where
-    asked (`offloaded` counts what it holds; None = no offload)."""
-    with (mixed_precision_context(dims, cfg.training.mixed_precision_param, device_type),
-          activation_offload_context(offloaded)):
-        yield
-
-
-def train_step(model, optimizer, scheduler, batches, accum_steps: int, cfg: JobConfig, dims, device, metrics, loss_fn,
-               pipeline=None, delimiters: tuple[int, int] | None = None, offloaded: HeldBytes | None = None):
-    """One optimizer step over accum_steps micro-batches; returns (loss, grad_norm, lr used).
-    `delimiters` (bos, eos) split each window into documents for block-causal attention; None = causal.
-    `offloaded` counts the activations offloaded to host memory; None = no activation offload.
-
-    Each micro-batch holds the same number of tokens (packed windows), so dividing every
-    micro-batch mean by accum_steps makes the summed gradient that of the whole batch.
-    Under pipeline parallelism the pipeline's schedule runs each micro-batch's forward and backward.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    total_loss = torch.zeros((), device=device)
-    for _ in range(accum_steps):
-        waited = time.perf_counter()
-        inputs, labels = next(batches)
-        metrics.data_seconds += time.perf_counter() - waited
-        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
-        ids = document_ids(inputs, delimiters)
-        if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
-            with forward_context(cfg, dims, device.type, offloaded):
-                total_loss += pipeline.train_microstep(inputs, labels, accum_steps, cfg.model.moe_aux_loss_coeff,
-                                                       {} if ids is None else {"document_ids": ids})
-            continue
-        with loss_parallel_context(dims.tp_enabled and not cfg.parallelism.disable_loss_parallel):
-            loss = micro_batch_loss(model, inputs, labels, ids, loss_fn, forward_context(cfg, dims, device.type, offloaded))
-            loss = local_loss(loss) / accum_steps
-            aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
-            (loss if aux_loss is None else loss + cfg.model.moe_aux_loss_coeff * aux_loss / accum_steps).backward()
-        total_loss += loss.detach()
-    if pipeline is not None:
-        pipeline.sum_tied_grads()
-    grad_norm = clip_grad_norm_(model.parameters(), cfg.training.max_norm, pipeline.group if pipeline else None,
-                                uncounted=pipeline.uncounted if pipeline else ())
-    lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
-    return total_loss, grad_norm, lr
-
-
-def speed_settings(cfg: JobConfig) -> dict[str, str]:
-    """Activation checkpointing, compile, float8 and loss chunks as the run uses them (start-up line, TensorBoard hparams)."""
-    ac = cfg.activation_checkpoint
-    ac_text = f"selective ({ac.selective_ac_option})" if ac.mode == "selective" else ac.mode
-    compile_text = ",".join(cfg.compile.components) if cfg.compile.enable else "off"
-    float8_text = cfg.float8.recipe_name if cfg.float8.enable else "off"
-    chunks_text = f"{cfg.training.loss_chunk_tokens} tokens" if cfg.training.loss_chunk_tokens else "off"
-    return {"AC": ac_text, "compile": compile_text, "float8": float8_text, "loss chunks": chunks_text}
-
-
-def speed_features(cfg: JobConfig) -> str:
-    return " | ".join(f"{name} {value}" for name, value in speed_settings(cfg).items())
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().clone()
-    dist.all_reduce(value)  # gloo has no AVG; sum and divide
-    return value.item() / dist.get_world_size()
-
-
-def model_metrics(model) -> dict[str, float] | None:
-    """What a model reports about itself since the last log (e.g. MoE expert load), averaged over ranks."""
-    values = model.extra_metrics() if hasattr(model, "extra_metrics") else {}
-    if not values:
-        return None
-    stacked = torch.stack([v.float() for v in values.values()])
-    dist.all_reduce(stacked)
-    return dict(zip(values, (stacked / dist.get_world_size()).tolist()))
-
-
-def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:
-    """A stop signal during the load, or a resume at or past the last step: exit 0 untrained."""
-    if stop.signalled_anywhere():
-        logger.info(f"{stop.signal} came while loading; exiting at step {step} without training (nothing new to save)")
-        return True
-    if step >= steps:
-        logger.info(f"resumed at step {step}, which is at or past training.steps {steps}: nothing to train; raise training.steps to train further")
-        return True
-    return False
-
-
-def predict_on_gpu(cfg: JobConfig, spec, args, dims, model, info: DistInfo):
-    """The planner's memory and tps for this run, logged at start, on CUDA only: the activation tally
-    of a CPU debug run would cost it about a second of start-up for a figure nobody needs there."""
-    if info.device.type != "cuda":
-        return None
-    from titanlite.plan.fake_world import state_bytes
-    from titanlite.plan.job import predict
-
-    pp_rank = dims.mesh["pp"].get_local_rank() if dims.pp_enabled else 0
-    planned = predict(cfg, spec, args, dims, {pp_rank: state_bytes(model, cfg.optimizer.name)})
-    logger.info(f"plan on {cfg.plan.gpu}: predicted peak memory {planned.memory.peak / 2**30:.2f}GiB "
-                f"({100 * planned.memory.share:.0f}% of the GPU with margin), {planned.speed.tps:,.0f} tps per GPU")
-    return planned
+from titanlite.watchdog import HangWatchdog
 
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
@@ -256,6 +65,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     offloaded = HeldBytes() if cfg.activation_checkpoint.offload_activations else None
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
+    step_settings = StepSettings.of(cfg, dims, accum_steps)
     delimiters = document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
     training = cfg.training
     dataloader = build_dataloader(
@@ -281,8 +91,8 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     validator = None
     if cfg.validation.enable:  # its own loader: validating never moves the training data position
         validator = Validator(cfg.validation, training, tokenizer=tokenizer, dims=dims, device=info.device,
-                              seed=cfg.job.seed, metrics=metrics, pipeline=pipeline, delimiters=delimiters,
-                              loss_fn=loss_fn)
+                              seed=cfg.job.seed, metrics=metrics, loss_fn=loss_fn, loss_parallel=step_settings.loss_parallel,
+                              pipeline=pipeline, delimiters=delimiters)
 
     checkpointer = CheckpointManager(
         cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -295,7 +105,9 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         checkpointer.close()
         return
     # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
-    stop = StopFlags(info.device, check_finite=not training.skip_nan_check)
+    stop = StopFlags(info.device, check_finite=training.on_nonfinite == "stop" and not training.skip_nan_check)
+    skips = NonfiniteSkips(training.max_nonfinite_skips, metrics.write_scalars)
+    watchdog = HangWatchdog(cfg.job.hang_timeout_seconds, info.rank, info.world_size, cfg.job.dump_folder)
     try:
         state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
         if nothing_to_train(stop, state.step, training.steps):
@@ -307,15 +119,20 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         gc.disable()
         batches = iter(dataloader)
         summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,
-                             predicted=predict_on_gpu(cfg, spec, args, dims, model, info))
+                             predicted=observe("the planner's start-up prediction", predict_on_gpu, cfg, spec, args, dims,
+                                               model, info))
+        watchdog.start(state.step)
         with profiler:
             for step in range(state.step + 1, training.steps + 1):
+                watchdog.step_began(step)
                 began, validation_seconds = time.perf_counter(), 0.0
                 if step % training.gc_freq == 0:
                     gc.collect(1)
-                with summary.measure(metrics):
-                    loss, grad_norm, lr = train_step(model, optimizer, scheduler, batches, accum_steps, cfg, dims, info.device,
-                                                     metrics, loss_fn, pipeline, delimiters, offloaded)
+                summary.step_began(metrics)
+                loss, grad_norm, lr, skipped = train_step(model, optimizer, scheduler, batches, step_settings, dims,
+                                                          info.device, metrics, loss_fn, pipeline, delimiters, offloaded)
+                summary.step_ended(metrics)
+                skips.record(step, skipped)
                 state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
                 last, logged = step == training.steps, metrics.should_log(step)
                 validating = validator is not None and validator.should_validate(step)
@@ -334,13 +151,15 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                 # The step's time as a save may have slowed it (validation is not training time).
                 checkpointer.cost.step_done(began, time.perf_counter(), left_out=validation_seconds)
                 profiler.step(step)
+                watchdog.step_ended(step)
                 if preempted:
                     break
     finally:
+        watchdog.stop()
         checkpointer.close()  # waits for the last async save
         stop.close()
     summary.log(model, optimizer, tokens_per_step // info.world_size, metrics, checkpointer.cost, offloaded)
-    log_tokens_by_source(dataloader)
+    observe("metrics", log_tokens_by_source, dataloader)
     metrics.close()
     gc.enable()
     if stop.signal:

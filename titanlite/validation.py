@@ -15,15 +15,14 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from titanlite.config_sections import Training, Validation
 from titanlite.data.datasets import build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.loss import cross_entropy_loss, loss_sum
 from titanlite.models.attention import document_ids
-from titanlite.models.output_loss import ChunkedCrossEntropy, micro_batch_loss
-from titanlite.parallel import mixed_precision_context
+from titanlite.parallel.fsdp import mixed_precision_context
 
 
 def batch_shape(cfg: Validation, training: Training) -> tuple[int, int]:
@@ -41,11 +40,11 @@ def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> N
 
 class Validator:
     def __init__(self, cfg: Validation, training: Training, *, tokenizer, dims, device: torch.device, seed: int, metrics,
-                 pipeline=None, delimiters: tuple[int, int] | None = None, loss_fn=None):
+                 loss_fn=cross_entropy_loss, loss_parallel: bool = False, pipeline=None, delimiters: tuple[int, int] | None = None):
         """`delimiters` (bos, eos) split windows into documents, as in training (block_causal); None = causal.
-        `loss_fn`: the trainer's; a ChunkedCrossEntropy (training.loss_chunk_tokens) validates by chunks too."""
+        `loss_fn`: the trainer's (the chunked loss validates by chunks too); `loss_parallel`: TP's vocab-sharded loss."""
         self.cfg = cfg
-        self.chunked_loss = loss_fn if isinstance(loss_fn, ChunkedCrossEntropy) else None
+        self.loss_fn, self.loss_parallel = loss_fn, loss_parallel
         self.pipeline = pipeline
         self.delimiters = delimiters
         self.dims = dims
@@ -92,11 +91,7 @@ class Validator:
         if self.pipeline is not None:
             with context:
                 return self.pipeline.eval_loss_sum(inputs, labels, {} if ids is None else {"document_ids": ids})
-        if self.chunked_loss is not None:  # the mean over the batch's tokens, computed inside the forward
-            return micro_batch_loss(model, inputs, labels, ids, self.chunked_loss, context) * labels.numel()
-        with context:
-            logits = model(inputs, document_ids=ids)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        return loss_sum(model, inputs, labels, ids, self.loss_fn, context, self.loss_parallel)
 
     @torch.no_grad()
     def validate(self, model, step: int) -> tuple[float, float]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from titanlite.log import logger
+from titanlite.observers import observer
 
 STEADY_WINDOW = 20  # recent untouched steps whose median is the steady step time
 CLEAN_AFTER = 3  # untouched steps after a save's write before it is reported (the steady time includes them)
@@ -66,23 +67,29 @@ class SaveCost:
         self.warned_overlap = False
 
     # ---------------------------------------------------------------- fed by the loop
+    @observer("save-cost accounting")
     def step_done(self, began: float, ended: float, left_out: float = 0.0) -> None:
         """A training step ran from `began` to `ended` (perf_counter), of which `left_out` seconds
         were not training (validation)."""
         self.seen += 1
         self.steps.append(_Step(began, ended, ended - began - left_out, warmup=self.seen <= self.warmup_steps))
+        clean = self._clean_steps()
         for save in list(self.waiting):
-            if sum(s.began >= save.done_at for s in self._clean_steps()) >= CLEAN_AFTER:
+            # Saves every few steps may leave no untouched step at all: report a save before the
+            # steps it touched fall out of the window, whatever follows it.
+            if sum(s.began >= save.done_at for s in clean) >= CLEAN_AFTER or len(self.waiting) > STEADY_WINDOW:
                 self.waiting.remove(save)
                 self._report(save)
 
     # ---------------------------------------------------------------- fed by the CheckpointManager
+    @observer("save-cost accounting")
     def save_finished(self, step: int, started: float, done_at: float, blocked: float) -> None:
         """A save is complete on disk; it is reported once a few untouched steps have followed it."""
         save = _Save(step, started, done_at, blocked)
         self.finished.append(save)
         self.waiting.append(save)
 
+    @observer("save-cost accounting")
     def waited_for_previous(self, step: int, previous: int, previous_started: float, previous_done: float,
                             entered: float, interval: int) -> None:
         """The save of `step` had to wait (from `entered`) for the save of `previous` to finish
@@ -100,6 +107,7 @@ class SaveCost:
             f"{math.ceil(write_seconds / step_seconds) + 1} or more to avoid it"
         )
 
+    @observer("save-cost accounting")
     def flush(self) -> None:
         """At the end: report the saves still waiting, with the steps that ran."""
         for save in self.waiting:
@@ -118,10 +126,13 @@ class SaveCost:
     def lost(self, save: _Save, steady: float) -> tuple[float, int]:
         """(extra seconds of the steps `save` touched over `steady`, how many steps). A step that
         two saves touched is shared between them by how long each overlapped it."""
+        # Every save that may have touched a step: the recent ones, and those still waiting to be
+        # reported (with saves every step, `finished` may have dropped this very save already).
+        saves = {id(other): other for other in (*self.finished, *self.waiting, save)}.values()
         total, count = 0.0, 0
         for step in self.steps:
             if save.overlap(step):
-                share = save.overlap(step) / sum(other.overlap(step) for other in self.finished)
+                share = save.overlap(step) / sum(other.overlap(step) for other in saves)
                 total += (step.seconds - steady) * share
                 count += 1
         return total, count

@@ -1,14 +1,18 @@
-"""Does a DCP checkpoint fit the model? One sentence naming the folder and the mismatch if not."""
+"""Which checkpoint a run loads, and does it fit the model (one sentence naming the folder and the mismatch
+if not); the RNG states it restores."""
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from titanlite.checkpoint.folders import step_folder
 from titanlite.errors import UserError
+from titanlite.log import logger
 
 # Top-level keys of a titanlite checkpoint besides the model's own tensors, which sit at the top
 # level (as in torchtitan), so a model-only checkpoint is just the model's FQNs.
@@ -73,3 +77,36 @@ def check_model_fits(metadata: Metadata, expected: dict[str, tuple], path: Path,
             raise UserError(
                 f"{prefix} {fqn} is {_shape(saved[fqn])} there but {_shape(shape)} here; check model.name, model.flavor and the tokenizer"
             )
+
+
+def choose_load_step(root: Path, complete: list[int], load_step: int) -> int:
+    """checkpoint.load_step, which must be one of the complete checkpoints."""
+    if load_step not in complete:
+        found = ", ".join(map(str, complete)) or "none"
+        raise UserError(f"checkpoint.load_step {load_step}: there is no complete checkpoint {step_folder(root, load_step)} "
+                        f"(complete steps: {found})")
+    return load_step
+
+
+def newest_resumable(root: Path, complete: list[int]) -> int | None:
+    """The newest checkpoint that holds training state (a model-only export is used only when nothing else is there)."""
+    for step in reversed(complete):
+        if holds_training_state(read_metadata(step_folder(root, step))):
+            if step != complete[-1]:
+                logger.info(f"step-{complete[-1]} holds the model only (a final export); resuming from step-{step}")
+            return step
+    return complete[-1] if complete else None
+
+
+def rng_state() -> dict:
+    """This rank's RNG states, which a resume on the same ranks restores (set_rng_state)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])

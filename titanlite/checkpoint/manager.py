@@ -5,20 +5,15 @@ rank ever gathers the model), the optimizer, the lr schedule, the train state, t
 data-parallel rank for raw data, one global count for a token store or mix) and every rank's RNG states. Model-only checkpoints
 (the seed checkpoint, a last_save_model_only export) hold just the model's FQNs.
 
-An async save costs the training loop only the building of the state dicts (references to the
-live tensors, no copies). A background thread then copies ("stages") them into host buffers kept
-from one save to the next (staging.py) while the next step's forward and backward run; that step's optimizer.step, the first thing to change
-the saved tensors, waits for the copy to finish. The copy is then written in the background, with
-its collectives on a separate gloo process group so they never interleave with training's. A new
-save first waits for the previous one; close() waits for the last. What each save cost the
-training steps it overlapped is measured by `self.cost` (cost.py), which also logs it.
+Async saves run in the background (async_save.py); a new save first waits for the previous one and
+close() waits for the last. What each save cost the training steps it overlapped is measured by
+`self.cost` (cost.py), which also logs it.
 """
 
 import pickle
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,35 +28,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint.cost import SaveCost
-from titanlite.checkpoint.fit import check_model_fits, holds_training_state, load_in_place, read_metadata
-from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, remove_checkpoint, set_aside_newer, step_folder
+from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, newest_resumable,
+                                     read_metadata, rng_state, set_rng_state)
+from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, set_aside_newer, step_folder
 from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
-from titanlite.checkpoint.staging import HostStaging
+from titanlite.checkpoint.async_save import AsyncSaver, Save
 from titanlite.parallel.pp import tied_state_as_one_process, tied_state_as_stage, ties_embeddings
-from titanlite.checkpoint.save_errors import DISK_ERRORS, NO_SPACE, checkpoint_bytes, disk_failure, gib
+from titanlite.checkpoint.save_errors import stop_if_disk_failure
 from titanlite.config_sections import Checkpoint
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.dtypes import DTYPES
 from titanlite.profiling import model_state_bytes
-
-@dataclass
-class _Save:
-    """One save's timings (perf_counter seconds); `future` is set for an async one."""
-
-    step: int
-    started: float
-    note: str = ""
-    blocked: float = 0.0  # seconds training waited: for the previous save, the state dicts, the staging copy
-    done_at: float = 0.0
-    staged: threading.Event = field(default_factory=threading.Event)  # the copy in host memory is complete (or failed)
-    future: Future | None = None  # the checkpoint is complete on disk
-    finished: threading.Event = field(default_factory=threading.Event)
-
-    def mark_done(self, _future: Future) -> None:
-        self.done_at = time.perf_counter()
-        self.finished.set()
-
 
 @dataclass
 class TrainState:
@@ -70,15 +48,12 @@ class TrainState:
 
 
 def check_checkpoint_config(cfg: Checkpoint, world_size: int) -> None:
+    """The rules that need facts of the run (CUDA, the world size); the others are in config_rules.py."""
     if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
         raise UserError(
             "checkpoint.async_mode async_with_pinned_mem stages into pinned (page-locked) memory for fast GPU "
             "copies and needs CUDA; on this CPU run use checkpoint.async_mode async"
         )
-    if cfg.initial_load_in_hf and not cfg.initial_load_path:
-        raise UserError("checkpoint.initial_load_in_hf is set but checkpoint.initial_load_path is empty; set it to the Hugging Face folder")
-    if cfg.initial_load_in_hf and not cfg.initial_load_model_only:
-        raise UserError("a Hugging Face folder holds only the model; set checkpoint.initial_load_model_only true with initial_load_in_hf")
     if cfg.create_seed_checkpoint and world_size != 1:
         raise UserError(
             f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; run it with plain python "
@@ -100,18 +75,9 @@ class CheckpointManager:
         self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
         self.state = TrainState()
         self.cost = cost or SaveCost()
-        self.pending: _Save | None = None  # the async save in flight
-        self.staging = self.saver = None
-        self.async_group = None
+        self.saver = None
         if cfg.enable and cfg.async_mode != "disabled":
-            # Async saves run their collectives from a background thread; on the training process
-            # group they could interleave with the training collectives and deadlock.
-            self.async_group = dist.new_group(backend="gloo")
-            # Host buffers made at the first async save and reused by the later ones (staging.py).
-            self.staging = HostStaging(pinned=cfg.async_mode == "async_with_pinned_mem")
-            optimizer.register_step_pre_hook(self._wait_for_staging)
-            # Even starting a DCP save costs milliseconds of Python; this thread pays them instead.
-            self.saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
+            self.saver = AsyncSaver(pinned=cfg.async_mode == "async_with_pinned_mem", optimizer=optimizer)
         # Old checkpoints are deleted by rank 0 in the background, after a newer one completed.
         self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if self.rank == 0 else None
         if cfg.enable:
@@ -122,12 +88,6 @@ class CheckpointManager:
     # ---------------------------------------------------------------- state dicts
     def _model_state(self) -> dict:
         return get_model_state_dict(self.model)
-
-    def _rng_state(self) -> dict:
-        state = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state()
-        return state
 
     def _train_state(self) -> dict:
         return {
@@ -147,7 +107,7 @@ class CheckpointManager:
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "train_state": self._train_state(),
             "dataloader": {self._data_key(): pickle.dumps(self.dataloader.state_dict())},
-            "rng": {f"rank_{self.rank}": self._rng_state()},
+            "rng": {f"rank_{self.rank}": rng_state()},
         }
 
     def _data_key(self) -> str:
@@ -187,7 +147,7 @@ class CheckpointManager:
 
     def _save(self, step: int, build_state, wait: bool, note: str = "") -> None:
         entered = time.perf_counter()
-        previous = self.pending
+        previous = self.saver.pending if self.saver is not None else None
         self.wait()
         if previous is not None and previous.done_at > entered:  # it was still writing: this save waited for it
             self.cost.waited_for_previous(step, previous.step, previous.started, previous.done_at, entered,
@@ -197,9 +157,9 @@ class CheckpointManager:
             # Rewriting a step (a model-only final export when training goes on past it, a seed
             # checkpoint made again): its old .metadata must not vouch for half-written new files.
             (path / METADATA).unlink(missing_ok=True)
-        save = _Save(step, time.perf_counter(), note=f" ({note})" if note else "")
+        save = Save(step, time.perf_counter(), note=f" ({note})" if note else "")
         state = build_state()
-        if wait or self.async_group is None:
+        if wait or self.saver is None:
             try:
                 dcp.save(state, checkpoint_id=str(path))
             except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
@@ -209,33 +169,10 @@ class CheckpointManager:
             save.blocked = save.done_at - entered
             self._finished(save)
             return
-        # The copy may run on a CUDA stream of its own, which does not wait for training's stream:
-        # it must start only once the GPU has finished the optimizer step that made this state.
-        computed = torch.cuda.Event() if torch.cuda.is_available() else None
-        if computed is not None:
-            computed.record()
-        save.future = self.saver.submit(self._save_in_background, state, path, save.staged, computed)
+        self.saver.start(save, state, path)
         save.blocked = time.perf_counter() - entered
-        save.future.add_done_callback(save.mark_done)
-        self.pending = save
 
-    def _save_in_background(self, state: dict, path: Path, staged: threading.Event, computed: torch.cuda.Event | None) -> None:
-        try:
-            host_state = self.staging.copy(state, computed)
-        finally:
-            staged.set()  # on an error too: the optimizer step goes on and the save's future holds the error
-        # This thread is the async part: a blocking save here overlaps training as DCP's async_save would.
-        dcp.save(host_state, checkpoint_id=str(path), process_group=self.async_group)
-
-    def _wait_for_staging(self, *_hook_args) -> None:
-        """Before every optimizer step: the tensors it updates in place must be copied first."""
-        save = self.pending
-        if save is not None and not save.staged.is_set():
-            waited = time.perf_counter()
-            save.staged.wait()
-            save.blocked += time.perf_counter() - waited
-
-    def _finished(self, save: "_Save") -> None:
+    def _finished(self, save: Save) -> None:
         logger.info(
             f"checkpoint step-{save.step} saved in {save.done_at - save.started:.2f}s, "
             f"training blocked {save.blocked:.3f}s{save.note}"
@@ -246,36 +183,24 @@ class CheckpointManager:
 
     def poll(self) -> None:
         """Report an async save that has completed (cheap; called every step)."""
-        if self.pending is not None and self.pending.finished.is_set():
+        if self.saver is not None and self.saver.finished():
             self.wait()
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) is complete; re-raises its error."""
-        if self.pending is not None:
-            save, self.pending = self.pending, None
-            try:
-                save.future.result()
-            except (Exception, CheckpointException) as error:
-                self._stop_if_disk_failure(save.step, error)
-                raise
-            save.finished.wait()
-            self._finished(save)
+        if self.saver is None or self.saver.pending is None:
+            return
+        step = self.saver.pending.step
+        try:
+            save = self.saver.take()
+        except (Exception, CheckpointException) as error:
+            self._stop_if_disk_failure(step, error)
+            raise
+        self._finished(save)
 
     def _stop_if_disk_failure(self, step: int, error: BaseException) -> None:
-        """A full disk, a read-only filesystem or a denied write: drop the partial folder (never
-        complete: it has no .metadata) to give its space back, and stop with one sentence."""
         sizes = model_state_bytes(self.model, self.optimizer)
-        needed = checkpoint_bytes(self.root, (sizes["params"] + sizes["optimizer"]) * self.world_size)
-        code = disk_failure(error, self.root, needed)
-        if code is None:
-            return
-        if self.rank == 0:
-            remove_checkpoint(step_folder(self.root, step))
-        fix = f"free at least {gib(needed)} there (the size of one checkpoint)" if code in NO_SPACE else "make it writable"
-        raise UserError(
-            f"checkpoint step-{step} could not be written to {self.root}: {DISK_ERRORS[code]}; {fix} or set job.dump_folder to another disk, "
-            f"then start the run again: it stopped without saving step {step}, and the earlier checkpoints are untouched"
-        ) from None
+        stop_if_disk_failure(error, self.root, step, (sizes["params"] + sizes["optimizer"]) * self.world_size, self.rank)
 
     def _save_hf(self, step: int) -> None:
         cfg = self.cfg
@@ -294,7 +219,7 @@ class CheckpointManager:
             if self.purger:
                 self.purger.shutdown(wait=True)
             if self.saver is not None:
-                self.saver.shutdown(wait=True)
+                self.saver.shutdown()
 
     # ---------------------------------------------------------------- loading
     def load(self) -> TrainState:
@@ -305,7 +230,9 @@ class CheckpointManager:
             complete, incomplete = list_steps(self.root)
             for folder in incomplete:
                 logger.warning(f"skipping {folder}: it has no {METADATA}, so its save never finished")
-            chosen = self._choose(complete)
+            if cfg.load_step != -1:
+                self._rewind_to(choose_load_step(self.root, complete, cfg.load_step))
+            chosen = cfg.load_step if cfg.load_step != -1 else newest_resumable(self.root, complete)
             if chosen is not None:
                 self._load_dcp(step_folder(self.root, chosen), resume=True)
                 return self.state
@@ -319,25 +246,6 @@ class CheckpointManager:
                     raise UserError(f"checkpoint.initial_load_path {path} is not a complete DCP checkpoint (no {METADATA} in it)")
                 self._load_dcp(path, resume=not cfg.initial_load_model_only)
         return self.state
-
-    def _choose(self, complete: list[int]) -> int | None:
-        """The step to resume from: load_step, or the newest checkpoint that holds training state
-        (a model-only export is used only when nothing else is there)."""
-        if self.cfg.load_step != -1:
-            if self.cfg.load_step not in complete:
-                found = ", ".join(map(str, complete)) or "none"
-                raise UserError(
-                    f"checkpoint.load_step {self.cfg.load_step}: there is no complete checkpoint "
-                    f"{step_folder(self.root, self.cfg.load_step)} (complete steps: {found})"
-                )
-            self._rewind_to(self.cfg.load_step)
-            return self.cfg.load_step
-        for step in reversed(complete):
-            if holds_training_state(read_metadata(step_folder(self.root, step))):
-                if step != complete[-1]:
-                    logger.info(f"step-{complete[-1]} holds the model only (a final export); resuming from step-{step}")
-                return step
-        return complete[-1] if complete else None
 
     def _rewind_to(self, step: int) -> None:
         """Resuming from an older step starts a new history: the newer checkpoints move aside
@@ -406,10 +314,10 @@ class CheckpointManager:
         same_data_split = f"dataloader.{data_key}" in keys and (data_key == "global" or saved_dp == self.dp_degree)
         if same_data_split:
             state["dataloader"] = {data_key: b""}
-        rng_key, rng_state = f"rng.rank_{self.rank}", self._rng_state()
-        same_ranks = all(f"{rng_key}.{device}" in keys for device in rng_state)
+        rng_key, own_rng = f"rng.rank_{self.rank}", rng_state()
+        same_ranks = all(f"{rng_key}.{device}" in keys for device in own_rng)
         if same_ranks:
-            state["rng"] = {f"rank_{self.rank}": rng_state}
+            state["rng"] = {f"rank_{self.rank}": own_rng}
         load_in_place(path, state)
 
         set_model_state_dict(self.model, {k: state[k] for k in model_state})
@@ -431,10 +339,7 @@ class CheckpointManager:
                 "(a token store from python -m titanlite.data.prepare resumes at any degree)"
             )
         if same_ranks:
-            rng = state["rng"][f"rank_{self.rank}"]
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng:
-                torch.cuda.set_rng_state(rng["cuda"])
+            set_rng_state(state["rng"][f"rank_{self.rank}"])
         else:
             logger.info(f"RNG states not restored: the checkpoint comes from {train_state['world_size']} ranks, this run has {self.world_size}")
         logger.info(

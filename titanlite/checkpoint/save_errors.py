@@ -12,7 +12,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titanlite.checkpoint.folders import list_steps, step_folder
+from titanlite.checkpoint.folders import list_steps, remove_checkpoint, step_folder
+from titanlite.errors import UserError
 
 DISK_ERRORS = {
     errno.ENOSPC: "no space left on the device",
@@ -62,3 +63,20 @@ def disk_failure(error: BaseException, root: Path, needed: int) -> int | None:
     except OSError:
         return None
     return errno.ENOSPC if free < needed else None
+
+
+def stop_if_disk_failure(error: BaseException, root: Path, step: int, estimate: int, rank: int) -> None:
+    """A full disk, a read-only filesystem or a denied write: drop the partial folder (never complete: it
+    has no .metadata) to give its space back, and stop with one sentence. `estimate`: the bytes of one
+    checkpoint when none is on disk yet."""
+    needed = checkpoint_bytes(root, estimate)
+    code = disk_failure(error, root, needed)
+    if code is None:
+        return
+    if rank == 0:
+        remove_checkpoint(step_folder(root, step))
+    fix = f"free at least {gib(needed)} there (the size of one checkpoint)" if code in NO_SPACE else "make it writable"
+    raise UserError(
+        f"checkpoint step-{step} could not be written to {root}: {DISK_ERRORS[code]}; {fix} or set job.dump_folder to another disk, "
+        f"then start the run again: it stopped without saving step {step}, and the earlier checkpoints are untouched"
+    ) from None

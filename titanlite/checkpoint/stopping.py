@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.errors import UserError
+from titanlite.log import logger
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -85,3 +86,40 @@ class StopFlags:
     def close(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:
+    """A stop signal during the load, or a resume at or past the last step: exit 0 untrained."""
+    if stop.signalled_anywhere():
+        logger.info(f"{stop.signal} came while loading; exiting at step {step} without training (nothing new to save)")
+        return True
+    if step >= steps:
+        logger.info(f"resumed at step {step}, which is at or past training.steps {steps}: nothing to train; raise training.steps to train further")
+        return True
+    return False
+
+
+class NonfiniteSkips:
+    """training.on_nonfinite skip: each skipped step is logged and counted (TensorBoard training/skipped_steps);
+    max_in_row skipped steps in a row stop the run."""
+
+    def __init__(self, max_in_row: int, write_scalars):
+        self.max_in_row = max_in_row
+        self.write_scalars = write_scalars
+        self.in_row = self.total = 0
+
+    def record(self, step: int, skipped: bool) -> None:
+        if not skipped:
+            self.in_row = 0
+            return
+        self.in_row += 1
+        self.total += 1
+        logger.warning(f"step {step}: the loss or a gradient is NaN or inf; its update was skipped "
+                       f"({self.in_row} in a row, {self.total} in this run)")
+        self.write_scalars(step, {"training/skipped_steps": self.total})
+        if self.in_row >= self.max_in_row:
+            raise UserError(
+                f"{self.in_row} steps in a row (up to step {step}) had a NaN or inf loss or gradient and were skipped "
+                f"(training.max_nonfinite_skips {self.max_in_row}); the weights are those of the last good step: lower "
+                "optimizer.lr or raise lr_scheduler.warmup_steps, then resume from the last checkpoint"
+            )

@@ -2,7 +2,8 @@
 
 A family lives in its own package, which defines `SPECS` (its ModelSpec objects); adding a family
 is adding its package to _FAMILY_PACKAGES. The packages are imported on first lookup, so they can
-import ModelSpec from here without an import cycle.
+import ModelSpec from here without an import cycle. Parallelism is applied from outside the model
+(titanlite/parallel/parallelize.py); the one thing a family declares for it is its TP plan.
 """
 
 import difflib
@@ -26,22 +27,9 @@ class ModelSpec:
     name: str
     model_cls: type  # model_cls(args) -> nn.Module
     flavors: dict[str, Any]  # flavor name -> args dataclass instance
-    parallelize: Callable  # parallelize(model, dims, cfg) -> model
+    apply_tp: Callable  # apply_tp(model, dims, loss_parallel): the family's tensor-parallel plan (parallel/tp.py styles)
     flops_per_token: Callable  # flops_per_token(unsharded model, seq_len) -> float
     hf_adapter: Any = None  # a titanlite.models.hf.HFAdapter: Hugging Face names, layouts and config.json
-
-
-def parallelize_with(tp_plan_module: str) -> Callable:
-    """A family's parallelize(model, dims, cfg): titanlite.parallel.parallelize_decoder with the
-    TP plan `apply_tp` of tp_plan_module, both imported on call so that importing the registry
-    (e.g. to list models) never pulls in the distributed stack."""
-
-    def parallelize(model, dims, cfg):
-        from titanlite.parallel import parallelize_decoder
-
-        return parallelize_decoder(model, dims, cfg, importlib.import_module(tp_plan_module).apply_tp)
-
-    return parallelize
 
 
 @functools.cache

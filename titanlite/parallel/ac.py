@@ -61,7 +61,7 @@ def _op_level_context():
     return create_selective_checkpoint_contexts(_op_policy())
 
 
-def _every_nth(option: str) -> int | None:
+def every_nth(option: str) -> int | None:
     """selective_ac_option as an integer N, None for "op" (the config loader has checked it)."""
     return None if option == "op" else int(option)
 
@@ -76,7 +76,7 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
     N-1, 2N-1, ... i.e. every N-th block, fully), or selective "op" (every block, op-level policy)."""
     if cfg.mode == "none":
         return
-    every = _every_nth(cfg.selective_ac_option) if cfg.mode == "selective" else 1
+    every = every_nth(cfg.selective_ac_option) if cfg.mode == "selective" else 1
     for index, key in enumerate(list(model.layers.keys())):
         block = model.layers[key]
         if every is None:

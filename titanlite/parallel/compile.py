@@ -1,12 +1,10 @@
-"""torch.compile per block and of the loss.
+"""torch.compile per block (the loss's compile is in titanlite/loss.py).
 
 Blocks are compiled one by one rather than the whole model: the blocks are identical, so dynamo
 traces one graph and every block reuses it, and compile time stays that of a single block.
 Each block's `forward` is replaced by its compiled version in place, which keeps the module
 tree (and so the FQNs) unchanged and leaves FSDP's hooks, which run around `forward`, eager.
 """
-
-from typing import Callable
 
 import torch
 from torch import nn
@@ -27,6 +25,3 @@ def apply_compile(model: nn.Module, cfg: Compile) -> None:
         # fullgraph: a graph break inside a block would silently cost the speed-up; fail instead.
         block.forward = torch.compile(block.forward, backend=cfg.backend, fullgraph=True)
 
-
-def maybe_compile_loss(loss_fn: Callable, cfg: Compile) -> Callable:
-    return torch.compile(loss_fn, backend=cfg.backend) if compiles(cfg, "loss") else loss_fn

@@ -1,13 +1,15 @@
-"""FSDP2: shard every block, then the root, with the config's mixed precision."""
+"""FSDP2: shard every block, then the root, with the config's mixed precision (autocast where there is no FSDP)."""
+
+import contextlib
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from titanlite.dtypes import DTYPES
+from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.offload import fsdp_offload_policy
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str, reduce_dtype: str, reshard_after_forward: str,
@@ -28,3 +30,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str, reduce_dtyp
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always",
                 offload_policy=offload)
+
+
+def mixed_precision_context(dims: ParallelDims, param_dtype: str, device_type: str):
+    """Without FSDP there is no MixedPrecisionPolicy, so low precision comes from autocast."""
+    if dims.fsdp_enabled or DTYPES[param_dtype] == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=DTYPES[param_dtype])

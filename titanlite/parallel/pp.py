@@ -10,6 +10,7 @@ pp rank s % pp, ZBV's two stages on rank r are r and 2 * pp - 1 - r (a V).
 import copy
 import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,8 @@ from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.models.output_loss import ChunkedCrossEntropy
-from titanlite.parallel.tp import local_loss, loss_parallel_context, place_grads_like_params
+from titanlite.loss import computed_in_forward, loss_parallel_context, stage_forward, stage_loss
+from titanlite.parallel.tp import place_grads_like_params
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -224,12 +225,6 @@ class Pipeline:
         """The tied matrix's last-stage copies: clipped, but left out of the norm (the first stage counts it once)."""
         return self.tied[1:] if self.has_first else self.tied
 
-    def _loss(self, output, labels, loss_fn):
-        """A microbatch's scaled loss from the last stage's output: its logits, or with the chunked loss
-        the loss itself (shape [1], which the schedule can concatenate over microbatches)."""
-        loss = output.sum() if self.chunked else local_loss(loss_fn(output, labels))
-        return loss * self.loss_scale
-
     def _add_aux_grad(self, module, _inputs, output):
         """Forward hook of a stage part: each block's balance loss is a share of the whole model's mean."""
         aux_loss = getattr(module, "aux_loss", None)
@@ -239,14 +234,6 @@ class Pipeline:
         return AuxLossGrad.apply(output, aux_loss, self.aux_weight * share)
 
 
-def stage_forward(forward, chunked_loss: ChunkedCrossEntropy | None, h, document_ids=None, labels=None):
-    """A stage's forward under the chunked loss: every stage receives its microbatch's labels; the last
-    computes the loss from them inside its forward (where FSDP has gathered the output weight)."""
-    if chunked_loss is None:
-        return forward(h, document_ids=document_ids)
-    return forward(h, document_ids=document_ids, output_loss=chunked_loss.against(labels)).reshape(1)
-
-
 def check_pipeline(cfg: Parallelism, pp: int, n_layers: int, local_batch_size: int) -> list[range]:
     """Every impossible layout as one sentence, before anything is built; returns the stages' blocks."""
     num_stages = pp * stages_per_rank(cfg)
@@ -254,14 +241,14 @@ def check_pipeline(cfg: Parallelism, pp: int, n_layers: int, local_batch_size: i
     return layer_split(n_layers, num_stages, cfg.pipeline_parallel_layers_per_stage)
 
 
-def stage_parts(model: nn.Module, dims, cfg, parallelize) -> tuple[list[range], dict[int, nn.Module]]:
+def stage_parts(model: nn.Module, dims, par: Parallelism, local_batch_size: int,
+                parallelize: Callable[[nn.Module], nn.Module]) -> tuple[list[range], dict[int, nn.Module]]:
     """The pipeline's blocks per stage, and this rank's stages (stage index -> part), parallelized and
     still on the meta device: what the rank will hold (the planner counts these)."""
-    par = cfg.parallelism
-    splits = check_pipeline(par, dims.pp, model.args.n_layers, cfg.training.local_batch_size)
+    splits = check_pipeline(par, dims.pp, model.args.n_layers, local_batch_size)
     ids = stage_ids(dims.mesh["pp"].get_local_rank(), dims.pp, len(splits) // dims.pp, par.pipeline_parallel_schedule)
     last = len(splits) - 1
-    return splits, {s: parallelize(keep_stage(model, splits[s], first=s == 0, last=s == last), dims, cfg) for s in ids}
+    return splits, {s: parallelize(keep_stage(model, splits[s], first=s == 0, last=s == last)) for s in ids}
 
 
 def tie_copies(pipeline: Pipeline, dims, last_pp_rank: int) -> None:
@@ -277,34 +264,29 @@ def tie_copies(pipeline: Pipeline, dims, last_pp_rank: int) -> None:
     pipeline.tied_group, _ = dist.new_subgroups_by_enumeration(ends)
 
 
-def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.device, loss_fn) -> tuple[nn.Module, Pipeline]:
+def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: int, seed: int,
+                   parallelize: Callable[[nn.Module], nn.Module], device: torch.device, loss_fn) -> tuple[nn.Module, Pipeline]:
     """Meta model -> this rank's stage parts, each parallelized, allocated and initialised -> schedule.
 
     Returns the rank's model (the one part, or a RankModel of several) and its Pipeline.
     """
-    par = cfg.parallelism
-    if cfg.checkpoint.last_save_in_hf:
-        raise UserError(
-            "checkpoint.last_save_in_hf gathers the whole model on every rank, but a pipeline stage holds only its own "
-            "layers; set it to false and convert the last checkpoint with python -m titanlite.convert dcp-to-hf"
-        )
-    splits, parts = stage_parts(model, dims, cfg, parallelize)
+    splits, parts = stage_parts(model, dims, par, local_batch_size, parallelize)
     num_stages = len(splits)
-    n_micro = microbatches(cfg.training.local_batch_size, par.pipeline_parallel_microbatch_size, num_stages,
+    n_micro = microbatches(local_batch_size, par.pipeline_parallel_microbatch_size, num_stages,
                            par.pipeline_parallel_schedule, dims.pp)
     blocks = " | ".join(f"{split[0]}-{split[-1]}" if len(split) > 1 else f"{split[0]}" for split in splits)
     logger.info(f"pipeline: {par.pipeline_parallel_schedule}, {num_stages} stages ({num_stages // dims.pp} per rank) holding "
                 f"blocks {blocks}; {n_micro} microbatches of {par.pipeline_parallel_microbatch_size} per micro-step")
     pipeline = Pipeline([], None, dims.mesh["pp"].get_group(), n_micro,
                         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
-                        chunked=isinstance(loss_fn, ChunkedCrossEntropy))
+                        chunked=computed_in_forward(loss_fn))
     for stage_id, part in parts.items():
         if pipeline.chunked:
             part.forward = functools.partial(stage_forward, part.forward, loss_fn if stage_id == num_stages - 1 else None)
         part.to_empty(device=device)
         if dims.tp_enabled:
             place_grads_like_params(part)
-        part.init_weights(seed=cfg.job.seed)
+        part.init_weights(seed=seed)
         part.train()
         part.register_forward_hook(pipeline._add_aux_grad)
         pipeline.parts.append(part)
@@ -318,7 +300,7 @@ def build_pipeline(model: nn.Module, dims, cfg, parallelize, device: torch.devic
     stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
     # Gradients are not rescaled by the schedule: the loss is already scaled per microbatch (loss_scale).
     pipeline.schedule = schedule_cls(stages, n_microbatches=n_micro, scale_grads=False,
-                                     loss_fn=lambda logits, labels: pipeline._loss(logits, labels, loss_fn))
+                                     loss_fn=lambda output, labels: stage_loss(output, labels, loss_fn) * pipeline.loss_scale)
     rank_model = pipeline.parts[0] if len(pipeline.parts) == 1 else RankModel(pipeline.parts)
     return rank_model, pipeline
 

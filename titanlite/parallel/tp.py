@@ -7,8 +7,6 @@ shards. The token embedding is vocab-sharded (row-wise) and the output projectio
 (column-wise), so with loss parallel the full-vocabulary logits never exist on one rank.
 """
 
-import contextlib
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,7 +17,6 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
 
@@ -153,13 +150,3 @@ def place_grad_like_param(param: torch.Tensor) -> None:
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
-
-def loss_parallel_context(enabled: bool):
-    """The loss (forward and backward) on vocab-sharded logits: cross-entropy's reductions become
-    collectives over the TP ranks instead of a gather of the logits."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
-
-
-def local_loss(loss: torch.Tensor) -> torch.Tensor:
-    """Loss parallel returns a replicated DTensor; the rest of the step works on plain tensors."""
-    return loss.to_local() if isinstance(loss, DTensor) else loss

@@ -31,13 +31,13 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlite.config_sections import Compile, JobConfig
+from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
-from titanlite.models.output_loss import micro_batch_loss
-from titanlite.parallel import mixed_precision_context
-from titanlite.parallel.ac import _every_nth, apply_ac
+from titanlite.loss import build_loss, micro_batch_loss
+from titanlite.parallel.ac import apply_ac, every_nth
 from titanlite.parallel.compile import compiles
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.parallel.fsdp import mixed_precision_context
 
 FULL_DEPTH_UP_TO = 8  # deeper models are measured at two depths and extrapolated (the blocks are identical)
 
@@ -110,8 +110,6 @@ def recomputed_by_compile(cfg: JobConfig) -> frozenset:
 def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool = False) -> Activations:
     """One training micro-step of the model cut to n_layers blocks, tallied op by op (as a compiled
     step keeps it where `compiled`)."""
-    from titanlite.train import build_loss  # the trainer's loss (train.py imports the planner's callers)
-
     training = cfg.training
     compute = DTYPES[training.mixed_precision_param]
     loss_fn = build_loss(training, Compile())  # eager: compile's fused loss keeps fewer temporaries, never more
@@ -163,7 +161,7 @@ def per_block_and_ends(cfg: JobConfig, spec, args, dims: ParallelDims, compiled:
     """measure() at depths p and 2p (p = the AC period): one block's share, and the rest (the embedding,
     final norm, logits and loss, and the first measured depth's AC remainder)."""
     ac = cfg.activation_checkpoint
-    period = (_every_nth(ac.selective_ac_option) or 1) if ac.mode == "selective" else 1
+    period = (every_nth(ac.selective_ac_option) or 1) if ac.mode == "selective" else 1
     low, high = measure(cfg, spec, args, dims, period, compiled), measure(cfg, spec, args, dims, 2 * period, compiled)
     block = Activations((high.saved - low.saved) / period, (high.peak - low.peak) / period)
     return block, Activations(low.saved - period * block.saved, low.peak - period * block.peak)

@@ -10,15 +10,15 @@ CPU offload's pinned memory) are left out of the build: none changes a shard's s
 import contextlib
 import dataclasses
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from titanlite.build import meta_model, parallelizer
 from titanlite.config_sections import JobConfig
 from titanlite.models.init import local_tensor
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.parallel.parallelize import ParallelizeSettings
 from titanlite.parallel.pp import RankModel, stage_parts
 
 # Optimizer states per parameter, each shaped and typed like the parameter (optim.py, bf16_adamw.py),
@@ -40,24 +40,24 @@ def fake_world(world_size: int, rank: int = 0):
         dist.destroy_process_group()
 
 
-def buildable(cfg: JobConfig) -> JobConfig:
-    """cfg minus what cannot be built without a GPU and does not change shard sizes."""
+def buildable(cfg: JobConfig) -> ParallelizeSettings:
+    """cfg's parallelize settings minus what cannot be built without a GPU and does not change shard sizes."""
+    settings = ParallelizeSettings.of(cfg)
     return dataclasses.replace(
-        cfg, float8=dataclasses.replace(cfg.float8, enable=False),
+        settings, float8=dataclasses.replace(cfg.float8, enable=False),
         parallelism=dataclasses.replace(cfg.parallelism, enable_async_tensor_parallel=False, fsdp_cpu_offload=False),
     )
 
 
 def sharded_model(cfg: JobConfig, spec, args, dims: ParallelDims) -> nn.Module:
-    """This rank's model (under PP: its stages) as train.build_model leaves it before allocation
+    """This rank's model (under PP: its stages) as build.build_model leaves it before allocation
     (dims' mesh must exist)."""
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to(dtype=DTYPES[cfg.training.param_dtype])
+    model = meta_model(spec, args, cfg.training.param_dtype)
+    parallelize = parallelizer(spec, dims, buildable(cfg))
     if dims.pp_enabled:
-        _, parts = stage_parts(model, dims, buildable(cfg), spec.parallelize)
+        _, parts = stage_parts(model, dims, cfg.parallelism, cfg.training.local_batch_size, parallelize)
         return RankModel(list(parts.values()))
-    return spec.parallelize(model, dims, buildable(cfg))
+    return parallelize(model)
 
 
 def state_bytes(model: nn.Module, optimizer_name: str) -> dict[str, int]:

@@ -4,9 +4,9 @@ when it does not fit, the change that makes it fit at the best predicted speed."
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
+from titanlite.build import grad_accumulation_steps, meta_model, resolve_model_args
 from titanlite.config_sections import JobConfig
+from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.models import get_model_spec
 from titanlite.plan.activations import activations, per_block_and_ends
@@ -37,10 +37,7 @@ class JobPlan:
 
 
 def model_args(cfg: JobConfig, spec):
-    """The trainer's resolve_model_args; the tokenizer is read only where the flavor leaves the vocab open."""
-    from titanlite.data.tokenizer import build_tokenizer
-    from titanlite.train import resolve_model_args
-
+    """The trainer's model args; the tokenizer is read only where the flavor leaves the vocab open."""
     vocab = spec.flavors[cfg.model.flavor].vocab_size if cfg.model.flavor in spec.flavors else -1
     return resolve_model_args(cfg, spec, vocab if vocab > 0 else build_tokenizer(cfg.model).vocab_size)
 
@@ -109,8 +106,7 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
     """Memory and speed of a job whose per-rank state is known (planned, or counted by the trainer),
     for each pp rank in `states`."""
     gpu = GPUS[cfg.plan.gpu]
-    with torch.device("meta"):
-        whole = spec.model_cls(args)
+    whole = meta_model(spec, args, cfg.training.param_dtype)
     block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
     tallies = (False, True) if compiles(cfg.compile, "model") else (False,)  # eager; a compiled step's lower bound
     if dims.pp_enabled:
@@ -135,8 +131,6 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
 
 def job_speed(cfg: JobConfig, spec, whole, dims, states: dict[int, dict[str, int]]) -> Speed:
     """The step's speed on the [plan] hardware (`whole`: the unsharded model on meta)."""
-    from titanlite.train import grad_accumulation_steps
-
     plan = cfg.plan
     gpu = GPUS[plan.gpu]
     intra = plan.intra_node_gbps if plan.intra_node_gbps > 0 else gpu.link_gbps

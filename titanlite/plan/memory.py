@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from titanlite.config_sections import JobConfig
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.dtypes import DTYPES
 from titanlite.plan.activations import Activations
 
 ALLOCATOR_MARGIN = 0.05  # fragmentation of the CUDA caching allocator, as a share of the peak

@@ -160,8 +160,7 @@ def plan_row(item: Row):
 
 def speed_inputs(item: Row) -> tuple:
     """job_speed's arguments for the row's job (its shards from the fake world; no activation tally)."""
-    import torch
-
+    from titanlite.build import meta_model
     from titanlite.models import get_model_spec
     from titanlite.parallel.dims import ParallelDims
     from titanlite.plan.job import model_args, plan_states
@@ -169,8 +168,7 @@ def speed_inputs(item: Row) -> tuple:
     cfg = row_config(item)
     spec = get_model_spec(cfg.model.name)
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
-    with torch.device("meta"):
-        whole = spec.model_cls(model_args(cfg, spec))
+    whole = meta_model(spec, model_args(cfg, spec), cfg.training.param_dtype)
     return cfg, spec, whole, ParallelDims.from_config(cfg.parallelism, world), plan_states(cfg, world)
 
 

@@ -22,9 +22,9 @@ stage's compute). Under PP each rank runs and gathers only its share of the laye
 from dataclasses import dataclass
 
 from titanlite.config_sections import JobConfig
-from titanlite.parallel.ac import _every_nth
+from titanlite.parallel.ac import every_nth
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.dtypes import DTYPES
 from titanlite.plan import hardware
 from titanlite.plan.hardware import Gpu
 from titanlite.plan.pipeline import bubble, send_recv_bytes
@@ -84,7 +84,7 @@ def recompute(cfg: JobConfig) -> Recompute:
     if ac.mode == "full":
         return Recompute(1 / 3, 1 / 3, 1 / 3)
     if ac.mode == "selective":
-        every = _every_nth(ac.selective_ac_option)
+        every = every_nth(ac.selective_ac_option)
         if every is not None:
             return Recompute(1 / (3 * every), 1 / (3 * every), 1 / (3 * every))
         return Recompute(1 / 6, 0.0, 0.0 if cfg.compile.enable else 1 / 3)

@@ -1,11 +1,10 @@
 """The Llama family: Llama 2 and Llama 3 / 3.1 / 3.2 share one architecture, differing in flavors."""
 
-from titanlite.models import ModelSpec, parallelize_with
+from titanlite.models import ModelSpec
 from titanlite.models.llama.args import LLAMA2_FLAVORS, LLAMA3_FLAVORS
 from titanlite.models.llama.hf_adapter import LlamaHFAdapter
 from titanlite.models.llama.model import Transformer
-
-PARALLELIZE = parallelize_with("titanlite.models.llama.parallelize")
+from titanlite.models.llama.parallelize import apply_tp
 
 
 def flops_per_token(model: Transformer, seq_len: int) -> float:
@@ -24,6 +23,6 @@ def flops_per_token(model: Transformer, seq_len: int) -> float:
     return float(6 * model.num_params(exclude_embedding=True) + attention)
 
 
-LLAMA3_SPEC = ModelSpec("llama3", Transformer, LLAMA3_FLAVORS, PARALLELIZE, flops_per_token, hf_adapter=LlamaHFAdapter())
-LLAMA2_SPEC = ModelSpec("llama2", Transformer, LLAMA2_FLAVORS, PARALLELIZE, flops_per_token, hf_adapter=LlamaHFAdapter())
+LLAMA3_SPEC = ModelSpec("llama3", Transformer, LLAMA3_FLAVORS, apply_tp, flops_per_token, hf_adapter=LlamaHFAdapter())
+LLAMA2_SPEC = ModelSpec("llama2", Transformer, LLAMA2_FLAVORS, apply_tp, flops_per_token, hf_adapter=LlamaHFAdapter())
 SPECS = (LLAMA3_SPEC, LLAMA2_SPEC)

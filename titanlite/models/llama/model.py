@@ -164,7 +164,7 @@ class KeepsTiedEmbeddings(nn.Module):
 
     def head(self, h: torch.Tensor, output_loss=None) -> torch.Tensor:
         """The final norm, then the logits [B, T, vocab] in the compute dtype, or, given `output_loss`
-        (models/output_loss.py: (hidden states [N, D], output weight) -> loss), that loss, which need not
+        (titanlite/loss.py: (hidden states [N, D], output weight) -> loss), that loss, which need not
         hold the logits. It runs inside the model's forward, where FSDP has gathered the weights; a tied
         output weight is the embedding's, so it gets both gradients."""
         h = self.norm(h)

@@ -1,0 +1,173 @@
+"""Every way titanlite computes the training loss, in one place.
+
+- `cross_entropy_loss`: the mean next-token loss of the logits, in fp32.
+- The chunked output loss (training.loss_chunk_tokens): the output projection and cross-entropy fused
+  by chunks of tokens, run inside the model's forward.
+- `build_loss`: which of the two a run uses, compiled where compile.components has "loss".
+- Tensor parallelism's loss parallel: cross-entropy on vocab-sharded logits.
+- `micro_batch_loss`: forward plus loss of one micro-batch, the one function the train step,
+  validation and the planner run; `stage_loss`/`stage_forward`: the same for a pipeline's last stage.
+
+The chunked loss. The plain path makes the logits of the whole micro-batch, [N, vocab] in the compute
+dtype, then their fp32 upcast and what cross_entropy keeps for backward: at Llama 3's vocabulary
+(128,256) and 16k tokens that is 4 + 8 + 8 GB. Here the forward walks the tokens chunk by chunk: one
+chunk's logits, upcast, its loss, and, when gradients are wanted, the loss's gradient w.r.t. those
+logits (softmax - onehot) turned at once into the chunk's gradient of the hidden states and its share
+of the output weight's gradient; backward only scales those by the incoming gradient. At most one
+chunk's logits exist at a time. The matmuls are the same three as the plain path's (logits, grad of
+h, grad of W), so the FLOPs are unchanged. The model runs it inside its forward
+(KeepsTiedEmbeddings.head), where FSDP has gathered the output weight; a loss computed outside it
+with model.output.weight would bypass FSDP's hooks. Every label is a real token (packing leaves no
+padding), so the mean is over all N tokens.
+"""
+
+import contextlib
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titanlite.config_sections import Compile, Training
+from titanlite.parallel.compile import compiles
+
+
+def chunk_loss(logits: torch.Tensor, labels: torch.Tensor, grad_scale: float | None = None):
+    """(the sum of the chunk's token losses in fp32, the gradient of grad_scale x that sum w.r.t. the
+    logits [C, V] in their dtype, or None without grad_scale). torch.compile'd where compile.components
+    has "loss", so inductor fuses the upcast, softmax, onehot and scale of a chunk."""
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)
+    loss = (lse - logits32.gather(-1, labels[:, None]).squeeze(-1)).sum()
+    if grad_scale is None:
+        return loss, None
+    probs = logits32.sub_(lse[:, None]).exp_()  # in place: the chunk's fp32 logits are needed no more
+    probs[torch.arange(len(labels), device=labels.device), labels] -= 1.0
+    return loss, probs.mul_(grad_scale).to(logits.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk_tokens, dtype, chunk_math, grad_enabled):
+        # needs_input_grad says what requires grad, even under torch.no_grad (validation): ask both.
+        wants_h, wants_weight = (grad_enabled and needs for needs in ctx.needs_input_grad[:2])
+        n = h.shape[0]
+        h_c, weight_c = h.to(dtype), weight.to(dtype)  # no copies where they are in the compute dtype already
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h_c) if wants_h else None
+        # fp32 even when computing in bf16: each chunk's bf16 product is rounded once, and summing
+        # many of them in bf16 would round the running total at every chunk.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
+        for start in range(0, n, chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk_sum, grad_logits = chunk_math(h_c[rows] @ weight_c.T, labels[rows], 1.0 / n if wants_h or wants_weight else None)
+            loss += chunk_sum
+            if wants_h:
+                torch.mm(grad_logits, weight_c, out=grad_h[rows])
+            if wants_weight:
+                grad_weight.add_(grad_logits.T @ h_c[rows])
+        ctx.save_for_backward(None if grad_h is None else grad_h.to(h.dtype),
+                              None if grad_weight is None else grad_weight.to(weight.dtype))
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_weight = ctx.saved_tensors
+        return (None if grad_h is None else grad_h * grad_loss,
+                None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None)
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                          chunk_math: Callable = chunk_loss) -> torch.Tensor:
+    """The mean fp32 cross-entropy of logits h @ weight.T against labels [N], chunk_tokens tokens at a
+    time; h [N, D] are the final hidden states (after the norm), weight [V, D] the output projection.
+    It computes in autocast's dtype where autocast is on (as nn.Linear would), else in the weight's."""
+    device = h.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    with torch.autocast(device, enabled=False):  # the dtypes are chosen above, explicitly
+        return _LinearCrossEntropy.apply(h, weight, labels, chunk_tokens, dtype, chunk_math, torch.is_grad_enabled())
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedCrossEntropy:
+    """The trainer's loss where training.loss_chunk_tokens > 0: the model's forward computes it from
+    its final hidden states (`output_loss`) in place of returning the logits."""
+
+    chunk_tokens: int
+    chunk_math: Callable = chunk_loss
+
+    def against(self, labels: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """(hidden states [N, D], output weight) -> the mean loss against labels [B, T]: the model's output_loss."""
+        return functools.partial(chunked_cross_entropy, labels=labels.flatten(), chunk_tokens=self.chunk_tokens,
+                                 chunk_math=self.chunk_math)
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def maybe_compile_loss(loss_fn: Callable, cfg: Compile) -> Callable:
+    return torch.compile(loss_fn, backend=cfg.backend) if compiles(cfg, "loss") else loss_fn
+
+
+def build_loss(cfg: Training, compile_cfg: Compile):
+    """cross_entropy_loss of the logits, or with training.loss_chunk_tokens the chunked output projection +
+    loss that the model's forward runs; compiled where compile.components has "loss" (the chunked one per
+    chunk: its loop stays eager)."""
+    if cfg.loss_chunk_tokens:
+        return ChunkedCrossEntropy(cfg.loss_chunk_tokens, maybe_compile_loss(chunk_loss, compile_cfg))
+    return maybe_compile_loss(cross_entropy_loss, compile_cfg)
+
+
+def computed_in_forward(loss_fn) -> bool:
+    """Whether the model's forward computes this loss itself (the chunked loss) instead of returning logits."""
+    return isinstance(loss_fn, ChunkedCrossEntropy)
+
+
+def loss_parallel_context(enabled: bool):
+    """The loss (forward and backward) on vocab-sharded logits: cross-entropy's reductions become
+    collectives over the TP ranks instead of a gather of the logits."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """Loss parallel returns a replicated DTensor; the rest of the step works on plain tensors."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def micro_batch_loss(model, inputs: torch.Tensor, labels: torch.Tensor, document_ids, loss_fn, forward_context) -> torch.Tensor:
+    """The mean loss of a micro-batch (a plain tensor), as the train step, validation and the planner run
+    it. The chunked loss runs inside the model's forward (under forward_context); any other loss_fn takes
+    the logits after it (outside: activation offload is for the model's activations, not the loss's).
+    Under loss parallel the caller holds loss_parallel_context over this and the backward."""
+    if computed_in_forward(loss_fn):
+        with forward_context:
+            return model(inputs, document_ids=document_ids, output_loss=loss_fn.against(labels))
+    with forward_context:
+        logits = model(inputs, document_ids=document_ids)
+    return local_loss(loss_fn(logits, labels))
+
+
+def stage_forward(forward, chunked_loss: ChunkedCrossEntropy | None, h, document_ids=None, labels=None):
+    """A pipeline stage's forward under the chunked loss: every stage receives its microbatch's labels; the
+    last computes the loss from them inside its forward (where FSDP has gathered the output weight)."""
+    if chunked_loss is None:
+        return forward(h, document_ids=document_ids)
+    return forward(h, document_ids=document_ids, output_loss=chunked_loss.against(labels)).reshape(1)
+
+
+def stage_loss(output: torch.Tensor, labels: torch.Tensor, loss_fn) -> torch.Tensor:
+    """A microbatch's mean loss from the last pipeline stage's output: its logits, or with the chunked loss
+    the loss itself (shape [1], which the schedule can concatenate over microbatches)."""
+    return output.sum() if computed_in_forward(loss_fn) else local_loss(loss_fn(output, labels))
+
+
+def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, document_ids, loss_fn, forward_context,
+             loss_parallel_enabled: bool) -> torch.Tensor:
+    """The sum of a batch's token losses (validation, under no_grad): its mean times its tokens."""
+    with loss_parallel_context(loss_parallel_enabled):
+        return micro_batch_loss(model, inputs, labels, document_ids, loss_fn, forward_context) * labels.numel()

@@ -1,0 +1,97 @@
+"""One optimizer step: forward and backward over the micro-batches (gradient accumulation), then
+clipping, the optimizer and the lr schedule."""
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titanlite.config_sections import JobConfig
+from titanlite.loss import loss_parallel_context, micro_batch_loss
+from titanlite.models.attention import document_ids
+from titanlite.optim import clip_grad_norm_
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.fsdp import mixed_precision_context
+from titanlite.parallel.offload import HeldBytes, activation_offload_context
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What a training step needs to know of the job."""
+
+    accum_steps: int  # micro-batches per optimizer step
+    max_norm: float  # training.max_norm: gradient clipping
+    aux_loss_coeff: float  # model.moe_aux_loss_coeff: the weight of a model's balance loss
+    param_dtype: str  # training.mixed_precision_param: autocast's dtype where FSDP does not cast
+    loss_parallel: bool  # TP's vocab-sharded loss (tensor parallelism on, loss parallel not disabled)
+    skip_nonfinite: bool = False  # training.on_nonfinite skip: a step with NaN or inf applies no update
+
+    @classmethod
+    def of(cls, cfg: JobConfig, dims: ParallelDims, accum_steps: int) -> "StepSettings":
+        return cls(accum_steps, cfg.training.max_norm, cfg.model.moe_aux_loss_coeff, cfg.training.mixed_precision_param,
+                   dims.tp_enabled and not cfg.parallelism.disable_loss_parallel, cfg.training.on_nonfinite == "skip")
+
+
+@contextlib.contextmanager
+def forward_context(settings: StepSettings, dims: ParallelDims, device_type: str, offloaded: HeldBytes | None):
+    """Around every training forward: autocast where FSDP does not cast, and activation offload where
+    asked (`offloaded` counts what it holds; None = no offload)."""
+    with (mixed_precision_context(dims, settings.param_dtype, device_type),
+          activation_offload_context(offloaded)):
+        yield
+
+
+def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dims: ParallelDims, device, metrics, loss_fn,
+               pipeline=None, delimiters: tuple[int, int] | None = None, offloaded: HeldBytes | None = None):
+    """One optimizer step over settings.accum_steps micro-batches; returns (loss, grad_norm, lr used, skipped).
+    With settings.skip_nonfinite a step whose loss or gradient norm is NaN or inf on any rank is skipped:
+    its gradients are dropped and neither the optimizer nor the lr schedule steps (skipped True).
+    `delimiters` (bos, eos) split each window into documents for block-causal attention; None = causal.
+    `offloaded` counts the activations offloaded to host memory; None = no activation offload.
+
+    Each micro-batch holds the same number of tokens (packed windows), so dividing every
+    micro-batch mean by accum_steps makes the summed gradient that of the whole batch.
+    Under pipeline parallelism the pipeline's schedule runs each micro-batch's forward and backward.
+    """
+    accum_steps = settings.accum_steps
+    optimizer.zero_grad(set_to_none=True)
+    total_loss = torch.zeros((), device=device)
+    for _ in range(accum_steps):
+        waited = time.perf_counter()
+        inputs, labels = next(batches)
+        metrics.data_seconds += time.perf_counter() - waited
+        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
+        ids = document_ids(inputs, delimiters)
+        if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
+            with forward_context(settings, dims, device.type, offloaded):
+                total_loss += pipeline.train_microstep(inputs, labels, accum_steps, settings.aux_loss_coeff,
+                                                       {} if ids is None else {"document_ids": ids})
+            continue
+        with loss_parallel_context(settings.loss_parallel):
+            loss = micro_batch_loss(model, inputs, labels, ids, loss_fn, forward_context(settings, dims, device.type, offloaded))
+            loss = loss / accum_steps
+            aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
+            (loss if aux_loss is None else loss + settings.aux_loss_coeff * aux_loss / accum_steps).backward()
+        total_loss += loss.detach()
+    if pipeline is not None:
+        pipeline.sum_tied_grads()
+    grad_norm = clip_grad_norm_(model.parameters(), settings.max_norm, pipeline.group if pipeline else None,
+                                uncounted=pipeline.uncounted if pipeline else ())
+    lr = scheduler.get_last_lr()[0]
+    if settings.skip_nonfinite and not finite_on_every_rank(total_loss, grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return total_loss, grad_norm, lr, True
+    optimizer.step()
+    scheduler.step()
+    return total_loss, grad_norm, lr, False
+
+
+def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    """Whether every rank's loss and the gradient norm (NaN or inf wherever any gradient is) are finite.
+    Reading it makes the host wait for the device: the price of deciding before the optimizer step."""
+    bad = (~(torch.isfinite(loss.detach()) & torch.isfinite(grad_norm.detach()))).float().reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bad.item()
