@@ -17,8 +17,8 @@ ConnectX-7, 400 Gb/s per GPU; AWS p5 EFA, 3200 Gb/s per node of 8 GPUs (aws.amaz
 "H100 96GB 500W" is the GPU of Meta's Grand Teton hosts, where the reference framework's (torchtitan's)
 published H100 rows ran (github.com/pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md at
 commit b5bcd76): an SXM H100 with 96 GB of HBM2e at 2.4 TB/s, run at a 500 W power limit, whose
-"actual peak TFLOPs number is between SXM and NVL" (that file's footnote 2). CLOCK takes the midpoint
-of those two peaks, (835 + 989) / 2 = 912 TFLOP/s, 0.922 of the SXM's: a rule, not a fit.
+"actual peak TFLOPs number is between SXM and NVL" (that file's footnote 2). Its speed against
+titanlite's H100 is GRAND_TETON_CLOCK, fitted.
 """
 
 from dataclasses import dataclass
@@ -70,7 +70,8 @@ FABRIC_GBPS = {"infiniband_ndr": 50.0, "efa_p5": 50.0}  # per GPU, per direction
 # plan/published_rows.py only (scripts/fit_planner.py); docs/benchmarks.md holds every row's error.
 
 # Matmul FLOPs (6 per parameter per token) at this share of the peak: measured, 6 x 1.236e9 x 16,384 FLOP
-# in 158 ms (that H100's measured bf16 matmul limit was 804 TFLOP/s, 0.81). The ampere value is fitted.
+# in 158 ms (that H100's measured bf16 matmul limit was 804 TFLOP/s, 0.81). The ampere value is fitted; no
+# Blackwell run has been measured or published to us, so it takes Hopper's.
 MATMUL = {"hopper": 0.78, "blackwell": 0.78, "ampere": 0.766}
 # Attention FLOPs as metrics.py counts them (the full score matrix, causal or not): measured,
 # 12 x 16 x 2048 x 8192 x 16,384 FLOP in 84 ms.

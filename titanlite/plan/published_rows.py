@@ -181,16 +181,16 @@ def predicted_memory_gib(item: Row, peak: int) -> float:
 
 
 def table() -> str:
-    """Every row: measured, predicted, predicted / measured, and whether it was fitted on."""
-    lines = ["| run | source | set | measured tps/GPU | predicted | ratio | measured memory (GiB) | predicted | ratio |",
+    """Every row: measured, predicted, the error (predicted / measured - 1), and whether it was fitted on."""
+    lines = ["| run | source | set | measured tps/GPU | predicted | error | measured memory (GiB) | predicted | error |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for item in ROWS:
         plan = plan_row(item)
         memory = predicted_memory_gib(item, plan.memory.peak)
         measured = f"{item.memory_gib:.1f} {item.memory_kind}" if item.memory_gib else "-"
-        ratio = f"{memory / item.memory_gib:.2f}" if item.memory_gib else "-"
+        error = f"{memory / item.memory_gib - 1:+.0%}" if item.memory_gib else "-"
         lines.append(f"| {item.name} | {item.source} | {'tuning' if item.tuning else 'held out'} | {item.tps:,.0f} | "
-                     f"{plan.speed.tps:,.0f} | {plan.speed.tps / item.tps:.2f} | {measured} | {memory:.1f} | {ratio} |")
+                     f"{plan.speed.tps:,.0f} | {plan.speed.tps / item.tps - 1:+.0%} | {measured} | {memory:.1f} | {error} |")
     return "\n".join(lines)
 
 
