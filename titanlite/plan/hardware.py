@@ -88,7 +88,8 @@ EAGER_ELEMENTWISE = 3.23  # without compile the same kernels run unfused and mov
 # memory-bound, at these bytes per token per unit of width (ELEMENTWISE_BYTES' units): fitted.
 FLOAT8_CAST_BYTES = {"tensorwise": 11.6, "rowwise": 33.7}
 COLLECTIVE_EFFICIENCY = 0.75  # FSDP's and PP's: NCCL ring bus bandwidth reached, as a fraction of the link's
-# TP's collectives wait, each, for the slowest of the tp ranks to reach it (seconds per collective): fitted.
+# TP's collectives wait, each, for the slowest of the tp ranks to reach it (seconds per collective): fitted
+# on rows of 12-16 sequences per TP group (every published TP row has that many); below, an extrapolation.
 # Async TP hides this share of their bytes' time behind the matmuls: fitted.
 TP_SYNC_S = 0.00284
 ASYNC_TP_HIDDEN = 0.394
