@@ -59,7 +59,10 @@ def equal(a, b) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
 
-def test_a_step_with_nan_gradients_is_skipped_and_resume_stays_exact(tiny_run, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_step_with_nan_gradients_is_skipped_and_resume_stays_exact(tiny_run, tmp_path, monkeypatch, capsys, device):
+    """On CUDA the skip decision reads the device's flag before the optimizer step (a host sync)."""
+    tiny_run = [*tiny_run, "--job.device", device, "--training.deterministic"]
     inject(monkeypatch, {3}, "gradient")
     assert main(flags(tiny_run, tmp_path / "whole", 6)) == 0
     err = capsys.readouterr().err
