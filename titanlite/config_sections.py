@@ -40,8 +40,8 @@ class Job:
 class Model:
     name: str = opt("llama3", "model family from the registry (python -m titanlite.models lists them)")
     flavor: str = opt("debugmodel", "size of the family, e.g. debugmodel, 1B, 8B")
-    tokenizer_path: str = opt("", "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart by its bytes; empty = the shipped assets/tokenizer.model")
-    hf_assets_path: str = opt("", "folder holding tokenizer.model (as downloaded from Hugging Face); used when tokenizer_path is empty")
+    tokenizer_path: str = opt("", "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart by its bytes; or a Hugging Face tokenizer.json (tokenizer_config.json beside it); empty = the shipped assets/tokenizer.model")
+    hf_assets_path: str = opt("", "Hugging Face folder holding tokenizer.json + tokenizer_config.json, or else tokenizer.model; used when tokenizer_path is empty")
     moe_aux_loss_coeff: float = opt(0.01, "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none", at_least=0)
     n_layers: int = opt(0, "train the flavor with this many blocks instead (e.g. to benchmark a big model's shapes on one GPU); 0 = the flavor's; checkpoints of another depth are refused", at_least=0)
     attention_mask: str = opt("block_causal", "block_causal (each token attends only to earlier tokens of its own document, the documents of a packed window told apart by the tokenizer's bos) or causal (to every earlier token of the window)", choices=("block_causal", "causal"))

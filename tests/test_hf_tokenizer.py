@@ -1,0 +1,112 @@
+"""Hugging Face tokenizer folders: ids equal transformers.AutoTokenizer's for a byte-level BPE
+tokenizer.json trained here (special tokens included), and bad folders are one-sentence errors."""
+
+import json
+
+import pytest
+import tokenizers
+import transformers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from titanlite.config_sections import Model
+from titanlite.data.hf_tokenizer import HFTokenizer
+from titanlite.data.sample_corpus import sample_documents
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.errors import UserError
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_hf_folder(folder, bos_token=None, chat_template=CHAT_TEMPLATE, post_bos=False):
+    """A byte-level BPE tokenizer.json trained on the sample corpus, with tokenizer_config.json beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS + ([bos_token] if bos_token else []),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(sample_documents()[:200], trainer)
+    if post_bos:  # Llama 3's way: the post-processor adds bos, which add_special_tokens=False leaves out
+        bos_id = tokenizer.token_to_id(bos_token)
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos_token} $A", pair=f"{bos_token} $A $B",
+                                                                 special_tokens=[(bos_token, bos_id)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "bos_token": bos_token, "chat_template": chat_template, "model_max_length": 4096}
+    if bos_token:
+        config["bos_token"] = {"__type": "AddedToken", "content": bos_token, "special": True, "lstrip": False, "rstrip": False,
+                               "normalized": False, "single_word": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "<|im_start|>user\nWhat is a bee?<|im_end|>\n<|im_start|>assistant\nAn insect  that makes honey.<|im_end|>\n",
+    "tabs\tand\nnewlines\n\n  and unicode: café, 日本語, emoji 🐝<|endoftext|>",
+    "<|im_end|><|im_start|>",
+]
+
+
+@pytest.mark.parametrize("bos_token, post_bos", [(None, False), ("<|begin_of_text|>", True)])
+def test_ids_equal_auto_tokenizer(tmp_path, bos_token, post_bos):
+    folder = write_hf_folder(tmp_path / "tok", bos_token, post_bos=post_bos)
+    ours = build_tokenizer(Model(hf_assets_path=str(folder)))
+    assert isinstance(ours, HFTokenizer)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert ours.vocab_size == len(theirs)
+    assert ours.eos_id == theirs.eos_token_id == theirs.convert_tokens_to_ids("<|im_end|>")
+    assert ours.bos_id == (theirs.bos_token_id if bos_token else ours.eos_id)
+    for text in TEXTS:
+        expected = theirs(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text, bos=False, eos=False) == expected
+        assert ours.encode(text, bos=True, eos=True) == [ours.bos_id] + expected + [ours.eos_id]
+        assert ours.decode(expected) == theirs.decode(expected)
+        if post_bos:  # the folder's own post-processor agrees with bos=True
+            assert theirs(text)["input_ids"] == ours.encode(text, bos=True, eos=False)
+    # the special tokens are single ids, not spelled out
+    assert ours.encode("<|im_start|>", bos=False, eos=False) == [theirs.convert_tokens_to_ids("<|im_start|>")]
+    assert ours.chat_template == CHAT_TEMPLATE
+
+
+def test_tokenizer_json_path_and_tokenizer_path(tmp_path):
+    folder = write_hf_folder(tmp_path / "tok")
+    by_file = build_tokenizer(Model(tokenizer_path=str(folder / "tokenizer.json")))
+    by_folder = build_tokenizer(Model(tokenizer_path=str(folder)))
+    assert by_file.encode(TEXTS[1], True, True) == by_folder.encode(TEXTS[1], True, True)
+
+
+def one_sentence(error: UserError) -> str:
+    message = str(error)
+    assert "\n" not in message and message.count(". ") == 0
+    return message
+
+
+def test_broken_folders_are_one_sentence(tmp_path):
+    folder = write_hf_folder(tmp_path / "tok")
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(UserError) as caught:
+        build_tokenizer(Model(hf_assets_path=str(folder)))
+    assert "tokenizer.json" in one_sentence(caught.value) and "model.hf_assets_path" in str(caught.value)
+
+    with pytest.raises(UserError) as caught:
+        HFTokenizer(tmp_path / "missing" / "tokenizer.json", "model.tokenizer_path")
+    assert "does not exist" in one_sentence(caught.value)
+
+    folder = write_hf_folder(tmp_path / "tok2")
+    (folder / "tokenizer_config.json").write_text("[1, 2")
+    with pytest.raises(UserError) as caught:
+        build_tokenizer(Model(hf_assets_path=str(folder)))
+    assert "tokenizer_config.json" in one_sentence(caught.value)
+
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+    with pytest.raises(UserError, match="<|nope|>.*make the two files agree"):
+        build_tokenizer(Model(hf_assets_path=str(folder)))
+
+    (folder / "tokenizer_config.json").write_text(json.dumps({}))
+    with pytest.raises(UserError, match="names no eos_token"):
+        build_tokenizer(Model(hf_assets_path=str(folder)))
