@@ -22,6 +22,24 @@ def check_training(cfg: JobConfig) -> None:
         )
 
 
+def check_dataset_format(cfg: JobConfig) -> None:
+    """Chat and prompt/completion data are local records with labels left out of the loss, which the chunked
+    loss (a mean over every label) does not skip; a mix or a token store holds tokens without their mask."""
+    training = cfg.training
+    fmt = training.dataset_format
+    if fmt == "text":
+        if training.train_on != "assistant" or training.chat_template:
+            raise UserError("training.train_on and training.chat_template apply to training.dataset_format chat or "
+                            "prompt_completion; set the format or leave them at their defaults")
+        return
+    if training.loss_chunk_tokens:
+        raise UserError(f"training.dataset_format {fmt} leaves untrained tokens out of the loss, which the chunked loss "
+                        "does not do yet; set training.loss_chunk_tokens 0")
+    if training.dataset_mix or not training.dataset_path:
+        raise UserError(f"training.dataset_format {fmt} reads local jsonl/json/parquet records; set training.dataset_path "
+                        "to them (not training.dataset_mix)")
+
+
 def check_loss_chunking(cfg: JobConfig) -> None:
     """The chunked loss runs inside the model's forward (the last pipeline stage's); tensor parallelism
     computes the loss on vocab shards, and it multiplies by the output weight itself, which float8 must
@@ -95,4 +113,5 @@ def check_rules(cfg: JobConfig) -> None:
     check_activation_checkpoint(cfg)
     check_parallelism(cfg)
     check_loss_chunking(cfg)
+    check_dataset_format(cfg)
     check_checkpoint(cfg)

@@ -72,7 +72,8 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
         tokenizer=tokenizer, seq_len=training.seq_len, batch_size=training.local_batch_size,
         dp_rank=dims.dp_rank, dp_world=dims.dp_degree, seed=cfg.job.seed, num_workers=training.num_workers,
-        dataset_mix=training.dataset_mix,
+        dataset_mix=training.dataset_mix, dataset_format=training.dataset_format, train_on=training.train_on,
+        chat_template=training.chat_template,
     )
     metrics = MetricsLogger(cfg.metrics, info.rank, info.device, flops_per_token)
     tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps

@@ -19,6 +19,8 @@ import tokenizers
 
 from titanlite.errors import UserError
 
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
 
 def token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with "content"."""
@@ -55,13 +57,15 @@ class HFTokenizer:
                             "folder holding a valid tokenizer.json") from None
         config = read_config(folder / "tokenizer_config.json", origin)
         self.chat_template = config.get("chat_template")
-        self.special_tokens = {name: token_text(config.get(name)) for name in ("bos_token", "eos_token")}
-        eos = self.special_tokens["eos_token"]
+        # What transformers hands a chat template as variables (its special_tokens_map): the named ones set.
+        self.special_tokens = {name: token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES
+                               if token_text(config.get(name)) is not None}
+        eos = self.special_tokens.get("eos_token")
         if eos is None:
             raise UserError(f"{folder / 'tokenizer_config.json'} names no eos_token, which titanlite puts after every "
                             f"document; add \"eos_token\" to it or set {origin} to a folder that has one")
         self.eos_id = self.token_id(eos, folder)
-        bos = self.special_tokens["bos_token"]
+        bos = self.special_tokens.get("bos_token")
         self.bos_id = self.eos_id if bos is None else self.token_id(bos, folder)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -76,6 +80,11 @@ class HFTokenizer:
         """Ids of `text` (special tokens in it recognised), with bos before and eos after where asked."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` as encode gives them (no bos, no eos) and each token's (start, end) character offsets."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
