@@ -10,7 +10,7 @@ import torch
 from titanlite.models.attention import Mask
 from titanlite.models.llama.model import Transformer, TransformerBlock
 from titanlite.models.mixtral.args import MixtralArgs
-from titanlite.models.mixtral.moe import MoE
+from titanlite.models.moe import MoE
 
 
 class MixtralBlock(TransformerBlock):
