@@ -373,7 +373,7 @@ def family_run(folder, data, family, local_batch):
     ]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", (*FAMILIES, "qwen3", "qwen3_moe"))
 def test_fsdp_two_ranks_equal_one_process_and_learn(tmp_path, family):
     """Global batch 8: one process with 8 rows, or two FSDP ranks with 4 each (8 rows keep
     GPT-2's early steps free of spikes, which would magnify rounding differences)."""
@@ -391,7 +391,7 @@ def test_fsdp_two_ranks_equal_one_process_and_learn(tmp_path, family):
     for step in single:
         assert sharded[step] == pytest.approx(single[step], rel=1e-5, abs=1e-5)
     assert sharded[STEPS] < sharded[1] - 1.0, sharded
-    if family == "mixtral":
+    if family in ("mixtral", "qwen3_moe"):
         aux = tensorboard_scalars(tmp_path / "two" / "tb", "moe/balance_loss")
         assert sorted(aux) == list(range(1, STEPS + 1)) and all(1.0 <= v < 8.0 for v in aux.values())
         shares = [tensorboard_scalars(tmp_path / "two" / "tb", f"moe/expert_share/{i}")[STEPS] for i in range(8)]

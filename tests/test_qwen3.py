@@ -97,3 +97,13 @@ def test_titanlite_export_loads_in_transformers_with_equal_logits(tmp_path, fami
     tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_models_table_lists_qwen3_with_active_params():
+    import subprocess
+    import sys
+
+    table = subprocess.run([sys.executable, "-m", "titanlite.models"], capture_output=True, text=True, check=True).stdout
+    row = next(line for line in table.splitlines() if line.split()[:2] == ["qwen3_moe", "30B-A3B"])
+    assert "30,532,122,624" in row and "3,353,032,704" in row
+    assert table.splitlines()[0].split()[:4] == ["family", "flavor", "params", "active"]
