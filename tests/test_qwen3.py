@@ -107,3 +107,12 @@ def test_models_table_lists_qwen3_with_active_params():
     row = next(line for line in table.splitlines() if line.split()[:2] == ["qwen3_moe", "30B-A3B"])
     assert "30,532,122,624" in row and "3,353,032,704" in row
     assert table.splitlines()[0].split()[:4] == ["family", "flavor", "params", "active"]
+
+
+def test_moe_flops_count_the_active_experts_and_head_dim():
+    spec = get_model_spec("qwen3_moe")
+    args = get_model_args(spec, "30B-A3B")
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    active = model.num_params(exclude_embedding=True, active=True)
+    assert spec.flops_per_token(model, 4096) == 6 * active + 12 * 48 * 32 * 128 * 4096
