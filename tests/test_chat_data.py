@@ -182,3 +182,20 @@ def test_bad_data_is_one_sentence_exit_2(tiny_run, folder, tmp_path, capsys, rec
     assert main(chat_run(tiny_run, folder, data, *flags)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_resume_gives_the_windows_an_uninterrupted_run_gives(folder, tmp_path):
+    data = write_records(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS * 5])
+    whole = loader(folder, data, 100, batch_size=1, infinite=True)
+    batches = iter(whole)
+    expected = [next(batches) for _ in range(8)]
+    first = loader(folder, data, 100, batch_size=1, infinite=True)
+    batches = iter(first)
+    for _ in range(3):
+        next(batches)
+    resumed = loader(folder, data, 100, batch_size=1, infinite=True)
+    resumed.load_state_dict(first.state_dict())
+    batches = iter(resumed)
+    for inputs, labels in expected[3:]:
+        other_inputs, other_labels = next(batches)
+        assert torch.equal(inputs, other_inputs) and torch.equal(labels, other_labels)
