@@ -8,7 +8,9 @@ import pytest
 import torch
 import transformers
 
+from conftest import logged_losses
 from test_hf_tokenizer import write_hf_folder
+from titanlite.data import chat_example
 from titanlite.config_sections import Model
 from titanlite.data.chat import ChatRenderer, tokenize_conversation
 from titanlite.data.datasets import build_dataloader
@@ -159,9 +161,15 @@ def chat_run(tiny_run, folder, data, *flags):
                        "--training.dataset_format", "chat", *flags]
 
 
-def test_trains_on_chat_data(tiny_run, folder, tmp_path, capsys):
-    data = write_records(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS * 4])
-    assert main(chat_run(tiny_run, folder, data)) == 0
+def test_trains_on_the_generated_chat_example(tiny_run, tmp_path, capsys):
+    chat_example.main(["--output", str(tmp_path / "example"), "--conversations", "40"])
+    records = [json.loads(line) for line in (tmp_path / "example" / "chats.jsonl").read_text().splitlines()]
+    assert len(records) == 40 and {m["role"] for r in records for m in r["messages"]} == {"system", "user", "assistant"}
+    run = chat_run(tiny_run, tmp_path / "example" / "tokenizer", tmp_path / "example" / "chats.jsonl",
+                   "--training.steps", "6", "--training.seq_len", "256")
+    assert main(run) == 0
+    losses = logged_losses(capsys.readouterr().err)
+    assert len(losses) == 6 and losses[6] < losses[1]
 
 
 @pytest.mark.parametrize("records, template, message", [

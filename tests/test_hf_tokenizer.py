@@ -4,44 +4,16 @@ tokenizer.json trained here (special tokens included), and bad folders are one-s
 import json
 
 import pytest
-import tokenizers
 import transformers
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from titanlite.config_sections import Model
+from titanlite.data.chat_example import CHATML_TEMPLATE, write_tokenizer_folder
 from titanlite.data.hf_tokenizer import HFTokenizer
-from titanlite.data.sample_corpus import sample_documents
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def write_hf_folder(folder, bos_token=None, chat_template=CHAT_TEMPLATE, post_bos=False):
-    """A byte-level BPE tokenizer.json trained on the sample corpus, with tokenizer_config.json beside it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = tokenizers.Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS + ([bos_token] if bos_token else []),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(sample_documents()[:200], trainer)
-    if post_bos:  # Llama 3's way: the post-processor adds bos, which add_special_tokens=False leaves out
-        bos_id = tokenizer.token_to_id(bos_token)
-        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos_token} $A", pair=f"{bos_token} $A $B",
-                                                                 special_tokens=[(bos_token, bos_id)])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "bos_token": bos_token, "chat_template": chat_template, "model_max_length": 4096}
-    if bos_token:
-        config["bos_token"] = {"__type": "AddedToken", "content": bos_token, "special": True, "lstrip": False, "rstrip": False,
-                               "normalized": False, "single_word": False}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+CHAT_TEMPLATE = CHATML_TEMPLATE
+write_hf_folder = write_tokenizer_folder  # (folder, bos_token, chat_template, post_bos)
 
 
 TEXTS = [
