@@ -142,7 +142,7 @@ def test_long_conversation_truncated_and_counted(folder, tmp_path, caplog):
     assert len(windows) == 2  # each truncated to one window, none split into a second
     for (inputs, labels), (ids, _) in zip(sorted(windows, key=lambda w: w[0].tolist()), sorted(encoded)):
         assert inputs[0].tolist() == ids[: window - 1] and (labels != IGNORED).any()
-    assert any("truncated (2 so far" in record.getMessage() for record in caplog.records)
+    assert any("truncated (1 so far" in record.getMessage() for record in caplog.records)
     # a window too short to reach any trained token is skipped, with a line saying so
     assert list(loader(folder, data, min(first_trained) - 1, batch_size=1)) == []
     assert any("holds no trained token" in record.getMessage() for record in caplog.records)

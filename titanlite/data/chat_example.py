@@ -65,11 +65,11 @@ def chat_records(count: int) -> list[dict]:
         name = names[i % len(names)]
         first, second = paragraphs(topics[name])[1:3]
         messages = [{"role": "user", "content": f"What does Python's help say about {name}?"},
-                    {"role": "assistant", "content": first[:600]}]
+                    {"role": "assistant", "content": first[:300]}]
         if i % 3 == 1:
             messages.insert(0, {"role": "system", "content": "You answer questions about Python from its documentation."})
         if i % 2 == 1:
-            messages += [{"role": "user", "content": "Tell me more."}, {"role": "assistant", "content": second[:600]}]
+            messages += [{"role": "user", "content": "Tell me more."}, {"role": "assistant", "content": second[:300]}]
         records.append({"messages": messages})
     return records
 

@@ -130,8 +130,9 @@ class PackedConversations(IterableDataset):
                 ids, trained = self.encode(messages)
                 if len(ids) > window:
                     self.truncated += 1
-                    logger.info(f"a conversation of {len(ids)} tokens is longer than training.seq_len + 1 = {window}: "
-                                f"truncated ({self.truncated} so far on this reader)")
+                    if str(self.truncated).strip("0") == "1":  # the 1st, 10th, 100th...: a count, not a line per conversation
+                        logger.info(f"a conversation of {len(ids)} tokens is longer than training.seq_len + 1 = {window}: "
+                                    f"truncated ({self.truncated} so far on this reader)")
                     ids, trained = ids[:window], trained[:window]
                 tokens = list(zip(ids, trained))
                 if len(self.buffer) + len(tokens) > window:
