@@ -207,3 +207,14 @@ def test_resume_gives_the_windows_an_uninterrupted_run_gives(folder, tmp_path):
     for inputs, labels in expected[3:]:
         other_inputs, other_labels = next(batches)
         assert torch.equal(inputs, other_inputs) and torch.equal(labels, other_labels)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--training.loss_chunk_tokens", "32"], "training.dataset_format chat leaves untrained tokens out of the loss, which the chunked loss does not do yet; set training.loss_chunk_tokens 0"),
+    (["--model.hf_assets_path", ""], "need a Hugging Face tokenizer (tokenizer.json)"),
+])
+def test_unsupported_combinations_are_one_sentence_exit_2(tiny_run, folder, tmp_path, capsys, flags, message):
+    data = write_records(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
+    assert main(chat_run(tiny_run, folder, data, *flags)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
