@@ -33,7 +33,7 @@ def measured_fwd_bwd_peak(cfg) -> int:
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg, spec)
     dims = ParallelDims(1, 1)
-    model = parallelizer(spec, dims, ParallelizeSettings.of(cfg))(meta_model(spec, args, cfg.training.param_dtype))
+    model = parallelizer(spec, dims, ParallelizeSettings.of(cfg))(meta_model(spec, args, cfg.training.param_dtype, cfg.lora))
     model.to_empty(device="cpu")
     model.init_weights(0)
     loss_fn = build_loss(cfg.training, cfg.compile)

@@ -89,6 +89,18 @@ def check_checkpoint(cfg: JobConfig) -> None:
         raise UserError("a Hugging Face folder holds only the model; set checkpoint.initial_load_model_only true with initial_load_in_hf")
 
 
+def check_lora(cfg: JobConfig) -> None:
+    if cfg.lora.rank and cfg.parallelism.tensor_parallel_degree > 1:
+        raise UserError(
+            f"lora.rank {cfg.lora.rank} with parallelism.tensor_parallel_degree {cfg.parallelism.tensor_parallel_degree} "
+            "is not supported yet (the TP plans shard the base weights but not the adapters); set "
+            "tensor_parallel_degree 1 (FSDP shards the frozen base over the data-parallel ranks)"
+        )
+    if cfg.lora.rank and cfg.float8.enable:
+        raise UserError(f"lora.rank {cfg.lora.rank} with float8.enable is not supported yet (float8 would replace the "
+                        "adapted layers); set float8.enable false")
+
+
 def check_rules(cfg: JobConfig) -> None:
     check_training(cfg)
     check_model(cfg)
@@ -96,3 +108,4 @@ def check_rules(cfg: JobConfig) -> None:
     check_parallelism(cfg)
     check_loss_chunking(cfg)
     check_checkpoint(cfg)
+    check_lora(cfg)

@@ -195,6 +195,14 @@ class Plan:
 
 
 @dataclass
+class LoRA:
+    rank: int = opt(0, "rank of the low-rank adapters added to the target layers, whose own weights are then frozen; 0 = no LoRA (every weight trains)", at_least=0)
+    alpha: float = opt(16.0, "the adapters' output is scaled by alpha / rank", above=0)
+    dropout: float = opt(0.0, "dropout on the adapters' input while training", at_least=0, below=1)
+    target_modules: list[str] = opt(["wq", "wk", "wv", "wo"], "the linear layers that get adapters, by their name in the model (attention: wq,wk,wv,wo; MLP: w1,w2,w3; the output layer: output)")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -210,3 +218,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     plan: Plan = field(default_factory=Plan)
+    lora: LoRA = field(default_factory=LoRA)

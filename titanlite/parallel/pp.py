@@ -28,6 +28,7 @@ from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.lora import init_lora
 from titanlite.loss import computed_in_forward, loss_parallel_context, stage_forward, stage_loss
 from titanlite.parallel.tp import place_grads_like_params
 
@@ -287,6 +288,7 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
         if dims.tp_enabled:
             place_grads_like_params(part)
         part.init_weights(seed=seed)
+        init_lora(part, seed)
         part.train()
         part.register_forward_hook(pipeline._add_aux_grad)
         pipeline.parts.append(part)

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
+from titanlite.lora import apply_lora
 from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.parallel.ac import apply_ac, every_nth
 from titanlite.parallel.compile import compiles
@@ -116,6 +117,7 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compi
     fake = FakeTensorMode()  # also active during the step: factory calls in forward (masks, positions) stay fake
     with fake:
         model = spec.model_cls(dataclasses.replace(args, n_layers=n_layers))
+        apply_lora(model, cfg.lora)  # a frozen weight's input is not saved for its (never computed) gradient
         # FSDP gathers the parameters in the compute dtype; without it autocast casts them, as in train_step.
         dtype = compute if dims.fsdp_enabled else DTYPES[training.param_dtype]
         for param in model.parameters():
@@ -142,7 +144,8 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compi
             tally.grads += param.numel() * param_bytes // shard
 
         for param in model.parameters():
-            param.register_post_accumulate_grad_hook(keep_shard)
+            if param.requires_grad:  # LoRA's frozen base has no gradient
+                param.register_post_accumulate_grad_hook(keep_shard)
     try:
         with fake, tally:
             context = mixed_precision_context(dims, training.mixed_precision_param, "cpu")

@@ -106,7 +106,7 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
     """Memory and speed of a job whose per-rank state is known (planned, or counted by the trainer),
     for each pp rank in `states`."""
     gpu = GPUS[cfg.plan.gpu]
-    whole = meta_model(spec, args, cfg.training.param_dtype)
+    whole = meta_model(spec, args, cfg.training.param_dtype, cfg.lora)
     block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
     tallies = (False, True) if compiles(cfg.compile, "model") else (False,)  # eager; a compiled step's lower bound
     if dims.pp_enabled:
