@@ -116,3 +116,48 @@ def test_moe_flops_count_the_active_experts_and_head_dim():
         model = spec.model_cls(args)
     active = model.num_params(exclude_embedding=True, active=True)
     assert spec.flops_per_token(model, 4096) == 6 * active + 12 * 48 * 32 * 128 * 4096
+
+
+def test_tp2_equals_one_process(tmp_path):
+    """5 steps of each debugmodel under TP2 (q/k norms over the local heads, experts split over ranks)
+    give the unsharded model's losses."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out_file = tmp_path / "losses.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "tp_families.py"), str(out_file), "qwen3,qwen3_moe"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out_file.read_text())
+    assert sorted(results) == ["qwen3", "qwen3_moe"]
+    for name, pairs in results.items():
+        assert len(pairs) == 5
+        for tp_loss, one_loss in pairs:
+            assert tp_loss == pytest.approx(one_loss, abs=1e-5), name
+
+
+def test_pp2_equals_one_process(tmp_path):
+    """Both debugmodels on 2 pipeline stages (1F1B, 2 micro-batches; Qwen3 MoE's balance loss reaching
+    both stages' backward) give the 1-process fp32 losses within 1e-5."""
+    from test_pipeline_parallel import PP2, launch, losses, run
+
+    from titanlite.data.prepare import prepare
+
+    prepare("sample", str(tmp_path / "store"))
+    flags = {family: ["--model.name", family, "--training.global_batch_size", "4", "--model.moe_aux_loss_coeff", "1.0",
+                      "--parallelism.pipeline_parallel_microbatch_size", "2"] for family in ("qwen3", "qwen3_moe")}
+    launch([run(tmp_path, f"{f}_pp2", [*flags[f], *PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"], 4)
+            for f in flags], 2, tmp_path, "world2")
+    launch([run(tmp_path, f"{f}_one", flags[f], 4) for f in flags], 1, tmp_path, "world1")
+    for family in flags:
+        one, pp2 = losses(tmp_path, f"{family}_one"), losses(tmp_path, f"{family}_pp2")
+        assert sorted(pp2) == sorted(one) == [1, 2, 3, 4]
+        for step in one:
+            assert pp2[step] == pytest.approx(one[step], abs=1e-5), (family, step)

@@ -1,5 +1,14 @@
 """Qwen3's hyper-parameters: Llama's, with head_dim and the FFN size given rather than derived,
-and Qwen3 MoE's experts. Shapes from the published config.json of each Qwen/Qwen3-* checkpoint."""
+and Qwen3 MoE's experts.
+
+Shapes from the published config.json of each Qwen/Qwen3-* checkpoint (hidden_size, num_hidden_layers,
+num_attention_heads, num_key_value_heads, head_dim 128, intermediate_size, tie_word_embeddings;
+rope_theta 1e6, rms_norm_eps 1e-6, vocab 151936, max_position_embeddings 40960), as copied into
+fine-tunes' configs, e.g. huggingface.co/MultiRL/qwen3_4b_instruct_sft (4B) and tilman-d/model (14B)
+config.json, and for the MoE models MindSpeed-RL's configs/model/qwen3_30b_a3b.yaml and
+qwen3_235b_a22b.yaml (128 experts, top-8, moe_ffn_hidden_size 768 / 1536, 4 kv heads, untied). The
+totals these give equal the published parameter counts (tests/test_qwen3.py).
+"""
 
 from dataclasses import dataclass
 
