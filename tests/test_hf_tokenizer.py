@@ -82,3 +82,18 @@ def test_broken_folders_are_one_sentence(tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({}))
     with pytest.raises(UserError, match="names no eos_token"):
         build_tokenizer(Model(hf_assets_path=str(folder)))
+
+
+def test_prepared_store_equals_the_raw_files(tmp_path):
+    """python -m titanlite.data.prepare with --tokenizer a Hugging Face folder: the store holds bos + ids + eos."""
+    from titanlite.data.prepare import prepare
+    from titanlite.data.store import open_store
+
+    folder = write_hf_folder(tmp_path / "tok", "<|begin_of_text|>")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in TEXTS))
+    prepare(str(data), str(tmp_path / "store"), tokenizer_path=str(folder))
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
+    store = open_store(str(tmp_path / "store"), tokenizer, "training.dataset_path")
+    stored = [list(store.shards[0][start : start + length]) for start, length in zip(store.doc_start, store.doc_len)]
+    assert stored == [tokenizer.encode(text, bos=True, eos=True) for text in TEXTS]

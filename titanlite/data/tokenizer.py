@@ -137,8 +137,11 @@ def is_sentencepiece(path: Path) -> bool:
     return head.startswith(b"\n") and (b"\0" in head or not head.isascii())
 
 
-def load_tokenizer(path: str | Path, origin: str = "model.tokenizer_path") -> Tokenizer | SentencePieceTokenizer:
+def load_tokenizer(path: str | Path, origin: str = "model.tokenizer_path") -> Tokenizer | SentencePieceTokenizer | HFTokenizer:
+    """The tokenizer of a tokenizer.json (or a folder holding one), else of a tokenizer.model file."""
     path = Path(path)
+    if is_hf_tokenizer(path):
+        return HFTokenizer(path, origin)
     try:
         sentencepiece = is_sentencepiece(path)
     except OSError:  # missing or unreadable: Tokenizer words it
@@ -155,6 +158,5 @@ def build_tokenizer(model_cfg) -> Tokenizer | SentencePieceTokenizer | HFTokeniz
         path, origin = Path(model_cfg.hf_assets_path), "model.hf_assets_path"
     else:
         return load_tokenizer(SHIPPED_TOKENIZER)
-    if is_hf_tokenizer(path):
-        return HFTokenizer(path, origin)
-    return load_tokenizer(path / "tokenizer.model" if path.is_dir() or origin == "model.hf_assets_path" else path, origin)
+    return load_tokenizer(path if is_hf_tokenizer(path) or not (path.is_dir() or origin == "model.hf_assets_path")
+                          else path / "tokenizer.model", origin)
