@@ -113,6 +113,11 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORED)
 
 
+def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many labels are in the loss (chat data leaves the untrained turns IGNORED)."""
+    return (labels != IGNORED).sum()
+
+
 def maybe_compile_loss(loss_fn: Callable, cfg: Compile) -> Callable:
     return torch.compile(loss_fn, backend=cfg.backend) if compiles(cfg, "loss") else loss_fn
 
