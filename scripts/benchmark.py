@@ -285,6 +285,7 @@ def benchmark(args) -> None:
     print(f"job: llama3 debugmodel, seq {args.seq_len}, batch {args.batch}, {args.dtype}, synthetic data, "
           f"{args.steps} steps timed after {args.warmup} warm-up steps; {load()} at start")
     print(f"command: {command()}", flush=True)
+    busy_at_start = os.getloadavg()[0] > 0.5 * os.cpu_count()
     results: dict[str, list[dict]] = {}
     # Bare and titanlite alternate, so both see the same machine; the other rows run once each.
     paired = [n for n in ("bare", "titanlite") if n in names]
@@ -302,6 +303,11 @@ def benchmark(args) -> None:
         ratio = merged["titanlite"]["tps"] / merged["bare"]["tps"]
         print(f"overhead: titanlite runs at {ratio:.3f} x the bare loop's tokens/s ({100 * (1 - ratio):+.1f}% overhead; "
               f"medians of {args.repeats} alternating runs each)")
+        if busy_at_start:
+            # Two intra-op threads on cores that other processes also want spin at every barrier: the same
+            # step was seen to take from 0.27 s to 4.4 s here, so a ratio taken on a busy machine says little.
+            print("the machine was busy at the start (load average above half the cores): other processes slow the "
+                  "runs unevenly; repeat the ratio on a quiet machine (or with OMP_NUM_THREADS=1 for both)")
     for name in ("fsdp2", "tp2", "pp2"):
         if name in merged:
             print(sharded_memory_line(merged, name))

@@ -132,3 +132,12 @@ def test_readme_reference_documents_every_key_with_its_default():
             assert f"| `{f.name}` |" in table and f"| {shown} |" in row, (section.name, f.name)
             bounds = range_text(f.metadata)
             assert not bounds or f"({bounds}) |" in row, (section.name, f.name, "the README row lacks the range")
+
+
+def test_readme_reference_is_what_the_generator_writes():
+    import subprocess
+    import sys
+
+    check = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=ROOT,
+                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    assert check.returncode == 0, "README.md's reference is stale: run python scripts/config_reference.py"

@@ -12,8 +12,8 @@ from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.models.attention import attention_mask, window_mask
 from titanlite.models.llama.model import Attention, TransformerBlock, rope_tables
-from titanlite.models.mixtral.moe import (
-    MoE, _grouped_swiglu, _looped_swiglu, assignments_per_sequence, experts_forward, load_balancing_loss, route,
+from titanlite.models.moe import (
+    MoE, _grouped_swiglu, _looped_swiglu, assignments_per_sequence, experts_forward, load_balancing_loss, softmax_then_topk, softmax_topk,
 )
 
 EXPECTED_PARAMS = {
@@ -143,7 +143,7 @@ def test_mistral_is_the_llama_decoder_with_a_window():
 def test_route_picks_the_top2_and_weights_sum_to_one():
     torch.manual_seed(0)
     logits = torch.randn(50, 8)
-    weights, experts = route(logits, 2)
+    weights, experts = softmax_topk(logits, 2)
     assert torch.equal(experts.sort(-1).values, logits.topk(2).indices.sort(-1).values)
     torch.testing.assert_close(weights.sum(-1), torch.ones(50))
     # Mixtral's rule: softmax over all experts, renormalised over the chosen two.
@@ -151,17 +151,35 @@ def test_route_picks_the_top2_and_weights_sum_to_one():
     torch.testing.assert_close(weights, probs / probs.sum(-1, keepdim=True))
 
 
+
+def test_softmax_then_topk_hand_checked():
+    # Qwen3 MoE: probabilities (0.5, 0.3, 0.2) over three experts, top-2 -> experts 0, 1 with
+    # weights (0.5, 0.3), renormalised to (0.625, 0.375) under norm_topk_prob.
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    weights, experts = softmax_then_topk(logits, 2, norm_topk_prob=False)
+    assert experts.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, torch.tensor([[0.5, 0.3]]))
+    weights, _ = softmax_then_topk(logits, 2, norm_topk_prob=True)
+    torch.testing.assert_close(weights, torch.tensor([[0.625, 0.375]]))
+    # Renormalised, it picks and weighs exactly as Mixtral's softmax over the top-k logits.
+    torch.manual_seed(0)
+    logits = torch.randn(50, 8)
+    for got, want in zip(softmax_then_topk(logits, 2), softmax_topk(logits, 2)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="router 'sigmoid' is not one of softmax_topk, softmax_then_topk"):
+        MoE(8, 16, 4, 2, router="sigmoid")
+
 def test_balance_loss_hand_checked():
     # Two tokens, three experts, top-2. Router probabilities (0.6, 0.3, 0.1) and (0.1, 0.3, 0.6):
     # assignments {0, 1} and {2, 1}, so f = (1/4, 2/4, 1/4); P = (0.35, 0.3, 0.35);
     # loss = 3 * (0.25 * 0.35 + 0.5 * 0.3 + 0.25 * 0.35) = 0.975.
     logits = torch.tensor([[[6.0, 3.0, 1.0], [1.0, 3.0, 6.0]]]).log()
-    weights, experts = route(logits, 2)
+    weights, experts = softmax_topk(logits, 2)
     torch.testing.assert_close(weights[0, 0], torch.tensor([2 / 3, 1 / 3]))
     assert load_balancing_loss(logits, assignments_per_sequence(experts, 3)).item() == pytest.approx(0.975)
     # Top-1, both tokens to expert 0 with probability 0.75: 2 * (1 * 0.75 + 0 * 0.25) = 1.5.
     lopsided = torch.tensor([[[3.0, 1.0], [3.0, 1.0]]]).log()
-    assert load_balancing_loss(lopsided, assignments_per_sequence(route(lopsided, 1)[1], 2)).item() == pytest.approx(1.5)
+    assert load_balancing_loss(lopsided, assignments_per_sequence(softmax_topk(lopsided, 1)[1], 2)).item() == pytest.approx(1.5)
     uniform = torch.zeros(1, 4, 4)
     assert load_balancing_loss(uniform, assignments_per_sequence(torch.arange(4).view(1, 4, 1), 4)).item() == pytest.approx(1.0)
 
@@ -170,7 +188,7 @@ def test_balance_loss_is_the_mean_over_sequences():
     """So a batch gives the same loss however it is split over ranks and micro-steps."""
     torch.manual_seed(0)
     logits = torch.randn(4, 16, 8)
-    experts = route(logits, 2)[1]
+    experts = softmax_topk(logits, 2)[1]
     per_sequence = [load_balancing_loss(logits[i : i + 1], assignments_per_sequence(experts[i : i + 1], 8)) for i in range(4)]
     torch.testing.assert_close(load_balancing_loss(logits, assignments_per_sequence(experts, 8)), torch.stack(per_sequence).mean())
 
@@ -194,7 +212,7 @@ def moe_inputs(num_tokens=40, dim=16, hidden=24, num_experts=6, top_k=2, dtype=t
     w2 = torch.randn(num_experts, dim, hidden, dtype=dtype, requires_grad=True)
     logits = torch.randn(num_tokens, num_experts)
     logits[:, -1] = -100  # one expert gets no tokens: empty groups must work
-    weights, experts = route(logits, top_k)
+    weights, experts = softmax_topk(logits, top_k)
     counts = torch.bincount(experts.flatten(), minlength=num_experts)
     return x, weights, experts, counts, w1, w2, w3
 
@@ -234,10 +252,10 @@ def test_moe_module_returns_balance_loss_and_load():
     x = torch.randn(3, 10, 16)
     out, aux_loss, tokens_per_expert = moe(x)
     assert out.shape == x.shape
-    assert tokens_per_expert.tolist() == torch.bincount(route(moe.gate(x), 2)[1].flatten(), minlength=4).tolist()
+    assert tokens_per_expert.tolist() == torch.bincount(softmax_topk(moe.gate(x), 2)[1].flatten(), minlength=4).tolist()
     assert tokens_per_expert.sum() == 3 * 10 * 2
     logits = moe.gate(x)
-    torch.testing.assert_close(aux_loss, load_balancing_loss(logits, assignments_per_sequence(route(logits, 2)[1], 4)))
+    torch.testing.assert_close(aux_loss, load_balancing_loss(logits, assignments_per_sequence(softmax_topk(logits, 2)[1], 4)))
 
 
 def test_mixtral_collects_aux_loss_and_router_metrics():
@@ -355,7 +373,7 @@ def family_run(folder, data, family, local_batch):
     ]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", (*FAMILIES, "qwen3", "qwen3_moe"))
 def test_fsdp_two_ranks_equal_one_process_and_learn(tmp_path, family):
     """Global batch 8: one process with 8 rows, or two FSDP ranks with 4 each (8 rows keep
     GPT-2's early steps free of spikes, which would magnify rounding differences)."""
@@ -373,7 +391,7 @@ def test_fsdp_two_ranks_equal_one_process_and_learn(tmp_path, family):
     for step in single:
         assert sharded[step] == pytest.approx(single[step], rel=1e-5, abs=1e-5)
     assert sharded[STEPS] < sharded[1] - 1.0, sharded
-    if family == "mixtral":
+    if family in ("mixtral", "qwen3_moe"):
         aux = tensorboard_scalars(tmp_path / "two" / "tb", "moe/balance_loss")
         assert sorted(aux) == list(range(1, STEPS + 1)) and all(1.0 <= v < 8.0 for v in aux.values())
         shares = [tensorboard_scalars(tmp_path / "two" / "tb", f"moe/expert_share/{i}")[STEPS] for i in range(8)]

@@ -99,3 +99,11 @@ def test_no_file_outgrows_one_reading():
     lengths = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
     assert lengths["titanlite/train.py"] <= 300
     assert {name: n for name, n in lengths.items() if n > 400} == {}
+
+
+def test_the_readme_layout_names_every_folder_and_top_level_module():
+    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("```", 2)[1]
+    listed = {line.split()[0] for line in layout.splitlines() if line.strip()}
+    ours = {f"titanlite/{p.name}" + ("/" if p.is_dir() else "") for p in PACKAGE.iterdir()
+            if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    assert ours - listed == set()

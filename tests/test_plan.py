@@ -19,7 +19,7 @@ from titanlite.plan.__main__ import main as plan_main
 from titanlite.plan.activations import activations
 from titanlite.plan.job import model_args, plan_job
 from titanlite.build import meta_model, parallelizer
-from titanlite.loss import cross_entropy_loss
+from titanlite.loss import build_loss
 from titanlite.parallel.parallelize import ParallelizeSettings
 
 SHIPPED = sorted((ROOT / "train_configs").glob("*.toml"))
@@ -28,20 +28,27 @@ MOE = {"mixtral_8x7b.toml"}  # routing depends on the data: refused by the plann
 
 def measured_fwd_bwd_peak(cfg) -> int:
     """Most bytes the CPU allocator held at once above the step's start, over a real forward + backward
-    of the trainer's model (built as build.build_model does, on one process), from the profiler's
-    allocation events."""
+    of the trainer's model and loss (built as build.build_model and loss.build_loss do, on one process;
+    compiled where cfg compiles, after two steps that compile), from the profiler's allocation events."""
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg, spec)
     dims = ParallelDims(1, 1)
-    model = parallelizer(spec, dims, ParallelizeSettings.of(cfg))(meta_model(spec, args, cfg.training.param_dtype))
+    model = parallelizer(spec, dims, ParallelizeSettings.of(cfg))(meta_model(spec, args, cfg.training.param_dtype, cfg.lora))
     model.to_empty(device="cpu")
     model.init_weights(0)
+    loss_fn = build_loss(cfg.training, cfg.compile)
     tokens = torch.randint(0, args.vocab_size, (cfg.training.local_batch_size, cfg.training.seq_len))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+
+    def step():
         with mixed_precision_context(dims, cfg.training.mixed_precision_param, "cpu"):
             logits = model(tokens)
-        cross_entropy_loss(logits, tokens).backward()
-        del logits
+        loss_fn(logits, tokens).backward()
+
+    for _ in range(2 if cfg.compile.enable else 0):
+        step()
+        model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
@@ -68,6 +75,21 @@ def test_activation_peak_within_10_percent_of_a_real_cpu_step(model):
         assert predicted == pytest.approx(measured, rel=0.10), (mode, option, predicted, measured)
 
 
+def test_a_compiled_cpu_step_peaks_between_the_planners_two_counts():
+    """Inductor on the CPU runs the same min-cut partitioner as on a GPU: the peak of a real compiled step
+    (blocks and loss compiled) lies between the planner's lower bound and its eager count, without AC and
+    with op-level AC (at seq 256 x 4 it sat 0.63 of the way up in both; memory.COMPILED_KEPT puts 0.44)."""
+    for mode in ("none", "selective"):
+        cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "128", "--training.local_batch_size", "2",
+                           "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", "op",
+                           "--compile.enable"])
+        spec = get_model_spec(cfg.model.name)
+        args, dims = model_args(cfg, spec), ParallelDims(1, 1)
+        lower, eager = (activations(cfg, spec, args, dims, compiled).peak for compiled in (True, False))
+        measured = measured_fwd_bwd_peak(cfg)
+        assert lower < measured < 1.05 * eager, (mode, lower, measured, eager)  # the eager count is itself within 10% (above)
+
+
 @pytest.mark.parametrize("config", [path for path in SHIPPED if path.name not in MOE], ids=lambda path: path.stem)
 def test_every_shipped_config_fits_its_hardware_with_10_percent_headroom(config):
     text = config.read_text()
@@ -88,13 +110,14 @@ def test_405b_table_in_seconds_and_advice_when_it_does_not_fit(capsys):
     assert time.perf_counter() - began < 30
     out = capsys.readouterr().out
     assert "verdict: fits" in out and "world 256" in out and "tp 8, pp 8" in out and "pipeline bubble" in out and "MFU" in out
-    # 8B at seq 8192 without AC keeps ~70 GiB of activations: over an H100; the advice is one change that fits.
+    assert "compiled, lower - eager" in out and "note: a compiled step's peak lies in the range printed" in out
+    # 8B at seq 8192, eager, without AC keeps ~70 GiB of activations: over an H100; the advice is one change that fits.
     assert plan_main(["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"),
-                      "--activation_checkpoint.mode", "none"]) == 1
+                      "--activation_checkpoint.mode", "none", "--compile.enable", "false"]) == 1
     out = capsys.readouterr().out
     assert "verdict: does not fit" in out and "the cheapest change that fits: --" in out, out
-    assert "note: activations are counted as an eager step keeps them" in out  # the config compiles
-    assert "note: float8 tensorwise measured 1.10x at dim 2048, 1.10x at dim 4096" in out  # 8B: dim 4096
+    assert "compiled, lower - eager" not in out and "compiled step" not in out  # eager: one count
+    assert "note: float8 without compile.enable" in out
 
 
 def test_pipeline_plan_shows_first_and_last_stage_with_each_schedules_bubble(capsys):
@@ -110,7 +133,8 @@ def test_pipeline_plan_shows_first_and_last_stage_with_each_schedules_bubble(cap
     plans = {schedule: plan_job(load_config([*pp2, "--parallelism.pipeline_parallel_schedule", schedule]))
              for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")}
     bubbles = {schedule: round(plan.speed.bubble, 4) for schedule, plan in plans.items()}
-    assert bubbles == {"GPipe": 0.2, "1F1B": 0.2, "Interleaved1F1B": 0.1, "ZBVZeroBubble": round(0.1 / 3, 4)}
+    # Interleaved: (pp - 1) / v = 0.5 stage-times of warm-up beside 4 microbatches: 0.5 / 4.5
+    assert bubbles == {"GPipe": 0.2, "1F1B": 0.2, "Interleaved1F1B": 0.1111, "ZBVZeroBubble": round(0.5 / 4.5 / 3, 4)}
     first_stage = {schedule: plan.roles[0][1].activations for schedule, plan in plans.items()}
     assert first_stage["GPipe"] > 1.5 * first_stage["1F1B"]
     assert [name for name, _ in plans["ZBVZeroBubble"].roles] == ["pp rank 0 (stages 0, 3; embedding; output + loss)",
@@ -135,3 +159,37 @@ def test_float8_note_says_when_float8_pays_by_the_measured_figures():
            "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
     assert note(*off).startswith("float8 is off; float8 tensorwise measured 1.10x at dim 2048")
     assert note(*off, gpu="A100 80GB") is None  # no float8 tensor cores
+
+
+# Held-out rows the planner misses by more than 15%, each held to its present error so that the table in
+# docs/benchmarks.md (which says why each misses) stays true: (row, "tps" or "memory") -> the error allowed.
+HELD_OUT_MISSES = {
+    ("405B, 128 H100, FSDP 16 x TP 8, float8", "tps"): 0.22,
+    ("405B, 128 H100, FSDP 16 x TP 8, float8, async TP", "tps"): 0.22,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8 rowwise, async TP", "tps"): 0.17,
+    ("8B, 32 H200, FSDP, compile, float8", "tps"): 0.16,
+    ("8B, 64 H200, FSDP, compile, float8", "tps"): 0.16,
+    ("Llama 2 70B, 64 A100, FSDP, bs 1, op AC", "tps"): 0.21,
+    ("8B, 128 H100, FSDP, compile", "memory"): 0.18,
+    ("8B, 128 H100, FSDP, compile, float8", "memory"): 0.18,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8", "memory"): 0.46,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8, async TP", "memory"): 0.42,
+    ("405B, 512 H100, FSDP 8 x TP 8 x PP 8, float8, async TP, 1F1B", "memory"): 0.64,
+    ("405B, 512 H100, FSDP 8 x TP 8 x PP 8, float8, async TP, Interleaved1F1B", "memory"): 0.59,
+}
+
+
+def test_planner_within_15_percent_of_the_held_out_published_rows():
+    """The planner's tps and peak memory for every row of plan/published_rows.py it was not fitted on, against
+    what the run measured: within 15%, or within the error HELD_OUT_MISSES records for it."""
+    from titanlite.plan.published_rows import ROWS, plan_row, predicted_memory_gib
+
+    held_out = [item for item in ROWS if not item.tuning]
+    assert len(held_out) == 26 and {name for name, _ in HELD_OUT_MISSES} <= {item.name for item in held_out}
+    for item in held_out:
+        plan = plan_row(item)
+        errors = {"tps": plan.speed.tps / item.tps - 1}
+        if item.memory_gib:
+            errors["memory"] = predicted_memory_gib(item, plan.memory.peak) / item.memory_gib - 1
+        for kind, error in errors.items():
+            assert abs(error) <= HELD_OUT_MISSES.get((item.name, kind), 0.15), (item.name, kind, f"{error:+.1%}")

@@ -38,8 +38,9 @@ def test_summary_counts_only_the_steps_after_warmup():
     metrics = Metrics()
     summary = RunSummary(warmup=2, steps_to_run=5, device=torch.device("cpu"))
     for step in range(5):
-        with summary.measure(metrics):
-            metrics.data_seconds += 1.0
+        summary.step_began(metrics)
+        metrics.data_seconds += 1.0
+        summary.step_ended(metrics)
     assert summary.steps == 3 and summary.data_seconds == 3.0
     assert summary.started is not None and summary.ended >= summary.started
     assert RunSummary(warmup=10, steps_to_run=4, device=torch.device("cpu")).warmup == 3  # at least one step counts

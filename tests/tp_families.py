@@ -1,7 +1,7 @@
 """Run under torchrun by test_tensor_parallel.py: for each family, 5 optimizer steps of the debug
 model under TP (the whole world) and of the same model unsharded on every rank (the 1-process
 run), through the trainer's own build_model / train_step, on the same batches of several
-documents each (the default block-causal mask). Rank 0 writes
+documents each (the default block-causal mask); argv[2] may list the families (comma-separated). Rank 0 writes
 {family: [[tp loss, 1-process loss], ...]} as JSON to argv[1]."""
 
 import json
@@ -47,11 +47,11 @@ def losses(name: str, world: int) -> list[float]:
                        cross_entropy_loss, delimiters=delimiters)[0].item() for _ in range(STEPS)]
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, families: str = "llama3,mistral,mixtral,gpt2") -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     results = {name: list(zip(losses(name, dist.get_world_size()), losses(name, 1)))
-               for name in ("llama3", "mistral", "mixtral", "gpt2")}
+               for name in families.split(",")}
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -59,4 +59,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

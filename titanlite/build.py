@@ -10,9 +10,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from titanlite.config_sections import JobConfig, Model, Training
+from titanlite.config_sections import JobConfig, LoRA, Model, Training
 from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
+from titanlite.lora import apply_lora, init_lora
 from titanlite.models import get_model_args
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import ParallelizeSettings, parallelize_decoder
@@ -68,11 +69,21 @@ def grad_accumulation_steps(cfg: Training, dp_degree: int) -> int:
     return cfg.global_batch_size // per_micro_step
 
 
-def meta_model(spec, args, param_dtype: str) -> nn.Module:
-    """The whole model on the meta device, in the parameter dtype (init_weights keeps RoPE tables in fp32)."""
+def meta_model(spec, args, param_dtype: str, lora: LoRA) -> nn.Module:
+    """The whole model on the meta device, in the parameter dtype (init_weights keeps RoPE tables in fp32),
+    with LoRA adapters where [lora] asks for them."""
     with torch.device("meta"):
         model = spec.model_cls(args)
-    return model.to(dtype=DTYPES[param_dtype])
+    model.to(dtype=DTYPES[param_dtype])
+    apply_lora(model, lora)
+    return model
+
+
+def model_flops_per_token(spec, model: nn.Module, seq_len: int) -> float:
+    """The family's training FLOPs per token, less what frozen weights (LoRA's base) do not cost: their
+    gradient, 2 FLOPs per weight and token, is never computed. The token embedding is a lookup, never counted."""
+    frozen = [p for name, p in model.named_parameters() if not p.requires_grad and p.dim() == 2 and "tok_embeddings" not in name]
+    return spec.flops_per_token(model, seq_len) - 2.0 * sum(p.numel() for p in frozen)
 
 
 def parallelizer(spec, dims: ParallelDims, settings: ParallelizeSettings) -> Callable[[nn.Module], nn.Module]:
@@ -83,9 +94,9 @@ def parallelizer(spec, dims: ParallelDims, settings: ParallelizeSettings) -> Cal
 def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.device, loss_fn):
     """Meta-device model -> (this rank's pipeline stages) -> parallelize -> allocate only this rank's
     shards -> initialise them. Returns the model, its size and FLOPs, and the Pipeline (None without PP)."""
-    model = meta_model(spec, args, cfg.training.param_dtype)
+    model = meta_model(spec, args, cfg.training.param_dtype, cfg.lora)
     num_params = model.num_params()
-    flops_per_token = spec.flops_per_token(model, cfg.training.seq_len)
+    flops_per_token = model_flops_per_token(spec, model, cfg.training.seq_len)
     parallelize = parallelizer(spec, dims, ParallelizeSettings.of(cfg))
     if dims.pp_enabled:
         model, pipeline = build_pipeline(model, dims, cfg.parallelism, cfg.training.local_batch_size, cfg.job.seed,
@@ -96,5 +107,6 @@ def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.de
     if dims.tp_enabled:
         place_grads_like_params(model)
     model.init_weights(seed=cfg.job.seed)
+    init_lora(model, cfg.job.seed)
     model.train()
     return model, num_params, flops_per_token, None

@@ -238,7 +238,8 @@ def field_doc(f: dataclasses.Field) -> str:
     """The field's doc with its choices or range, as --help and the README reference show it."""
     choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
     bounds = f" ({range_text(f.metadata)})" if range_text(f.metadata) else ""
-    return f"{f.metadata['doc']}{choices}{bounds}"
+    later = "; not supported yet" if f.metadata.get("unsupported") else ""
+    return f"{f.metadata['doc']}{later}{choices}{bounds}"
 
 
 def help_text() -> str:

@@ -22,6 +22,24 @@ def check_training(cfg: JobConfig) -> None:
         )
 
 
+def check_dataset_format(cfg: JobConfig) -> None:
+    """Chat and prompt/completion data are local records with labels left out of the loss, which the chunked
+    loss (a mean over every label) does not skip; a mix or a token store holds tokens without their mask."""
+    training = cfg.training
+    fmt = training.dataset_format
+    if fmt == "text":
+        if training.train_on != "assistant" or training.chat_template:
+            raise UserError("training.train_on and training.chat_template apply to training.dataset_format chat or "
+                            "prompt_completion; set the format or leave them at their defaults")
+        return
+    if training.loss_chunk_tokens:
+        raise UserError(f"training.dataset_format {fmt} leaves untrained tokens out of the loss, which the chunked loss "
+                        "does not do yet; set training.loss_chunk_tokens 0")
+    if training.dataset_mix or not training.dataset_path:
+        raise UserError(f"training.dataset_format {fmt} reads local jsonl/json/parquet records; set training.dataset_path "
+                        "to them (not training.dataset_mix)")
+
+
 def check_loss_chunking(cfg: JobConfig) -> None:
     """The chunked loss runs inside the model's forward (the last pipeline stage's); tensor parallelism
     computes the loss on vocab shards, and it multiplies by the output weight itself, which float8 must
@@ -89,10 +107,24 @@ def check_checkpoint(cfg: JobConfig) -> None:
         raise UserError("a Hugging Face folder holds only the model; set checkpoint.initial_load_model_only true with initial_load_in_hf")
 
 
+def check_lora(cfg: JobConfig) -> None:
+    if cfg.lora.rank and cfg.parallelism.tensor_parallel_degree > 1:
+        raise UserError(
+            f"lora.rank {cfg.lora.rank} with parallelism.tensor_parallel_degree {cfg.parallelism.tensor_parallel_degree} "
+            "is not supported yet (the TP plans shard the base weights but not the adapters); set "
+            "tensor_parallel_degree 1 (FSDP shards the frozen base over the data-parallel ranks)"
+        )
+    if cfg.lora.rank and cfg.float8.enable:
+        raise UserError(f"lora.rank {cfg.lora.rank} with float8.enable is not supported yet (float8 would replace the "
+                        "adapted layers); set float8.enable false")
+
+
 def check_rules(cfg: JobConfig) -> None:
     check_training(cfg)
     check_model(cfg)
     check_activation_checkpoint(cfg)
     check_parallelism(cfg)
     check_loss_chunking(cfg)
+    check_dataset_format(cfg)
     check_checkpoint(cfg)
+    check_lora(cfg)

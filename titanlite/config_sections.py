@@ -40,8 +40,8 @@ class Job:
 class Model:
     name: str = opt("llama3", "model family from the registry (python -m titanlite.models lists them)")
     flavor: str = opt("debugmodel", "size of the family, e.g. debugmodel, 1B, 8B")
-    tokenizer_path: str = opt("", "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart by its bytes; empty = the shipped assets/tokenizer.model")
-    hf_assets_path: str = opt("", "folder holding tokenizer.model (as downloaded from Hugging Face); used when tokenizer_path is empty")
+    tokenizer_path: str = opt("", "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart by its bytes; or a Hugging Face tokenizer.json (tokenizer_config.json beside it); empty = the shipped assets/tokenizer.model")
+    hf_assets_path: str = opt("", "Hugging Face folder holding tokenizer.json + tokenizer_config.json, or else tokenizer.model; used when tokenizer_path is empty")
     moe_aux_loss_coeff: float = opt(0.01, "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none", at_least=0)
     n_layers: int = opt(0, "train the flavor with this many blocks instead (e.g. to benchmark a big model's shapes on one GPU); 0 = the flavor's; checkpoints of another depth are refused", at_least=0)
     attention_mask: str = opt("block_causal", "block_causal (each token attends only to earlier tokens of its own document, the documents of a packed window told apart by the tokenizer's bos) or causal (to every earlier token of the window)", choices=("block_causal", "causal"))
@@ -85,6 +85,9 @@ class Training:
     dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files) or a token store (python -m titanlite.data.prepare, read in one order at any scale); setting it means dataset = local")
     dataset_mix: list[DataSource] = opt([], "weighted sources instead of dataset/dataset_path, a TOML array of tables [{ path = \"a\", weight = 0.7 }, ...] (stores or raw files); read in one order at any scale")
     dataset_text_field: str = opt("text", "field holding the text in json/parquet/arrow records")
+    dataset_format: str = opt("text", "text (documents in dataset_text_field), chat (records with messages, a list of {role, content}: system/user/assistant) or prompt_completion (records with prompt and completion); the last two are rendered with the chat template and packed whole", choices=("text", "chat", "prompt_completion"))
+    train_on: str = opt("assistant", "with dataset_format chat or prompt_completion, the tokens in the loss: every assistant turn, the last_assistant turn only, or all of the conversation", choices=("assistant", "last_assistant", "all"))
+    chat_template: str = opt("", "jinja chat template file for dataset_format chat or prompt_completion; empty = the chat_template of the tokenizer_config.json in model.hf_assets_path")
     num_workers: int = opt(0, "data-loading worker processes per rank", at_least=0)
     mixed_precision_param: str = opt("bfloat16", "dtype FSDP computes in (autocast dtype without FSDP)", choices=("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "dtype of FSDP gradient reduction", choices=("float32", "bfloat16"))
@@ -186,12 +189,20 @@ class Validation:
 
 @dataclass
 class Plan:
-    gpu: str = opt("H100 SXM", "GPU the job is planned for (python -m titanlite.plan; titanlite/plan/hardware.py has their memory, peaks and links)", choices=("A100 40GB", "A100 80GB", "H100 SXM", "H100 PCIe", "H200", "B200", "GB200"))
+    gpu: str = opt("H100 SXM", "GPU the job is planned for (python -m titanlite.plan; titanlite/plan/hardware.py has their memory, peaks and links)", choices=("A100 40GB", "A100 80GB", "H100 SXM", "H100 PCIe", "H100 96GB 500W", "H200", "B200", "GB200"))
     nodes: int = opt(1, "nodes the job runs on", at_least=1)
     gpus_per_node: int = opt(8, "GPUs (ranks) per node; the world size is nodes x gpus_per_node", at_least=1)
     fabric: str = opt("infiniband_ndr", "inter-node network: infiniband_ndr (400 Gb/s per GPU) or efa_p5 (AWS p5: 3200 Gb/s per node)", choices=("infiniband_ndr", "efa_p5"))
     intra_node_gbps: float = opt(-1.0, "GB/s per GPU within a node for collectives; -1 = the GPU's NVLink (or PCIe) figure", above=0, sentinels=(-1,))
     inter_node_gbps: float = opt(-1.0, "GB/s per GPU between nodes for collectives; -1 = the fabric's figure", above=0, sentinels=(-1,))
+
+
+@dataclass
+class LoRA:
+    rank: int = opt(0, "rank of the low-rank adapters added to the target layers, whose own weights are then frozen; 0 = no LoRA (every weight trains)", at_least=0)
+    alpha: float = opt(16.0, "the adapters' output is scaled by alpha / rank", above=0)
+    dropout: float = opt(0.0, "dropout on the adapters' input while training", at_least=0, below=1)
+    target_modules: list[str] = opt(["wq", "wk", "wv", "wo"], "the linear layers that get adapters, by their name in the model (attention: wq,wk,wv,wo; MLP: w1,w2,w3; the output layer: output)")
 
 
 @dataclass
@@ -210,3 +221,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     plan: Plan = field(default_factory=Plan)
+    lora: LoRA = field(default_factory=LoRA)

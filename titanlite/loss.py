@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config_sections import Compile, Training
+from titanlite.data.packing import IGNORED
 from titanlite.parallel.compile import compiles
 
 
@@ -106,8 +107,15 @@ class ChunkedCrossEntropy:
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    """Mean next-token loss over the trained tokens, computed in fp32 whatever the compute dtype. Labels
+    IGNORED (-100: chat data outside the trained turns) are left out of the sum and the count; text data
+    has none, so its loss is the plain mean. Chat windows hold at least one trained label each (packing.py)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORED)
+
+
+def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many labels are in the loss (chat data leaves the untrained turns IGNORED)."""
+    return (labels != IGNORED).sum()
 
 
 def maybe_compile_loss(loss_fn: Callable, cfg: Compile) -> Callable:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config_sections import JobConfig
-from titanlite.loss import loss_parallel_context, micro_batch_loss
+from titanlite.loss import loss_parallel_context, micro_batch_loss, trained_tokens
 from titanlite.models.attention import document_ids
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
@@ -27,11 +27,13 @@ class StepSettings:
     param_dtype: str  # training.mixed_precision_param: autocast's dtype where FSDP does not cast
     loss_parallel: bool  # TP's vocab-sharded loss (tensor parallelism on, loss parallel not disabled)
     skip_nonfinite: bool = False  # training.on_nonfinite skip: a step with NaN or inf applies no update
+    per_trained_token: bool = False  # chat data: the loss is over the trained tokens of the whole global batch
 
     @classmethod
     def of(cls, cfg: JobConfig, dims: ParallelDims, accum_steps: int) -> "StepSettings":
         return cls(accum_steps, cfg.training.max_norm, cfg.model.moe_aux_loss_coeff, cfg.training.mixed_precision_param,
-                   dims.tp_enabled and not cfg.parallelism.disable_loss_parallel, cfg.training.on_nonfinite == "skip")
+                   dims.tp_enabled and not cfg.parallelism.disable_loss_parallel, cfg.training.on_nonfinite == "skip",
+                   cfg.training.dataset_format != "text")
 
 
 @contextlib.contextmanager
@@ -51,28 +53,29 @@ def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dim
     `delimiters` (bos, eos) split each window into documents for block-causal attention; None = causal.
     `offloaded` counts the activations offloaded to host memory; None = no activation offload.
 
-    Each micro-batch holds the same number of tokens (packed windows), so dividing every
-    micro-batch mean by accum_steps makes the summed gradient that of the whole batch.
+    Text trains on every token and each micro-batch holds as many (packed windows), so dividing every
+    micro-batch mean by accum_steps makes the summed gradient that of the whole batch. Chat data trains
+    on some tokens only: each micro-batch mean is weighted by its trained tokens over those of the whole
+    global batch (every micro-batch, accumulation step and data-parallel rank), times the data-parallel
+    degree that FSDP's gradient average divides by, so the loss and the gradients are those of one
+    process holding the whole batch, whatever the layout.
     Under pipeline parallelism the pipeline's schedule runs each micro-batch's forward and backward.
     """
     accum_steps = settings.accum_steps
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
-    for _ in range(accum_steps):
-        waited = time.perf_counter()
-        inputs, labels = next(batches)
-        metrics.data_seconds += time.perf_counter() - waited
-        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
+    micro_batches = [next_batch(batches, device, metrics, dims) for _ in range(accum_steps)]
+    weights, per_token = trained_token_weights(micro_batches, dims) if settings.per_trained_token else (None, None)
+    for index, (inputs, labels) in enumerate(micro_batches):
         ids = document_ids(inputs, delimiters)
         if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
             with forward_context(settings, dims, device.type, offloaded):
                 total_loss += pipeline.train_microstep(inputs, labels, accum_steps, settings.aux_loss_coeff,
-                                                       {} if ids is None else {"document_ids": ids})
+                                                       {} if ids is None else {"document_ids": ids}, per_token)
             continue
         with loss_parallel_context(settings.loss_parallel):
             loss = micro_batch_loss(model, inputs, labels, ids, loss_fn, forward_context(settings, dims, device.type, offloaded))
-            loss = loss / accum_steps
+            loss = loss / accum_steps if weights is None else loss * weights[index]
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
             (loss if aux_loss is None else loss + settings.aux_loss_coeff * aux_loss / accum_steps).backward()
         total_loss += loss.detach()
@@ -87,6 +90,25 @@ def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dim
     optimizer.step()
     scheduler.step()
     return total_loss, grad_norm, lr, False
+
+
+def next_batch(batches, device, metrics, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
+    waited = time.perf_counter()
+    inputs, labels = next(batches)
+    metrics.data_seconds += time.perf_counter() - waited
+    metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
+    return inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+
+def trained_token_weights(micro_batches, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each micro-batch's weight, the weight of one trained token): a micro-batch mean times its trained
+    tokens is its sum; over the trained tokens of the global batch (counted on every rank, each TP/PP
+    group holding one batch), times the dp degree FSDP's gradient average divides by."""
+    counts = torch.stack([trained_tokens(labels) for _, labels in micro_batches]).float()
+    total = counts.sum().reshape(1)
+    dist.all_reduce(total)
+    per_token = dims.dp_degree * dims.model_parallel_degree / total
+    return counts * per_token, per_token
 
 
 def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:

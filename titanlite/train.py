@@ -37,6 +37,7 @@ from titanlite.profiling import RunSummary, StepProfiler
 from titanlite.step import StepSettings, train_step
 from titanlite.tensorboard import hyperparameters
 from titanlite.validation import Validator, check_validation
+from titanlite.watchdog import HangWatchdog
 
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
@@ -71,7 +72,8 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
         tokenizer=tokenizer, seq_len=training.seq_len, batch_size=training.local_batch_size,
         dp_rank=dims.dp_rank, dp_world=dims.dp_degree, seed=cfg.job.seed, num_workers=training.num_workers,
-        dataset_mix=training.dataset_mix,
+        dataset_mix=training.dataset_mix, dataset_format=training.dataset_format, train_on=training.train_on,
+        chat_template=training.chat_template,
     )
     metrics = MetricsLogger(cfg.metrics, info.rank, info.device, flops_per_token)
     tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
@@ -106,6 +108,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
     stop = StopFlags(info.device, check_finite=training.on_nonfinite == "stop" and not training.skip_nan_check)
     skips = NonfiniteSkips(training.max_nonfinite_skips, metrics.write_scalars)
+    watchdog = HangWatchdog(cfg.job.hang_timeout_seconds, info.rank, info.world_size, cfg.job.dump_folder)
     try:
         state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
         if nothing_to_train(stop, state.step, training.steps):
@@ -119,8 +122,10 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,
                              predicted=observe("the planner's start-up prediction", predict_on_gpu, cfg, spec, args, dims,
                                                model, info))
+        watchdog.start(state.step)
         with profiler:
             for step in range(state.step + 1, training.steps + 1):
+                watchdog.step_began(step)
                 began, validation_seconds = time.perf_counter(), 0.0
                 if step % training.gc_freq == 0:
                     gc.collect(1)
@@ -147,9 +152,11 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                 # The step's time as a save may have slowed it (validation is not training time).
                 checkpointer.cost.step_done(began, time.perf_counter(), left_out=validation_seconds)
                 profiler.step(step)
+                watchdog.step_ended(step)
                 if preempted:
                     break
     finally:
+        watchdog.stop()
         checkpointer.close()  # waits for the last async save
         stop.close()
     summary.log(model, optimizer, tokens_per_step // info.world_size, metrics, checkpointer.cost, offloaded)

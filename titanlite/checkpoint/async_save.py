@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _check_state_dict_similarity, _copy_state_dict, _create_cpu_state_dict
 
+from titanlite.errors import UserError
 from titanlite.models.init import local_tensor
 
 
@@ -92,6 +93,11 @@ class AsyncSaver:
     """At most one save in flight: start() hands it to a background thread, take() waits for it."""
 
     def __init__(self, pinned: bool, optimizer):
+        if pinned and not torch.cuda.is_available():
+            raise UserError(
+                "checkpoint.async_mode async_with_pinned_mem stages into pinned (page-locked) memory for fast GPU "
+                "copies and needs CUDA; on this CPU run use checkpoint.async_mode async"
+            )
         # Async saves run their collectives from a background thread; on the training process
         # group they could interleave with the training collectives and deadlock.
         self.group = dist.new_group(backend="gloo")

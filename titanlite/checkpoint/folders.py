@@ -16,6 +16,10 @@ import shutil
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
+from titanlite.log import logger
+
 METADATA = ".metadata"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 _ANY_STEP_FOLDER = re.compile(r"^step-(\d+)(-hf)?$")  # checkpoints and their Hugging Face exports
@@ -76,3 +80,17 @@ def set_aside_newer(root: Path, step: int) -> tuple[Path, list[str]] | None:
     for folder in newer:
         folder.rename(aside / folder.name)  # same filesystem: one atomic rename, no copy
     return aside, [f.name for f in newer]
+
+
+def rewind_to(root: Path, step: int, rank: int) -> None:
+    """Resuming from an older step starts a new history: the newer checkpoints move aside (set_aside_newer)
+    before anything is saved, so neither a later resume nor retention can take them for this run's."""
+    if rank == 0:
+        moved = set_aside_newer(root, step)
+        if moved:
+            aside, names = moved
+            logger.warning(
+                f"resuming from step {step}: the newer {', '.join(names)} belong to the abandoned history and were moved "
+                f"to {aside}; they are never loaded or counted by keep_latest_k (move one back into {root} to use it)"
+            )
+    dist.barrier()  # no rank reads or writes the folder before the move is done

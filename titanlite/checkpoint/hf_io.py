@@ -13,10 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 
 from titanlite.errors import UserError
-from titanlite.models.init import local_view  # (local shard, its offset in the full tensor)
+from titanlite.models.init import full_tensor, local_view  # (local shard, its offset in the full tensor)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -119,11 +118,6 @@ class HFReader:
             raise UserError(f"{self.folder / file} cannot be read ({type(error).__name__}: {error})") from None
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: DTensor shards are all-gathered (every rank must call this in the same order)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def write_hf_folder(layers: Iterable[dict[str, torch.Tensor]], folder: Path, adapter, args, dtype: torch.dtype,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, write: bool = True) -> None:
     """Convert each group of full titanlite tensors to HF names and `dtype` and write them, then the
@@ -137,12 +131,16 @@ def write_hf_folder(layers: Iterable[dict[str, torch.Tensor]], folder: Path, ada
 
 
 @torch.no_grad()
-def save_model_as_hf(state_dict: dict, folder: Path, adapter, args, dtype: torch.dtype, writer_rank: bool) -> None:
-    """Write a (possibly sharded) model state dict as an HF folder, one layer at a time.
+def save_model_as_hf(state_dict: dict, folder: Path, adapter, args, dtype: torch.dtype, writer_rank: bool,
+                     merge=None) -> None:
+    """Write a (possibly sharded) model state dict as an HF folder, one layer at a time; `merge` turns each
+    layer's full tensors into the model's own (LoRA: the adapters merged into their weights).
 
     Every rank takes part in gathering each layer; only `writer_rank` holds it and writes.
     """
-    layers = ({name: _full(state_dict[name]) for name in group} for group in layer_groups(state_dict))
+    layers = ({name: full_tensor(state_dict[name]) for name in group} for group in layer_groups(state_dict))
+    if merge is not None:
+        layers = map(merge, layers)
     write_hf_folder(layers, folder, adapter, args, dtype, write=writer_rank)
 
 

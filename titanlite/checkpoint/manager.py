@@ -10,17 +10,18 @@ close() waits for the last. What each save cost the training steps it overlapped
 `self.cost` (cost.py), which also logs it.
 """
 
+import functools
 import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, newest_resumable,
                                      read_metadata, rng_state, set_rng_state)
-from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, set_aside_newer, step_folder
+from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, rewind_to, step_folder
 from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
 from titanlite.checkpoint.async_save import AsyncSaver, Save
 from titanlite.parallel.pp import tied_state_as_one_process, tied_state_as_stage, ties_embeddings
@@ -38,6 +39,7 @@ from titanlite.checkpoint.save_errors import stop_if_disk_failure
 from titanlite.config_sections import Checkpoint
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.lora import check_same_base, has_lora, is_adapter, merge_lora, save_peft_adapter
 from titanlite.dtypes import DTYPES
 from titanlite.profiling import model_state_bytes
 
@@ -47,24 +49,9 @@ class TrainState:
     tokens_seen: int = 0  # over all data-parallel ranks
 
 
-def check_checkpoint_config(cfg: Checkpoint, world_size: int) -> None:
-    """The rules that need facts of the run (CUDA, the world size); the others are in config_rules.py."""
-    if cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
-        raise UserError(
-            "checkpoint.async_mode async_with_pinned_mem stages into pinned (page-locked) memory for fast GPU "
-            "copies and needs CUDA; on this CPU run use checkpoint.async_mode async"
-        )
-    if cfg.create_seed_checkpoint and world_size != 1:
-        raise UserError(
-            f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; run it with plain python "
-            "(no torchrun), then start the big run"
-        )
-
-
 class CheckpointManager:
     def __init__(self, cfg: Checkpoint, dump_folder: str, *, model, optimizer, lr_scheduler, dataloader,
                  dp_rank: int, dp_degree: int, model_name: str, model_args, hf_adapter, cost: SaveCost | None = None):
-        check_checkpoint_config(cfg, dist.get_world_size())
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
@@ -73,6 +60,8 @@ class CheckpointManager:
         self.global_data = getattr(dataloader, "state_is_global", False)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
+        # LoRA: checkpoints hold the adapters; the base they were trained on is named in the train state.
+        self.adapters_only, self.base = has_lora(model), cfg.initial_load_path or "initialised from job.seed"
         self.state = TrainState()
         self.cost = cost or SaveCost()
         self.saver = None
@@ -85,14 +74,19 @@ class CheckpointManager:
             mode = {"disabled": "synchronous", "async": "async", "async_with_pinned_mem": "async, pinned memory"}[cfg.async_mode]
             logger.info(f"checkpoints every {cfg.interval} steps into {self.root} ({mode} saves, {keep})")
 
-    # ---------------------------------------------------------------- state dicts
-    def _model_state(self) -> dict:
-        return get_model_state_dict(self.model)
+    def _model_state(self, kind: str = "run") -> dict:
+        """The model's tensors: "run" what its checkpoints hold (under LoRA the adapters only), "base" what an
+        initial load fills (under LoRA all but the adapters), "all" both."""
+        if not self.adapters_only or kind == "all":
+            return get_model_state_dict(self.model)
+        if kind == "run":
+            return get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=True))
+        return {fqn: t for fqn, t in get_model_state_dict(self.model).items() if not is_adapter(fqn)}
 
     def _train_state(self) -> dict:
         return {
             "step": self.state.step, "tokens_seen": self.state.tokens_seen, "model": self.model_name,
-            "dp_degree": self.dp_degree, "world_size": self.world_size,
+            "dp_degree": self.dp_degree, "world_size": self.world_size, **({"base": self.base} if self.adapters_only else {}),
         }
 
     def _full_state(self) -> dict:
@@ -119,7 +113,6 @@ class CheckpointManager:
         dtype = DTYPES[self.cfg.export_dtype]
         return {fqn: t.to(dtype) for fqn, t in self._model_state().items()}
 
-    # ---------------------------------------------------------------- saving
     def maybe_save(self, step: int, *, last: bool = False, force: bool = False) -> None:
         """Save at every interval, at the last step and when forced (preemption); forced and last
         saves are waited for. The last step's save follows last_save_model_only / export_dtype
@@ -143,6 +136,9 @@ class CheckpointManager:
 
     def save_seed(self) -> None:
         """Step 0, model only: lets a large run start from weights initialised once, on one process."""
+        if self.world_size != 1:
+            raise UserError(f"checkpoint.create_seed_checkpoint runs on one process, not {self.world_size}; run it with "
+                            "plain python (no torchrun), then start the big run")
         self._save(0, self._model_state, wait=True, note="seed checkpoint, model only")
 
     def _save(self, step: int, build_state, wait: bool, note: str = "") -> None:
@@ -206,8 +202,11 @@ class CheckpointManager:
         cfg = self.cfg
         path = self.root / f"step-{step}-hf"
         started = time.perf_counter()
-        save_model_as_hf(self._model_state(), path, self.hf_adapter, self.model_args, DTYPES[cfg.export_dtype],
-                         writer_rank=self.rank == 0)
+        save_model_as_hf(self._model_state("all"), path, self.hf_adapter, self.model_args, DTYPES[cfg.export_dtype],
+                         writer_rank=self.rank == 0, merge=functools.partial(merge_lora, model=self.model))
+        if self.adapters_only:
+            save_peft_adapter(self._model_state(), self.root / f"step-{step}-peft", self.hf_adapter, self.model_args,
+                              self.model, self.base, writer_rank=self.rank == 0)
         logger.info(f"model saved in Hugging Face format ({cfg.export_dtype}) to {path} in {time.perf_counter() - started:.2f}s")
 
     def close(self) -> None:
@@ -221,7 +220,6 @@ class CheckpointManager:
             if self.saver is not None:
                 self.saver.shutdown()
 
-    # ---------------------------------------------------------------- loading
     def load(self) -> TrainState:
         """Resume from the newest complete checkpoint (or checkpoint.load_step); with none, start
         from initial_load_path if given. Returns the train state the loop continues from."""
@@ -231,44 +229,38 @@ class CheckpointManager:
             for folder in incomplete:
                 logger.warning(f"skipping {folder}: it has no {METADATA}, so its save never finished")
             if cfg.load_step != -1:
-                self._rewind_to(choose_load_step(self.root, complete, cfg.load_step))
+                rewind_to(self.root, choose_load_step(self.root, complete, cfg.load_step), self.rank)
             chosen = cfg.load_step if cfg.load_step != -1 else newest_resumable(self.root, complete)
             if chosen is not None:
+                if self.adapters_only:  # the frozen base first: the checkpoint holds only the adapters
+                    self._load_initial()
                 self._load_dcp(step_folder(self.root, chosen), resume=True)
                 return self.state
-        if cfg.initial_load_path:
-            path = Path(cfg.initial_load_path)
-            if cfg.initial_load_in_hf:
-                load_model_from_hf(self._model_state(), path, self.hf_adapter, self.model_args, self.model_name)
-                logger.info(f"loaded the model from the Hugging Face folder {path}")
-            else:
-                if not is_complete(path):
-                    raise UserError(f"checkpoint.initial_load_path {path} is not a complete DCP checkpoint (no {METADATA} in it)")
-                self._load_dcp(path, resume=not cfg.initial_load_model_only)
+        self._load_initial()
         return self.state
 
-    def _rewind_to(self, step: int) -> None:
-        """Resuming from an older step starts a new history: the newer checkpoints move aside
-        (see folders.py) before anything is saved, so neither a later resume nor retention can
-        take them for this run's."""
-        if self.rank == 0:
-            moved = set_aside_newer(self.root, step)
-            if moved:
-                aside, names = moved
-                logger.warning(
-                    f"resuming from step {step}: the newer {', '.join(names)} belong to the abandoned history and were moved "
-                    f"to {aside}; they are never loaded or counted by keep_latest_k (move one back into {self.root} to use it)"
-                )
-        dist.barrier()  # no rank reads or writes the folder before the move is done
+    def _load_initial(self) -> None:
+        """checkpoint.initial_load_path, if given: a Hugging Face folder or a DCP checkpoint."""
+        cfg = self.cfg
+        if not cfg.initial_load_path:
+            return
+        path = Path(cfg.initial_load_path)
+        if cfg.initial_load_in_hf:
+            load_model_from_hf(self._model_state("base"), path, self.hf_adapter, self.model_args, self.model_name)
+            logger.info(f"loaded the model from the Hugging Face folder {path}")
+        else:
+            if not is_complete(path):
+                raise UserError(f"checkpoint.initial_load_path {path} is not a complete DCP checkpoint (no {METADATA} in it)")
+            self._load_dcp(path, resume=not cfg.initial_load_model_only, kind="base")
 
-    def _load_dcp(self, path: Path, resume: bool) -> None:
+    def _load_dcp(self, path: Path, resume: bool, kind: str = "run") -> None:
         started = time.perf_counter()
         metadata = read_metadata(path)
         keys = metadata.state_dict_metadata
         saved_from = ""
         if "train_state.model" in keys:
             saved_from = load_in_place(path, {"train_state": {"model": ""}})["train_state"]["model"]
-        model_state = self._model_state()
+        model_state = self._model_state(kind)
         # Pipeline stages each hold a share of the model: the checkpoint must fit the union of the ranks' shares.
         shares = [None] * dist.get_world_size()
         dist.all_gather_object(shares, {fqn: tuple(t.shape) for fqn, t in model_state.items()})
@@ -288,7 +280,7 @@ class CheckpointManager:
 
         if not resume:
             load_in_place(path, model_state)
-            set_model_state_dict(self.model, model_state)
+            set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=not self.adapters_only))
             logger.info(f"loaded the model (weights only) from {path} in {time.perf_counter() - started:.2f}s")
             return
 
@@ -301,7 +293,7 @@ class CheckpointManager:
             **model_state,
             "optimizer": own_optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            "train_state": {"step": 0, "tokens_seen": 0, "dp_degree": 0, "world_size": 0},
+            "train_state": {"step": 0, "tokens_seen": 0, "dp_degree": 0, "world_size": 0, **({"base": ""} if self.adapters_only else {})},
         }
         data_key = self._data_key()
         saved_dp = sum(k.startswith("dataloader.dp_rank_") for k in keys)
@@ -320,7 +312,9 @@ class CheckpointManager:
             state["rng"] = {f"rank_{self.rank}": own_rng}
         load_in_place(path, state)
 
-        set_model_state_dict(self.model, {k: state[k] for k in model_state})
+        if self.adapters_only:
+            check_same_base(state["train_state"]["base"], self.base, path)
+        set_model_state_dict(self.model, {k: state[k] for k in model_state}, options=StateDictOptions(strict=not self.adapters_only))
         # The saved groups list one rank's parameter names; a pipeline's ranks list different ones, and
         # torch picks a tied matrix's state by the names listed: keep this layout's own lists.
         for group, names in zip(state["optimizer"]["param_groups"], own_groups):

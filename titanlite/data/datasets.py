@@ -15,15 +15,17 @@ into windows (packing.py) and gets batches of (inputs, labels), LongTensors [bat
 """
 
 import difflib
+import functools
 import warnings
 
 import datasets
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlite.data.chat import ChatRenderer, Conversations, tokenize_conversation
 from titanlite.data.documents import IndexedDocuments, StreamedDocuments
 from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.local_files import load_local_documents
-from titanlite.data.packing import PackedTokens, SyntheticTokens
+from titanlite.data.packing import PackedConversations, PackedTokens, SyntheticTokens
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
 from titanlite.data.sources import global_windows
 from titanlite.data.store import is_store
@@ -113,14 +115,19 @@ class DataParallelLoader(StatefulDataLoader):
 def build_dataloader(
     *, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int, batch_size: int,
     dp_rank: int, dp_world: int, seed: int, num_workers: int = 0, infinite: bool = True, section: str = "training",
-    dataset_mix: list = (),
+    dataset_mix: list = (), dataset_format: str = "text", train_on: str = "assistant", chat_template: str = "",
 ) -> StatefulDataLoader | GlobalOrderLoader:
     """Batches of (inputs, labels) for one data-parallel rank; the same arguments give the same data.
 
     A token store at dataset_path, or a dataset_mix, is read in one global order (global_order.py);
     the other datasets are split between the ranks and packed per rank (documents.py, packing.py).
     infinite=False: one pass over the data, and every new iter() starts it again from the beginning.
+    dataset_format chat / prompt_completion: local records rendered with the chat template (chat.py) and
+    packed whole, with labels IGNORED outside the trained tokens.
     """
+    if dataset_format != "text":
+        return conversation_loader(dataset_path, dataset_format, train_on, chat_template, tokenizer, seq_len,
+                                   batch_size, dp_rank, dp_world, seed, num_workers, infinite, section)
     if dataset_mix and (dataset_path or dataset != "sample"):
         raise UserError(f"training.dataset_mix is set together with training.dataset {dataset!r} / dataset_path {dataset_path!r}; "
                         "a mix names its sources itself, so leave those two at their defaults")
@@ -136,8 +143,33 @@ def build_dataloader(
     else:
         source = open_documents(name, dataset_path, text_field, dp_rank, dp_world, seed, num_workers, section)
         windows = PackedTokens(source, tokenizer, seq_len, infinite)
+    return data_parallel_loader(windows, name, batch_size, dp_rank, dp_world, seed, num_workers)
+
+
+def data_parallel_loader(windows, name: str, batch_size: int, dp_rank: int, dp_world: int, seed: int, num_workers: int):
     layout = {
         "dataset": name, "seed": seed,
         "dp_rank": dp_rank, "dp_world": dp_world, "num_workers": num_workers,
     }
     return DataParallelLoader(windows, batch_size=batch_size, num_workers=num_workers, layout=layout)
+
+
+def conversation_loader(dataset_path: str, dataset_format: str, train_on: str, chat_template: str, tokenizer, seq_len: int,
+                        batch_size: int, dp_rank: int, dp_world: int, seed: int, num_workers: int, infinite: bool, section: str):
+    """Chat or prompt/completion records at dataset_path, split between the ranks as local documents are."""
+    key = f"{section}.dataset_path"
+    if not dataset_path:
+        raise UserError(f"training.dataset_format {dataset_format} reads local records; set {key} to your jsonl/json/parquet data")
+    if is_store(dataset_path):
+        raise UserError(f"{key} {dataset_path} is a token store, which holds no loss mask; point it at the jsonl/json/parquet records")
+    renderer = ChatRenderer(tokenizer, chat_template)
+    conversations = Conversations(dataset_path, dataset_format, key)
+    encode = functools.partial(tokenize_conversation, renderer, tokenizer, train_on=train_on)
+    encode(conversations[0])  # a template that fails on the data stops the run now, not at the first batch
+    readers = dp_world * max(num_workers, 1)
+    if len(conversations) < readers:
+        raise UserError(f"{key} {dataset_path} holds {len(conversations)} conversations, fewer than the {readers} readers "
+                        "(data-parallel ranks x workers) that each need one; use more records or fewer readers")
+    windows = PackedConversations(IndexedDocuments(conversations, dp_rank, dp_world, seed), encode, tokenizer.eos_id,
+                                  seq_len, infinite)
+    return data_parallel_loader(windows, f"local {dataset_format}", batch_size, dp_rank, dp_world, seed, num_workers)

@@ -130,12 +130,16 @@ def read_fault(path: Path, loader: str, error: Exception) -> str:
 
 def read_records(loader: str, files: list[Path]) -> datasets.Dataset:
     # datasets logs an error line of its own for a file it cannot parse; titanlite names the fault in one sentence.
-    verbosity = datasets.logging.get_verbosity()
+    # Nor its progress bar, which would stand above a one-sentence error about the data.
+    verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
     try:
         return datasets.load_dataset(loader, data_files=[str(path) for path in files], split="train")
     finally:
         datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def raise_for_the_faulty_file(loader: str, files: list[Path], text_field: str, key: str, error: Exception | None):

@@ -153,7 +153,7 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="data file or folder, sample / sample_val, or a Hugging Face dataset name")
     parser.add_argument("--output", required=True, help="the store's folder (new or empty, or a prepare to finish)")
-    parser.add_argument("--tokenizer", default="", help="tokenizer.model to tokenize with (default: the shipped one)")
+    parser.add_argument("--tokenizer", default="", help="tokenizer.model, or a Hugging Face tokenizer.json or folder holding one, to tokenize with (default: the shipped one)")
     parser.add_argument("--workers", type=int, default=max(multiprocessing.cpu_count() - 1, 1), help="tokenizing processes")
     parser.add_argument("--text_field", default="text", help="field holding the text in json/parquet/arrow records")
     parser.add_argument("--documents_per_shard", type=int, default=20000, help="documents per shard file")

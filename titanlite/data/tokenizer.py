@@ -19,6 +19,7 @@ from pathlib import Path
 import tiktoken
 
 import titanlite
+from titanlite.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer
 from titanlite.errors import UserError
 
 PRETOKENIZE_PATTERN = (
@@ -124,7 +125,7 @@ def fix_for(path: Path, origin: str) -> str:
     if path == SHIPPED_TOKENIZER:
         return "run `python scripts/build_tokenizer.py` to create it, or set model.tokenizer_path"
     if origin == "model.hf_assets_path":
-        return "put the model's tokenizer.model in model.hf_assets_path or set model.tokenizer_path"
+        return "put the model's tokenizer.json or tokenizer.model in model.hf_assets_path or set model.tokenizer_path"
     return f"set {origin} to the model's tokenizer.model (tiktoken BPE as Llama 3's, or SentencePiece as Llama 2's)"
 
 
@@ -136,8 +137,11 @@ def is_sentencepiece(path: Path) -> bool:
     return head.startswith(b"\n") and (b"\0" in head or not head.isascii())
 
 
-def load_tokenizer(path: str | Path, origin: str = "model.tokenizer_path") -> Tokenizer | SentencePieceTokenizer:
+def load_tokenizer(path: str | Path, origin: str = "model.tokenizer_path") -> Tokenizer | SentencePieceTokenizer | HFTokenizer:
+    """The tokenizer of a tokenizer.json (or a folder holding one), else of a tokenizer.model file."""
     path = Path(path)
+    if is_hf_tokenizer(path):
+        return HFTokenizer(path, origin)
     try:
         sentencepiece = is_sentencepiece(path)
     except OSError:  # missing or unreadable: Tokenizer words it
@@ -145,10 +149,14 @@ def load_tokenizer(path: str | Path, origin: str = "model.tokenizer_path") -> To
     return SentencePieceTokenizer(path, origin) if sentencepiece else Tokenizer(path, origin)
 
 
-def build_tokenizer(model_cfg) -> Tokenizer | SentencePieceTokenizer:
-    """model.tokenizer_path if set, else tokenizer.model in model.hf_assets_path, else the shipped one."""
+def build_tokenizer(model_cfg) -> Tokenizer | SentencePieceTokenizer | HFTokenizer:
+    """model.tokenizer_path if set, else model.hf_assets_path, else the shipped one. A tokenizer.json (or a
+    folder holding one) is a Hugging Face tokenizer; a folder without one is looked into for tokenizer.model."""
     if model_cfg.tokenizer_path:
-        return load_tokenizer(model_cfg.tokenizer_path, origin="model.tokenizer_path")
-    if model_cfg.hf_assets_path:
-        return load_tokenizer(Path(model_cfg.hf_assets_path) / "tokenizer.model", origin="model.hf_assets_path")
-    return load_tokenizer(SHIPPED_TOKENIZER)
+        path, origin = Path(model_cfg.tokenizer_path), "model.tokenizer_path"
+    elif model_cfg.hf_assets_path:
+        path, origin = Path(model_cfg.hf_assets_path), "model.hf_assets_path"
+    else:
+        return load_tokenizer(SHIPPED_TOKENIZER)
+    return load_tokenizer(path if is_hf_tokenizer(path) or not (path.is_dir() or origin == "model.hf_assets_path")
+                          else path / "tokenizer.model", origin)

@@ -18,6 +18,7 @@ _FAMILY_PACKAGES = (
     "titanlite.models.llama",
     "titanlite.models.mistral",
     "titanlite.models.mixtral",
+    "titanlite.models.qwen3",
     "titanlite.models.gpt2",
     "titanlite.models.deepseek_v3",
 )

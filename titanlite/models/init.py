@@ -21,6 +21,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: DTensor shards are all-gathered (every rank must call this in the same order)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The tensor this rank writes into and its offset in the full (global) tensor."""
     if isinstance(param, DTensor):

@@ -28,7 +28,8 @@ from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.loss import computed_in_forward, loss_parallel_context, stage_forward, stage_loss
+from titanlite.lora import init_lora
+from titanlite.loss import computed_in_forward, loss_parallel_context, stage_forward, stage_loss, trained_tokens
 from titanlite.parallel.tp import place_grads_like_params
 
 SCHEDULES = {
@@ -161,6 +162,7 @@ class Pipeline:
     n_microbatches: int
     loss_parallel: bool
     loss_scale: float = 1.0
+    per_token: torch.Tensor | None = None  # chat data: the weight of one trained token (train_microstep)
     chunked: bool = False  # training.loss_chunk_tokens: the last stage's forward computes the loss
     aux_weight: float = 0.0  # the aux loss coefficient over (microbatches x micro-steps), set each step
     parts: list[nn.Module] = field(default_factory=list)
@@ -196,11 +198,18 @@ class Pipeline:
         dist.all_reduce(total, group=self.group)  # only the last stage's rank adds a non-zero
         return total
 
-    def train_microstep(self, inputs, labels, accum_steps: int, aux_loss_coeff: float, model_kwargs: dict) -> torch.Tensor:
-        """Forward and backward of one micro-step's batch; its loss as a run without PP computes it."""
+    def train_microstep(self, inputs, labels, accum_steps: int, aux_loss_coeff: float, model_kwargs: dict,
+                        per_token: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-step's batch; its loss as a run without PP computes it.
+        `per_token` (chat data): each microbatch mean weighs its trained tokens times this (step.py)."""
         self.loss_scale = 1.0 / (self.n_microbatches * accum_steps)
+        self.per_token = per_token
         self.aux_weight = aux_loss_coeff * self.loss_scale
         return self._run(self.schedule.step, inputs, labels, model_kwargs)
+
+    def weight(self, labels: torch.Tensor) -> torch.Tensor | float:
+        """A microbatch mean's weight in the step's loss."""
+        return self.loss_scale if self.per_token is None else trained_tokens(labels) * self.per_token
 
     def eval_loss_sum(self, inputs, labels, model_kwargs: dict) -> torch.Tensor:
         """Forward only: the sum of the token losses of the batch."""
@@ -287,6 +296,7 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
         if dims.tp_enabled:
             place_grads_like_params(part)
         part.init_weights(seed=seed)
+        init_lora(part, seed)
         part.train()
         part.register_forward_hook(pipeline._add_aux_grad)
         pipeline.parts.append(part)
@@ -300,7 +310,7 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
     stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
     # Gradients are not rescaled by the schedule: the loss is already scaled per microbatch (loss_scale).
     pipeline.schedule = schedule_cls(stages, n_microbatches=n_micro, scale_grads=False,
-                                     loss_fn=lambda output, labels: stage_loss(output, labels, loss_fn) * pipeline.loss_scale)
+                                     loss_fn=lambda output, labels: stage_loss(output, labels, loss_fn) * pipeline.weight(labels))
     rank_model = pipeline.parts[0] if len(pipeline.parts) == 1 else RankModel(pipeline.parts)
     return rank_model, pipeline
 

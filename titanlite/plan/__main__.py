@@ -18,13 +18,16 @@ def memory_table(role: str, m: Memory) -> str:
             ("fsdp buffers", m.buffers), ("peak (allocated)", m.peak), ("needs (+margin, context)", m.needs),
             ("GPU memory", m.capacity)]
     lines = [f"memory of {role} (GiB):"] + [f"  {name:<26}{value / GIB:>10.2f}" for name, value in rows]
+    if m.peak_range:  # compiled: between the lower bound and the eager count (plan/memory.py)
+        lines.insert(7, f"  {'compiled, lower - eager':<26}{m.peak_range[0] / GIB:>10.2f} - {m.peak_range[1] / GIB:.2f}")
     lines.append(f"  {'share of the GPU':<26}{100 * m.share:>9.1f}%")
     return "\n".join(lines)
 
 
 def speed_table(result: JobPlan) -> str:
     s = result.speed
-    rows = [("compute per step", f"{s.compute_s:.3f} s"), ("FSDP collectives", f"{s.fsdp_s:.3f} s (overlapped)"),
+    parts = ", ".join(f"{name} {seconds:.3f}" for name, seconds in s.parts if seconds)
+    rows = [("compute per step", f"{s.compute_s:.3f} s ({parts})"), ("FSDP collectives", f"{s.fsdp_s:.3f} s (overlapped)"),
             ("TP collectives", f"{s.tp_s:.3f} s (exposed)"), ("PP send/recv", f"{s.pp_s:.3f} s (exposed)"),
             ("pipeline bubble", f"{100 * s.bubble:.1f}% of the step"), ("step time", f"{s.step_s:.3f} s"),
             ("tps per GPU", f"{s.tps:,.0f}"), ("MFU", f"{s.mfu:.1f}%"), ("tokens per day", f"{s.tokens_per_day:,.3g}"),

@@ -11,6 +11,15 @@ Gradients: without FSDP each one stays as autograd made it; with FSDP the unshar
 is reduce-scattered away at once (its transient is in the buffers), leaving this rank's shard.
 Under tensor parallelism every activation of a block is split over the tp ranks (sequence
 parallel outside attention, heads inside), so the unsharded tally is divided by tp.
+
+Compiled (`compiled=True`): the same eager step, tallied as inductor would keep it. A tensor made by
+an op that AOTAutograd's min-cut partitioner may recompute (its list: pointwise ops, casts, views;
+and, where the loss is compiled, the softmax family, which inductor decomposes into pointwise ops
+and row reductions) costs nothing: the compiled graph recomputes it in backward from what it saves,
+or fuses it away. What crosses a compiled region's edge is kept: each block's input, and the
+gradients flowing back into each block and into the loss. What stays is what the partitioner
+cannot recompute: matmul and attention outputs, those edges, the eager parts' tensors. It is a lower bound of a compiled step's activations (the partitioner may keep
+a cheap tensor where it is smaller than its inputs); the eager tally is the upper bound.
 """
 
 import dataclasses
@@ -24,8 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
+from titanlite.lora import apply_lora
 from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.parallel.ac import apply_ac, every_nth
+from titanlite.parallel.compile import compiles
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import mixed_precision_context
 
@@ -36,9 +47,10 @@ class LiveBytes(TorchDispatchMode):
     """Bytes alive of the storages created under it: `live` now, `peak` the most at any op of
     live / split + grads, where split is the tp degree and grads the sharded gradients counted apart."""
 
-    def __init__(self, split: int, existing: list[torch.Tensor]):
+    def __init__(self, split: int, existing: list[torch.Tensor], recomputed: frozenset = frozenset()):
         super().__init__()
         self.split = split
+        self.recomputed = recomputed  # ops whose outputs cost nothing (a compiled step recomputes them)
         # Views of tensors made before (parameters' transposes, RoPE slices) allocate nothing.
         self.existing = {tensor.untyped_storage()._cdata for tensor in existing}
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -46,26 +58,35 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        counted = func.overloadpacket not in self.recomputed
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
-                self._track(tensor.untyped_storage())
+                self._track(tensor.untyped_storage(), counted)
         self._purge()
         self.peak = max(self.peak, self.live // self.split + self.grads)
         return out
 
-    def _track(self, storage) -> None:
+    def _track(self, storage, counted: bool = True) -> None:
+        """A new storage costs its bytes, or nothing where `counted` is False; an op returning a storage
+        already known (a view, detach, an in-place op) leaves its count as it was."""
         key = storage._cdata
         if key in self.existing:
             return
         known = self.storages.get(key)
         if known is None or known[0].expired():
-            self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
+            self.storages[key] = (StorageWeakRef(storage), storage.nbytes() if counted else 0)
 
     def _purge(self) -> None:
         dead = [key for key, (ref, _) in self.storages.items() if ref.expired()]
         for key in dead:
             del self.storages[key]
         self.live = sum(nbytes for _, nbytes in self.storages.values())
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        """Count the tensor whatever op made it (a compiled region's input)."""
+        storage = tensor.untyped_storage()
+        if storage._cdata not in self.existing:
+            self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
 
     def forget(self, tensor: torch.Tensor) -> None:
         self.storages.pop(tensor.untyped_storage()._cdata, None)
@@ -77,21 +98,43 @@ class Activations:
     peak: int  # most bytes alive at once over forward and backward, this rank's gradients included
 
 
-def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int) -> Activations:
-    """One training micro-step of the model cut to n_layers blocks, tallied op by op."""
+def recomputed_by_compile(cfg: JobConfig) -> frozenset:
+    """The ops whose outputs a compiled step does not keep (the module docstring)."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    aten = torch.ops.aten
+    softmax = {aten._log_softmax, aten._softmax, aten._log_softmax_backward_data, aten._softmax_backward_data,
+               aten.nll_loss_backward} if compiles(cfg.compile, "loss") else set()
+    return frozenset(get_default_op_list().recomputable_ops) | softmax
+
+
+def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool = False) -> Activations:
+    """One training micro-step of the model cut to n_layers blocks, tallied op by op (as a compiled
+    step keeps it where `compiled`)."""
     training = cfg.training
     compute = DTYPES[training.mixed_precision_param]
     loss_fn = build_loss(training, Compile())  # eager: compile's fused loss keeps fewer temporaries, never more
     fake = FakeTensorMode()  # also active during the step: factory calls in forward (masks, positions) stay fake
     with fake:
         model = spec.model_cls(dataclasses.replace(args, n_layers=n_layers))
+        apply_lora(model, cfg.lora)  # a frozen weight's input is not saved for its (never computed) gradient
         # FSDP gathers the parameters in the compute dtype; without it autocast casts them, as in train_step.
         dtype = compute if dims.fsdp_enabled else DTYPES[training.param_dtype]
         for param in model.parameters():
             param.data = param.data.to(dtype)
         apply_ac(model, cfg.activation_checkpoint)
         tokens = torch.randint(0, args.vocab_size, (training.local_batch_size, training.seq_len))
-    tally = LiveBytes(dims.tp, [*model.parameters(), *model.buffers(), tokens])
+    tally = LiveBytes(dims.tp, [*model.parameters(), *model.buffers(), tokens],
+                      recomputed_by_compile(cfg) if compiled else frozenset())
+    if compiled:  # what crosses a compiled region's edge is kept: blocks' inputs, the gradients flowing back into each
+        def keep_gradient(_, inputs, output):
+            if output.requires_grad:
+                output.register_hook(tally.keep)
+
+        for block in model.layers.values():
+            block.register_forward_pre_hook(lambda _, inputs: tally.keep(inputs[0]))
+            block.register_forward_hook(keep_gradient)
+        model.register_forward_hook(keep_gradient)  # the logits' gradient, the compiled loss's backward output
     shard = dims.dp_shard * dims.tp
     if dims.fsdp_enabled:
         param_bytes = DTYPES[training.param_dtype].itemsize
@@ -101,7 +144,8 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int) -> Ac
             tally.grads += param.numel() * param_bytes // shard
 
         for param in model.parameters():
-            param.register_post_accumulate_grad_hook(keep_shard)
+            if param.requires_grad:  # LoRA's frozen base has no gradient
+                param.register_post_accumulate_grad_hook(keep_shard)
     try:
         with fake, tally:
             context = mixed_precision_context(dims, training.mixed_precision_param, "cpu")
@@ -116,19 +160,19 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int) -> Ac
     return Activations(saved // dims.tp, tally.peak)
 
 
-def per_block_and_ends(cfg: JobConfig, spec, args, dims: ParallelDims) -> tuple[Activations, Activations]:
+def per_block_and_ends(cfg: JobConfig, spec, args, dims: ParallelDims, compiled: bool = False) -> tuple[Activations, Activations]:
     """measure() at depths p and 2p (p = the AC period): one block's share, and the rest (the embedding,
     final norm, logits and loss, and the first measured depth's AC remainder)."""
     ac = cfg.activation_checkpoint
     period = (every_nth(ac.selective_ac_option) or 1) if ac.mode == "selective" else 1
-    low, high = measure(cfg, spec, args, dims, period), measure(cfg, spec, args, dims, 2 * period)
+    low, high = measure(cfg, spec, args, dims, period, compiled), measure(cfg, spec, args, dims, 2 * period, compiled)
     block = Activations((high.saved - low.saved) / period, (high.peak - low.peak) / period)
     return block, Activations(low.saved - period * block.saved, low.peak - period * block.peak)
 
 
-def activations(cfg: JobConfig, spec, args, dims: ParallelDims) -> Activations:
+def activations(cfg: JobConfig, spec, args, dims: ParallelDims, compiled: bool = False) -> Activations:
     """measure() at the model's depth, or per_block_and_ends() extrapolated to it."""
     if args.n_layers <= FULL_DEPTH_UP_TO:
-        return measure(cfg, spec, args, dims, args.n_layers)
-    block, ends = per_block_and_ends(cfg, spec, args, dims)
+        return measure(cfg, spec, args, dims, args.n_layers, compiled)
+    block, ends = per_block_and_ends(cfg, spec, args, dims, compiled)
     return Activations(int(ends.saved + args.n_layers * block.saved), int(ends.peak + args.n_layers * block.peak))

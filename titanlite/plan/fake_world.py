@@ -52,7 +52,7 @@ def buildable(cfg: JobConfig) -> ParallelizeSettings:
 def sharded_model(cfg: JobConfig, spec, args, dims: ParallelDims) -> nn.Module:
     """This rank's model (under PP: its stages) as build.build_model leaves it before allocation
     (dims' mesh must exist)."""
-    model = meta_model(spec, args, cfg.training.param_dtype)
+    model = meta_model(spec, args, cfg.training.param_dtype, cfg.lora)
     parallelize = parallelizer(spec, dims, buildable(cfg))
     if dims.pp_enabled:
         _, parts = stage_parts(model, dims, cfg.parallelism, cfg.training.local_batch_size, parallelize)
@@ -63,7 +63,9 @@ def sharded_model(cfg: JobConfig, spec, args, dims: ParallelDims) -> nn.Module:
 def state_bytes(model: nn.Module, optimizer_name: str) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank holds, as profiling.model_state_bytes
     counts them after a step (gradients and moments are like their parameter's local shard)."""
-    params = [local_tensor(p) for p in model.parameters() if p.requires_grad]
-    shard = sum(p.numel() * p.element_size() for p in params)
-    return {"params": shard, "grads": shard, "optimizer": MOMENTS[optimizer_name] * shard + STEP_BYTES * len(params)}
+    params = [local_tensor(p) for p in model.parameters()]
+    trained = [local_tensor(p) for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    shard = sum(p.numel() * p.element_size() for p in trained)
+    return {"params": sum(p.numel() * p.element_size() for p in params), "grads": shard,
+            "optimizer": MOMENTS[optimizer_name] * shard + STEP_BYTES * len(trained)}
 

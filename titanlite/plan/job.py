@@ -15,7 +15,8 @@ from titanlite.plan.hardware import FABRIC_GBPS, GPUS
 from titanlite.plan.memory import Memory, fsdp_buffers, plan_memory
 from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
-from titanlite.plan.speed import Speed, plan_speed
+from titanlite.plan.speed import Shape, Speed, plan_speed
+from titanlite.parallel.compile import compiles
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
 from titanlite.parallel.tp import check_tensor_parallel
@@ -90,37 +91,54 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     args = model_args(cfg, spec)
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
     dims = ParallelDims.from_config(cfg.parallelism, world)
+    refused = None
     if dims.tp_enabled or cfg.parallelism.enable_async_tensor_parallel:
-        check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, cfg.float8.enable)
-    return predict(cfg, spec, args, dims, plan_states(cfg, world))
+        check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, False)
+        try:  # planned all the same: the plan says what the layout would give once the trainer runs it
+            check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, cfg.float8.enable)
+        except UserError as error:
+            refused = f"the trainer refuses this layout today: {error}"
+    result = predict(cfg, spec, args, dims, plan_states(cfg, world))
+    return dataclasses.replace(result, notes=[*result.notes, refused]) if refused else result
 
 
 def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]]) -> JobPlan:
     """Memory and speed of a job whose per-rank state is known (planned, or counted by the trainer),
     for each pp rank in `states`."""
-    plan = cfg.plan
-    gpu = GPUS[plan.gpu]
-    whole = meta_model(spec, args, cfg.training.param_dtype)
+    gpu = GPUS[cfg.plan.gpu]
+    whole = meta_model(spec, args, cfg.training.param_dtype, cfg.lora)
     block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
+    tallies = (False, True) if compiles(cfg.compile, "model") else (False,)  # eager; a compiled step's lower bound
     if dims.pp_enabled:
         # Each in-flight microbatch's activations, measured at the microbatch size and composed per stage.
-        microbatch = dataclasses.replace(cfg.training, local_batch_size=cfg.parallelism.pipeline_parallel_microbatch_size)
-        per_block, ends = per_block_and_ends(dataclasses.replace(cfg, training=microbatch), spec, args, dims)
+        microbatch = dataclasses.replace(cfg, training=dataclasses.replace(
+            cfg.training, local_batch_size=cfg.parallelism.pipeline_parallel_microbatch_size))
+        pieces = [per_block_and_ends(microbatch, spec, args, dims, compiled) for compiled in tallies]
+    else:
+        whole_model = [activations(cfg, spec, args, dims, compiled) for compiled in tallies]
     roles = []
     for pp_rank, state in states.items():
         stages = rank_stages(cfg, args.n_layers, dims.pp, pp_rank)
-        acts = (stage_activations(per_block, ends, stages, in_flight(cfg, dims.pp, pp_rank),
-                                  last_stage_in_flight(cfg, dims.pp)) if dims.pp_enabled
-                else activations(cfg, spec, args, dims))
+        acts = ([stage_activations(per_block, ends, stages, in_flight(cfg, dims.pp, pp_rank), last_stage_in_flight(cfg, dims.pp))
+                 for per_block, ends in pieces] if dims.pp_enabled else whole_model)
         buffers = fsdp_buffers(cfg, block, root_params(whole, stages), dims)
-        roles.append((stages.name if dims.pp_enabled else "every rank", plan_memory(cfg, state, acts, buffers, gpu.memory_gib)))
+        memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None)
+        roles.append((stages.name if dims.pp_enabled else "every rank", memory))
+    mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
+    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, job_speed(cfg, spec, whole, dims, states),
+                   plan_notes(cfg, args.dim, gpu))
+
+
+def job_speed(cfg: JobConfig, spec, whole, dims, states: dict[int, dict[str, int]]) -> Speed:
+    """The step's speed on the [plan] hardware (`whole`: the unsharded model on meta)."""
+    plan = cfg.plan
+    gpu = GPUS[plan.gpu]
     intra = plan.intra_node_gbps if plan.intra_node_gbps > 0 else gpu.link_gbps
     inter = plan.inter_node_gbps if plan.inter_node_gbps > 0 else FABRIC_GBPS[plan.fabric]
-    speed = plan_speed(cfg, gpu, dims, args, spec.flops_per_token(whole, cfg.training.seq_len), block,
-                       whole.num_params(), grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
-                       plan.gpus_per_node)
-    mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
-    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, speed, plan_notes(cfg, args.dim, gpu))
+    shape = Shape.of(whole, cfg.training.seq_len, spec.flops_per_token(whole, cfg.training.seq_len))
+    state = max(sum(role.values()) for role in states.values())
+    return plan_speed(cfg, gpu, dims, shape, state, grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
+                      plan.gpus_per_node)
 
 
 def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:

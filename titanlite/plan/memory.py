@@ -3,6 +3,11 @@ FSDP's buffers from the block sizes, and a stated margin for what the allocator 
 
 The peak is the larger of two moments: the start of backward (state + activations + gathered
 parameters) and the optimizer step (state + all gradients + the step's temporaries).
+
+A compiled step's activations lie between two tallies (plan/activations.py): the eager step's (the
+upper bound) and what is left when every tensor the min-cut partitioner may recompute costs nothing
+(the lower bound). The peak printed is that range, and its point estimate takes COMPILED_KEPT of the
+way from the lower to the upper bound.
 """
 
 from dataclasses import dataclass
@@ -15,6 +20,10 @@ from titanlite.plan.activations import Activations
 ALLOCATOR_MARGIN = 0.05  # fragmentation of the CUDA caching allocator, as a share of the peak
 CONTEXT_GIB = 1.0  # CUDA context, NCCL channels and cuBLAS workspaces, outside the allocator's count
 GIB = 2**30
+# Share of the eager-over-lower-bound activations a compiled step keeps: fitted (scripts/fit_planner.py)
+# on the compiled tuning rows of plan/published_rows.py, titanlite's 1B on one H100 and torchtitan's 8B
+# on 8 H100s.
+COMPILED_KEPT = 0.442
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,7 @@ class Memory:
     activations: int  # peak of the forward + backward tally (this rank's gradient shards included)
     buffers: int  # FSDP's gathered parameters and reduce-scatter inputs
     peak: int  # what torch.cuda.max_memory_allocated should read
+    peak_range: tuple[int, int] | None  # compiled: the peak at the lower and the upper (eager) bound
     needs: int  # peak with the allocator margin and the CUDA context
     capacity: int
 
@@ -57,11 +67,22 @@ def optimizer_temporaries(cfg: JobConfig, params: int) -> int:
     return params if foreach else 0
 
 
-def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffers: int, capacity_gib: float) -> Memory:
+def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffers: int, capacity_gib: float,
+                lower: Activations | None = None) -> Memory:
+    """`acts`: the eager tally; `lower`: a compiled step's lower bound (None when the blocks are not compiled)."""
     on_gpu = {k: 0 for k in state} if cfg.parallelism.fsdp_cpu_offload else state  # offload keeps them in CPU memory
     params, grads, optimizer = on_gpu["params"], on_gpu["grads"], on_gpu["optimizer"]
-    backward = params + optimizer + acts.peak + buffers
-    step = params + optimizer + grads + optimizer_temporaries(cfg, params)
-    peak = max(backward, step)
+
+    def peak_with(activations: int) -> int:
+        backward = params + optimizer + activations + buffers
+        step = params + optimizer + grads + optimizer_temporaries(cfg, params)
+        return max(backward, step)
+
+    # Under PP the bounds are composed from per-block tallies (plan/pipeline.py), which can put the lower one
+    # a little above the eager one: the eager count bounds both.
+    least = acts.peak if lower is None else min(lower.peak, acts.peak)
+    kept = int(least + COMPILED_KEPT * (acts.peak - least))
+    peak = peak_with(kept)
     needs = int(peak * (1 + ALLOCATOR_MARGIN) + CONTEXT_GIB * GIB)
-    return Memory(params, grads, optimizer, acts.peak, buffers, peak, needs, int(capacity_gib * GIB))
+    bounds = None if lower is None else (peak_with(least), peak_with(acts.peak))
+    return Memory(params, grads, optimizer, kept, buffers, peak, bounds, needs, int(capacity_gib * GIB))

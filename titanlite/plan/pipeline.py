@@ -72,12 +72,16 @@ def last_stage_in_flight(cfg: JobConfig, pp: int) -> int:
 
 
 def bubble(cfg: JobConfig, pp: int) -> float:
-    """Idle share of the step: (pp - 1) / (microbatches + pp - 1) for GPipe and 1F1B, divided by the stages
-    per rank for the interleaved schedules, and by 3 more for the zero-bubble ones (ZERO_BUBBLE_SHARE)."""
+    """Idle share of the step. The warm-up and cool-down take (pp - 1) stage-times of one microbatch, a
+    stage being 1/v of a rank's layers for v stages per rank, beside the microbatches' own time:
+    ((pp - 1) / v) / (microbatches + (pp - 1) / v) (Narayanan et al. 2021, "Efficient Large-Scale Language
+    Model Training on GPU Clusters", section 2.2: GPipe and 1F1B at v = 1), a third of that for the
+    zero-bubble schedules (ZERO_BUBBLE_SHARE)."""
     if pp == 1:
         return 0.0
     count, schedule = microbatch_count(cfg, pp), cfg.parallelism.pipeline_parallel_schedule
-    share = (pp - 1) / (count + pp - 1) / stages_per_rank(cfg.parallelism)
+    warmup = (pp - 1) / stages_per_rank(cfg.parallelism)
+    share = warmup / (count + warmup)
     return share * ZERO_BUBBLE_SHARE if "ZeroBubble" in schedule else share
 
 

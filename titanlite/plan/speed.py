@@ -1,11 +1,22 @@
-"""Step time from FLOPs and bytes: compute at an achievable share of the GPU's peak
-(hardware.EFFICIENCY), collectives at the links' bandwidth (hardware.COLLECTIVE_EFFICIENCY).
+"""Step time from FLOPs and bytes, with the constants of plan/hardware.py.
+
+Compute, per GPU: the matmuls (6 FLOPs per parameter per token) at MATMUL of the peak, attention (as
+metrics.py counts it) at ATTENTION of the peak, and the memory-bound kernels (the elementwise ones,
+float8's casts, the optimizer step) at BANDWIDTH of the HBM bandwidth. Matmuls grow with the square of
+the model's width and the elementwise traffic with the width itself, so small models spend a larger
+share of their step on memory-bound kernels: that, not a per-model constant, is why a 1B runs at a
+different MFU than a 405B. A power-capped GPU runs its tensor cores at Gpu.clock of the peak.
+Activation checkpointing adds its recompute: full AC the whole forward (a third of each kind of
+work), every N-th block a third over N, op-level every second matmul's forward (a sixth of the
+matmuls) and, without compile, the elementwise forward (compiled, the recompute fuses into the
+backward's kernels).
 
 Overlap model: FSDP's all-gathers and reduce-scatters run on their own stream, prefetched a block
 ahead, so only the part longer than the compute shows; TP's collectives sit between the matmuls
-that need them and are all exposed; a pipeline adds its bubble (plan/pipeline.py's bubble, per
-schedule) and its send/recv between stages, counted as exposed (torch's schedules wait for each
-receive before the stage's compute). Under PP each rank runs and gathers only its share of the layers.
+that need them and are all exposed, less the share of their bytes async TP hides by splitting them
+into the matmuls; a pipeline adds its bubble (plan/pipeline.py's bubble, per schedule) and
+its send/recv between stages, counted as exposed (torch's schedules wait for each receive before the
+stage's compute). Under PP each rank runs and gathers only its share of the layers.
 """
 
 from dataclasses import dataclass
@@ -14,13 +25,40 @@ from titanlite.config_sections import JobConfig
 from titanlite.parallel.ac import every_nth
 from titanlite.parallel.dims import ParallelDims
 from titanlite.dtypes import DTYPES
+from titanlite.plan import hardware
+from titanlite.plan.hardware import Gpu
 from titanlite.plan.pipeline import bubble, send_recv_bytes
-from titanlite.plan.hardware import COLLECTIVE_EFFICIENCY, EAGER_SLOWDOWN, Gpu, efficiency
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the speed model reads of a model (the whole, unsharded one)."""
+
+    n_layers: int
+    dim: int
+    vocab: int
+    block_params: int  # the largest block's
+    matmul_params: int  # num_params(exclude_embedding=True): 6 FLOPs per token each
+    total_params: int
+    flops_per_token: float  # the model family's formula, as metrics.py uses it
+
+    @classmethod
+    def of(cls, whole, seq_len: int, flops_per_token: float) -> "Shape":
+        args = whole.args
+        block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
+        return cls(args.n_layers, args.dim, args.vocab_size, block, whole.num_params(exclude_embedding=True),
+                   whole.num_params(), flops_per_token)
+
+    @property
+    def width(self) -> float:
+        """Units of elementwise traffic per token (hardware.ELEMENTWISE_BYTES)."""
+        return self.n_layers * self.block_params / self.dim + self.vocab
 
 
 @dataclass(frozen=True)
 class Speed:
     compute_s: float
+    parts: tuple[tuple[str, float], ...]  # compute_s by kind of work
     fsdp_s: float
     tp_s: float
     pp_s: float  # sending activations and their gradients between stages
@@ -32,58 +70,115 @@ class Speed:
     gpu_hours_per_billion: float
 
 
-def recompute_share(cfg: JobConfig) -> float:
-    """Extra FLOPs of AC's recompute, as a share of the step's (forward = 1/3 of 6 per parameter)."""
+@dataclass(frozen=True)
+class Recompute:
+    """Extra work of AC's recompute, as a share of the step's work of each kind."""
+
+    matmul: float
+    attention: float
+    elementwise: float
+
+
+def recompute(cfg: JobConfig) -> Recompute:
     ac = cfg.activation_checkpoint
     if ac.mode == "full":
-        return 1 / 3
+        return Recompute(1 / 3, 1 / 3, 1 / 3)
     if ac.mode == "selective":
         every = every_nth(ac.selective_ac_option)
-        return 1 / 6 if every is None else 1 / (3 * every)  # op: every second matmul is recomputed
-    return 0.0
+        if every is not None:
+            return Recompute(1 / (3 * every), 1 / (3 * every), 1 / (3 * every))
+        return Recompute(1 / 6, 0.0, 0.0 if cfg.compile.enable else 1 / 3)
+    return Recompute(0.0, 0.0, 0.0)
 
 
-def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, args, flops_per_token: float, block_params: int,
-               total_params: int, accum: int, intra_gbps: float, inter_gbps: float, gpus_per_node: int) -> Speed:
+def compute_parts(cfg: JobConfig, gpu: Gpu, shape: Shape, tokens: float, state_bytes: int) -> dict[str, float]:
+    """Seconds of each kind of work one GPU does in a step of `tokens` tokens (already divided over tp x pp)."""
     training = cfg.training
-    tokens = training.local_batch_size * training.seq_len * accum / dims.model_parallel_degree  # per GPU per step
-    flops = tokens * flops_per_token * (1 + recompute_share(cfg))
-    dtype = "bfloat16" if training.mixed_precision_param == "bfloat16" else "float32"
-    rate = gpu.bf16_tflops * 1e12 * efficiency(gpu, dtype)
-    if cfg.float8.enable:  # the blocks' Linear layers run in float8; attention, the output and the rest do not
-        fp8_flops = min(flops, tokens * 6 * block_params * args.n_layers * (1 + recompute_share(cfg)))
-        compute = fp8_flops / (gpu.fp8_tflops * 1e12 * efficiency(gpu, "float8")) + (flops - fp8_flops) / rate
-    else:
-        compute = flops / rate
+    redo = recompute(cfg)
+    peak = gpu.bf16_tflops * 1e12 * gpu.clock * (0.5 if training.mixed_precision_param == "float32" else 1.0)
+    bandwidth = gpu.hbm_tbps * 1e12 * hardware.BANDWIDTH
+    matmul_flops = tokens * 6 * shape.matmul_params * (1 + redo.matmul)
+    attention_flops = tokens * (shape.flops_per_token - 6 * shape.matmul_params) * (1 + redo.attention)
+    elementwise = tokens * shape.width * hardware.ELEMENTWISE_BYTES * DTYPES[training.mixed_precision_param].itemsize / 2
     if not cfg.compile.enable:
-        compute /= EAGER_SLOWDOWN
+        elementwise *= hardware.EAGER_ELEMENTWISE
+    parts = {"matmuls": 0.0, "attention": attention_flops / (peak * hardware.ATTENTION[gpu.arch]),
+             "elementwise": elementwise * (1 + redo.elementwise) / bandwidth,
+             "optimizer": 2 * state_bytes / bandwidth}  # read and written once per step
+    matmul_rate = peak * hardware.MATMUL[gpu.arch]
+    if cfg.float8.enable:  # the blocks' Linear layers run in float8; the output layer does not
+        hardware.check_dtype(gpu, "float8")
+        in_blocks = shape.n_layers * shape.block_params / shape.matmul_params
+        float8_rate = gpu.fp8_tflops * 1e12 * gpu.clock * hardware.MATMUL[gpu.arch]
+        parts["matmuls"] = matmul_flops * (in_blocks / float8_rate + (1 - in_blocks) / matmul_rate)
+        casts = tokens * shape.n_layers * shape.block_params / shape.dim * hardware.FLOAT8_CAST_BYTES[cfg.float8.recipe_name]
+        parts["float8 casts"] = casts / bandwidth
+    else:
+        parts["matmuls"] = matmul_flops / matmul_rate
+    return parts
+
+
+def fsdp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, seconds, intra: float, inter: float,
+                 gpus_per_node: int) -> float:
+    """All-gathers (forward, and again in backward unless reshard_after_forward is never) and reduce-scatters
+    of this rank's layers, per micro-step; float8's all-gather moves the blocks' Linear weights in 1 byte."""
+    if not dims.fsdp_enabled:
+        return 0.0
+    training, n = cfg.training, dims.dp_shard
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
     reduce_bytes = DTYPES[training.mixed_precision_reduce].itemsize
+    local = shape.total_params / (dims.tp * dims.pp)
+    gathered = local * compute_bytes
+    if cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather:
+        in_float8 = shape.n_layers * shape.block_params / (dims.tp * dims.pp)
+        gathered -= in_float8 * (compute_bytes - 1)
+    gathers = 1 if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2
+    per_micro = (n - 1) / n * (gathers * gathered + local * reduce_bytes)
+    within_node = dims.dp_shard * dims.tp <= gpus_per_node
+    total = accum * seconds(per_micro, intra if within_node else inter)
+    if dims.dp_replicate > 1:  # HSDP: all-reduce of the shards' gradients across replicas (other nodes)
+        r = dims.dp_replicate
+        total += accum * seconds(2 * local / n * reduce_bytes * (r - 1) / r, inter)
+    return total
+
+
+def tp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, intra: float) -> tuple[float, float]:
+    """(moving the bytes, waiting at the collectives) of sequence parallel: 2 all-gathers + 2 reduce-scatters
+    per block forward, the same in backward (and in full AC's repeated forward); each collective also
+    waits for the slowest of the tp ranks (hardware.TP_SYNC_S)."""
+    if not dims.tp_enabled:
+        return 0.0, 0.0
+    training, t = cfg.training, dims.tp
+    compute_bytes = DTYPES[training.mixed_precision_param].itemsize
+    # torchao's tensorwise float8 TP styles cast before the all-gathers (half the collectives): 1 byte there.
+    gathered_bytes = 1 if cfg.float8.enable and cfg.float8.recipe_name == "tensorwise" else compute_bytes
+    activation = training.local_batch_size * training.seq_len * shape.dim * (compute_bytes + gathered_bytes) / 2 * (t - 1) / t
+    passes = 3 if cfg.activation_checkpoint.mode == "full" else 2
+    collectives = accum * 4 * passes * shape.n_layers / dims.pp
+    return collectives * activation / (intra * 1e9 * hardware.COLLECTIVE_EFFICIENCY), collectives * hardware.TP_SYNC_S
+
+
+def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state_bytes: int, accum: int,
+               intra_gbps: float, inter_gbps: float, gpus_per_node: int) -> Speed:
+    """`state_bytes`: this rank's parameters, gradients and optimizer state (the optimizer step reads them)."""
+    training = cfg.training
+    tokens = training.local_batch_size * training.seq_len * accum / dims.model_parallel_degree  # per GPU per step
+    parts = compute_parts(cfg, gpu, shape, tokens, state_bytes)
+    compute = sum(parts.values())
 
     def seconds(nbytes: float, gbps: float) -> float:
-        return nbytes / (gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+        return nbytes / (gbps * 1e9 * hardware.COLLECTIVE_EFFICIENCY)
 
-    fsdp = 0.0
-    if dims.fsdp_enabled:
-        n, local = dims.dp_shard, total_params / (dims.tp * dims.pp)
-        within_node = dims.dp_shard * dims.tp <= gpus_per_node
-        gathers = 1 if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2  # forward, and again in backward
-        per_micro = local * (n - 1) / n * (gathers * compute_bytes + reduce_bytes)
-        fsdp = accum * seconds(per_micro, intra_gbps if within_node else inter_gbps)
-        if dims.dp_replicate > 1:  # HSDP: all-reduce of the shards' gradients across replicas (other nodes)
-            r = dims.dp_replicate
-            fsdp += accum * seconds(2 * local / n * reduce_bytes * (r - 1) / r, inter_gbps)
-    tp = 0.0
-    if dims.tp_enabled:  # sequence parallel: 2 all-gathers + 2 reduce-scatters per block forward, the same in backward
-        t = dims.tp
-        activation = training.local_batch_size * training.seq_len * args.dim * compute_bytes * (t - 1) / t
-        passes = 3 if cfg.activation_checkpoint.mode == "full" else 2  # full AC repeats the forward's
-        tp = accum * seconds(4 * passes * args.n_layers / dims.pp * activation, intra_gbps)
+    fsdp = fsdp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
+    tp_bytes, tp_sync = tp_seconds(cfg, dims, shape, accum, intra_gbps)
+    hidden = hardware.ASYNC_TP_HIDDEN if cfg.parallelism.enable_async_tensor_parallel else 0.0
+    tp = tp_bytes * (1 - hidden) + tp_sync
+    compute_bytes = DTYPES[training.mixed_precision_param].itemsize
     across_nodes = dims.dp_degree * dims.tp >= gpus_per_node  # pp is outermost: stage neighbours sit on other nodes
-    pp = accum * seconds(send_recv_bytes(cfg, dims.pp, dims.tp, args.dim, compute_bytes), inter_gbps if across_nodes else intra_gbps)
+    pp = accum * seconds(send_recv_bytes(cfg, dims.pp, dims.tp, shape.dim, compute_bytes), inter_gbps if across_nodes else intra_gbps)
     idle = bubble(cfg, dims.pp)
     step = (compute + max(0.0, fsdp - compute) + tp + pp) / (1 - idle)
     tps = tokens / step
     world = dims.dp_degree * dims.model_parallel_degree
-    return Speed(compute, fsdp, tp, pp, idle, step, tps, 100 * tps * flops_per_token / (gpu.bf16_tflops * 1e12),
-                 tps * world * 86400, 1e9 / tps / 3600)
+    return Speed(compute, tuple(parts.items()), fsdp, tp, pp, idle, step, tps,
+                 100 * tps * shape.flops_per_token / (gpu.bf16_tflops * 1e12), tps * world * 86400, 1e9 / tps / 3600)

@@ -62,9 +62,10 @@ class Attention(nn.Module):
     """Multi-head attention with `n_kv_heads` key/value heads shared by groups of query heads, under
     the mask the model built for this forward (causal, documents, Mistral's window: models/attention.py)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None):
+        """head_dim defaults to dim // n_heads; Qwen3 sets its own."""
         super().__init__()
-        self.head_dim = dim // n_heads
+        self.head_dim = head_dim if head_dim is not None else dim // n_heads
         self.n_rep = n_heads // n_kv_heads  # query heads per key/value head
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -81,6 +82,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = self.normalize_heads(q, k)
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
         if self.n_rep > 1:
@@ -90,6 +92,10 @@ class Attention(nn.Module):
             v = v.repeat_interleave(self.n_rep, dim=1)
         out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def normalize_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Llama has no per-head norm before RoPE; Qwen3 overrides this."""
+        return q, k
 
     def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
         for name in ("wq", "wk", "wv"):

@@ -19,12 +19,14 @@ def attention_plan() -> dict:
     }
 
 
-def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
-    """SwiGLU w1/w3 column-wise, w2 row-wise, on top of the attention plan."""
-    block_plan = {
-        **attention_plan(),
+def swiglu_plan() -> dict:
+    """SwiGLU w1/w3 column-wise, w2 row-wise."""
+    return {
         "feed_forward": gather_sequence(),
         "feed_forward.w1": colwise(), "feed_forward.w3": colwise(),
         "feed_forward.w2": rowwise_to_sequence(),
     }
-    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)
+
+
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), {**attention_plan(), **swiglu_plan()})

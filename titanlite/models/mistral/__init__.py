@@ -10,7 +10,7 @@ from titanlite.models.llama.parallelize import apply_tp
 
 def flops_per_token(model: Mistral, seq_len: int) -> float:
     """Llama's count, with each query attending to at most sliding_window keys instead of seq_len."""
-    window = model.args.sliding_window
+    window = getattr(model.args, "sliding_window", None)  # MoE families built on Mixtral (Qwen3 MoE) have none
     return llama_flops_per_token(model, seq_len if window is None else min(seq_len, window))
 
 

@@ -6,19 +6,21 @@ router statistics that `extra_metrics()` hands to the metrics logger.
 """
 
 import torch
+import torch.nn as nn
 
 from titanlite.models.attention import Mask
 from titanlite.models.llama.model import Transformer, TransformerBlock
 from titanlite.models.mixtral.args import MixtralArgs
-from titanlite.models.mixtral.moe import MoE
+from titanlite.models.moe import MoE
 
 
 class MixtralBlock(TransformerBlock):
     """Llama's pre-norm block around the experts; returns (h, balance loss, tokens per expert)."""
 
-    def __init__(self, layer_id: int, args: MixtralArgs):
-        moe = MoE(args.dim, args.ffn_hidden_dim, args.num_experts, args.top_k)
-        super().__init__(layer_id, args, feed_forward=moe)
+    def __init__(self, layer_id: int, args: MixtralArgs, attention: nn.Module | None = None, moe: MoE | None = None):
+        """`attention` and `moe` default to Mixtral's; Qwen3 MoE passes its own."""
+        moe = moe if moe is not None else MoE(args.dim, args.ffn_hidden_dim, args.num_experts, args.top_k)
+        super().__init__(layer_id, args, attention=attention, feed_forward=moe)
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask):
         h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin, mask)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titanlite.models.llama.parallelize import attention_plan
-from titanlite.models.mixtral.moe import experts_forward
+from titanlite.models.moe import experts_forward
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.tp import apply_tp_plan, vocab_parallel_plan
 

@@ -1,4 +1,5 @@
-"""Mixtral's sparse feed-forward: a router sends each token to its top-k SwiGLU experts.
+"""The sparse feed-forward shared by the MoE families (Mixtral, Qwen3 MoE): a router sends each
+token to its top-k SwiGLU experts. The families differ in the router, picked by name from ROUTERS.
 
 The experts' weights are stacked (each expert's block of rows laid out like Llama's nn.Linear),
 so the expert compute is one grouped matmul per projection over tokens sorted by expert. They are
@@ -14,12 +15,25 @@ from titanlite.models.init import trunc_normal_
 from titanlite.models.llama.model import BASE_INIT_STD
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32, experts), each [..., top_k]: the top_k experts by router logit, weighted by
     a softmax over just their logits (Mixtral's rule; equal to a softmax over all experts
-    renormalised over the chosen ones)."""
+    renormalised over the chosen ones, so norm_topk_prob does not apply)."""
     top_logits, experts = logits.topk(top_k, dim=-1)
     return top_logits.float().softmax(dim=-1), experts
+
+
+def softmax_then_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3 MoE's rule: a softmax over all experts, the top_k probabilities as weights, renormalised
+    to sum to 1 where norm_topk_prob (else they keep their share of the full softmax)."""
+    weights, experts = logits.float().softmax(dim=-1).topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+# Router name (the MoE constructor's `router`) -> (logits [..., E], top_k, norm_topk_prob) -> (weights, experts).
+ROUTERS = {"softmax_topk": softmax_topk, "softmax_then_topk": softmax_then_topk}
 
 
 def assignments_per_sequence(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -84,16 +98,21 @@ def experts_forward(x, weights, experts, counts, w1, w2, w3, grouped: bool | Non
 
 
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts in place of Llama's FeedForward (same init_weights).
+    """Top-k routed SwiGLU experts in place of Llama's FeedForward (same init_weights); `router` names
+    the routing rule in ROUTERS.
 
     forward returns (output, load-balancing loss, tokens per expert): the router's numbers leave
     as outputs, not as attributes set on the way, because activation checkpointing and fullgraph
     compile of a block forbid such side effects.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, router: str = "softmax_topk",
+                 norm_topk_prob: bool = True):
         super().__init__()
+        if router not in ROUTERS:
+            raise ValueError(f"router '{router}' is not one of {', '.join(ROUTERS)}")
         self.num_experts, self.top_k = num_experts, top_k
+        self.router, self.norm_topk_prob = router, norm_topk_prob
         self.gate = nn.Linear(dim, num_experts, bias=False)  # the router
         self.w1 = nn.Parameter(torch.empty(num_experts * hidden_dim, dim))  # viewed as [E, H, D]
         self.w2 = nn.Parameter(torch.empty(num_experts * dim, hidden_dim))  # viewed as [E, D, H]
@@ -103,7 +122,7 @@ class MoE(nn.Module):
         """x [B, T, D] -> (out [B, T, D], balance loss (0-dim), tokens per expert [E])."""
         batch, seq_len, dim = x.shape
         logits = self.gate(x)  # [B, T, E]
-        weights, experts = route(logits, self.top_k)
+        weights, experts = ROUTERS[self.router](logits, self.top_k, self.norm_topk_prob)
         assignments = assignments_per_sequence(experts, self.num_experts)
         counts = assignments.sum(dim=0)
         out = self.run_experts(x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k), counts)

@@ -1,0 +1,220 @@
+"""Chat and prompt/completion data: rendered as transformers renders the template, the trained tokens
+masked as asked, packed whole, the masked loss by hand, and bad data as one-sentence errors (exit 2)."""
+
+import json
+import logging
+
+import pytest
+import torch
+import transformers
+
+from conftest import logged_losses
+from test_hf_tokenizer import write_hf_folder
+from titanlite.data import chat_example
+from titanlite.config_sections import Model
+from titanlite.data.chat import ChatRenderer, tokenize_conversation
+from titanlite.data.datasets import build_dataloader
+from titanlite.data.packing import IGNORED
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.loss import cross_entropy_loss
+from titanlite.train import main
+
+# Exercises what transformers' environment has: trim_blocks and lstrip_blocks (the indented, line-broken
+# tags), loop controls ({% continue %}), raise_exception, namespace, tojson and the special-token variables.
+TEMPLATE = """{%- set ns = namespace(system=false) %}
+{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('unknown role ' + message['role']) }}
+    {%- endif %}
+    {%- if message['role'] == 'system' %}{% set ns.system = true %}{% endif %}
+{% endfor %}
+{% if not ns.system %}
+<|im_start|>system
+You help. {{ {'tokens': [pad_token, eos_token]} | tojson }}<|im_end|>
+{% endif %}
+{% for message in messages %}
+  {% if message['content'] == '' %}{% continue %}{% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] | trim }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is a bee?"}, {"role": "assistant", "content": "An insect that makes honey."}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another? é 🐝"},
+     {"role": "assistant", "content": "Green."}],
+]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    return write_hf_folder(tmp_path / "tok", chat_template=TEMPLATE)
+
+
+def write_records(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def trained_text(tokenizer, ids, trained):
+    return tokenizer.decode([token for token, flag in zip(ids, trained) if flag])
+
+
+def test_rendering_and_ids_equal_apply_chat_template(folder):
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
+    renderer = ChatRenderer(tokenizer, "")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for messages in CONVERSATIONS:
+        for prompt in (False, True):
+            text = renderer.render(messages, add_generation_prompt=prompt)
+            assert text == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+        ids, trained = tokenize_conversation(renderer, tokenizer, messages, "assistant")
+        expected = theirs(renderer.render(messages), add_special_tokens=False)["input_ids"]
+        # no bos in this folder: eos before and after delimits the conversation
+        assert ids == [tokenizer.eos_id] + expected + [tokenizer.eos_id] and not trained[0] and not trained[-1]
+
+
+def test_trained_tokens_per_train_on(folder, tmp_path):
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
+    renderer = ChatRenderer(tokenizer, "")
+    messages = CONVERSATIONS[1]
+    ids, trained = tokenize_conversation(renderer, tokenizer, messages, "assistant")
+    assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>\nGreen.<|im_end|>\n"
+    ids, trained = tokenize_conversation(renderer, tokenizer, messages, "last_assistant")
+    assert trained_text(tokenizer, ids, trained) == "Green.<|im_end|>\n"
+    ids, trained = tokenize_conversation(renderer, tokenizer, messages, "all")
+    assert trained_text(tokenizer, ids, trained) == renderer.render(messages)
+    # a template file instead of the folder's
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    ids, trained = tokenize_conversation(ChatRenderer(tokenizer, str(tmp_path / "t.jinja")), tokenizer, messages[:3], "assistant")
+    assert trained_text(tokenizer, ids, trained) == "[assistant]Blue."
+
+
+def loader(folder, data, seq_len, batch_size=2, **overrides):
+    args = dict(dataset="sample", dataset_path=str(data), text_field="text", tokenizer=build_tokenizer(Model(hf_assets_path=str(folder))),
+                seq_len=seq_len, batch_size=batch_size, dp_rank=0, dp_world=1, seed=0, infinite=False, dataset_format="chat")
+    return build_dataloader(**{**args, **overrides})
+
+
+def test_masked_loss_by_hand_on_two_conversations(folder, tmp_path):
+    data = write_records(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
+    renderer = ChatRenderer(tokenizer, "")
+    encoded = [tokenize_conversation(renderer, tokenizer, m, "assistant") for m in CONVERSATIONS]
+    lengths = [len(ids) for ids, _ in encoded]
+    seq_len = max(lengths) + 3  # too short for both: one window each, never split, padded with eos
+    (inputs, labels), = list(loader(folder, data, seq_len))
+    assert inputs.shape == labels.shape == (2, seq_len)
+    for row in range(2):
+        ids, trained = next(e for e in encoded if inputs[row, : len(e[0])].tolist() == e[0])
+        assert inputs[row, len(ids):].eq(tokenizer.eos_id).all()
+        expected = [t if f else IGNORED for t, f in zip(ids[1:], trained[1:])] + [IGNORED] * (seq_len + 1 - len(ids))
+        assert labels[row].tolist() == expected
+    logits = torch.randn(2, seq_len, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    total, count = 0.0, 0
+    for row in range(2):
+        for position in range(seq_len):
+            label = int(labels[row, position])
+            if label != IGNORED:
+                total += float(torch.logsumexp(logits[row, position], 0) - logits[row, position, label])
+                count += 1
+    assert count == sum(sum(trained[1:]) for _, trained in encoded)
+    # the loss is computed in fp32 (the hand sum in float64): within 1e-6 relative
+    assert abs(cross_entropy_loss(logits, labels).item() / (total / count) - 1) < 1e-6
+
+    # a window long enough for both holds both, each starting with its own delimiter
+    (inputs, labels), = list(loader(folder, data, sum(lengths) + 1, batch_size=1))
+    assert inputs[0].tolist()[: sum(lengths)] in ([*encoded[0][0], *encoded[1][0]], [*encoded[1][0], *encoded[0][0]])
+
+
+def test_long_conversation_truncated_and_counted(folder, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="titanlite")
+    data = write_records(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
+    renderer = ChatRenderer(tokenizer, "")
+    encoded = [tokenize_conversation(renderer, tokenizer, m, "assistant") for m in CONVERSATIONS]
+    first_trained = [trained.index(True) for _, trained in encoded]
+    window = max(first_trained) + 2  # shorter than both, long enough to keep a trained token of each
+    windows = list(loader(folder, data, window - 1, batch_size=1))
+    assert len(windows) == 2  # each truncated to one window, none split into a second
+    for (inputs, labels), (ids, _) in zip(sorted(windows, key=lambda w: w[0].tolist()), sorted(encoded)):
+        assert inputs[0].tolist() == ids[: window - 1] and (labels != IGNORED).any()
+    assert any("truncated (1 so far" in record.getMessage() for record in caplog.records)
+    # a window too short to reach any trained token is skipped, with a line saying so
+    assert list(loader(folder, data, min(first_trained) - 1, batch_size=1)) == []
+    assert any("holds no trained token" in record.getMessage() for record in caplog.records)
+
+
+def test_prompt_completion(folder, tmp_path):
+    data = write_records(tmp_path / "pc.jsonl", [{"prompt": "Say hi.", "completion": "Hi!"}, {"prompt": "Say no.", "completion": "No."}])
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
+    batches = list(loader(folder, data, 64, batch_size=1, dataset_format="prompt_completion"))
+    trained = [tokenizer.decode([t for t in labels[0].tolist() if t != IGNORED]) for _, labels in batches]
+    assert sorted(trained) == ["Hi!<|im_end|>\n", "No.<|im_end|>\n"]  # one window each: two do not fit in 65 tokens
+
+
+def chat_run(tiny_run, folder, data, *flags):
+    return tiny_run + ["--model.hf_assets_path", str(folder), "--training.dataset_path", str(data),
+                       "--training.dataset_format", "chat", *flags]
+
+
+def test_trains_on_the_generated_chat_example(tiny_run, tmp_path, capsys):
+    chat_example.main(["--output", str(tmp_path / "example"), "--conversations", "40"])
+    records = [json.loads(line) for line in (tmp_path / "example" / "chats.jsonl").read_text().splitlines()]
+    assert len(records) == 40 and {m["role"] for r in records for m in r["messages"]} == {"system", "user", "assistant"}
+    run = chat_run(tiny_run, tmp_path / "example" / "tokenizer", tmp_path / "example" / "chats.jsonl",
+                   "--training.steps", "6", "--training.seq_len", "256")
+    assert main(run) == 0
+    losses = logged_losses(capsys.readouterr().err)
+    assert len(losses) == 6 and losses[6] < losses[1]
+
+
+@pytest.mark.parametrize("records, template, message", [
+    ([{"messages": [{"role": "user", "content": "hi"}]}], None,
+     "record 1 (counting from 1) has no assistant turn, so nothing of it would be trained; add one or remove the record"),
+    ([{"messages": CONVERSATIONS[0]}, {"messages": [{"role": "tool", "content": "x"}, *CONVERSATIONS[0]]}], None,
+     "record 2 (counting from 1) has a message of unknown role 'tool'; use system, user, assistant"),
+    ([{"messages": CONVERSATIONS[1]}], "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}",
+     "failed on a conversation (System role not supported); fix the template or the data"),
+    ([{"messages": CONVERSATIONS[0]}], "{% for m in messages %}", "does not compile"),
+])
+def test_bad_data_is_one_sentence_exit_2(tiny_run, folder, tmp_path, capsys, records, template, message):
+    data = write_records(tmp_path / "chat.jsonl", records)
+    flags = []
+    if template:
+        (tmp_path / "t.jinja").write_text(template)
+        flags = ["--training.chat_template", str(tmp_path / "t.jinja")]
+    assert main(chat_run(tiny_run, folder, data, *flags)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_resume_gives_the_windows_an_uninterrupted_run_gives(folder, tmp_path):
+    data = write_records(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS * 5])
+    whole = loader(folder, data, 100, batch_size=1, infinite=True)
+    batches = iter(whole)
+    expected = [next(batches) for _ in range(8)]
+    first = loader(folder, data, 100, batch_size=1, infinite=True)
+    batches = iter(first)
+    for _ in range(3):
+        next(batches)
+    resumed = loader(folder, data, 100, batch_size=1, infinite=True)
+    resumed.load_state_dict(first.state_dict())
+    batches = iter(resumed)
+    for inputs, labels in expected[3:]:
+        other_inputs, other_labels = next(batches)
+        assert torch.equal(inputs, other_inputs) and torch.equal(labels, other_labels)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--training.loss_chunk_tokens", "32"], "training.dataset_format chat leaves untrained tokens out of the loss, which the chunked loss does not do yet; set training.loss_chunk_tokens 0"),
+    (["--model.hf_assets_path", ""], "need a Hugging Face tokenizer (tokenizer.json)"),
+])
+def test_unsupported_combinations_are_one_sentence_exit_2(tiny_run, folder, tmp_path, capsys, flags, message):
+    data = write_records(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
+    assert main(chat_run(tiny_run, folder, data, *flags)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]

@@ -1,0 +1,106 @@
+"""LoRA ([lora]): adapters on the target layers, the base frozen; adapters-only checkpoints that resume
+exactly; FSDP2 equal to one process; exports as merged Hugging Face weights and as a PEFT adapter that
+peft puts on the transformers model with the same logits."""
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from conftest import DEBUG_CONFIG, ON_CPU, logged_losses, run_titanlite, tensorboard_scalars
+from titanlite.config_sections import LoRA
+from titanlite.errors import UserError
+from titanlite.lora import LoRALinear, apply_lora
+from titanlite.train import main
+
+LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "wq,wk,wv,wo,w1,w2,w3",
+        "--optimizer.lr", "0.01"]
+
+
+def flags(dump, steps=6, *extra) -> list[str]:
+    return [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--training.seq_len", "64",
+            "--training.local_batch_size", "2", "--training.steps", str(steps), "--metrics.log_freq", "1", *LORA,
+            *map(str, extra)]
+
+
+def test_an_adapted_layer_equals_its_merged_weight_and_only_the_adapters_train():
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.ReLU(), nn.Linear(6, 4))
+    model[0].weight.data.normal_()
+    apply_lora(model, LoRA(rank=2, alpha=4.0, target_modules=["0"]))
+    layer = model[0]
+    assert isinstance(layer, LoRALinear) and type(model[2]) is nn.Linear
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["0.lora_a", "0.lora_b"]
+    torch.nn.init.normal_(layer.lora_a)
+    torch.nn.init.normal_(layer.lora_b)
+    x = torch.randn(3, 8)
+    merged = layer.weight + layer.scale * layer.lora_b @ layer.lora_a
+    assert torch.allclose(layer(x), x @ merged.T, atol=1e-5)
+
+
+def test_targets_that_match_nothing_are_one_sentence(tmp_path, capsys):
+    assert main(flags(tmp_path, 2, "--lora.target_modules", "q_proj")) == 2
+    err = capsys.readouterr().err
+    assert "error: lora.target_modules q_proj matches no linear layer of the model" in err and "Traceback" not in err
+    with pytest.raises(UserError, match="matches no linear layer"):
+        apply_lora(nn.Sequential(nn.Linear(2, 2)), LoRA(rank=2, target_modules=["wq"]))
+
+
+def test_lora_trains_saves_only_the_adapters_and_resumes_exactly(tmp_path, capsys):
+    assert main(flags(tmp_path / "whole", 6, "--checkpoint.enable", "--checkpoint.interval", "3",
+                      "--checkpoint.last_save_model_only", "false")) == 0
+    whole = logged_losses(capsys.readouterr().err)
+    assert whole[6] < whole[1]
+    keys = FileSystemReader(str(tmp_path / "whole" / "checkpoint" / "step-3")).read_metadata().state_dict_metadata
+    model_keys = {k for k in keys if k.startswith(("layers.", "tok_embeddings", "norm", "output"))}
+    assert "layers.0.attention.wq.lora_a" in model_keys and "layers.0.attention.wq.weight" not in model_keys
+    assert all(k.endswith((".lora_a", ".lora_b")) for k in model_keys)
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-3", tmp_path / "resumed" / "checkpoint" / "step-3")
+    assert main(flags(tmp_path / "resumed", 6, "--checkpoint.enable", "--checkpoint.interval", "3",
+                      "--checkpoint.last_save_model_only", "false")) == 0
+    resumed = capsys.readouterr().err.split("resumed from")[1]
+    assert logged_losses(resumed) == {s: v for s, v in whole.items() if s > 3}
+    # Adapters trained on another base are refused in one sentence.
+    assert main(flags(tmp_path / "seed", 1, "--lora.rank", "0", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")) == 0
+    shutil.rmtree(tmp_path / "resumed" / "checkpoint" / "step-6")
+    capsys.readouterr()
+    assert main(flags(tmp_path / "resumed", 6, "--checkpoint.enable", "--checkpoint.interval", "3",
+                      "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
+                      "--checkpoint.initial_load_model_only")) == 2
+    assert "holds LoRA adapters trained on the base initialised from job.seed, but this run's base is" in capsys.readouterr().err
+
+
+def test_lora_under_fsdp2_equals_one_process(tmp_path):
+    """The same global batch of 4 (synthetic tokens, fp32): one process with 4, or two FSDP ranks with 2 each."""
+    same = ["--training.dataset", "synthetic", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard"]
+    one = run_titanlite(flags(tmp_path / "one", 5, "--training.local_batch_size", "4", *same))
+    two = run_titanlite(flags(tmp_path / "two", 5, *same), nproc=2)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert "mesh dp_replicate 1 x dp_shard 2" in two.stderr
+    a, b = tensorboard_scalars(tmp_path / "one" / "tb", "loss/train"), tensorboard_scalars(tmp_path / "two" / "tb", "loss/train")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    assert all(b[s] == pytest.approx(a[s], rel=1e-5, abs=1e-5) for s in a)
+    assert a[5] < a[1]
+
+
+def test_peft_adapter_on_the_transformers_base_equals_the_merged_export(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    base = run_titanlite(flags(tmp_path / "base", 2, "--lora.rank", "0", "--checkpoint.enable", "--checkpoint.last_save_in_hf"))
+    assert base.returncode == 0, base.stderr[-2000:]
+    base_hf = tmp_path / "base" / "checkpoint" / "step-2-hf"
+    tuned = run_titanlite(flags(tmp_path / "tuned", 3, "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+                                "--checkpoint.initial_load_path", base_hf, "--checkpoint.initial_load_in_hf",
+                                "--checkpoint.initial_load_model_only"))
+    assert tuned.returncode == 0, tuned.stderr[-2000:]
+    tokens = torch.randint(0, 2000, (2, 32))
+    with torch.no_grad():
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base_hf).eval()
+        base_logits = plain(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(plain, tmp_path / "tuned" / "checkpoint" / "step-3-peft").eval()
+        peft_logits = adapted(tokens).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned" / "checkpoint" / "step-3-hf").eval()
+        merged_logits = merged(tokens).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
+    assert torch.allclose(peft_logits, merged_logits, atol=1e-4)

@@ -1,0 +1,42 @@
+"""job.hang_timeout_seconds: a rank that blocks is named, every rank dumps its stacks, the job exits with
+code 3, and the next run resumes from the last checkpoint as if nothing had happened."""
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, logged_losses, run_titanlite
+
+
+def flags(dump) -> list[str]:
+    return [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--training.seq_len", "64",
+            "--training.local_batch_size", "2", "--training.steps", "6", "--metrics.log_freq", "1", "--checkpoint.enable",
+            "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+
+
+def test_a_blocked_rank_is_named_the_job_exits_3_and_resumes_from_the_last_checkpoint(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HANG_RANK": "1", "HANG_AT_STEP": "3"}
+    hung = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/hang_run.py",
+         *flags(tmp_path / "run"), "--job.hang_timeout_seconds", "4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert hung.returncode != 0
+    err = hung.stderr
+    # Rank 1 blocks in step 3; rank 0 waits for it in step 3's first collective.
+    (sentence,) = re.findall(r"ERROR (hang: .*)", err)
+    assert sentence.startswith("hang: ranks 0, 1 did not finish step 3; rank 0 finished step 2, now in step 3: "), sentence
+    assert re.search(r"rank 1 finished step 2, now in step 3: train_step_that_hangs \(.*hang_run.py:\d+\), called from "
+                     r"train \(.*titanlite/train.py:\d+\)", sentence), sentence
+    assert "exiting with code 3" in sentence
+    assert "exitcode  : 3" in err  # torchrun's report: the workers' own exit code
+    for rank in (0, 1):
+        stacks = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
+        assert "hang watchdog: step" in stacks and "Thread 0x" in stacks  # faulthandler's dump of every thread
+
+    resumed = run_titanlite(flags(tmp_path / "run"), nproc=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
+    clean = run_titanlite(flags(tmp_path / "clean"), nproc=2)
+    assert logged_losses(resumed.stderr) == {s: v for s, v in logged_losses(clean.stderr).items() if s > 2}

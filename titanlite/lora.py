@@ -1,0 +1,125 @@
+"""LoRA: low-rank adapters on chosen linear layers, every other weight frozen (the [lora] section).
+
+A target layer computes x W^T + (alpha / rank) * dropout(x) A^T B^T, with A [rank, in] and B [out, rank]
+trainable and W frozen. B starts at zero, so the model starts as its base. The adapters are added to
+the meta model before it is parallelized, so FSDP shards frozen and trainable parameters in the same
+groups, and the parameter names of the base stay as they are (`layers.0.attention.wq.weight`): the
+base loads from a DCP checkpoint or a Hugging Face folder unchanged. A checkpoint holds only the
+adapters and their optimizer state; a resume reloads the base from checkpoint.initial_load_path (or
+initialises it again from job.seed) first.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from titanlite.config_sections import LoRA
+from titanlite.errors import UserError
+from titanlite.models.init import full_tensor, trunc_normal_
+
+
+class LoRALinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool, cfg: LoRA, dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        self.scale = cfg.alpha / cfg.rank
+        # No dropout module at 0: nn.Dropout(0) would still copy the input of every adapted layer.
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
+        self.lora_a = nn.Parameter(torch.empty(cfg.rank, in_features, dtype=dtype))
+        self.lora_b = nn.Parameter(torch.empty(out_features, cfg.rank, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
+
+    def init_lora(self, key: str, seed: int) -> None:
+        trunc_normal_(self.lora_a, self.in_features**-0.5, key=f"{key}.lora_a", seed=seed)
+        with torch.no_grad():
+            self.lora_b.zero_()
+
+
+def apply_lora(model: nn.Module, cfg: LoRA) -> None:
+    """Replace every nn.Linear whose own name is in cfg.target_modules by a LoRALinear (on the meta device)
+    and freeze everything but the adapters. A no-op with rank 0."""
+    if not cfg.rank:
+        return
+    targets = [(name, module) for name, module in model.named_modules()
+               if type(module) is nn.Linear and name.rsplit(".", 1)[-1] in cfg.target_modules]
+    if not targets:
+        raise UserError(f"lora.target_modules {','.join(cfg.target_modules)} matches no linear layer of the model; "
+                        "name layers it has (llama-like: wq,wk,wv,wo,w1,w2,w3,output)")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        with torch.device(linear.weight.device):
+            adapted = LoRALinear(linear.in_features, linear.out_features, linear.bias is not None, cfg, linear.weight.dtype)
+        adapted.weight.requires_grad_(False)
+        if adapted.bias is not None:
+            adapted.bias.requires_grad_(False)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, adapted)
+
+
+def init_lora(model: nn.Module, seed: int) -> None:
+    """After the model's init_weights: A drawn (the same values under any sharding), B zero."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            module.init_lora(name, seed)
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith((".lora_a", ".lora_b"))
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(module, LoRALinear) for module in model.modules())
+
+
+def adapted_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    """name -> LoRALinear, by the names of the model's state dict (AC's and compile's wrappers left out)."""
+    return {name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): module
+            for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
+def merge_lora(full: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors of some layers with each adapter merged into its weight: W + scale * B @ A."""
+    merged = {name: t for name, t in full.items() if not is_adapter(name)}
+    for name, module in adapted_layers(model).items():
+        if f"{name}.lora_a" in full:
+            delta = full[f"{name}.lora_b"].float() @ full[f"{name}.lora_a"].float() * module.scale
+            merged[f"{name}.weight"] = (full[f"{name}.weight"].float() + delta).to(full[f"{name}.weight"].dtype)
+    return merged
+
+
+def check_same_base(saved: str, base: str, path) -> None:
+    if saved != base:
+        raise UserError(f"checkpoint {path} holds LoRA adapters trained on the base {saved}, but this run's base is {base}; "
+                        f"set checkpoint.initial_load_path to {saved} (or start the adapters in another job.dump_folder)")
+
+
+@torch.no_grad()
+def save_peft_adapter(adapter_state: dict, folder: Path, hf_adapter, args, model: nn.Module, base: str, writer_rank: bool) -> None:
+    """The adapters as a PEFT folder (adapter_config.json + adapter_model.safetensors) that
+    peft.PeftModel.from_pretrained puts on the transformers model of the base. A's rows are the rank, so
+    only B takes the layer's Hugging Face layout (the RoPE row order of q and k)."""
+    layers = adapted_layers(model)
+    tensors, targets = {}, set()
+    for name in layers:
+        hf_weight = hf_adapter.hf_name(f"{name}.weight")  # e.g. model.layers.0.self_attn.q_proj.weight
+        prefix = "base_model.model." + hf_weight.removesuffix(".weight")
+        a, b = full_tensor(adapter_state[f"{name}.lora_a"]), full_tensor(adapter_state[f"{name}.lora_b"])
+        tensors[f"{prefix}.lora_A.weight"] = a.float().contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = hf_adapter.tensor_to_hf(f"{name}.weight", b.float(), args).contiguous()
+        targets.add(hf_weight.removesuffix(".weight").rsplit(".", 1)[-1])
+    if not writer_rank:
+        return
+    first = next(iter(layers.values()))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.lora_a.shape[0],
+              "lora_alpha": first.scale * first.lora_a.shape[0], "lora_dropout": getattr(first.dropout, "p", 0.0),
+              "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "base_model_name_or_path": base, "inference_mode": True}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,198 @@
+"""Measured and published training runs the planner is held against, each with its source.
+
+Each row is a shipped config plus flags (the job as titanlite would run it) and what the run
+measured: tps per GPU (tokens every GPU processes per second, each token counted once, as titanlite
+and torchtitan both count it) and, where given, peak memory per GPU. Memory kinds differ by source:
+titanlite's run summary reports torch.cuda.max_memory_allocated, torchtitan logs
+max_memory_reserved (torchtitan/metrics.py at commit 9dec370; its launch script sets expandable
+segments, as titanlite does), which the planner's peak plus memory.ALLOCATOR_MARGIN predicts.
+
+The split into TUNING rows (the constants of plan/hardware.py are fitted on them, by
+scripts/fit_planner.py) and held-out rows was fixed before any constant was fitted, by one rule: each
+source's smallest job tunes, everything larger is held out. Tuning: titanlite's Llama 3.2 1B rows on
+one H100; torchtitan's Llama 3.1 8B rows on 8 Grand Teton H100s (tt-2412 Table 1) and on 64 with TP 8
+(tt-2506); its Llama 3 8B rows on 64 A100s (tt-2410). Held out: the 8B's layer shapes on one H100, the
+8B on 128 GPUs, every 13B, 70B and 405B row (TP, PP, async TP, float8 at scale), and all of Trainy's
+H200 rows (another team and GPU; no row of theirs tunes). A first run with guessed constants came
+before the rule (it showed that no TP row was among the first choice of tuning rows, which had left
+TP's constants unfittable); no row moved after fitting. `python -m titanlite.plan.published_rows`
+prints every row's prediction and error (docs/benchmarks.md holds its output).
+
+Sources (cited per row by key):
+- titanlite-h100: titanlite's one-H100 run, one H100 80GB HBM3, torch 2.11 + CUDA 13, torchao 0.17,
+  synthetic tokens under causal attention, November 2026 (docs/benchmarks.md "One H100").
+- tt-2412: github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit b5bcd76;
+  runs of December 2024, torchtitan 9dec370): 8 H100 96GB HBM2e at 500 W per host (Grand Teton),
+  NVLink, 400 Gb/s RDMA per GPU. Tables 2 and 6 (context parallelism) are left out: titanlite has no CP.
+- tt-2410: github.com/pytorch/torchtitan docs/performance.md at commit 1d5815c (October 2024): 405B on
+  128 of the same H100s (FSDP 16 x TP 8); Llama 3 and Llama 2 with FSDP on 64 A100 80GB.
+- tt-2506: github.com/pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (commit
+  b5bcd76; June 2025, same Grand Teton hosts): vanilla and async TP, bf16 and float8.
+- trainy-2506: github.com/pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md
+  (commit b5bcd76; Trainy on WhiteFiber, June 2025): 8 H200 per host, 400 Gb/s per GPU; the run's
+  AC is torchtitan's 8B config at e7c0cae (selective op).
+Assumptions where a source is silent are in the row's flags and said in its note.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
+
+H100 = ["--plan.gpu", "H100 SXM", "--plan.gpus_per_node", "1", "--plan.nodes", "1"]
+GRAND_TETON = ["--plan.gpu", "H100 96GB 500W", "--plan.gpus_per_node", "8"]
+A100 = ["--plan.gpu", "A100 80GB", "--plan.gpus_per_node", "8", "--plan.nodes", "8"]
+NO_FLOAT8 = ["--float8.enable", "false", "--float8.enable_fsdp_float8_all_gather", "false",
+             "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
+TENSORWISE = ["--float8.enable", "--float8.recipe_name", "tensorwise", "--float8.enable_fsdp_float8_all_gather",
+              "--float8.precompute_float8_dynamic_scale_for_fsdp"]
+ROWWISE = ["--float8.enable", "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather", "false",
+           "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
+COMPILE, EAGER = ["--compile.enable"], ["--compile.enable", "false"]
+NO_AC, FULL_AC = ["--activation_checkpoint.mode", "none"], ["--activation_checkpoint.mode", "full"]
+OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+EVERY_2ND_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]
+ASYNC_TP = ["--parallelism.enable_async_tensor_parallel"]
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    source: str  # a key of the module docstring's sources
+    config: str  # train_configs/<config>.toml
+    flags: tuple[str, ...]
+    tps: float  # per GPU
+    memory_gib: float | None  # peak per GPU, None where not published
+    memory_kind: str  # "allocated" or "reserved"
+    tuning: bool  # fitted on; False: held out
+    note: str = ""
+
+
+def row(name, source, config, flags, tps, memory=None, tuning=False, note=""):
+    kind = "allocated" if source == "titanlite-h100" else "reserved"
+    return Row(name, source, config, tuple(flags), tps, memory, kind, tuning, note)
+
+
+ONE_1B = ["--training.local_batch_size", "2", *H100]
+LAYERS_8B = ["--model.n_layers", "8", "--training.local_batch_size", "1", *H100]
+TT_8B = ["--training.local_batch_size", "2", *OP_AC]
+TT_70B = ["--training.local_batch_size", "16", "--parallelism.tensor_parallel_degree", "8", *FULL_AC, *COMPILE,
+          *GRAND_TETON, "--plan.nodes", "32"]
+TT_405B_3D = ["--training.local_batch_size", "32", "--parallelism.pipeline_parallel_microbatch_size", "4",
+              "--parallelism.tensor_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "8", *FULL_AC,
+              *COMPILE, *TENSORWISE, *ASYNC_TP, *GRAND_TETON, "--plan.nodes", "64"]
+TT_405B_2D = ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "8",
+              "--parallelism.pipeline_parallel_degree", "1", *FULL_AC, *COMPILE, *GRAND_TETON, "--plan.nodes", "16"]
+TT_8B_TP = ["--training.local_batch_size", "12", "--parallelism.tensor_parallel_degree", "8", *OP_AC, *COMPILE,
+            *GRAND_TETON, "--plan.nodes", "8"]
+A100_8B = ["--training.local_batch_size", "1", *EAGER, *NO_FLOAT8, *A100]
+A100_LLAMA2 = [*EAGER, *NO_FLOAT8, *A100, "--parallelism.tensor_parallel_degree", "1"]
+
+ROWS = [
+    row("1B, 1 H100, eager, no AC", "titanlite-h100", "llama3_1b", [*ONE_1B, *EAGER, *NO_AC, *NO_FLOAT8], 40_928, 72.8, True),
+    row("1B, 1 H100, compile, no AC", "titanlite-h100", "llama3_1b", [*ONE_1B, *COMPILE, *NO_AC, *NO_FLOAT8], 53_344, 45.8, True),
+    row("1B, 1 H100, compile, op AC", "titanlite-h100", "llama3_1b", [*ONE_1B, *COMPILE, *OP_AC, *NO_FLOAT8], 49_270, 31.2, True),
+    row("1B, 1 H100, compile, float8 tensorwise", "titanlite-h100", "llama3_1b", [*ONE_1B, *COMPILE, *NO_AC, *TENSORWISE], 58_554, None, True),
+    row("1B, 1 H100, compile, float8 rowwise", "titanlite-h100", "llama3_1b", [*ONE_1B, *COMPILE, *NO_AC, *ROWWISE], 51_272, None, True),
+    row("8B layer shapes (8 of 32), 1 H100, compile", "titanlite-h100", "llama3_8b", [*LAYERS_8B, *COMPILE, *NO_AC, *NO_FLOAT8], 31_744),
+    row("8B layer shapes (8 of 32), 1 H100, compile, float8 tensorwise", "titanlite-h100", "llama3_8b",
+        [*LAYERS_8B, *COMPILE, *NO_AC, *TENSORWISE], 34_919),
+    row("8B, 8 H100, FSDP, eager", "tt-2412", "llama3_8b", [*TT_8B, *EAGER, *NO_FLOAT8, *GRAND_TETON, "--plan.nodes", "1"], 5_762, 82.4, True),
+    row("8B, 8 H100, FSDP, compile", "tt-2412", "llama3_8b", [*TT_8B, *COMPILE, *NO_FLOAT8, *GRAND_TETON, "--plan.nodes", "1"], 6_667, 77.0, True),
+    row("8B, 8 H100, FSDP, compile, float8", "tt-2412", "llama3_8b", [*TT_8B, *COMPILE, *TENSORWISE, *GRAND_TETON, "--plan.nodes", "1"], 8_532, 76.8, True),
+    row("8B, 128 H100, FSDP, eager", "tt-2412", "llama3_8b", [*TT_8B, *EAGER, *NO_FLOAT8, *GRAND_TETON, "--plan.nodes", "16"], 5_605, 67.0),
+    row("8B, 128 H100, FSDP, compile", "tt-2412", "llama3_8b", [*TT_8B, *COMPILE, *NO_FLOAT8, *GRAND_TETON, "--plan.nodes", "16"], 6_514, 62.0),
+    row("8B, 128 H100, FSDP, compile, float8", "tt-2412", "llama3_8b", [*TT_8B, *COMPILE, *TENSORWISE, *GRAND_TETON, "--plan.nodes", "16"], 8_380, 61.8),
+    row("70B, 256 H100, FSDP 32 x TP 8, float8", "tt-2412", "llama3_70b", [*TT_70B, *TENSORWISE], 829, 71.9),
+    row("70B, 256 H100, FSDP 32 x TP 8, float8, async TP", "tt-2412", "llama3_70b", [*TT_70B, *TENSORWISE, *ASYNC_TP], 876, 67.6),
+    row("405B, 512 H100, FSDP 8 x TP 8 x PP 8, float8, async TP, 1F1B", "tt-2412", "llama3_405b",
+        [*TT_405B_3D, "--parallelism.pipeline_parallel_schedule", "1F1B"], 100, 82.5,
+        note="microbatches: torchtitan's default, one per stage (8 of 4 sequences)"),
+    row("405B, 512 H100, FSDP 8 x TP 8 x PP 8, float8, async TP, Interleaved1F1B", "tt-2412", "llama3_405b",
+        [*TT_405B_3D, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 128, 72.7,
+        note="microbatches: torchtitan's default, one per stage (8 of 4 sequences); 2 stages per rank"),
+    row("405B, 128 H100, FSDP 16 x TP 8", "tt-2410", "llama3_405b", [*TT_405B_2D, *NO_FLOAT8], 109,
+        note="compile on, as the 405B config of the time set it"),
+    row("405B, 128 H100, FSDP 16 x TP 8, float8", "tt-2410", "llama3_405b", [*TT_405B_2D, *TENSORWISE], 177),
+    row("405B, 128 H100, FSDP 16 x TP 8, float8, async TP", "tt-2410", "llama3_405b", [*TT_405B_2D, *TENSORWISE, *ASYNC_TP], 185),
+    row("70B, 256 H100, FSDP 32 x TP 8, bf16", "tt-2506", "llama3_70b", [*TT_70B, *NO_FLOAT8], 597.3),
+    row("70B, 256 H100, FSDP 32 x TP 8, bf16, async TP", "tt-2506", "llama3_70b", [*TT_70B, *NO_FLOAT8, *ASYNC_TP], 652.4),
+    row("70B, 256 H100, FSDP 32 x TP 8, float8 tensorwise", "tt-2506", "llama3_70b", [*TT_70B, *TENSORWISE], 809.8),
+    row("70B, 256 H100, FSDP 32 x TP 8, float8 tensorwise, async TP", "tt-2506", "llama3_70b", [*TT_70B, *TENSORWISE, *ASYNC_TP], 942.4),
+    row("70B, 256 H100, FSDP 32 x TP 8, float8 rowwise", "tt-2506", "llama3_70b", [*TT_70B, *ROWWISE], 599.6),
+    row("70B, 256 H100, FSDP 32 x TP 8, float8 rowwise, async TP", "tt-2506", "llama3_70b", [*TT_70B, *ROWWISE, *ASYNC_TP], 624.8),
+    row("8B, 64 H100, FSDP 8 x TP 8, bf16", "tt-2506", "llama3_8b", [*TT_8B_TP, *NO_FLOAT8], 4_378, tuning=True),
+    row("8B, 64 H100, FSDP 8 x TP 8, bf16, async TP", "tt-2506", "llama3_8b", [*TT_8B_TP, *NO_FLOAT8, *ASYNC_TP], 4_809.4, tuning=True),
+    row("8B, 64 H100, FSDP 8 x TP 8, float8 tensorwise", "tt-2506", "llama3_8b", [*TT_8B_TP, *TENSORWISE], 5_078.1, tuning=True),
+    row("8B, 64 H100, FSDP 8 x TP 8, float8 tensorwise, async TP", "tt-2506", "llama3_8b", [*TT_8B_TP, *TENSORWISE, *ASYNC_TP], 5_570.1, tuning=True),
+    row("8B, 64 H100, FSDP 8 x TP 8, float8 rowwise", "tt-2506", "llama3_8b", [*TT_8B_TP, *ROWWISE], 3_708.5, tuning=True),
+    row("8B, 64 H100, FSDP 8 x TP 8, float8 rowwise, async TP", "tt-2506", "llama3_8b", [*TT_8B_TP, *ROWWISE, *ASYNC_TP], 3_914.9, tuning=True),
+    row("8B, 32 H200, FSDP, compile, float8", "trainy-2506", "llama3_8b",
+        [*TT_8B, *COMPILE, *TENSORWISE, "--plan.gpu", "H200", "--plan.nodes", "4"], 10_938, 47.96),
+    row("8B, 64 H200, FSDP, compile, float8", "trainy-2506", "llama3_8b",
+        [*TT_8B, *COMPILE, *TENSORWISE, "--plan.gpu", "H200", "--plan.nodes", "8"], 10_753, 46.97),
+    row("Llama 3 8B, 64 A100, FSDP, selective op AC", "tt-2410", "llama3_8b", [*A100_8B, *OP_AC], 2_973, tuning=True),
+    row("Llama 3 8B, 64 A100, FSDP, every 2nd block AC", "tt-2410", "llama3_8b", [*A100_8B, *EVERY_2ND_AC], 2_904, tuning=True,
+        note='"selective layer": taken as every second block, the int option of the time\'s 8B config'),
+    row("Llama 3 70B, 64 A100, FSDP, full AC", "tt-2410", "llama3_70b",
+        [*A100_8B, *FULL_AC, "--parallelism.tensor_parallel_degree", "1"], 331),
+    row("Llama 2 13B, 64 A100, FSDP, bs 2, no AC", "tt-2410", "llama2_13b", [*A100_LLAMA2, "--training.local_batch_size", "2", *NO_AC], 2_162),
+    row("Llama 2 13B, 64 A100, FSDP, bs 2, every 2nd block AC", "tt-2410", "llama2_13b",
+        [*A100_LLAMA2, "--training.local_batch_size", "2", *EVERY_2ND_AC], 1_914, note='"selective layer", as above'),
+    row("Llama 2 13B, 64 A100, FSDP, bs 2, op AC", "tt-2410", "llama2_13b", [*A100_LLAMA2, "--training.local_batch_size", "2", *OP_AC], 1_904),
+    row("Llama 2 70B, 64 A100, FSDP, bs 1, op AC", "tt-2410", "llama2_70b", [*A100_LLAMA2, "--training.local_batch_size", "1", *OP_AC], 355),
+    row("Llama 2 70B, 64 A100, FSDP, bs 2, full AC", "tt-2410", "llama2_70b", [*A100_LLAMA2, "--training.local_batch_size", "2", *FULL_AC], 353),
+]
+
+
+def row_config(item: Row):
+    from titanlite.config import load_config
+
+    return load_config(["--job.config_file", str(CONFIGS / f"{item.config}.toml"), *item.flags])
+
+
+def plan_row(item: Row):
+    """The planner's JobPlan for the row's job."""
+    from titanlite.plan.job import plan_job
+
+    return plan_job(row_config(item))
+
+
+def speed_inputs(item: Row) -> tuple:
+    """job_speed's arguments for the row's job (its shards from the fake world; no activation tally)."""
+    from titanlite.build import meta_model
+    from titanlite.models import get_model_spec
+    from titanlite.parallel.dims import ParallelDims
+    from titanlite.plan.job import model_args, plan_states
+
+    cfg = row_config(item)
+    spec = get_model_spec(cfg.model.name)
+    world = cfg.plan.nodes * cfg.plan.gpus_per_node
+    whole = meta_model(spec, model_args(cfg, spec), cfg.training.param_dtype)
+    return cfg, spec, whole, ParallelDims.from_config(cfg.parallelism, world), plan_states(cfg, world)
+
+
+def predicted_memory_gib(item: Row, peak: int) -> float:
+    """The planner's figure for what the row's source reports, from its peak allocated bytes: that peak, or
+    reserved, the peak plus the allocator's margin."""
+    from titanlite.plan.memory import ALLOCATOR_MARGIN, GIB
+
+    return peak * (1 if item.memory_kind == "allocated" else 1 + ALLOCATOR_MARGIN) / GIB
+
+
+def table() -> str:
+    """Every row: measured, predicted, the error (predicted / measured - 1), and whether it was fitted on."""
+    lines = ["| run | source | set | measured tps/GPU | predicted | error | measured memory (GiB) | predicted | error |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for item in ROWS:
+        plan = plan_row(item)
+        memory = predicted_memory_gib(item, plan.memory.peak)
+        measured = f"{item.memory_gib:.1f} {item.memory_kind}" if item.memory_gib else "-"
+        error = f"{memory / item.memory_gib - 1:+.0%}" if item.memory_gib else "-"
+        lines.append(f"| {item.name} | {item.source} | {'tuning' if item.tuning else 'held out'} | {item.tps:,.0f} | "
+                     f"{plan.speed.tps:,.0f} | {plan.speed.tps / item.tps - 1:+.0%} | {measured} | {memory:.1f} | {error} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
