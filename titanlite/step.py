@@ -28,12 +28,13 @@ class StepSettings:
     loss_parallel: bool  # TP's vocab-sharded loss (tensor parallelism on, loss parallel not disabled)
     skip_nonfinite: bool = False  # training.on_nonfinite skip: a step with NaN or inf applies no update
     per_trained_token: bool = False  # chat data: the loss is over the trained tokens of the whole global batch
+    bias_update_rate: float = 0.0  # model.moe_bias_update_rate: aux-loss-free balancing (balance_experts)
 
     @classmethod
     def of(cls, cfg: JobConfig, dims: ParallelDims, accum_steps: int) -> "StepSettings":
         return cls(accum_steps, cfg.training.max_norm, cfg.model.moe_aux_loss_coeff, cfg.training.mixed_precision_param,
                    dims.tp_enabled and not cfg.parallelism.disable_loss_parallel, cfg.training.on_nonfinite == "skip",
-                   cfg.training.dataset_format != "text")
+                   cfg.training.dataset_format != "text", cfg.model.moe_bias_update_rate)
 
 
 @contextlib.contextmanager
@@ -86,10 +87,34 @@ def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dim
     lr = scheduler.get_last_lr()[0]
     if settings.skip_nonfinite and not finite_on_every_rank(total_loss, grad_norm):
         optimizer.zero_grad(set_to_none=True)
+        balance_experts(model, pipeline, 0.0, device, accum_steps)  # the skipped step's counts are dropped
         return total_loss, grad_norm, lr, True
     optimizer.step()
     scheduler.step()
+    balance_experts(model, pipeline, settings.bias_update_rate, device, accum_steps)
     return total_loss, grad_norm, lr, False
+
+
+def balance_experts(model, pipeline, rate: float, device, accum_steps: int) -> None:
+    """Aux-loss-free balancing, for models whose routers have a bias (DeepSeek-V3): every MoE block's
+    tokens per expert in this step, summed over all ranks, move its router's bias by `rate` (the
+    model's balance_experts). The sum is the global batch's counts times the TP degree (TP ranks
+    route the same tokens; under PP a rank holds only its stages' blocks and adds zeros for the
+    others), which leaves each expert's side of the mean, all the update reads, as one process has it."""
+    parts = pipeline.parts if pipeline is not None else [model]
+    forwards = accum_steps * (pipeline.n_microbatches if pipeline is not None else 1)  # each part's, this step
+    if not hasattr(parts[0], "take_step_loads"):
+        return
+    args = parts[0].args
+    loads = torch.zeros(args.n_layers, args.num_experts, dtype=torch.int64, device=device)
+    for part in parts:
+        for layer_id, load in part.take_step_loads(forwards).items():
+            loads[int(layer_id)] += load
+    if rate == 0:
+        return
+    dist.all_reduce(loads)
+    for part in parts:
+        part.balance_experts(loads, rate)
 
 
 def next_batch(batches, device, metrics, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlite.models.init import trunc_normal_
-from titanlite.models.llama.model import BASE_INIT_STD
+from titanlite.models.llama.model import BASE_INIT_STD, FeedForward
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +43,7 @@ def assignments_per_sequence(experts: torch.Tensor, num_experts: int) -> torch.T
     return flat.new_zeros(flat.shape[0], num_experts).scatter_add_(1, flat, torch.ones_like(flat))
 
 
-def load_balancing_loss(logits: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(logits: torch.Tensor, assignments: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
     """Switch Transformer's auxiliary loss, num_experts * sum_i f_i * P_i, per sequence, averaged.
 
     logits [B, T, E] are the router's, assignments [B, E] from assignments_per_sequence. f_i is expert i's share
@@ -51,9 +51,10 @@ def load_balancing_loss(logits: torch.Tensor, assignments: torch.Tensor) -> torc
     softmax over all experts); both are 1/E when balanced, which gives 1.0 (Hugging Face's Mixtral
     loss is top_k times this). The gradient flows through P only: f is a count. Per sequence, as
     DeepSeek-V3 and torchtitan do, so a batch's loss does not depend on how it is split over
-    ranks and micro-steps.
+    ranks and micro-steps. `probs` [B, T, E] replaces the softmax where a router scores otherwise
+    (SigmoidGroupMoE's normalised sigmoids: DeepSeek-V3's sequence-wise balance loss).
     """
-    probs = logits.float().softmax(dim=-1).mean(dim=1)  # [B, E]
+    probs = (logits.float().softmax(dim=-1) if probs is None else probs).mean(dim=1)  # [B, E]
     shares = assignments.float() / assignments.sum(dim=-1, keepdim=True)
     return assignments.shape[-1] * (shares * probs).sum(dim=-1).mean()
 
@@ -122,11 +123,18 @@ class MoE(nn.Module):
         """x [B, T, D] -> (out [B, T, D], balance loss (0-dim), tokens per expert [E])."""
         batch, seq_len, dim = x.shape
         logits = self.gate(x)  # [B, T, E]
-        weights, experts = ROUTERS[self.router](logits, self.top_k, self.norm_topk_prob)
+        weights, experts = self.route(logits)
         assignments = assignments_per_sequence(experts, self.num_experts)
         counts = assignments.sum(dim=0)
         out = self.run_experts(x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k), counts)
-        return out.view(batch, seq_len, dim), load_balancing_loss(logits, assignments), counts
+        return out.view(batch, seq_len, dim), self.balance_loss(logits, assignments), counts
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts), each [B, T, top_k], of the router logits [B, T, E]."""
+        return ROUTERS[self.router](logits, self.top_k, self.norm_topk_prob)
+
+    def balance_loss(self, logits: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
+        return load_balancing_loss(logits, assignments)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, D] through each token's experts, weighted; expert parallelism replaces this method."""
@@ -139,3 +147,72 @@ class MoE(nn.Module):
         trunc_normal_(self.w1, BASE_INIT_STD, key=f"{prefix}w1", seed=seed)
         for name in ("w2", "w3"):
             trunc_normal_(getattr(self, name), out_std, key=f"{prefix}{name}", seed=seed)
+
+
+# --- Added by the deepseek_v3 branch: DeepSeek-V3's router (also Moonlight's and Kimi K2's) ---
+
+
+def sigmoid_group_topk(logits: torch.Tensor, top_k: int, bias: torch.Tensor, n_group: int, topk_group: int,
+                       norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's rule ("noaux_tc"): sigmoid scores; the experts are chosen by score + `bias` (the
+    aux-loss-free balancing bias, which only steers the choice), among the topk_group of the n_group
+    groups whose two best biased scores sum highest; the weights are the chosen experts' unbiased
+    scores, renormalised to sum to 1 where norm_topk_prob (the 1e-20 as in DeepSeek's code)."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias
+    if n_group > 1:
+        grouped = choice.unflatten(-1, (n_group, -1))  # [..., groups, experts per group]
+        best_groups = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(topk_group, dim=-1).indices
+        keep = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=logits.device).scatter_(-1, best_groups, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(-1, experts)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights, experts
+
+
+class SigmoidGroupMoE(MoE):
+    """The routed experts with sigmoid_group_topk routing, the weights times routed_scaling_factor, and
+    `shared_hidden_dim` of shared experts (one SwiGLU every token goes through; 0 = none) added.
+
+    `expert_bias` [E] (float32, saved with the model, no gradient) is the aux-loss-free balancing
+    bias: the trainer moves it after each optimizer step (balance_experts); the balance loss, an
+    option (model.moe_aux_loss_coeff), is DeepSeek-V3's sequence-wise one over normalised sigmoids.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, shared_hidden_dim: int = 0, norm_topk_prob: bool = True):
+        super().__init__(dim, hidden_dim, num_experts, top_k, norm_topk_prob=norm_topk_prob)
+        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.shared_experts = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = sigmoid_group_topk(logits, self.top_k, self.expert_bias, self.n_group, self.topk_group,
+                                              self.norm_topk_prob)
+        return weights * self.routed_scaling_factor, experts
+
+    def balance_loss(self, logits: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
+        scores = logits.float().sigmoid()
+        return load_balancing_loss(logits, assignments, probs=scores / scores.sum(dim=-1, keepdim=True))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, aux_loss, counts = super().forward(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, aux_loss, counts
+
+    @torch.no_grad()
+    def balance_experts(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's aux-loss-free balancing (arXiv 2412.19437, section 2.1.2): each expert's bias
+        rises by `rate` if it got fewer than the mean of the step's tokens, falls by `rate` if more."""
+        mean = tokens_per_expert.double().mean()
+        self.expert_bias += rate * torch.sign(mean - tokens_per_expert.double()).float()
+
+    def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
+        super().init_weights(prefix, seed, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(f"{prefix}shared_experts.", seed, out_std)
+        # Recreated in float32: the trainer may have cast the model to bf16, too coarse for small steps.
+        self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32, device=self.expert_bias.device)

@@ -3,10 +3,13 @@ moonshotai/Moonlight-16B-A3B on the Hub, and of transformers' save_pretrained).
 
 One to one, no permutation: DeepSeek stores RoPE dimensions as adjacent pairs, titanlite's layout
 (config.json rope_interleave true; transformers rotates them the same way). The tensors of the
-multi-token-prediction layer (model.layers.<num_hidden_layers>.*) are never read.
+multi-token-prediction layer (model.layers.<num_hidden_layers>.*) are never read. The MoE blocks'
+router is mlp.gate (its aux-loss-free bias mlp.gate.e_score_correction_bias), the shared experts one
+SwiGLU mlp.shared_experts, the routed experts mlp.experts.E.*, stacked as Mixtral's (models/moe_hf.py).
 """
 
 from titanlite.models.hf import HFAdapter
+from titanlite.models.moe_hf import StackedExpertsHFAdapter
 
 _LAYER = "model.layers.{}."
 _ATTENTION = {
@@ -26,7 +29,7 @@ _BEHAVIOUR_KEYS = ("n_group", "topk_group", "num_experts_per_tok", "routed_scali
                    "scoring_func", "rope_theta", "rope_scaling", "rope_interleave", "rms_norm_eps", "tie_word_embeddings")
 
 
-class DeepSeekV3HFAdapter(HFAdapter):
+class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
     architectures = ["DeepseekV3ForCausalLM"]
     model_type = "deepseek_v3"
     names = {
@@ -35,10 +38,16 @@ class DeepSeekV3HFAdapter(HFAdapter):
         "layers.{}.ffn_norm.weight": _LAYER + "post_attention_layernorm.weight",
         **{f"layers.{{}}.{ours}": _LAYER + theirs for ours, theirs in _ATTENTION.items()},
         **{f"layers.{{}}.feed_forward.{ours}.weight": _LAYER + f"mlp.{theirs}.weight" for ours, theirs in _DENSE.items()},
+        "layers.{}.feed_forward.gate.weight": _LAYER + "mlp.gate.weight",
+        "layers.{}.feed_forward.expert_bias": _LAYER + "mlp.gate.e_score_correction_bias",
+        **{f"layers.{{}}.feed_forward.shared_experts.{ours}.weight": _LAYER + f"mlp.shared_experts.{theirs}.weight"
+           for ours, theirs in _DENSE.items()},
         "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight",
     }
     ignored = (r"\.rotary_emb\.inv_freq$",)
+    expert_name = _LAYER.replace("{}", "{layer}") + "mlp.experts.{expert}.{projection}.weight"
+    expert_projections = _DENSE
     shape_keys = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace")

@@ -1,5 +1,7 @@
 """DeepSeek-V3's tensor-parallel plan: multi-head latent attention split on heads, the dense
-feed-forward as Llama's, and the MoE blocks through the shared MoE layer's plan.
+feed-forward as Llama's, and the MoE blocks as Mixtral's (whole routed experts per TP rank, the
+router replicated) with the shared experts split like a dense SwiGLU whose output stays a partial
+sum, reduce-scattered together with the routed experts' partial sums.
 
 MLA on tp ranks: the up projections wq_b (or wq) and wkv_b are column-wise, whole heads per rank
 (TP divides n_heads), and wo row-wise back onto sequence shards. The low-rank down projections
@@ -14,9 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 
-from titanlite.models.llama.model import FeedForward
+from titanlite.models.llama.parallelize import swiglu_plan
+from titanlite.models.mixtral.parallelize import ExpertParallel
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
 
@@ -72,16 +75,21 @@ def attention_plan(q_lora_rank: int, rope_dim: int) -> dict:
     return plan
 
 
-DENSE_PLAN = {
-    "feed_forward": gather_sequence(),
-    "feed_forward.w1": colwise(), "feed_forward.w3": colwise(),
-    "feed_forward.w2": rowwise_to_sequence(),
+MOE_PLAN = {  # the shared experts first: ExpertParallel replicates every parameter it finds undistributed
+    "feed_forward.shared_experts.w1": colwise(), "feed_forward.shared_experts.w3": colwise(),
+    "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
+    "feed_forward": ExpertParallel(),
 }
 
 
 def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
     args = model.args
     apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), attention_plan(args.q_lora_rank, args.qk_rope_head_dim))
-    for block in model.layers.values():
-        if isinstance(block.feed_forward, FeedForward):
-            parallelize_module(block, dims.tp_mesh, DENSE_PLAN)
+    for layer_id, block in model.layers.items():
+        if not model.is_moe(layer_id):
+            parallelize_module(block, dims.tp_mesh, swiglu_plan())
+            continue
+        parallelize_module(block, dims.tp_mesh, MOE_PLAN)
+        # The routing bias stays a plain tensor, the same on every rank (the router runs on local tensors).
+        moe = block.feed_forward
+        moe.expert_bias = moe.expert_bias.to_local()

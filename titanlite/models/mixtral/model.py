@@ -45,15 +45,20 @@ class Mixtral(Transformer):
             h, aux_loss, load = block(h, rope_cos, rope_sin, mask)
             aux_losses.append(aux_loss)
             loads.append(load)
-        # Outside the blocks (the root module is neither checkpointed nor compiled): side effects are fine here.
         self.aux_loss = torch.stack(aux_losses).mean()
-        if not self.training:  # validation forwards stay out of the training statistics
-            return h
-        aux_loss, load = self.aux_loss.detach(), torch.stack(loads)
-        if self._forwards:
-            aux_loss, load = aux_loss + self._aux_loss_sum, load + self._load_sum
-        self._aux_loss_sum, self._load_sum, self._forwards = aux_loss, load, self._forwards + 1
+        self.record_routing(self.aux_loss, torch.stack(loads))
         return h
+
+    def record_routing(self, aux_loss: torch.Tensor, loads: torch.Tensor) -> None:
+        """Add one forward's balance loss and tokens per expert [MoE blocks, experts] to the statistics
+        extra_metrics() reads. Called outside the blocks (the root module is neither checkpointed nor
+        compiled), where side effects are fine."""
+        if not self.training:  # validation forwards stay out of the training statistics
+            return
+        aux_loss = aux_loss.detach()
+        if self._forwards:
+            aux_loss, loads = aux_loss + self._aux_loss_sum, loads + self._load_sum
+        self._aux_loss_sum, self._load_sum, self._forwards = aux_loss, loads, self._forwards + 1
 
     @torch.no_grad()
     def extra_metrics(self) -> dict[str, torch.Tensor]:
