@@ -9,24 +9,19 @@ wq_a, wkv_a and their norms are small (rank x dim) and run whole on every rank, 
 sequence, with replicated weights. Their outputs' gradients must be whole on every rank for their
 weights' gradients to be: the column-wise wq_b / wkv_b all-reduce the gradients of their inputs,
 and the rope key, which every head reads but each rank reads only for its own heads, gets its
-gradient summed over the ranks explicitly (SharedRopeKey).
+gradient summed over the ranks explicitly (Replicated with rope_dim, on wkv_a).
 """
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 
 from titanlite.models.llama.parallelize import swiglu_plan
-from titanlite.models.mixtral.parallelize import ExpertParallel
+from titanlite.models.mixtral.parallelize import ExpertParallel, _sum_grads
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
-
-
-def _sum_grads_over(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Identity forward; backward sums the gradient over the mesh's ranks (each holds a part of it)."""
-    return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 class Replicated(ParallelStyle):
@@ -38,11 +33,6 @@ class Replicated(ParallelStyle):
         self.rope_dim = rope_dim
 
     @staticmethod
-    def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for param_name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
-
-    @staticmethod
     def _input(module, inputs, mesh):
         x = inputs[0]
         return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False),)
@@ -52,10 +42,11 @@ class Replicated(ParallelStyle):
         if not self.rope_dim:
             return output
         latent, rope_key = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
-        return torch.cat([latent, _sum_grads_over(rope_key, mesh)], dim=-1)
+        return torch.cat([latent, _sum_grads(rope_key, mesh)], dim=-1)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._partition, self._input, self._output)
+        # No partition function: distribute_module replicates every parameter.
+        return distribute_module(module, device_mesh, None, self._input, self._output)
 
 
 def attention_plan(q_lora_rank: int, rope_dim: int) -> dict:
