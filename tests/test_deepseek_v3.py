@@ -218,6 +218,26 @@ def test_blocks_compile_fullgraph_under_activation_checkpointing():
         torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
+def test_float8_keeps_the_routers_and_small_matmuls_in_high_precision():
+    """torchao's conversion in emulation (CPU): MLA's projections and the shared experts become
+    Float8Linear where both dims are multiples of 16 (wkv_a's 16 + 8 rows are not); the routers
+    (16 experts here: their scores pick the experts) and the output stay; the model still trains."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from titanlite.config_sections import Float8
+    from titanlite.parallel.float8 import convert_linears
+
+    model = materialize("deepseek_v3", small_args(num_experts=16))
+    convert_linears(model, Float8(enable=True), emulate=True)
+    converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert {"layers.1.attention.wq_b", "layers.1.attention.wkv_b", "layers.1.attention.wo",
+            "layers.1.feed_forward.shared_experts.w1", "layers.0.feed_forward.w1"} <= converted
+    assert not converted & {"layers.1.feed_forward.gate", "layers.1.attention.wkv_a", "output"}
+    model(TOKENS).float().logsumexp(-1).mean().backward()
+    assert model.layers["1"].feed_forward.gate.weight.grad.abs().sum() > 0
+
+
 # --- bad shapes: one sentence each ---
 
 

@@ -48,8 +48,12 @@ def check_float8(cfg: Float8) -> None:
         ) from None
 
 
+# MoE routers (models/moe.py's gate): their scores choose the experts, which float8 rounding would change.
+_ROUTER_SUFFIX = "feed_forward.gate"
+
+
 def _keeps_high_precision(fqn: str, module: nn.Module, filter_fqns: list[str]) -> bool:
-    if any(name in fqn for name in filter_fqns):
+    if any(name in fqn for name in filter_fqns) or fqn.endswith(_ROUTER_SUFFIX):
         return True
     return module.in_features % _DIM_MULTIPLE != 0 or module.out_features % _DIM_MULTIPLE != 0
 
@@ -69,7 +73,7 @@ def float8_config(cfg: Float8, emulate: bool = False):
 
 
 def convert_linears(model: nn.Module, cfg: Float8, emulate: bool = False) -> None:
-    """Swap every nn.Linear not filtered out (filter_fqns, or dims not multiples of 16) for torchao's
+    """Swap every nn.Linear not filtered out (filter_fqns, MoE routers, or dims not multiples of 16) for torchao's
     Float8Linear, in place."""
     from torchao.float8 import convert_to_float8_training
 
