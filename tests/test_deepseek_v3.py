@@ -281,14 +281,16 @@ def test_trains_on_the_sample_under_fsdp2_tp2_pp2_as_on_one_process(tmp_path):
     losses within 1e-5 over 10 steps, PP2 to step 40. (Later, FSDP2's and TP2's rounding flips the
     expert choice of a token near a tie, which the routing biases' sign updates then carry on.)
     The aux-loss-free biases, moved after every step from the whole global batch's counts, are
-    saved with the model and equal to the bit in every layout (5-step runs)."""
+    saved with the model and equal to the bit in every layout (5-step runs); PP2's checkpoint resumes
+    on one process with the uninterrupted losses."""
     prepare("sample", str(tmp_path / "store"))  # the same windows at any data-parallel degree
     deepseek = ["--model.name", "deepseek_v3", "--model.moe_aux_loss_coeff", "0.01"]
     runs = [run(tmp_path, name, [*deepseek, *flags], STEPS) for name, (_, flags) in LAYOUTS.items()]
     runs += [run(tmp_path, f"{name}_saved", [*deepseek, *flags], 5, checkpoint=True) for name, (_, flags) in LAYOUTS.items()]
     layout_of_run = [LAYOUTS[name][0] for name in LAYOUTS] * 2
     launch([r for r, world in zip(runs, layout_of_run) if world == 2], 2, tmp_path, "world2")
-    launch([r for r, world in zip(runs, layout_of_run) if world == 1], 1, tmp_path, "world1")
+    resumed = run(tmp_path, "pp2_to_one", deepseek, 7, resume_from="pp2_saved")  # PP2's step 5, on one process
+    launch([r for r, world in zip(runs, layout_of_run) if world == 1] + [resumed], 1, tmp_path, "world1")
     one = losses(tmp_path, "one")
     assert sorted(one) == list(range(1, STEPS + 1)) and one[STEPS] < one[1] - 1.0, one
     for name in ("fsdp2", "tp2", "pp2"):
@@ -302,3 +304,5 @@ def test_trains_on_the_sample_under_fsdp2_tp2_pp2_as_on_one_process(tmp_path):
         assert biases[name].keys() == biases["one"].keys()
         for key, bias in biases["one"].items():
             assert torch.equal(biases[name][key], bias), (name, key)
+    resumed = losses(tmp_path, "pp2_to_one")
+    assert sorted(resumed) == [6, 7] and all(resumed[s] == pytest.approx(one[s], abs=1e-5) for s in resumed), resumed
