@@ -149,7 +149,7 @@ class MoE(nn.Module):
             trunc_normal_(getattr(self, name), out_std, key=f"{prefix}{name}", seed=seed)
 
 
-# --- Added by the deepseek_v3 branch: DeepSeek-V3's router (also Moonlight's and Kimi K2's) ---
+# DeepSeek-V3's router (also Moonlight's and Kimi K2's).
 
 
 def sigmoid_group_topk(logits: torch.Tensor, top_k: int, bias: torch.Tensor, n_group: int, topk_group: int,
