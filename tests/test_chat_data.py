@@ -16,6 +16,7 @@ from titanlite.data.chat import ChatRenderer, tokenize_conversation
 from titanlite.data.datasets import build_dataloader
 from titanlite.data.packing import IGNORED
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.errors import UserError
 from titanlite.loss import cross_entropy_loss
 from titanlite.train import main
 
@@ -142,10 +143,15 @@ def test_long_conversation_truncated_and_counted(folder, tmp_path, caplog):
     assert len(windows) == 2  # each truncated to one window, none split into a second
     for (inputs, labels), (ids, _) in zip(sorted(windows, key=lambda w: w[0].tolist()), sorted(encoded)):
         assert inputs[0].tolist() == ids[: window - 1] and (labels != IGNORED).any()
-    assert any("truncated (1 so far" in record.getMessage() for record in caplog.records)
-    # a window too short to reach any trained token is skipped, with a line saying so
-    assert list(loader(folder, data, min(first_trained) - 1, batch_size=1)) == []
-    assert any("holds no trained token" in record.getMessage() for record in caplog.records)
+    assert any("2 of 2 conversations are longer than training.seq_len + 1" in record.getMessage() for record in caplog.records)
+    # a conversation truncated before any trained token is left out, with a line saying so
+    (inputs, labels), = list(loader(folder, data, (min(first_trained) + max(first_trained)) // 2, batch_size=1))
+    kept = encoded[first_trained.index(min(first_trained))][0]
+    assert inputs[0].tolist() == kept[: len(inputs[0])]
+    assert any("1 conversations hold no trained token within one window" in record.getMessage() for record in caplog.records)
+    # none left at all is one sentence
+    with pytest.raises(UserError, match=r"no conversation has a trained token within its first training.seq_len \+ 1"):
+        loader(folder, data, min(first_trained) - 1, batch_size=1)
 
 
 def test_prompt_completion(folder, tmp_path):

@@ -16,36 +16,46 @@ def example(tmp_path_factory):
     return folder
 
 
-def chat_flags(example, dump, local_batch, *extra) -> list[str]:
+def chat_flags(example, dump, local_batch, *extra, data_parallel=1) -> list[str]:
     return [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--model.hf_assets_path",
             str(example / "tokenizer"), "--training.dataset_path", str(example / "chats.jsonl"),
             "--training.dataset_format", "chat", "--training.seq_len", "128", "--training.local_batch_size",
             str(local_batch), "--training.steps", "4", "--training.mixed_precision_param", "float32",
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", *map(str, extra)]
+            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--validation.enable", "--validation.freq", "2",
+            "--validation.steps", "-1", "--validation.dataset_path", str(example / "chats.jsonl"),
+            "--validation.local_batch_size", str(4 // data_parallel), *map(str, extra)]
 
 
 def losses(dump) -> dict[int, float]:
-    return tensorboard_scalars(dump / "tb", "loss/train")
+    """Training losses by step, and validation's as step + 0.5."""
+    validation = tensorboard_scalars(dump / "tb", "loss/validation")
+    return {**tensorboard_scalars(dump / "tb", "loss/train"), **{step + 0.5: loss for step, loss in validation.items()}}
 
 
-def test_accumulation_gives_the_loss_of_the_whole_batch(example, tmp_path):
-    whole = run_titanlite(chat_flags(example, tmp_path / "whole", 4))
-    accumulated = run_titanlite(chat_flags(example, tmp_path / "acc", 1, "--training.global_batch_size", "4"))
-    assert whole.returncode == 0 and accumulated.returncode == 0, whole.stderr[-2000:] + accumulated.stderr[-2000:]
-    assert "(4 micro-steps)" in accumulated.stderr
-    a, b = losses(tmp_path / "whole"), losses(tmp_path / "acc")
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    assert all(b[s] == pytest.approx(a[s], rel=1e-6) for s in a), (a, b)
+@pytest.fixture(scope="module")
+def one_process(example, tmp_path_factory):
+    """One process holding the whole global batch of 4 windows."""
+    dump = tmp_path_factory.mktemp("one")
+    run = run_titanlite(chat_flags(example, dump, 4))
+    assert run.returncode == 0, run.stderr[-2000:]
+    return losses(dump)
 
 
-def test_two_data_parallel_ranks_give_the_loss_of_one_process(example, tmp_path):
-    """Two FSDP ranks of 2 windows against one process of 4. The raw-file chat reader deals the windows
-    to the ranks as it packs them, so the two layouts hold the same global batch for the first two steps
-    only (not a scale-independent order, which chat data has no token store for yet): step 2's loss
-    also shows that step 1's update was the same."""
-    one = run_titanlite(chat_flags(example, tmp_path / "one", 4, "--training.steps", "2"))
-    two = run_titanlite(chat_flags(example, tmp_path / "two", 2, "--training.steps", "2"), nproc=2)
-    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert sorted(a) == sorted(b) == [1, 2]
-    assert all(b[s] == pytest.approx(a[s], rel=1e-6) for s in a), (a, b)
+@pytest.mark.parametrize("layout, nproc, flags", [
+    ("accumulation", 1, ["--training.global_batch_size", "4"]),
+    ("fsdp2", 2, []),
+    ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2"]),
+    ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2"]),
+])
+def test_every_layout_gives_the_loss_of_one_process(example, one_process, tmp_path, layout, nproc, flags):
+    """Chat data is read in one global order, so every layout holds the same 4 windows each step; step 2 on
+    also shows the earlier updates were the same; validation (after steps 2 and 4) sums the trained tokens'
+    losses of the same held-out windows over the same count."""
+    local_batch = {"accumulation": 1, "fsdp2": 2}.get(layout, 4)
+    run = run_titanlite(chat_flags(example, tmp_path, local_batch, *flags, data_parallel=2 if layout == "fsdp2" else 1), nproc=nproc)
+    assert run.returncode == 0, run.stderr[-2000:]
+    if layout == "accumulation":
+        assert "(4 micro-steps)" in run.stderr
+    theirs = losses(tmp_path)
+    assert sorted(theirs) == sorted(one_process) == [1, 2, 2.5, 3, 4, 4.5]
+    assert all(theirs[s] == pytest.approx(one_process[s], rel=1e-6) for s in one_process), (one_process, theirs)

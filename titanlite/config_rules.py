@@ -23,8 +23,8 @@ def check_training(cfg: JobConfig) -> None:
 
 
 def check_dataset_format(cfg: JobConfig) -> None:
-    """Chat and prompt/completion data are local records with labels left out of the loss, which the chunked
-    loss (a mean over every label) does not skip; a mix or a token store holds tokens without their mask."""
+    """Chat and prompt/completion data are local records (or a chat store made from them) with labels left out
+    of the loss, which the chunked loss (a mean over every label) does not skip; a mix holds no loss mask."""
     training = cfg.training
     fmt = training.dataset_format
     if fmt == "text":
@@ -36,8 +36,8 @@ def check_dataset_format(cfg: JobConfig) -> None:
         raise UserError(f"training.dataset_format {fmt} leaves untrained tokens out of the loss, which the chunked loss "
                         "does not do yet; set training.loss_chunk_tokens 0")
     if training.dataset_mix or not training.dataset_path:
-        raise UserError(f"training.dataset_format {fmt} reads local jsonl/json/parquet records; set training.dataset_path "
-                        "to them (not training.dataset_mix)")
+        raise UserError(f"training.dataset_format {fmt} reads local jsonl/json/parquet records or a chat store; set "
+                        "training.dataset_path to them (not training.dataset_mix)")
 
 
 def check_loss_chunking(cfg: JobConfig) -> None:

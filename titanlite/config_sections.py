@@ -86,7 +86,7 @@ class Training:
     dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files) or a token store (python -m titanlite.data.prepare, read in one order at any scale); setting it means dataset = local")
     dataset_mix: list[DataSource] = opt([], "weighted sources instead of dataset/dataset_path, a TOML array of tables [{ path = \"a\", weight = 0.7 }, ...] (stores or raw files); read in one order at any scale")
     dataset_text_field: str = opt("text", "field holding the text in json/parquet/arrow records")
-    dataset_format: str = opt("text", "text (documents in dataset_text_field), chat (records with messages, a list of {role, content}: system/user/assistant) or prompt_completion (records with prompt and completion); the last two are rendered with the chat template and packed whole", choices=("text", "chat", "prompt_completion"))
+    dataset_format: str = opt("text", "text (documents in dataset_text_field), chat (records with messages, a list of {role, content}: system/user/assistant) or prompt_completion (records with prompt and completion); the last two are rendered with the chat template and packed whole, in one order at any scale; dataset_path may also be a chat store (python -m titanlite.data.prepare --format chat)", choices=("text", "chat", "prompt_completion"))
     train_on: str = opt("assistant", "with dataset_format chat or prompt_completion, the tokens in the loss: every assistant turn, the last_assistant turn only, or all of the conversation", choices=("assistant", "last_assistant", "all"))
     chat_template: str = opt("", "jinja chat template file for dataset_format chat or prompt_completion; empty = the chat_template of the tokenizer_config.json in model.hf_assets_path")
     num_workers: int = opt(0, "data-loading worker processes per rank", at_least=0)
@@ -183,7 +183,7 @@ class Validation:
     freq: int = opt(100, "validate every this many steps", at_least=1)
     steps: int = opt(10, "at most this many batches per rank per validation, always from the start of the data; -1 = one whole pass", at_least=1, sentinels=(-1,))
     dataset: str = opt("sample_val", "sample_val (the held-out part of the sample corpus), c4_val (allenai/c4 validation split), or local (files at dataset_path)")
-    dataset_path: str = opt("", "file or folder of held-out local data or a token store, read like training.dataset_path; setting it means dataset = local")
+    dataset_path: str = opt("", "file or folder of held-out local data or a token store, read like training.dataset_path (chat data in training.dataset_format); setting it means dataset = local")
     local_batch_size: int = opt(-1, "sequences per rank per validation batch; -1 = training.local_batch_size", at_least=1, sentinels=(-1,))
     seq_len: int = opt(-1, "tokens per validation sequence; -1 = training.seq_len", at_least=1, sentinels=(-1,))
 

@@ -176,6 +176,6 @@ def stage_loss(output: torch.Tensor, labels: torch.Tensor, loss_fn) -> torch.Ten
 
 def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, document_ids, loss_fn, forward_context,
              loss_parallel_enabled: bool) -> torch.Tensor:
-    """The sum of a batch's token losses (validation, under no_grad): its mean times its tokens."""
+    """The sum of a batch's token losses (validation, under no_grad): its mean times its trained tokens."""
     with loss_parallel_context(loss_parallel_enabled):
-        return micro_batch_loss(model, inputs, labels, document_ids, loss_fn, forward_context) * labels.numel()
+        return micro_batch_loss(model, inputs, labels, document_ids, loss_fn, forward_context) * trained_tokens(labels)

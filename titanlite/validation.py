@@ -20,7 +20,7 @@ from titanlite.config_sections import Training, Validation
 from titanlite.data.datasets import build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.loss import cross_entropy_loss, loss_sum
+from titanlite.loss import cross_entropy_loss, loss_sum, trained_tokens
 from titanlite.models.attention import document_ids
 from titanlite.parallel.fsdp import mixed_precision_context
 
@@ -64,6 +64,7 @@ class Validator:
             dataset=cfg.dataset, dataset_path=cfg.dataset_path, text_field=training.dataset_text_field,
             tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size, dp_rank=dims.dp_rank,
             dp_world=dims.dp_degree, seed=seed, num_workers=0, infinite=False, section="validation",
+            dataset_format=training.dataset_format, train_on=training.train_on, chat_template=training.chat_template,
         )
         self.start = self.loader.state_dict()
         name = f"validation.dataset_path {cfg.dataset_path}" if cfg.dataset_path else cfg.dataset
@@ -114,7 +115,7 @@ class Validator:
                     break
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in batch)
                 loss_sum += self._loss_sum(model, inputs, labels)
-                tokens += labels.numel()
+                tokens += trained_tokens(labels)
                 count += 1
         finally:
             model.train()

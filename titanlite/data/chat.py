@@ -15,6 +15,7 @@ when it starts inside such a span (offsets from the `tokenizers` library, on the
 so the ids are exactly apply_chat_template's).
 """
 
+import hashlib
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -22,10 +23,12 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from titanlite.data.hf_tokenizer import HFTokenizer
 from titanlite.data.local_files import find_data_files, read_records, READ_ERRORS
+from titanlite.data.store import TokenStore
 from titanlite.errors import UserError
 
 ROLES = ("system", "user", "assistant")
@@ -71,6 +74,7 @@ class ChatRenderer:
         if not isinstance(source, str):  # a list of named templates: transformers uses "default"
             raise UserError(f"the chat template of {self.origin} is not one string; set training.chat_template to a template file")
         self.template = compile_template(source, self.origin)
+        self.template_sha256 = hashlib.sha256(source.encode()).hexdigest()
         self.tokens = dict(tokenizer.special_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -160,3 +164,17 @@ def tokenize_conversation(renderer: ChatRenderer, tokenizer: HFTokenizer, messag
     if ids[-1] != tokenizer.eos_id:
         ids, trained = ids + [tokenizer.eos_id], trained + [False]
     return ids, trained
+
+
+def chat_record(renderer: ChatRenderer, dataset_format: str, train_on: str) -> dict:
+    """What fixes a conversation's tokens and loss mask; a chat store keeps it, and a run reading the store must match."""
+    return {"format": dataset_format, "train_on": train_on, "template_sha256": renderer.template_sha256}
+
+
+def conversation_store(conversations, encode, name: str) -> TokenStore:
+    """Conversations tokenized (encode: messages -> ids, trained flags) into an in-memory store with its loss mask."""
+    encoded = [encode(messages) for messages in conversations]
+    offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in encoded])])
+    tokens = np.fromiter((t for ids, _ in encoded for t in ids), dtype=np.int64, count=int(offsets[-1]))
+    mask = np.fromiter((f for _, trained in encoded for f in trained), dtype=np.uint8, count=int(offsets[-1]))
+    return TokenStore.from_offsets([tokens], [offsets], name, [mask])

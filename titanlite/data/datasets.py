@@ -9,7 +9,7 @@
     synthetic   seeded random tokens for benchmarks
 
 `section` ("training" or "validation") names the config keys that error messages point at.
-Token stores and training.dataset_mix are read in one global order, whatever the number of
+Token stores, training.dataset_mix and chat data are read in one global order, whatever the number of
 ranks (global_order.py). For the others, each data-parallel rank reads a disjoint part of the documents (see documents.py), packs them
 into windows (packing.py) and gets batches of (inputs, labels), LongTensors [batch, seq_len].
 """
@@ -17,19 +17,22 @@ into windows (packing.py) and gets batches of (inputs, labels), LongTensors [bat
 import difflib
 import functools
 import warnings
+from pathlib import Path
 
 import datasets
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.data.chat import ChatRenderer, Conversations, tokenize_conversation
+from titanlite.data.chat import ChatRenderer, Conversations, chat_record, conversation_store, tokenize_conversation
+from titanlite.data.conversation_windows import ConversationWindows
 from titanlite.data.documents import IndexedDocuments, StreamedDocuments
 from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.local_files import load_local_documents
-from titanlite.data.packing import PackedConversations, PackedTokens, SyntheticTokens
+from titanlite.data.packing import PackedTokens, SyntheticTokens
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
 from titanlite.data.sources import global_windows
-from titanlite.data.store import is_store
+from titanlite.data.store import is_store, open_store
 from titanlite.errors import UserError
+from titanlite.log import logger
 
 # torchdata 0.11 calls torch.set_vital, which newer torch deprecates; the warning is about
 # torchdata's internals, says nothing to a user, and would repeat once per rank.
@@ -122,8 +125,8 @@ def build_dataloader(
     A token store at dataset_path, or a dataset_mix, is read in one global order (global_order.py);
     the other datasets are split between the ranks and packed per rank (documents.py, packing.py).
     infinite=False: one pass over the data, and every new iter() starts it again from the beginning.
-    dataset_format chat / prompt_completion: local records rendered with the chat template (chat.py) and
-    packed whole, with labels IGNORED outside the trained tokens.
+    dataset_format chat / prompt_completion: local records (or a chat store) rendered with the chat template
+    (chat.py) and packed whole in one global order, with labels IGNORED outside the trained tokens.
     """
     if dataset_format != "text":
         return conversation_loader(dataset_path, dataset_format, train_on, chat_template, tokenizer, seq_len,
@@ -156,20 +159,22 @@ def data_parallel_loader(windows, name: str, batch_size: int, dp_rank: int, dp_w
 
 def conversation_loader(dataset_path: str, dataset_format: str, train_on: str, chat_template: str, tokenizer, seq_len: int,
                         batch_size: int, dp_rank: int, dp_world: int, seed: int, num_workers: int, infinite: bool, section: str):
-    """Chat or prompt/completion records at dataset_path, split between the ranks as local documents are."""
+    """Chat or prompt/completion records at dataset_path (or a chat store prepared from them), whole conversations
+    packed into windows in one global order (conversation_windows.py)."""
     key = f"{section}.dataset_path"
     if not dataset_path:
         raise UserError(f"training.dataset_format {dataset_format} reads local records; set {key} to your jsonl/json/parquet data")
-    if is_store(dataset_path):
-        raise UserError(f"{key} {dataset_path} is a token store, which holds no loss mask; point it at the jsonl/json/parquet records")
     renderer = ChatRenderer(tokenizer, chat_template)
-    conversations = Conversations(dataset_path, dataset_format, key)
-    encode = functools.partial(tokenize_conversation, renderer, tokenizer, train_on=train_on)
-    encode(conversations[0])  # a template that fails on the data stops the run now, not at the first batch
-    readers = dp_world * max(num_workers, 1)
-    if len(conversations) < readers:
-        raise UserError(f"{key} {dataset_path} holds {len(conversations)} conversations, fewer than the {readers} readers "
-                        "(data-parallel ranks x workers) that each need one; use more records or fewer readers")
-    windows = PackedConversations(IndexedDocuments(conversations, dp_rank, dp_world, seed), encode, tokenizer.eos_id,
-                                  seq_len, infinite)
-    return data_parallel_loader(windows, f"local {dataset_format}", batch_size, dp_rank, dp_world, seed, num_workers)
+    chat = chat_record(renderer, dataset_format, train_on)
+    if is_store(dataset_path):
+        store = open_store(dataset_path, tokenizer, key, chat)
+    else:
+        conversations = Conversations(dataset_path, dataset_format, key)
+        store = conversation_store(conversations, functools.partial(tokenize_conversation, renderer, tokenizer, train_on=train_on),
+                                   dataset_path)
+        logger.info(f"{key} {dataset_path}: tokenized its {len(conversations):,} conversations at start (prepare them into a "
+                    f"chat store with python -m titanlite.data.prepare --format {dataset_format} to skip this)")
+    windows = ConversationWindows(store, seq_len, seed, tokenizer.eos_id, key)
+    identity = {"sources": [str(Path(dataset_path).resolve())], "seed": seed, "seq_len": seq_len, **chat}
+    return GlobalOrderLoader(windows, batch_size=batch_size, dp_rank=dp_rank, dp_world=dp_world, num_workers=num_workers,
+                             finite=not infinite, identity=identity, source_names=[Path(dataset_path).name], seq_len=seq_len)

@@ -120,7 +120,8 @@ class RankBatches:
 
 
 class GlobalOrderLoader:
-    """Batches of one rank from a global window stream; its state is the windows consumed by all ranks.
+    """Batches of one rank from a global window stream (StoreWindows, MixedWindows, or conversation_windows.py's
+    ConversationWindows: a Dataset with windows_per_epoch()); its state is the windows consumed by all ranks.
 
     `identity` says which stream it is (sources, weights, seed, seq_len): a state of another stream is
     refused. `finite`: one pass over the first epoch's whole windows; every new iter() starts it again.
@@ -128,7 +129,7 @@ class GlobalOrderLoader:
 
     state_is_global = True
 
-    def __init__(self, windows: StoreWindows | MixedWindows, *, batch_size: int, dp_rank: int, dp_world: int,
+    def __init__(self, windows: Dataset, *, batch_size: int, dp_rank: int, dp_world: int,
                  num_workers: int, finite: bool, identity: dict, source_names: list[str], seq_len: int):
         self.windows, self.batch_size, self.dp_rank, self.dp_world = windows, batch_size, dp_rank, dp_world
         self.num_workers, self.identity, self.source_names, self.seq_len = num_workers, identity, source_names, seq_len

@@ -13,7 +13,6 @@ from torch.utils.data import IterableDataset
 
 from titanlite.data.documents import seeded_rng, worker_slot
 from titanlite.errors import UserError
-from titanlite.log import logger
 
 Window = tuple[torch.Tensor, torch.Tensor]
 
@@ -78,78 +77,6 @@ class PackedTokens(IterableDataset):
 
 
 IGNORED = -100  # the label of a token outside the loss (cross_entropy's ignore_index)
-
-
-class PackedConversations(IterableDataset):
-    """Conversations (chat.py: tokens + which of them train) packed whole into windows of seq_len + 1.
-
-    A conversation that does not fit in what is left of the window starts the next one; the rest of
-    the window is eos padding outside the loss. One longer than a whole window is truncated to it
-    (and counted in the log), never split across windows. Labels of untrained tokens are IGNORED.
-    The state is as PackedTokens': epoch, position, and the tokens waiting for the next window.
-    """
-
-    def __init__(self, source, encode, pad_id: int, seq_len: int, infinite: bool):
-        self.source = source
-        self.encode = encode  # messages -> (ids, trained flags)
-        self.pad_id = pad_id
-        self.seq_len = seq_len
-        self.infinite = infinite
-        self.truncated = 0
-        self.load_state_dict({"epoch": 0, "position": None, "buffer": []})
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "buffer": list(self.buffer)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position, self.buffer = state["epoch"], state["position"], list(state["buffer"])
-
-    def full_window(self) -> Window:
-        """The buffer padded to a window: (inputs, labels with IGNORED where not trained)."""
-        pad = self.seq_len + 1 - len(self.buffer)
-        tokens = torch.tensor([token for token, _ in self.buffer] + [self.pad_id] * pad, dtype=torch.long)
-        trained = torch.tensor([flag for _, flag in self.buffer] + [False] * pad)
-        inputs, labels = split_window(tokens)
-        return inputs, labels.masked_fill(~trained[1:], IGNORED)
-
-    def trains(self, window: Window) -> bool:
-        """Whether the window has a label in the loss; one without (a truncated conversation whose trained turns
-        were cut off) is dropped, since its mean loss would be 0/0."""
-        if (window[1] != IGNORED).any():
-            return True
-        logger.info("a window holds no trained token (its conversation was truncated before any): skipped")
-        return False
-
-    def __iter__(self) -> Iterator[Window]:
-        window = self.seq_len + 1
-        while True:
-            read_any = self.position is not None
-            for messages, position in self.source.documents(self.epoch, self.position):
-                read_any = True
-                self.position = position
-                ids, trained = self.encode(messages)
-                if len(ids) > window:
-                    self.truncated += 1
-                    if str(self.truncated).strip("0") == "1":  # the 1st, 10th, 100th...: a count, not a line per conversation
-                        logger.info(f"a conversation of {len(ids)} tokens is longer than training.seq_len + 1 = {window}: "
-                                    f"truncated ({self.truncated} so far on this reader)")
-                    ids, trained = ids[:window], trained[:window]
-                tokens = list(zip(ids, trained))
-                if len(self.buffer) + len(tokens) > window:
-                    full, self.buffer = self.full_window(), tokens  # the state holds the new one before the yield
-                    if self.trains(full):
-                        yield full
-                else:
-                    self.buffer += tokens
-            if not read_any:
-                raise UserError("a data-loading worker got no conversations at all; use fewer training.num_workers "
-                                "or data-parallel ranks, or a dataset with more records")
-            if not self.infinite:
-                if self.buffer and self.trains(full := self.full_window()):
-                    yield full
-                self.load_state_dict({"epoch": 0, "position": None, "buffer": []})
-                return
-            self.epoch, self.position = self.epoch + 1, None
 
 
 class SyntheticTokens(IterableDataset):

@@ -1,10 +1,13 @@
 """Tokenize a corpus once into a token store (store.py) that training reads without tokenizing.
 
     python -m titanlite.data.prepare --input SRC --output DIR [--tokenizer PATH] [--workers N]
+                                     [--format chat|prompt_completion [--train_on ...] [--chat_template FILE]]
 
 SRC is a .jsonl/.json/.parquet/.arrow file or folder, a folder of .txt files (read as
 training.dataset_path reads them), `sample` / `sample_val` (the shipped corpus), or a Hugging Face
-dataset name, streamed (e.g. `--input allenai/c4 --hf_config en`).
+dataset name, streamed (e.g. `--input allenai/c4 --hf_config en`). With --format, SRC holds chat or
+prompt/completion records, rendered with the chat template of the Hugging Face tokenizer (or
+--chat_template) and stored with their loss mask, for training.dataset_format of the same name.
 
 Documents are cut into shards of --documents_per_shard in input order; worker processes tokenize
 whole shards, each written under a temporary name and renamed when complete (the offsets file
@@ -13,6 +16,7 @@ redoes the rest. The manifest is written last: a folder with a manifest is a com
 """
 
 import argparse
+import functools
 import itertools
 import json
 import multiprocessing
@@ -22,14 +26,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from titanlite.data.chat import ChatRenderer, Conversations, chat_record, tokenize_conversation
 from titanlite.data.local_files import LOADER_BY_SUFFIX, load_local_documents
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
-from titanlite.data.store import FORMAT, MANIFEST, shard_paths, token_dtype, tokenizer_record
+from titanlite.data.store import FORMAT, MANIFEST, mask_path, shard_paths, token_dtype, tokenizer_record
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from titanlite.errors import UserError
 
 PLAN = "prepare.json"  # the arguments a resume must repeat
-TOKENIZER = None  # each tokenizing process loads its own (load_worker_tokenizer)
+ENCODE = None  # each tokenizing process builds its own (load_worker): document -> (ids, trained flags or None)
 
 
 def open_input(source: str, text_field: str, hf_config: str, split: str):
@@ -50,13 +55,17 @@ def open_input(source: str, text_field: str, hf_config: str, split: str):
 
 
 def tokenize_shard(task: tuple) -> None:
-    """Worker: tokenize one shard's documents as packing does (bos + text + eos) and write it."""
-    folder, shard, texts, dtype = task
-    ids = [TOKENIZER.encode(text, bos=True, eos=True) for text in texts]
-    offsets = np.concatenate([[0], np.cumsum([len(doc) for doc in ids])]).astype(np.int64)
+    """Worker: tokenize one shard's documents as packing does (bos + text + eos; a conversation as chat.py
+    does, with its mask) and write it, the offsets file last."""
+    folder, shard, documents, dtype = task
+    encoded = [ENCODE(document) for document in documents]
+    offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in encoded])]).astype(np.int64)
     tokens_path, index_path = shard_paths(folder, shard)
-    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(offsets[-1]))
+    tokens = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in encoded), dtype=dtype, count=int(offsets[-1]))
     write_then_rename(tokens_path, tokens.tofile)
+    if encoded and encoded[0][1] is not None:
+        mask = np.fromiter(itertools.chain.from_iterable(trained for _, trained in encoded), dtype=np.uint8, count=int(offsets[-1]))
+        write_then_rename(mask_path(folder, shard), mask.tofile)
     write_then_rename(index_path, lambda file: np.save(file, offsets))
 
 
@@ -67,9 +76,15 @@ def write_then_rename(path: Path, write) -> None:
     temporary.replace(path)
 
 
-def load_worker_tokenizer(path: str) -> None:
-    global TOKENIZER
-    TOKENIZER = load_tokenizer(path, origin="--tokenizer")
+def load_worker(path: str, chat: tuple | None) -> None:
+    """Set ENCODE for text (chat None) or for conversations (chat = format, train_on, template file)."""
+    global ENCODE
+    tokenizer = load_tokenizer(path, origin="--tokenizer")
+    if chat is None:
+        ENCODE = lambda text: (tokenizer.encode(text, bos=True, eos=True), None)  # noqa: E731
+    else:
+        renderer = ChatRenderer(tokenizer, chat[2])
+        ENCODE = functools.partial(tokenize_conversation, renderer, tokenizer, train_on=chat[1])
 
 
 def check_plan(folder: Path, plan: dict) -> None:
@@ -106,7 +121,7 @@ def shard_tasks(documents, folder: Path, per_shard: int, dtype, progress):
             yield folder, shard, texts, dtype
 
 
-def write_manifest(folder: Path, plan: dict, tokenizer, dtype) -> dict:
+def write_manifest(folder: Path, plan: dict, tokenizer, dtype, chat: dict | None) -> dict:
     shards = []
     for shard in itertools.count():
         index_path = shard_paths(folder, shard)[1]
@@ -118,34 +133,44 @@ def write_manifest(folder: Path, plan: dict, tokenizer, dtype) -> dict:
         raise UserError(f"--input {plan['input']} holds no documents; point it at data that has some")
     manifest = {"format": FORMAT, "input": plan["input"], "tokenizer": tokenizer_record(tokenizer), "dtype": dtype.name,
                 "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    if chat is not None:
+        manifest["chat"] = chat
     write_then_rename(folder / MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
     return manifest
 
 
 def prepare(source: str, output: str, tokenizer_path: str = "", workers: int = 1, text_field: str = "text",
-            documents_per_shard: int = 20000, hf_config: str = "", split: str = "train") -> dict:
+            documents_per_shard: int = 20000, hf_config: str = "", split: str = "train", dataset_format: str = "text",
+            train_on: str = "assistant", chat_template: str = "") -> dict:
     """Write (or finish) the store for SRC in output; returns its manifest."""
     tokenizer_path = tokenizer_path or str(SHIPPED_TOKENIZER)
     tokenizer = load_tokenizer(tokenizer_path, origin="--tokenizer")
     folder = Path(output)
     plan = {"input": source, "tokenizer_sha256": tokenizer_record(tokenizer)["sha256"], "text_field": text_field,
             "documents_per_shard": documents_per_shard, "hf_config": hf_config, "split": split}
-    documents = open_input(source, text_field, hf_config, split)  # a bad input leaves no folder behind
+    # a bad input leaves no folder behind
+    if dataset_format == "text":
+        chat, worker_chat = None, None
+        documents = open_input(source, text_field, hf_config, split)
+    else:
+        chat, worker_chat = chat_record(ChatRenderer(tokenizer, chat_template), dataset_format, train_on), (dataset_format, train_on, chat_template)
+        documents = Conversations(source, dataset_format, "--input")
+        plan["chat"] = chat
     check_plan(folder, plan)
     dtype = token_dtype(tokenizer.vocab_size)
     total = len(documents) if hasattr(documents, "__len__") else None
     with tqdm(total=total, unit="doc", desc=f"tokenizing {source}", file=sys.stderr) as progress:
         tasks = shard_tasks(documents, folder, documents_per_shard, dtype, progress)
         if workers == 1:
-            load_worker_tokenizer(tokenizer_path)
+            load_worker(tokenizer_path, worker_chat)
             for task in tasks:
                 tokenize_shard(task)
         else:
-            with multiprocessing.Pool(workers, load_worker_tokenizer, (tokenizer_path,)) as pool:
+            with multiprocessing.Pool(workers, load_worker, (tokenizer_path, worker_chat)) as pool:
                 # In waves: Pool.imap would read a streamed input ahead without bound.
                 while wave := list(itertools.islice(tasks, 2 * workers)):
                     pool.map(tokenize_shard, wave)
-    return write_manifest(folder, plan, tokenizer, dtype)
+    return write_manifest(folder, plan, tokenizer, dtype, chat)
 
 
 def main(argv: list[str]) -> int:
@@ -159,12 +184,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--documents_per_shard", type=int, default=20000, help="documents per shard file")
     parser.add_argument("--hf_config", default="", help="configuration of a Hugging Face dataset (e.g. en for allenai/c4)")
     parser.add_argument("--split", default="train", help="split of a Hugging Face dataset")
+    parser.add_argument("--format", default="text", choices=("text", "chat", "prompt_completion"),
+                        help="chat / prompt_completion: local records rendered with the chat template, stored with their loss mask")
+    parser.add_argument("--train_on", default="assistant", choices=("assistant", "last_assistant", "all"),
+                        help="with --format, the tokens in the loss (as training.train_on)")
+    parser.add_argument("--chat_template", default="", help="with --format, a jinja template file instead of the tokenizer folder's")
     args = parser.parse_args(argv)
     try:
         if args.workers < 1 or args.documents_per_shard < 1:
             raise UserError(f"--workers ({args.workers}) and --documents_per_shard ({args.documents_per_shard}) must be at least 1")
+        if args.format == "text" and (args.train_on != "assistant" or args.chat_template):
+            raise UserError("--train_on and --chat_template apply to --format chat or prompt_completion; add --format or drop them")
         manifest = prepare(args.input, args.output, args.tokenizer, args.workers, args.text_field,
-                           args.documents_per_shard, args.hf_config, args.split)
+                           args.documents_per_shard, args.hf_config, args.split, args.format, args.train_on,
+                           args.chat_template)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -5,10 +5,13 @@ A store is a folder:
     manifest.json        tokenizer (file name, sha256, vocab, bos, eos), dtype, documents and tokens per shard
     shard-00000.bin      the token ids of its documents, back to back (uint16 when the vocab fits, else uint32)
     shard-00000.idx.npy  int64 offsets: document d of the shard is tokens[idx[d]:idx[d + 1]]
+    shard-00000.mask.bin chat stores only: a uint8 per token, 1 where the token is trained (chat.py)
     ...
 
 Each document is stored as packing.py tokenizes it, bos + text + eos, so a store and the raw
-files it came from give the same token stream.
+files it came from give the same token stream. A chat store (`python -m titanlite.data.prepare
+--format chat`) holds rendered conversations and their loss mask; its manifest records the format,
+train_on and the chat template's sha256, which a run must match.
 """
 
 import hashlib
@@ -27,6 +30,11 @@ FORMAT = "titanlite-token-store-1"
 def shard_paths(folder: Path, shard: int) -> tuple[Path, Path]:
     """(tokens file, document-offsets file) of one shard."""
     return folder / f"shard-{shard:05d}.bin", folder / f"shard-{shard:05d}.idx.npy"
+
+
+def mask_path(folder: Path, shard: int) -> Path:
+    """The trained-token flags of one shard of a chat store."""
+    return folder / f"shard-{shard:05d}.mask.bin"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -61,26 +69,31 @@ class TokenStore:
     doc_start: np.ndarray
     doc_len: np.ndarray
     name: str
+    masks: list | None = None  # chat stores: per shard, a uint8 per token, 1 where it is trained
 
     def __getstate__(self) -> dict:
         # Sent to DataLoader workers: a memory map travels as its file, not as a copy of its tokens.
-        shards = [(s.filename, s.dtype.str, s.shape) if isinstance(s, np.memmap) else s for s in self.shards]
-        return {**self.__dict__, "shards": shards}
+        return {**self.__dict__, "shards": portable(self.shards), "masks": portable(self.masks)}
 
     def __setstate__(self, state: dict) -> None:
-        state["shards"] = [np.memmap(s[0], dtype=s[1], mode="r", shape=s[2]) if isinstance(s, tuple) else s
-                           for s in state["shards"]]
+        state["shards"], state["masks"] = reopened(state["shards"]), reopened(state["masks"])
         self.__dict__.update(state)
 
     @property
     def total_tokens(self) -> int:
         return int(self.doc_len.sum())
 
+    def document(self, doc: int, length: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the first `length` tokens of document doc, their trained flags or None without a mask)."""
+        shard, begin = self.doc_shard[doc], self.doc_start[doc]
+        mask = None if self.masks is None else self.masks[shard][begin : begin + length]
+        return self.shards[shard][begin : begin + length], mask
+
     @classmethod
-    def from_offsets(cls, shards: list, offsets: list[np.ndarray], name: str) -> "TokenStore":
+    def from_offsets(cls, shards: list, offsets: list[np.ndarray], name: str, masks: list | None = None) -> "TokenStore":
         shard_ids = [np.full(len(o) - 1, i, dtype=np.int32) for i, o in enumerate(offsets)]
         return cls(shards, np.concatenate(shard_ids), np.concatenate([o[:-1] for o in offsets]),
-                   np.concatenate([np.diff(o) for o in offsets]), name)
+                   np.concatenate([np.diff(o) for o in offsets]), name, masks)
 
     @classmethod
     def tokenize(cls, texts, tokenizer, name: str) -> "TokenStore":
@@ -88,6 +101,15 @@ class TokenStore:
         ids = [np.asarray(tokenizer.encode(text, bos=True, eos=True), dtype=np.int64) for text in texts]
         offsets = np.concatenate([[0], np.cumsum([len(a) for a in ids])])
         return cls.from_offsets([np.concatenate(ids)], [offsets], name)
+
+
+def portable(arrays: list | None) -> list | None:
+    return None if arrays is None else [(a.filename, a.dtype.str, a.shape) if isinstance(a, np.memmap) else a for a in arrays]
+
+
+def reopened(arrays: list | None) -> list | None:
+    return None if arrays is None else [np.memmap(a[0], dtype=a[1], mode="r", shape=a[2]) if isinstance(a, tuple) else a
+                                        for a in arrays]
 
 
 def read_manifest(folder: Path, key: str) -> dict:
@@ -111,18 +133,38 @@ def check_tokenizer(manifest: dict, tokenizer, folder: Path, key: str) -> None:
         )
 
 
-def open_store(folder: str | Path, tokenizer, key: str = "training.dataset_path") -> TokenStore:
-    """The store at folder, memory-mapped (read-only: pages are shared by every process on the node)."""
+def check_chat(manifest: dict, chat: dict | None, folder: Path, key: str) -> None:
+    """A chat store's mask was fixed when it was prepared: the run must read it as it was made."""
+    prepared = manifest.get("chat")
+    if prepared == chat:
+        return
+    if chat is None:
+        raise UserError(f"{key} {folder} holds {prepared['format']} data with its loss mask; set training.dataset_format "
+                        f"{prepared['format']} and training.train_on {prepared['train_on']}")
+    if prepared is None:
+        raise UserError(f"{key} {folder} holds text without a loss mask; prepare the records with python -m "
+                        f"titanlite.data.prepare --format {chat['format']}, or point {key} at the jsonl/json/parquet records")
+    differences = ", ".join(f"{name} {prepared[name]!r} (this run: {chat[name]!r})" for name in chat if prepared[name] != chat[name])
+    raise UserError(f"{key} {folder} was prepared with {differences}; prepare it again with this run's settings or match them")
+
+
+def open_store(folder: str | Path, tokenizer, key: str = "training.dataset_path", chat: dict | None = None) -> TokenStore:
+    """The store at folder, memory-mapped (read-only: pages are shared by every process on the node). `chat`
+    is the run's chat.chat_record (None for text), which a chat store's must equal."""
     folder = Path(folder)
     manifest = read_manifest(folder, key)
     check_tokenizer(manifest, tokenizer, folder, key)
-    shards, offsets = [], []
+    check_chat(manifest, chat, folder, key)
+    shards, offsets, masks = [], [], []
     for shard, entry in enumerate(manifest["shards"]):
-        tokens_path, index_path = shard_paths(folder, shard)
-        if not tokens_path.is_file() or not index_path.is_file():
-            raise UserError(f"{key} {folder}: shard {shard} is missing ({tokens_path.name}); prepare the store again")
-        shards.append(np.memmap(tokens_path, dtype=manifest["dtype"], mode="r", shape=(entry["tokens"],)))
-        offsets.append(np.load(index_path))
+        paths = [*shard_paths(folder, shard), *([mask_path(folder, shard)] if chat is not None else [])]
+        missing = next((path for path in paths if not path.is_file()), None)
+        if missing:
+            raise UserError(f"{key} {folder}: shard {shard} is missing ({missing.name}); prepare the store again")
+        shards.append(np.memmap(paths[0], dtype=manifest["dtype"], mode="r", shape=(entry["tokens"],)))
+        offsets.append(np.load(paths[1]))
+        if chat is not None:
+            masks.append(np.memmap(paths[2], dtype=np.uint8, mode="r", shape=(entry["tokens"],)))
     if not shards or sum(entry["documents"] for entry in manifest["shards"]) == 0:
         raise UserError(f"{key} {folder} holds no documents; prepare it from a source that has some")
-    return TokenStore.from_offsets(shards, offsets, str(folder))
+    return TokenStore.from_offsets(shards, offsets, str(folder), masks if chat is not None else None)

@@ -212,8 +212,8 @@ class Pipeline:
         return self.loss_scale if self.per_token is None else trained_tokens(labels) * self.per_token
 
     def eval_loss_sum(self, inputs, labels, model_kwargs: dict) -> torch.Tensor:
-        """Forward only: the sum of the token losses of the batch."""
-        self.loss_scale = labels.numel() / self.n_microbatches  # a microbatch's mean times its tokens
+        """Forward only: the sum of the token losses of the batch (each microbatch's mean times its trained tokens)."""
+        self.per_token = torch.ones((), device=labels.device)
         return self._run(self.schedule.eval, inputs, labels, model_kwargs)
 
     def sum_tied_grads(self) -> None:

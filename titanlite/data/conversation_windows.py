@@ -1,0 +1,102 @@
+"""Chat data in one global order: whole conversations packed into windows, the same at any scale.
+
+Epoch e lays the conversations out in the order of a permutation drawn from (seed, e) and packs
+them greedily and whole into windows of seq_len + 1 tokens: a conversation that does not fit in
+what is left of a window starts the next one, and the rest of the window is eos padding outside
+the loss. One longer than a window is truncated to it (never split over two); one with no trained
+label in its first window is left out. Window g of the stream is window g - (the windows of the
+earlier epochs) of its epoch, so it depends on (seed, g) alone, and global_order.py's loader deals
+the windows to the ranks exactly as it deals a token store's: any split of the global batch into
+ranks, local batch and accumulation reads the same conversations.
+"""
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from titanlite.data.documents import seeded_rng
+from titanlite.data.packing import IGNORED, split_window
+from titanlite.data.store import TokenStore
+from titanlite.errors import UserError
+from titanlite.log import logger
+
+
+def trained_counts(store: TokenStore, lengths: np.ndarray) -> np.ndarray:
+    """Trained tokens within the first lengths[d] tokens of each document d, one shard at a time."""
+    counts = np.zeros(len(lengths), dtype=np.int64)
+    for shard, mask in enumerate(store.masks):
+        docs = np.flatnonzero(store.doc_shard == shard)
+        running = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+        starts = store.doc_start[docs]
+        counts[docs] = running[starts + lengths[docs]] - running[starts]
+    return counts
+
+
+def pack(lengths: np.ndarray, window: int) -> np.ndarray:
+    """Greedy whole packing of documents of these lengths (each at most `window`), in order: the index
+    of each window's first document, then len(lengths)."""
+    starts, filled = [0], 0
+    for i, length in enumerate(lengths.tolist()):
+        if filled + length > window:
+            starts.append(i)
+            filled = 0
+        filled += length
+    starts.append(len(lengths))
+    return np.asarray(starts)
+
+
+class ConversationWindows(Dataset):
+    """Window g of a chat store (tokens with a loss mask) as (inputs, labels), labels IGNORED where not trained."""
+
+    def __init__(self, store: TokenStore, seq_len: int, seed: int, pad_id: int, key: str):
+        self.store, self.window_len, self.seed, self.pad_id = store, seq_len + 1, seed, pad_id
+        self.lengths = np.minimum(store.doc_len, self.window_len)
+        self.kept = np.flatnonzero(trained_counts(store, self.lengths) > 0)
+        where = f"{key} {store.name}"
+        if not len(self.kept):
+            raise UserError(f"{where}: no conversation has a trained token within its first training.seq_len + 1 = "
+                            f"{self.window_len} tokens; raise training.seq_len or check training.train_on")
+        truncated = int((store.doc_len > self.window_len).sum())
+        if truncated:
+            logger.info(f"{where}: {truncated:,} of {len(store.doc_len):,} conversations are longer than training.seq_len + 1 = "
+                        f"{self.window_len} tokens and are truncated to one window")
+        if len(self.kept) < len(store.doc_len):
+            logger.info(f"{where}: {len(store.doc_len) - len(self.kept):,} conversations hold no trained token within one "
+                        "window (truncated before any) and are left out")
+        self.epoch_windows: list[int] = []  # how many windows each epoch packs, as far as laid out
+        self.plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the conversations in this epoch's order, pack's window starts into it); the last two are kept."""
+        if epoch not in self.plans:
+            order = self.kept[seeded_rng(self.seed, epoch).permutation(len(self.kept))]
+            self.plans = {e: v for e, v in self.plans.items() if e == epoch - 1}
+            self.plans[epoch] = order, pack(self.lengths[order], self.window_len)
+        return self.plans[epoch]
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(epoch, window within it) of global window g."""
+        epoch, first = 0, 0
+        while True:
+            if epoch == len(self.epoch_windows):
+                self.epoch_windows.append(len(self.plan(epoch)[1]) - 1)
+            if g < first + self.epoch_windows[epoch]:
+                return epoch, g - first
+            first, epoch = first + self.epoch_windows[epoch], epoch + 1
+
+    def windows_per_epoch(self) -> int:
+        self.locate(0)  # lays out epoch 0
+        return self.epoch_windows[0]
+
+    def __getitem__(self, g: int):
+        epoch, w = self.locate(g)
+        order, starts = self.plan(epoch)
+        tokens = np.full(self.window_len, self.pad_id, dtype=np.int64)
+        trained = np.zeros(self.window_len, dtype=bool)
+        filled = 0
+        for doc in order[starts[w] : starts[w + 1]]:
+            ids, mask = self.store.document(doc, int(self.lengths[doc]))
+            tokens[filled : filled + len(ids)], trained[filled : filled + len(ids)] = ids, mask
+            filled += len(ids)
+        inputs, labels = split_window(torch.from_numpy(tokens))
+        return inputs, labels.masked_fill(~torch.from_numpy(trained[1:]), IGNORED)
