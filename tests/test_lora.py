@@ -104,3 +104,31 @@ def test_peft_adapter_on_the_transformers_base_equals_the_merged_export(tmp_path
         merged_logits = merged(tokens).logits
     assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
     assert torch.allclose(peft_logits, merged_logits, atol=1e-4)
+
+
+def test_bf16_base_changes_no_result_and_resumes(tmp_path, capsys):
+    """lora.base_dtype bfloat16 stores the frozen linears in the bf16 they compute in under
+    mixed_precision_param bfloat16: losses equal the float32 base's exactly, on one process and on two
+    FSDP ranks, and an adapters-only checkpoint resumes exactly."""
+    layers = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4))
+    apply_lora(layers, LoRA(rank=2, target_modules=["0"], base_dtype="bfloat16"))
+    assert {n: p.dtype for n, p in layers.named_parameters()} == {
+        "0.weight": torch.bfloat16, "0.bias": torch.bfloat16, "0.lora_a": torch.float32, "0.lora_b": torch.float32,
+        "1.weight": torch.bfloat16, "1.bias": torch.bfloat16}
+    bf16 = ["--training.mixed_precision_param", "bfloat16", "--training.dataset", "synthetic", "--metrics.enable_tensorboard"]
+    saving = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+
+    def losses(name, *extra, nproc=1):
+        run = run_titanlite(flags(tmp_path / name, 4, *bf16, *extra), nproc=nproc)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return tensorboard_scalars(tmp_path / name / "tb", "loss/train")
+
+    float32_base = losses("fp32", "--training.local_batch_size", "4")
+    bf16_base = losses("bf16", "--training.local_batch_size", "4", "--lora.base_dtype", "bfloat16", *saving)
+    assert bf16_base == float32_base and sorted(bf16_base) == [1, 2, 3, 4]
+    shutil.copytree(tmp_path / "bf16" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    resumed = losses("resumed", "--training.local_batch_size", "4", "--lora.base_dtype", "bfloat16", *saving)
+    assert {s: resumed[s] for s in (3, 4)} == {s: bf16_base[s] for s in (3, 4)}
+    assert losses("fsdp_bf16", "--lora.base_dtype", "bfloat16", nproc=2) == losses("fsdp_fp32", nproc=2)
+    assert main(flags(tmp_path / "bad", 1, "--lora.base_dtype", "bfloat16", "--training.mixed_precision_param", "float32")) == 2
+    assert "lora.base_dtype bfloat16 keeps LoRA's frozen weights in the dtype they compute in" in capsys.readouterr().err

@@ -114,6 +114,9 @@ def check_lora(cfg: JobConfig) -> None:
             "is not supported yet (the TP plans shard the base weights but not the adapters); set "
             "tensor_parallel_degree 1 (FSDP shards the frozen base over the data-parallel ranks)"
         )
+    if cfg.lora.base_dtype == "bfloat16" and (not cfg.lora.rank or cfg.training.mixed_precision_param != "bfloat16"):
+        raise UserError("lora.base_dtype bfloat16 keeps LoRA's frozen weights in the dtype they compute in, so it needs "
+                        "lora.rank above 0 and training.mixed_precision_param bfloat16; set those or lora.base_dtype float32")
     if cfg.lora.rank and cfg.float8.enable:
         raise UserError(f"lora.rank {cfg.lora.rank} with float8.enable is not supported yet (float8 would replace the "
                         "adapted layers); set float8.enable false")

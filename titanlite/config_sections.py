@@ -204,6 +204,7 @@ class LoRA:
     alpha: float = opt(16.0, "the adapters' output is scaled by alpha / rank", above=0)
     dropout: float = opt(0.0, "dropout on the adapters' input while training", at_least=0, below=1)
     target_modules: list[str] = opt(["wq", "wk", "wv", "wo"], "the linear layers that get adapters, by their name in the model (attention: wq,wk,wv,wo; MLP: w1,w2,w3; the output layer: output)")
+    base_dtype: str = opt("float32", "dtype the frozen linear weights are kept in; bfloat16 halves their memory and changes no result, since with training.mixed_precision_param bfloat16 (required) they compute in bfloat16 anyway (embeddings and norms stay float32)", choices=("float32", "bfloat16"))
 
 
 @dataclass

@@ -60,6 +60,21 @@ def apply_lora(model: nn.Module, cfg: LoRA) -> None:
         if adapted.bias is not None:
             adapted.bias.requires_grad_(False)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, adapted)
+    if cfg.base_dtype == "bfloat16":
+        keep_frozen_linears_in_bf16(model)
+
+
+def keep_frozen_linears_in_bf16(model: nn.Module) -> None:
+    """lora.base_dtype bfloat16: every frozen linear weight (and bias) stored in bf16. They compute in bf16
+    anyway (FSDP's param_dtype or autocast casts them so, rounding the same way), so no result changes;
+    embeddings and norms stay as they are (autocast does not cast their ops, and one process's results
+    would move)."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            for name in ("weight", "bias"):
+                param = getattr(module, name)
+                if param is not None:
+                    setattr(module, name, nn.Parameter(param.to(torch.bfloat16), requires_grad=False))
 
 
 def init_lora(model: nn.Module, seed: int) -> None:
