@@ -23,7 +23,6 @@ from titanlite.loss import build_loss
 from titanlite.parallel.parallelize import ParallelizeSettings
 
 SHIPPED = sorted((ROOT / "train_configs").glob("*.toml"))
-MOE = {"mixtral_8x7b.toml", "deepseek_v3_16b.toml"}  # routing depends on the data: refused by the planner, in one sentence
 
 
 def measured_fwd_bwd_peak(cfg) -> int:
@@ -64,7 +63,11 @@ AC_MODES = [["none", "op"], ["full", "op"], ["selective", "op"], ["selective", "
     ["--model.flavor", "debugmodel"],
     ["--model.n_layers", "10"],  # deeper than FULL_DEPTH_UP_TO: measured at 1-2 blocks and extrapolated
     ["--model.name", "gpt2", "--model.flavor", "124M", "--model.n_layers", "2", "--model.tokenizer_path", ""],
-], ids=["debug", "debug-10-blocks", "gpt2-124M-2-blocks"])
+    # Mixture of experts: the planner routes evenly (plan/moe.py); on one rank the experts' tensors add up to
+    # the batch's N * top_k assignments however the router splits them, so the real step is comparable.
+    ["--model.name", "qwen3_moe"],
+    ["--model.name", "deepseek_v3"],
+], ids=["debug", "debug-10-blocks", "gpt2-124M-2-blocks", "qwen3_moe-debug", "deepseek_v3-debug"])
 def test_activation_peak_within_10_percent_of_a_real_cpu_step(model):
     for mode, option in AC_MODES:
         cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "128", "--training.local_batch_size", "2",
@@ -90,17 +93,12 @@ def test_a_compiled_cpu_step_peaks_between_the_planners_two_counts():
         assert lower < measured < 1.05 * eager, (mode, lower, measured, eager)  # the eager count is itself within 10% (above)
 
 
-@pytest.mark.parametrize("config", [path for path in SHIPPED if path.name not in MOE], ids=lambda path: path.stem)
+@pytest.mark.parametrize("config", SHIPPED, ids=lambda path: path.stem)
 def test_every_shipped_config_fits_its_hardware_with_10_percent_headroom(config):
     text = config.read_text()
     assert text.startswith("# Hardware: ") and "\n[plan]\n" in text  # names its hardware, in words and in [plan]
     result = plan_job(load_config(["--job.config_file", str(config)]))
     assert result.memory.share <= 0.90, (config.name, result.memory)
-
-
-def test_the_moe_config_is_refused_in_one_sentence(capsys):
-    assert plan_main(["--job.config_file", str(ROOT / "train_configs" / "mixtral_8x7b.toml")]) == 2
-    assert "model.name mixtral routes tokens by their values" in capsys.readouterr().err
 
 
 def test_405b_table_in_seconds_and_advice_when_it_does_not_fit(capsys):

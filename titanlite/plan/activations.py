@@ -26,16 +26,16 @@ import dataclasses
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.dtypes import DTYPES
-from titanlite.errors import UserError
 from titanlite.lora import apply_lora
 from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.parallel.ac import apply_ac, every_nth
+from titanlite.plan.moe import route_evenly
 from titanlite.parallel.compile import compiles
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import mixed_precision_context
@@ -118,6 +118,7 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compi
     with fake:
         model = spec.model_cls(dataclasses.replace(args, n_layers=n_layers))
         apply_lora(model, cfg.lora)  # a frozen weight's input is not saved for its (never computed) gradient
+        route_evenly(model)  # fake tensors hold no router values: each expert takes an equal share (plan/moe.py)
         # FSDP gathers the parameters in the compute dtype; without it autocast casts them, as in train_step.
         dtype = compute if dims.fsdp_enabled else DTYPES[training.param_dtype]
         for param in model.parameters():
@@ -128,6 +129,7 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compi
                       recomputed_by_compile(cfg) if compiled else frozenset())
     if compiled:  # what crosses a compiled region's edge is kept: blocks' inputs, the gradients flowing back into each
         def keep_gradient(_, inputs, output):
+            output = output[0] if isinstance(output, tuple) else output  # an MoE block's hidden state, its loss and loads
             if output.requires_grad:
                 output.register_hook(tally.keep)
 
@@ -146,17 +148,11 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compi
         for param in model.parameters():
             if param.requires_grad:  # LoRA's frozen base has no gradient
                 param.register_post_accumulate_grad_hook(keep_shard)
-    try:
-        with fake, tally:
-            context = mixed_precision_context(dims, training.mixed_precision_param, "cpu")
-            loss = micro_batch_loss(model, tokens, tokens, None, loss_fn, context)
-            saved = tally.live
-            loss.backward()
-    except DataDependentOutputException:
-        raise UserError(
-            f"model.name {cfg.model.name} routes tokens by their values (mixture of experts), which a forward on "
-            "fake tensors cannot follow; its activations cannot be planned yet: plan a dense model"
-        ) from None
+    with fake, tally:
+        context = mixed_precision_context(dims, training.mixed_precision_param, "cpu")
+        loss = micro_batch_loss(model, tokens, tokens, None, loss_fn, context)
+        saved = tally.live
+        loss.backward()
     return Activations(saved // dims.tp, tally.peak)
 
 

@@ -37,8 +37,8 @@ class Shape:
     n_layers: int
     dim: int
     vocab: int
-    block_params: int  # the largest block's
-    matmul_params: int  # num_params(exclude_embedding=True): 6 FLOPs per token each
+    block_params: int  # the largest block's (MoE: the share a token uses)
+    matmul_params: int  # num_params(exclude_embedding=True), MoE: active ones only: 6 FLOPs per token each
     total_params: int
     flops_per_token: float  # the model family's formula, as metrics.py uses it
 
@@ -46,7 +46,10 @@ class Shape:
     def of(cls, whole, seq_len: int, flops_per_token: float) -> "Shape":
         args = whole.args
         block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
-        return cls(args.n_layers, args.dim, args.vocab_size, block, whole.num_params(exclude_embedding=True),
+        matmul = whole.num_params(exclude_embedding=True)
+        # A token goes through top_k of the experts: the idle ones cost it neither matmuls nor traffic.
+        active = whole.num_params(exclude_embedding=True, active=True) if hasattr(args, "num_experts") else matmul
+        return cls(args.n_layers, args.dim, args.vocab_size, round(block * active / matmul), active,
                    whole.num_params(), flops_per_token)
 
     @property
