@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, logged_losses, run_titanlite
 
@@ -85,3 +86,20 @@ def test_fsdp2_tp2_float8_trains_and_resumes_exactly(tmp_path):
     after = logged_steps(resumed.stderr)
     assert sorted(after) == ["3"]
     assert after == {step: logged_steps(run.stderr)[step] for step in after}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="float8 needs compute capability 8.9 or newer")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_tp_styles_on_the_real_kernels(recipe):
+    """One GPU (NCCL will not put two ranks on one device): Llama's TP plan on a 1-rank mesh, torchao's
+    float8 styles (tensorwise) and float8 matmuls, gives the plain float8 model's loss and gradients
+    (tests/float8_tp_gpu_run.py; bf16, gradients within 2e-2 relative)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+         str(ROOT / "tests" / "float8_tp_gpu_run.py"), "cuda", recipe],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"float8 {recipe} under TP on cuda" in out.stdout
