@@ -6,7 +6,7 @@ casts with the same whole-tensor scales). From the first update on, the TP ranks
 added in another order, round a few elements of the float8 output gradients (e5m2: 2 mantissa
 bits) to the neighbouring value, and Adam's first steps (update ~ lr x sign(gradient)) carry those
 flips into the weights: over 5 steps the losses stay within 1e-3 (measured at most 4.7e-4 on
-llama3, mistral, mixtral, qwen3 and deepseek_v3, both recipes), where fp32 TP meets 1e-5. GPT-2's
+llama3, mistral and mixtral under both recipes, qwen3 and deepseek_v3 under tensorwise), where fp32 TP meets 1e-5. GPT-2's
 float8 loss is far more sensitive: a 1e-7 relative change of its weights moves it by up to 1.3e-3
 on one process, and its TP2 losses were measured within 1.6e-3 (its fused q/k/v in high precision).
 """
