@@ -103,3 +103,38 @@ def test_float8_tp_styles_on_the_real_kernels(recipe):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"float8 {recipe} under TP on cuda" in out.stdout
+
+
+def test_float8_styles_where_the_collectives_carry_float8():
+    """The plan tp.py applies on CUDA (where NCCL carries float8; gloo does not, so on CPU the plain styles
+    run): tensorwise float8 linears under column/row-wise get torchao's float8 styles, and a sequence gather
+    casts before gathering when all its linears are float8 column/row-wise; rowwise keeps the plain styles;
+    DeepSeek-V3's Replicated low-rank projections keep their style, and so their attention's gather."""
+    from dataclasses import replace
+
+    from titanlite.config_sections import Float8
+    from titanlite.models import get_model_args, get_model_spec
+    from titanlite.models.deepseek_v3.parallelize import attention_plan as mla_plan
+    from titanlite.models.llama.parallelize import attention_plan, swiglu_plan
+    from titanlite.parallel.float8 import convert_linears
+    from titanlite.parallel.tp import with_float8_styles
+
+    def styles(name: str, recipe: str, plan_of) -> dict[str, str]:
+        spec = get_model_spec(name)
+        args = replace(get_model_args(spec, "debugmodel"), vocab_size=256)
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        convert_linears(model, Float8(enable=True, recipe_name=recipe), emulate=True)
+        return {fqn: type(style).__name__ for fqn, style in with_float8_styles(model.layers["0"], plan_of(args), True).items()}
+
+    llama = styles("llama3", "tensorwise", lambda args: {**attention_plan(), **swiglu_plan()})
+    assert llama["attention"] == llama["feed_forward"] == "PrepareFloat8ModuleInput"
+    assert llama["attention.wq"] == llama["feed_forward.w1"] == "Float8ColwiseParallel"
+    assert llama["attention.wo"] == llama["feed_forward.w2"] == "Float8RowwiseParallel"
+    assert llama["attention_norm"] == "SequenceParallel"
+    rowwise = styles("llama3", "rowwise", lambda args: {**attention_plan(), **swiglu_plan()})
+    assert rowwise["attention"] == "PrepareModuleInput" and rowwise["attention.wq"] == "ColwiseParallel"
+    deepseek = styles("deepseek_v3", "tensorwise",
+                      lambda args: {**mla_plan(args.q_lora_rank, args.qk_rope_head_dim), **swiglu_plan()})
+    assert deepseek["attention.wkv_a"] == "Replicated" and deepseek["attention"] == "PrepareModuleInput"
+    assert deepseek["attention.wkv_b"] == "Float8ColwiseParallel" and deepseek["feed_forward"] == "PrepareFloat8ModuleInput"

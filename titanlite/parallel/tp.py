@@ -142,7 +142,7 @@ def _refuse_float8_under_rows_by_groups(module: nn.Module, plan: dict[str, Paral
             )
 
 
-def with_float8_styles(module: nn.Module, plan: dict[str, ParallelStyle], tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+def with_float8_styles(module: nn.Module, plan: dict[str, ParallelStyle], float8_collectives: bool) -> dict[str, ParallelStyle]:
     """The plan with torchao's float8 TP styles where float8 linears run under the tensorwise recipe.
 
     Float8ColwiseParallel / Float8RowwiseParallel cast a linear's input to float8 before its
@@ -150,15 +150,16 @@ def with_float8_styles(module: nn.Module, plan: dict[str, ParallelStyle], tp_mes
     a sequence gather (PrepareModuleInput) whose module's linears are all float8 column/row-wise
     casts once, before gathering, for all of them. The numbers are those of the plain styles, where
     Float8Linear casts after the gather: a tensorwise scale comes from the amax of the whole
-    DTensor either way. So the plain styles stay where the collectives cannot carry float8 (gloo:
-    the CPU's emulated float8), and for the rowwise recipe, whose per-row scales torchao's styles
-    do not compute (as torchtitan does).
+    DTensor either way. So the plain styles stay where the collectives cannot carry float8
+    (`float8_collectives` false: gloo, the CPU's emulated float8), for the rowwise recipe, whose
+    per-row scales torchao's styles do not compute (as torchtitan does), and under any other style
+    (DeepSeek-V3's Replicated runs Float8Linear's own forward on replicated weights).
     """
     float8_linear = _float8_linear_class()
     if float8_linear is None:
         return plan
     _refuse_float8_under_rows_by_groups(module, plan, float8_linear)
-    if tp_mesh.device_type == "cpu":
+    if not float8_collectives:
         return plan
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
@@ -177,7 +178,7 @@ def with_float8_styles(module: nn.Module, plan: dict[str, ParallelStyle], tp_mes
     swapped = {}
     for fqn, style in plan.items():
         target = module.get_submodule(fqn)
-        if tensorwise_float8(target):
+        if tensorwise_float8(target) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
             float8_style = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
             style = float8_style(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                                  use_local_output=style.use_local_output)
@@ -189,8 +190,9 @@ def with_float8_styles(module: nn.Module, plan: dict[str, ParallelStyle], tp_mes
 
 
 def parallelize_block(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
-    """parallelize_module with the float8 styles swapped in where float8 linears take part."""
-    parallelize_module(module, tp_mesh, with_float8_styles(module, plan, tp_mesh))
+    """parallelize_module with the float8 styles swapped in where float8 linears take part (gloo,
+    the CPU's backend, has no float8 dtypes)."""
+    parallelize_module(module, tp_mesh, with_float8_styles(module, plan, float8_collectives=tp_mesh.device_type != "cpu"))
 
 
 def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict, block_plan: dict) -> None:
