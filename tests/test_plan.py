@@ -118,6 +118,24 @@ def test_405b_table_in_seconds_and_advice_when_it_does_not_fit(capsys):
     assert "note: float8 without compile.enable" in out
 
 
+PUBLISHED_FLOAT8_TP = [  # torchtitan's 2D and 3D float8 jobs (docs/benchmarks.md compares them with the published runs)
+    ("llama3_70b.toml", ["--plan.nodes", "32", "--training.local_batch_size", "16"], "dp_shard 32 x tp 8, pp 1", 1),
+    ("llama3_405b.toml", ["--plan.nodes", "64"], "dp_shard 8 x tp 8, pp 8", 2),
+]
+
+
+@pytest.mark.parametrize("config, flags, mesh, tables", PUBLISHED_FLOAT8_TP)
+def test_float8_with_tp_is_planned_like_any_layout(capsys, config, flags, mesh, tables):
+    """70B FSDP x TP8 float8 on 256 H100s and 405B FSDP x TP8 x PP8 on 512: the trainer runs float8 with
+    TP (torchao's float8 TP styles), so the plan gives tps and peak memory with no refusal note."""
+    float8 = ["--activation_checkpoint.mode", "full", "--float8.enable", "--float8.enable_fsdp_float8_all_gather",
+              "--float8.precompute_float8_dynamic_scale_for_fsdp"]
+    assert plan_main(["--job.config_file", str(ROOT / "train_configs" / config), *flags, *float8]) == 0
+    out = capsys.readouterr().out
+    assert mesh in out and "verdict: fits" in out and "refuses" not in out, out
+    assert out.count("peak (allocated)") == tables and float(out.split("tps per GPU")[1].split()[0]) > 0
+
+
 def test_pipeline_plan_shows_first_and_last_stage_with_each_schedules_bubble(capsys):
     """PP2 of the debug model, 4 microbatches: one memory table per role (the first stage with the
     embedding, the last with the output and loss), the bubble of each schedule, GPipe holding all its

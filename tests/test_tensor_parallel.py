@@ -90,13 +90,15 @@ def test_tp_must_divide_experts_and_vocab():
         ParallelDims(1, 1, tp=2).check_model(gpt2)
 
 
-def test_async_tp_and_float8_tp_are_refused_on_cpu():
-    with pytest.raises(UserError, match="enable_async_tensor_parallel needs CUDA and compile.enable"):
-        check_tensor_parallel(Parallelism(tensor_parallel_degree=2, enable_async_tensor_parallel=True), "cpu", True, False)
+def test_async_tp_needs_cuda_compile_and_tp():
+    """Async TP is inductor's micro-pipelining on CUDA symmetric memory: refused elsewhere in one sentence."""
+    with pytest.raises(UserError, match=r"enable_async_tensor_parallel needs CUDA and compile.enable \(this run: cpu, compile on\)"):
+        check_tensor_parallel(Parallelism(tensor_parallel_degree=2, enable_async_tensor_parallel=True), "cpu", True)
+    with pytest.raises(UserError, match=r"needs CUDA and compile.enable \(this run: cuda, compile off\)"):
+        check_tensor_parallel(Parallelism(tensor_parallel_degree=2, enable_async_tensor_parallel=True), "cuda", False)
     with pytest.raises(UserError, match="enable_async_tensor_parallel needs parallelism.tensor_parallel_degree above 1"):
-        check_tensor_parallel(Parallelism(enable_async_tensor_parallel=True), "cuda", True, False)
-    with pytest.raises(UserError, match="float8.enable with parallelism.tensor_parallel_degree above 1"):
-        check_tensor_parallel(Parallelism(tensor_parallel_degree=2), "cpu", False, True)
+        check_tensor_parallel(Parallelism(enable_async_tensor_parallel=True), "cuda", True)
+    check_tensor_parallel(Parallelism(tensor_parallel_degree=2, enable_async_tensor_parallel=True), "cuda", True)
 
 
 def test_refused_layout_exits_2_without_traceback(tiny_run):

@@ -24,9 +24,9 @@ from titanlite.step import StepSettings, train_step
 STEPS, BATCH, SEQ = 5, 2, 64
 
 
-def losses(name: str, world: int) -> list[float]:
+def losses(name: str, world: int, flags: tuple[str, ...] = ()) -> list[float]:
     cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--model.name", name,
-                       "--parallelism.tensor_parallel_degree", str(world)])
+                       "--parallelism.tensor_parallel_degree", str(world), *flags])
     spec = get_model_spec(cfg.model.name)
     tokenizer = build_tokenizer(cfg.model)
     args = resolve_model_args(cfg, spec, tokenizer.vocab_size)

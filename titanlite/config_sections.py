@@ -166,6 +166,7 @@ class Float8:
     filter_fqns: list[str] = opt(["output"], "Linear layers whose FQN contains one of these stay in high precision")
     enable_fsdp_float8_all_gather: bool = opt(False, "all-gather FSDP params in float8 (tensorwise only)")
     precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "compute all float8 scales in one kernel after the optimizer step (needs enable_fsdp_float8_all_gather)")
+    emulate: bool = opt(False, "tests only: torchao casts to float8 and back but multiplies in high precision, so float8 runs on CPU (no speed-up)")
 
 
 @dataclass

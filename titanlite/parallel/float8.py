@@ -16,8 +16,7 @@ from titanlite.errors import UserError
 _DIM_MULTIPLE = 16
 
 
-def check_float8(cfg: Float8) -> None:
-    """Refuse, with one sentence, what cannot run here; call before importing torchao."""
+def check_float8_hardware() -> None:
     if not torch.cuda.is_available():
         raise UserError(
             "float8.enable needs a CUDA GPU with compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
@@ -30,6 +29,13 @@ def check_float8(cfg: Float8) -> None:
             f"float8.enable needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); {name} has "
             f"{major}.{minor}: set float8.enable false"
         )
+
+
+def check_float8(cfg: Float8) -> None:
+    """Refuse, with one sentence, what cannot run here; call before importing torchao. Emulation
+    (float8.emulate, for tests) needs no float8 hardware."""
+    if not cfg.emulate:
+        check_float8_hardware()
     if cfg.recipe_name != "tensorwise" and cfg.enable_fsdp_float8_all_gather:
         raise UserError(
             f"float8.enable_fsdp_float8_all_gather works with recipe_name tensorwise only, not {cfg.recipe_name}"
@@ -59,9 +65,10 @@ def _keeps_high_precision(fqn: str, module: nn.Module, filter_fqns: list[str]) -
 
 
 def float8_config(cfg: Float8, emulate: bool = False):
-    """torchao's Float8LinearConfig for the recipe; emulate=True (tests only) casts without float8 kernels."""
+    """torchao's Float8LinearConfig for the recipe; emulate (or float8.emulate; tests only) casts without float8 kernels."""
     from torchao.float8 import Float8LinearConfig
 
+    emulate = emulate or cfg.emulate
     if cfg.recipe_name == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather, emulate=emulate)
     config = Float8LinearConfig.from_recipe_name(cfg.recipe_name)
@@ -92,9 +99,12 @@ def apply_float8(model: nn.Module, cfg: Float8) -> None:
 
 def register_float8_scale_precompute(optimizer: torch.optim.Optimizer, model: nn.Module, cfg: Float8) -> None:
     """With float8 all-gather, compute the scales of all float8 weights in one go after each
-    optimizer step instead of one small reduction per weight in the next forward."""
+    optimizer step instead of one small reduction per weight in the next forward. Also after a
+    checkpoint's optimizer state is loaded (the weights are loaded first): the precomputed scales
+    round differently from the per-weight ones, so a resumed run's first step would otherwise differ."""
     if not (cfg.enable and cfg.precompute_float8_dynamic_scale_for_fsdp):
         return
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    optimizer.register_load_state_dict_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))

@@ -43,7 +43,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, settings: Parallel
     check_fsdp_offload(par.fsdp_cpu_offload, dims.fsdp_enabled)
     apply_float8(model, settings.float8)
     if dims.tp_enabled or par.enable_async_tensor_parallel:
-        check_tensor_parallel(par, dims.mesh.device_type, settings.compile.enable, settings.float8.enable)
+        check_tensor_parallel(par, dims.mesh.device_type, settings.compile.enable)
     if dims.tp_enabled:
         dims.check_model(model.args)
         apply_tp(model, dims, loss_parallel=not par.disable_loss_parallel)

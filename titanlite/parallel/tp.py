@@ -7,6 +7,8 @@ shards. The token embedding is vocab-sharded (row-wise) and the output projectio
 (column-wise), so with loss parallel the full-vocabulary logits never exist on one rank.
 """
 
+import sys
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,18 +26,13 @@ from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 
 
-def check_tensor_parallel(cfg: Parallelism, device_type: str, compile_enabled: bool, float8_enabled: bool) -> None:
+def check_tensor_parallel(cfg: Parallelism, device_type: str, compile_enabled: bool) -> None:
     if cfg.enable_async_tensor_parallel and cfg.tensor_parallel_degree == 1:
         raise UserError("parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree above 1; set one of them")
     if cfg.enable_async_tensor_parallel and (device_type != "cuda" or not compile_enabled):
         raise UserError(
             f"parallelism.enable_async_tensor_parallel needs CUDA and compile.enable (this run: {device_type}, "
             f"compile {'on' if compile_enabled else 'off'}); set it to false"
-        )
-    if float8_enabled and cfg.tensor_parallel_degree > 1:
-        raise UserError(
-            "float8.enable with parallelism.tensor_parallel_degree above 1 is not supported yet (torchao's float8 "
-            "TP styles need CUDA and are not wired in); turn one of them off"
         )
 
 
@@ -122,13 +119,89 @@ class RowsByGroups(ParallelStyle):
         return module
 
 
+def _float8_linear_class():
+    """torchao's Float8Linear, or None where float8 conversion never ran (torchao not imported, maybe not installed)."""
+    module = sys.modules.get("torchao.float8.float8_linear")
+    return None if module is None else module.Float8Linear
+
+
+def _is_tensorwise(linear: nn.Module) -> bool:
+    from torchao.float8.config import ScalingGranularity
+
+    return linear.config.cast_config_input.scaling_granularity == ScalingGranularity.TENSORWISE
+
+
+def _refuse_float8_under_rows_by_groups(module: nn.Module, plan: dict[str, ParallelStyle], float8_linear) -> None:
+    """RowsByGroups replaces the module's forward by its own matmul: a float8 linear there (GPT-2's
+    fused q/k/v) would silently multiply in high precision, so it is refused."""
+    for fqn, style in plan.items():
+        if isinstance(style, RowsByGroups) and isinstance(module.get_submodule(fqn), float8_linear):
+            raise UserError(
+                f"float8.enable cannot run {fqn} (split by RowsByGroups, which computes its own matmul) in float8 under "
+                f"parallelism.tensor_parallel_degree above 1: add \"{fqn.split('.')[-1]}\" to float8.filter_fqns"
+            )
+
+
+def with_float8_styles(module: nn.Module, plan: dict[str, ParallelStyle], float8_collectives: bool) -> dict[str, ParallelStyle]:
+    """The plan with torchao's float8 TP styles where float8 linears run under the tensorwise recipe.
+
+    Float8ColwiseParallel / Float8RowwiseParallel cast a linear's input to float8 before its
+    all-gather and its output gradient before the backward's collective (half the bytes of bf16);
+    a sequence gather (PrepareModuleInput) whose module's linears are all float8 column/row-wise
+    casts once, before gathering, for all of them. The numbers are those of the plain styles, where
+    Float8Linear casts after the gather: a tensorwise scale comes from the amax of the whole
+    DTensor either way. So the plain styles stay where the collectives cannot carry float8
+    (`float8_collectives` false: gloo, the CPU's emulated float8), for the rowwise recipe, whose
+    per-row scales torchao's styles do not compute (as torchtitan does), and under any other style
+    (DeepSeek-V3's Replicated runs Float8Linear's own forward on replicated weights).
+    """
+    float8_linear = _float8_linear_class()
+    if float8_linear is None:
+        return plan
+    _refuse_float8_under_rows_by_groups(module, plan, float8_linear)
+    if not float8_collectives:
+        return plan
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def tensorwise_float8(target: nn.Module) -> bool:
+        return isinstance(target, float8_linear) and _is_tensorwise(target)
+
+    def linears_all_float8(prefix: str, target: nn.Module) -> bool:
+        linears = {f"{prefix}.{name}": m for name, m in target.named_modules() if isinstance(m, nn.Linear)}
+        return bool(linears) and all(tensorwise_float8(m) and isinstance(plan.get(fqn), (ColwiseParallel, RowwiseParallel))
+                                     for fqn, m in linears.items())
+
+    swapped = {}
+    for fqn, style in plan.items():
+        target = module.get_submodule(fqn)
+        if tensorwise_float8(target) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            float8_style = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
+            style = float8_style(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                                 use_local_output=style.use_local_output)
+        elif type(style) is PrepareModuleInput and style.input_layouts and linears_all_float8(fqn, target):
+            style = PrepareFloat8ModuleInput(input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+                                             use_local_output=style.use_local_output)
+        swapped[fqn] = style
+    return swapped
+
+
+def parallelize_block(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
+    """parallelize_module with the float8 styles swapped in where float8 linears take part (gloo,
+    the CPU's backend, has no float8 dtypes)."""
+    parallelize_module(module, tp_mesh, with_float8_styles(module, plan, float8_collectives=tp_mesh.device_type != "cpu"))
+
+
 def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict, block_plan: dict) -> None:
     """Apply the model-level plan, then the same block plan to every block in model.layers; a
     pipeline stage's absent modules (None) are left out of the plan."""
     present = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
-    parallelize_module(model, tp_mesh, present)
+    parallelize_block(model, tp_mesh, present)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_block(block, tp_mesh, block_plan)
     if getattr(model.args, "tie_embeddings", False):
         # Each style distributed its own copy of the tied matrix (both vocab-sharded on dim 0): tie again.
         model.output.weight = model.tok_embeddings.weight

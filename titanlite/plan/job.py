@@ -91,15 +91,9 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     args = model_args(cfg, spec)
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
     dims = ParallelDims.from_config(cfg.parallelism, world)
-    refused = None
     if dims.tp_enabled or cfg.parallelism.enable_async_tensor_parallel:
-        check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, False)
-        try:  # planned all the same: the plan says what the layout would give once the trainer runs it
-            check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable, cfg.float8.enable)
-        except UserError as error:
-            refused = f"the trainer refuses this layout today: {error}"
-    result = predict(cfg, spec, args, dims, plan_states(cfg, world))
-    return dataclasses.replace(result, notes=[*result.notes, refused]) if refused else result
+        check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable)
+    return predict(cfg, spec, args, dims, plan_states(cfg, world))
 
 
 def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]]) -> JobPlan:
@@ -159,7 +153,7 @@ def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:
         tries.append((f"--training.local_batch_size {half} --training.global_batch_size {global_batch}",
                       replace(cfg, training=replace(training, local_batch_size=half, global_batch_size=global_batch))))
     tp = par.tensor_parallel_degree * 2
-    if tp <= cfg.plan.gpus_per_node and not cfg.float8.enable:
+    if tp <= cfg.plan.gpus_per_node:
         tries.append((f"--parallelism.tensor_parallel_degree {tp}",
                       replace(cfg, parallelism=replace(par, tensor_parallel_degree=tp))))
     if not par.fsdp_cpu_offload:

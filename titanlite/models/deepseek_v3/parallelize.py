@@ -16,12 +16,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
 
 from titanlite.models.llama.parallelize import swiglu_plan
 from titanlite.models.mixtral.parallelize import ExpertParallel, _sum_grads
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
+from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, parallelize_block, rowwise_to_sequence, vocab_parallel_plan
 
 
 class Replicated(ParallelStyle):
@@ -78,9 +78,9 @@ def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
     apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), attention_plan(args.q_lora_rank, args.qk_rope_head_dim))
     for layer_id, block in model.layers.items():
         if not model.is_moe(layer_id):
-            parallelize_module(block, dims.tp_mesh, swiglu_plan())
+            parallelize_block(block, dims.tp_mesh, swiglu_plan())
             continue
-        parallelize_module(block, dims.tp_mesh, MOE_PLAN)
+        parallelize_block(block, dims.tp_mesh, MOE_PLAN)
         # The routing bias stays a plain tensor, the same on every rank (the router runs on local tensors).
         moe = block.feed_forward
         moe.expert_bias = moe.expert_bias.to_local()
