@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEBUG_CONFIG, ON_CPU, tensorboard_scalars
+from conftest import DEBUG_CONFIG, ON_CPU, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.data.datasets import build_dataloader
@@ -56,10 +56,19 @@ def folder_flags(folder, dump, *extra) -> list[str]:
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_first_step_loss_equals_transformers_on_the_same_batch(tmp_path, tokenizer_folder, capsys, family):
+    """Llama on two FSDP ranks (one window each: the weights loaded straight into the shards), Mistral on one
+    process; the global batch is the same two synthetic windows."""
     config_class, config = {"llama": (transformers.LlamaConfig, LLAMA), "mistral": (transformers.MistralConfig, MISTRAL)}[family]
     folder = hf_folder(tmp_path / "model", tokenizer_folder, config_class, **config)
-    assert main(folder_flags(folder, tmp_path / "run", "--metrics.enable_tensorboard")) == 0
-    err = capsys.readouterr().err
+    flags = folder_flags(folder, tmp_path / "run", "--metrics.enable_tensorboard")
+    if family == "llama":
+        run = run_titanlite([*flags, "--training.local_batch_size", "1"], nproc=2)
+        assert run.returncode == 0, run.stderr[-3000:]
+        err = run.stderr
+        assert "mesh dp_replicate 1 x dp_shard 2" in err
+    else:
+        assert main(flags) == 0
+        err = capsys.readouterr().err
     name = {"llama": "llama3/hf", "mistral": "mistral/hf"}[family]
     assert f"model {name}:" in err and f"loaded the model from the Hugging Face folder {folder}" in err
     ours = tensorboard_scalars(tmp_path / "run" / "tb", "loss/train")[1]
