@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEBUG_CONFIG, ON_CPU, run_titanlite, tensorboard_scalars
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, logged_losses, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.data.datasets import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import list_model_specs
 from titanlite.models.hf_folder import matching_flavor
+from titanlite.plan.job import plan_job
 from titanlite.train import main
 
 transformers = pytest.importorskip("transformers")
@@ -157,3 +158,32 @@ def test_bad_folders_and_contradicting_keys_are_one_sentence(tmp_path, tokenizer
     assert "holds no tokenizer.json or tokenizer.model" in error_of(
         variant("no_tokenizer", drop=["tokenizer.json", "tokenizer_config.json"]), capsys)
     assert "holds safetensors weights but no config.json" in error_of(variant("no_config", drop=["config.json"]), capsys)
+
+
+def test_the_shipped_fine_tuning_example_learns_from_an_exported_folder(tmp_path, capsys):
+    """The commands of train_configs/debug_finetune.toml, shortened: the generated chat data and tokenizer, a debug base
+    of 2 layers exported with last_save_in_hf (config.json, weights and the tokenizer files), then full and LoRA fine-tuning of
+    that folder; the chat loss falls in both, and the fine-tuned export is a folder a run starts from again."""
+    from titanlite.data.chat_example import main as make_example
+
+    make_example(["--output", str(tmp_path / "example"), "--conversations", "40"])
+    short = [*ON_CPU, "--training.seq_len", "128", "--training.local_batch_size", "2", "--metrics.log_freq", "1"]
+    assert main([*short, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path / "base"), "--training.steps", "3",
+                 "--model.n_layers", "2", "--model.hf_assets_path", str(tmp_path / "example" / "tokenizer"), "--checkpoint.enable",
+                 "--checkpoint.last_save_in_hf"]) == 0
+    base = tmp_path / "base" / "checkpoint" / "step-3-hf"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in base.iterdir()}
+    capsys.readouterr()
+    finetune = [*short, "--job.config_file", str(ROOT / "train_configs" / "debug_finetune.toml"), "--model.hf_assets_path",
+                str(base), "--training.dataset_path", str(tmp_path / "example" / "chats.jsonl"), "--training.steps", "8"]
+    for name, extra in (("full", ["--optimizer.lr", "2e-3"]), ("lora", ["--lora.rank", "8", "--optimizer.lr", "4e-3"])):
+        assert main([*finetune, "--job.dump_folder", str(tmp_path / name), *extra]) == 0
+        err = capsys.readouterr().err
+        assert "model llama3/hf:" in err and f"loaded the model from the Hugging Face folder {base}" in err
+        losses = logged_losses(err)
+        assert losses[7] + losses[8] < 2 * losses[1] - 0.2, (name, losses)
+    assert (tmp_path / "lora" / "checkpoint" / "step-8-peft" / "adapter_config.json").is_file()
+    # The planner reads the folder as the trainer does (the config's [plan] hardware, one GPU).
+    assert plan_job(load_config([*finetune, "--training.seq_len", "256"])).memory.share <= 0.90
+    again = load_config(["--model.hf_assets_path", str(tmp_path / "full" / "checkpoint" / "step-8-hf")])
+    assert (again.model.name, again.model.flavor, again.checkpoint.initial_load_in_hf) == ("llama3", "hf", True)
