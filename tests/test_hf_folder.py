@@ -123,6 +123,31 @@ def test_transformers_configs_with_rope_parameters_are_read():
     assert llama.rope_theta == 500000.0 and llama.rope_scaling.original_max_seq_len == 32
 
 
+# meta-llama/Llama-3.1-8B-Instruct's config.json as published (the older rope_theta / rope_scaling spelling).
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256}
+
+
+def test_a_published_llama_3_1_8b_folder_is_llama3_8b_and_its_fine_tuning_config_fits(tmp_path):
+    """train_configs/llama3_8b_finetune.toml planned for such a folder (its files only named: the planner reads
+    config.json), full and LoRA, fits one 8-GPU H100 node as the README says."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
+    for name in ("model.safetensors.index.json", "tokenizer.json"):
+        (tmp_path / name).touch()
+    config = [*ON_CPU, "--job.config_file", str(ROOT / "train_configs" / "llama3_8b_finetune.toml"),
+              "--model.hf_assets_path", str(tmp_path)]
+    cfg = load_config(config)
+    assert (cfg.model.name, cfg.model.flavor, cfg.checkpoint.initial_load_path) == ("llama3", "8B", str(tmp_path))
+    for lora in ([], ["--lora.rank", "16", "--optimizer.lr", "2e-4"]):
+        assert plan_job(load_config([*config, *lora])).memory.share <= 0.90
+
+
 def error_of(argv, capsys) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err
