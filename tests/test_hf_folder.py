@@ -134,6 +134,28 @@ LLAMA_3_1_8B = {
     "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256}
 
 
+# Qwen/Qwen3-30B-A3B's config.json as published: its dense intermediate_size (6144) is unused, every block sparse.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
+    "vocab_size": 151936}
+
+
+def test_published_configs_are_their_flavors(tmp_path):
+    from titanlite.models.hf_folder import read_model_folder
+
+    for name, config, expected in (("llama", LLAMA_3_1_8B, ("llama3", "8B")), ("qwen", QWEN3_30B_A3B, ("qwen3_moe", "30B-A3B"))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        folder = read_model_folder(tmp_path / name)
+        assert (folder.spec.name, folder.flavor) == expected
+        assert folder.spec.hf_adapter.config_mismatch(config, folder.args) is None
+
+
 def test_a_published_llama_3_1_8b_folder_is_llama3_8b_and_its_fine_tuning_config_fits(tmp_path):
     """train_configs/llama3_8b_finetune.toml planned for such a folder (its files only named: the planner reads
     config.json), full and LoRA, fits one 8-GPU H100 node as the README says."""

@@ -68,6 +68,7 @@ class Qwen3MoeHFAdapter(StackedExpertsHFAdapter, Qwen3HFAdapter):
             num_experts=args.num_experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate_size,
             norm_topk_prob=args.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
         )
+        config["intermediate_size"] = args.intermediate_size  # the dense MLP's, which all-sparse blocks never build
         return config
 
     def args_fields(self, config: dict) -> dict:
