@@ -61,13 +61,17 @@ def families_of(config: dict, path: Path) -> list[ModelSpec]:
     return found
 
 
+def with_vocab(flavor_args, vocab_size: int):
+    """A flavor's args, its vocabulary the folder's where the flavor takes the tokenizer's (-1)."""
+    return dataclasses.replace(flavor_args, vocab_size=vocab_size) if flavor_args.vocab_size == -1 else flavor_args
+
+
 def matching_flavor(spec: ModelSpec, args) -> tuple[str, Any]:
     """(flavor, its args) when a registered flavor of `spec` describes the same model as config.json does."""
     adapter = spec.hf_adapter
     ours = adapter.hf_config(args)
     for flavor, flavor_args in spec.flavors.items():
-        if flavor_args.vocab_size == -1:
-            flavor_args = dataclasses.replace(flavor_args, vocab_size=args.vocab_size)
+        flavor_args = with_vocab(flavor_args, args.vocab_size)
         if adapter.hf_config(flavor_args) == ours:
             return flavor, flavor_args
     return FOLDER_FLAVOR, args
@@ -114,9 +118,7 @@ def check_explicit_keys(model: Model, folder: ModelFolder, explicit: set[str]) -
         if flavor_args is None:
             reason = f"{folder.spec.name} has no such flavor"
         else:
-            if flavor_args.vocab_size == -1:
-                flavor_args = dataclasses.replace(flavor_args, vocab_size=folder.args.vocab_size)
-            reason = first_difference(folder.spec.hf_adapter, folder.args, flavor_args)
+            reason = first_difference(folder.spec.hf_adapter, folder.args, with_vocab(flavor_args, folder.args.vocab_size))
         raise UserError(f"model.flavor {model.flavor} contradicts {where}, whose config.json fixes every dimension "
                         f"({reason}); remove model.flavor")
     if "model.n_layers" in explicit and model.n_layers not in (0, folder.args.n_layers):
