@@ -82,7 +82,6 @@ def test_first_step_loss_equals_transformers_on_the_same_batch(tmp_path, tokeniz
     with torch.no_grad():
         logits = model(inputs).logits
     theirs = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item()
-    print(f"{family}: titanlite {ours!r}, transformers {theirs!r}")
     assert ours == pytest.approx(theirs, abs=1e-5)
 
 
