@@ -218,6 +218,7 @@ def test_resume_gives_the_windows_an_uninterrupted_run_gives(folder, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--training.loss_chunk_tokens", "32"], "training.dataset_format chat leaves untrained tokens out of the loss, which the chunked loss does not do yet; set training.loss_chunk_tokens 0"),
     (["--model.hf_assets_path", ""], "need a Hugging Face tokenizer (tokenizer.json)"),
+    (["--model.attention_mask", "causal"], "packs several conversations into a window, which must not attend to each other; set model.attention_mask block_causal"),
 ])
 def test_unsupported_combinations_are_one_sentence_exit_2(tiny_run, folder, tmp_path, capsys, flags, message):
     data = write_records(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])

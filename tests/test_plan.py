@@ -23,6 +23,8 @@ from titanlite.loss import build_loss
 from titanlite.parallel.parallelize import ParallelizeSettings
 
 SHIPPED = sorted((ROOT / "train_configs").glob("*.toml"))
+# Their model is a Hugging Face folder (generated, downloaded): planned in tests/test_hf_folder.py with one in place.
+FOLDER_CONFIGS = {"debug_finetune.toml", "llama3_8b_finetune.toml"}
 
 
 def measured_fwd_bwd_peak(cfg) -> int:
@@ -93,7 +95,7 @@ def test_a_compiled_cpu_step_peaks_between_the_planners_two_counts():
         assert lower < measured < 1.05 * eager, (mode, lower, measured, eager)  # the eager count is itself within 10% (above)
 
 
-@pytest.mark.parametrize("config", SHIPPED, ids=lambda path: path.stem)
+@pytest.mark.parametrize("config", [path for path in SHIPPED if path.name not in FOLDER_CONFIGS], ids=lambda path: path.stem)
 def test_every_shipped_config_fits_its_hardware_with_10_percent_headroom(config):
     text = config.read_text()
     assert text.startswith("# Hardware: ") and "\n[plan]\n" in text  # names its hardware, in words and in [plan]

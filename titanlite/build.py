@@ -15,6 +15,7 @@ from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
 from titanlite.lora import apply_lora, init_lora
 from titanlite.models import get_model_args
+from titanlite.models.hf_folder import is_model_folder, read_model_folder
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import ParallelizeSettings, parallelize_decoder
 from titanlite.parallel.pp import build_pipeline
@@ -36,9 +37,15 @@ def model_label(cfg: Model) -> str:
 
 
 def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
-    """The flavor's args with the vocab taken from the tokenizer where the flavor leaves it open,
-    model.n_layers blocks where it is set, and model.reset_position_ids."""
-    args = dataclasses.replace(get_model_args(spec, cfg.model.flavor), reset_position_ids=cfg.model.reset_position_ids)
+    """The flavor's args (or those of the Hugging Face folder model.hf_assets_path's config.json) with the vocab
+    taken from the tokenizer where the flavor leaves it open, model.n_layers blocks where it is set, and
+    model.reset_position_ids (always for chat data: each conversation starts at position 0, as at inference)."""
+    if is_model_folder(cfg.model.hf_assets_path):
+        args = read_model_folder(cfg.model.hf_assets_path, cfg.model.name).args
+    else:
+        args = get_model_args(spec, cfg.model.flavor)
+    reset = cfg.model.reset_position_ids or cfg.training.dataset_format != "text"
+    args = dataclasses.replace(args, reset_position_ids=reset)
     if cfg.model.n_layers:
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
     where = model_label(cfg.model)

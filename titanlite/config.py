@@ -20,6 +20,7 @@ from typing import Any
 from titanlite.config_rules import check_rules
 from titanlite.config_sections import JobConfig
 from titanlite.errors import UserError
+from titanlite.models.hf_folder import start_from_folder
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -230,6 +231,7 @@ def load_config(argv: list[str]) -> JobConfig:
     for dotted, value in cli:
         _set(cfg, dotted, value, "the command line", from_cli=True, origins=origins)
     _check_values(cfg, origins)
+    start_from_folder(cfg.model, cfg.checkpoint, set(origins))  # a Hugging Face model folder names the model
     check_rules(cfg)
     return cfg
 

@@ -32,6 +32,9 @@ def check_dataset_format(cfg: JobConfig) -> None:
             raise UserError("training.train_on and training.chat_template apply to training.dataset_format chat or "
                             "prompt_completion; set the format or leave them at their defaults")
         return
+    if cfg.model.attention_mask != "block_causal":
+        raise UserError(f"training.dataset_format {fmt} packs several conversations into a window, which must not attend "
+                        "to each other; set model.attention_mask block_causal")
     if training.loss_chunk_tokens:
         raise UserError(f"training.dataset_format {fmt} leaves untrained tokens out of the loss, which the chunked loss "
                         "does not do yet; set training.loss_chunk_tokens 0")

@@ -41,12 +41,12 @@ class Model:
     name: str = opt("llama3", "model family from the registry (python -m titanlite.models lists them)")
     flavor: str = opt("debugmodel", "size of the family, e.g. debugmodel, 1B, 8B")
     tokenizer_path: str = opt("", "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart by its bytes; or a Hugging Face tokenizer.json (tokenizer_config.json beside it); empty = the shipped assets/tokenizer.model")
-    hf_assets_path: str = opt("", "Hugging Face folder holding tokenizer.json + tokenizer_config.json, or else tokenizer.model; used when tokenizer_path is empty")
+    hf_assets_path: str = opt("", "Hugging Face folder: with a config.json, the model to start from (its family and every dimension from config.json, so name, flavor and n_layers need not be set and may not differ; its safetensors weights as checkpoint.initial_load_path, unless that is set; its tokenizer); without one, a tokenizer folder. The tokenizer is its tokenizer.json + tokenizer_config.json, or else tokenizer.model, used when tokenizer_path is empty")
     moe_aux_loss_coeff: float = opt(0.01, "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none", at_least=0)
     moe_bias_update_rate: float = opt(1e-3, "aux-loss-free balancing of routers with a bias (deepseek_v3): after each optimizer step every expert's routing bias rises by this much if it got fewer than its block's mean tokens of the global batch, falls if more (DeepSeek-V3 trained with 0.001); 0 keeps the biases; other models have none", at_least=0)
     n_layers: int = opt(0, "train the flavor with this many blocks instead (e.g. to benchmark a big model's shapes on one GPU); 0 = the flavor's; checkpoints of another depth are refused", at_least=0)
     attention_mask: str = opt("block_causal", "block_causal (each token attends only to earlier tokens of its own document, the documents of a packed window told apart by the tokenizer's bos) or causal (to every earlier token of the window)", choices=("block_causal", "causal"))
-    reset_position_ids: bool = opt(False, "positions (RoPE, GPT-2's table) restart at 0 at each document's first token instead of counting from the window's start (needs attention_mask block_causal)")
+    reset_position_ids: bool = opt(False, "positions (RoPE, GPT-2's table) restart at 0 at each document's first token instead of counting from the window's start (needs attention_mask block_causal; always on for dataset_format chat and prompt_completion)")
 
 
 @dataclass
@@ -138,10 +138,10 @@ class Checkpoint:
     last_save_model_only: bool = opt(False, "the last step's save holds the model alone, in export_dtype")
     export_dtype: str = opt("float32", "dtype of the model in a model-only last save and in a Hugging Face export", choices=("float32", "bfloat16"))
     load_step: int = opt(-1, "step to resume from; -1 = the newest complete checkpoint", at_least=0, sentinels=(-1,))
-    initial_load_path: str = opt("", "DCP checkpoint (or Hugging Face folder, see initial_load_in_hf) to start from when the folder holds no checkpoint")
+    initial_load_path: str = opt("", "DCP checkpoint (or Hugging Face folder, see initial_load_in_hf) to start from when the folder holds no checkpoint; empty = model.hf_assets_path where that is a model folder (config.json), read in Hugging Face format")
     initial_load_model_only: bool = opt(True, "load only the model from initial_load_path (false: also optimizer, schedule, step and data position)")
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder (config.json + safetensors)")
-    last_save_in_hf: bool = opt(False, "also write the final model in Hugging Face format to <folder>/step-N-hf")
+    last_save_in_hf: bool = opt(False, "also write the final model in Hugging Face format to <folder>/step-N-hf, with the run's tokenizer files (a folder transformers, vLLM and model.hf_assets_path load)")
     create_seed_checkpoint: bool = opt(False, "write the initialised model as <folder>/step-0 on one process and exit")
 
 

@@ -7,6 +7,7 @@ shard file, whatever the model size.
 
 import json
 import re
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from titanlite.models.init import full_tensor, local_view  # (local shard, its o
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def layer_groups(names: Iterable[str]) -> Iterator[list[str]]:
@@ -128,6 +130,17 @@ def write_hf_folder(layers: Iterable[dict[str, torch.Tensor]], folder: Path, ada
             writer.add({name: t.to(dtype) for name, t in adapter.to_hf(full, args).items()})
     if writer:
         writer.finish(adapter.hf_config(args, str(dtype).removeprefix("torch.")))
+
+
+def copy_tokenizer(tokenizer_file: Path, folder: Path) -> None:
+    """The run's tokenizer into an exported folder, which is then a whole model: transformers and vLLM load it,
+    and a titanlite run starts from it (model.hf_assets_path). A tokenizer.json brings the files beside it."""
+    tokenizer_file = Path(tokenizer_file)
+    is_json = tokenizer_file.suffix == ".json"
+    shutil.copyfile(tokenizer_file, folder / ("tokenizer.json" if is_json else "tokenizer.model"))
+    for name in TOKENIZER_SIDE_FILES if is_json else ():
+        if (tokenizer_file.parent / name).is_file():
+            shutil.copyfile(tokenizer_file.parent / name, folder / name)
 
 
 @torch.no_grad()

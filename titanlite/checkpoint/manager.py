@@ -32,7 +32,7 @@ from titanlite.checkpoint.cost import SaveCost
 from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, newest_resumable,
                                      read_metadata, rng_state, set_rng_state)
 from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, rewind_to, step_folder
-from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
+from titanlite.checkpoint.hf_io import copy_tokenizer, load_model_from_hf, save_model_as_hf
 from titanlite.checkpoint.async_save import AsyncSaver, Save
 from titanlite.parallel.pp import tied_state_as_one_process, tied_state_as_stage, ties_embeddings
 from titanlite.checkpoint.save_errors import stop_if_disk_failure
@@ -51,7 +51,8 @@ class TrainState:
 
 class CheckpointManager:
     def __init__(self, cfg: Checkpoint, dump_folder: str, *, model, optimizer, lr_scheduler, dataloader,
-                 dp_rank: int, dp_degree: int, model_name: str, model_args, hf_adapter, cost: SaveCost | None = None):
+                 dp_rank: int, dp_degree: int, model_name: str, model_args, hf_adapter, cost: SaveCost | None = None,
+                 tokenizer_file: Path | None = None):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
@@ -60,6 +61,7 @@ class CheckpointManager:
         self.global_data = getattr(dataloader, "state_is_global", False)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
+        self.tokenizer_file = tokenizer_file  # copied into Hugging Face exports
         # LoRA: checkpoints hold the adapters; the base they were trained on is named in the train state.
         self.adapters_only, self.base = has_lora(model), cfg.initial_load_path or "initialised from job.seed"
         self.state = TrainState()
@@ -204,6 +206,8 @@ class CheckpointManager:
         started = time.perf_counter()
         save_model_as_hf(self._model_state("all"), path, self.hf_adapter, self.model_args, DTYPES[cfg.export_dtype],
                          writer_rank=self.rank == 0, merge=functools.partial(merge_lora, model=self.model))
+        if self.rank == 0 and self.tokenizer_file is not None:
+            copy_tokenizer(self.tokenizer_file, path)
         if self.adapters_only:
             save_peft_adapter(self._model_state(), self.root / f"step-{step}-peft", self.hf_adapter, self.model_args,
                               self.model, self.base, writer_rank=self.rank == 0)

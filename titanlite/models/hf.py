@@ -1,11 +1,12 @@
 """Hugging Face state-dict adapters: titanlite names and layouts <-> transformers' ones.
 
-Every ModelSpec carries an adapter (`spec.hf_adapter`) with four methods:
+Every ModelSpec carries an adapter (`spec.hf_adapter`) with these methods:
 
     to_hf(state_dict, args)     titanlite tensors -> HF names and layouts
     from_hf(hf_state_dict, args) HF tensors -> titanlite names and layouts
     hf_names(name, args)        the HF tensors titanlite tensor `name` is built from
     hf_config(args, dtype)      the config.json dict of a model with these args
+    args_from_hf_config(config) its inverse: the args of the model a config.json describes
 
 Both conversions work on any subset of a state dict (one layer, one tensor) of full, unsharded
 tensors, so checkpoints are converted a few tensors at a time, never a whole large model at once.
@@ -40,6 +41,35 @@ def rope_halves_to_pairs(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+_NOT_COMPARED = ("architectures", "model_type", "torch_dtype", "dtype", "rope_theta", "rope_scaling")
+
+
+def required(config: dict, key: str):
+    """config[key], or one sentence when config.json lacks it (transformers always writes it)."""
+    if config.get(key) is None:
+        raise UserError(f"its config.json has no {key}, which fixes the model's shape; use a config.json written by transformers")
+    return config[key]
+
+
+def rope_parameters(config: dict) -> dict:
+    """RoPE's settings as one dict, rope_theta and rope_type included, from either spelling: transformers 5's
+    rope_parameters, or the rope_theta and rope_scaling ({"type" or "rope_type", ...}) of older config.json files."""
+    if isinstance(config.get("rope_parameters"), dict):
+        rope = dict(config["rope_parameters"])
+    else:
+        rope = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", 10000.0)}
+    rope["rope_type"] = rope.get("rope_type", rope.pop("type", None)) or "default"
+    return rope
+
+
+def build_args(args_class, fields: dict):
+    """args_class(**fields), its own consistency check worded as a config.json problem."""
+    try:
+        return args_class(**fields)
+    except ValueError as error:
+        raise UserError(f"its config.json describes a model titanlite cannot build ({error})") from None
+
+
 def _template_regex(template: str) -> re.Pattern:
     return re.compile("^" + re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
 
@@ -56,6 +86,8 @@ class HFAdapter(abc.ABC):
     ignored: tuple[str, ...] = ()
     # config.json keys that fix tensor shapes: an HF folder whose values differ cannot be loaded.
     shape_keys: tuple[str, ...] = ()
+    # config.json keys hf_config writes that do not change the forward (dropout, init): never compared.
+    free_keys: tuple[str, ...] = ()
 
     def __init__(self):
         self._to_hf = [(_template_regex(ours), theirs) for ours, theirs in self.names.items()]
@@ -115,6 +147,24 @@ class HFAdapter(abc.ABC):
     @abc.abstractmethod
     def hf_config(self, args, dtype: str = "float32") -> dict:
         """config.json for these args, with `dtype` ("float32" / "bfloat16") as torch_dtype."""
+
+    def args_from_hf_config(self, config: dict):
+        """The args of the model `config` (a config.json) describes; UserError, worded as "its config.json ...",
+        for a setting titanlite's model does not have. A family without it cannot start from a folder."""
+        raise UserError(f"titanlite cannot read a {self.architectures[0]} config.json yet; start from a flavor (model.flavor) "
+                        "and load the weights with checkpoint.initial_load_path and initial_load_in_hf")
+
+    def unsupported_setting(self, config: dict, args) -> str | None:
+        """The first config.json value that the model built from `args` would not compute, as a phrase; None if
+        all agree. What args_from_hf_config does not read (activation, biases, fixed routing) is checked here:
+        every key hf_config writes with a value must agree where config.json sets it. RoPE is read and checked
+        there (its two spellings); `free_keys` lists keys that do not change the forward (dropout, init)."""
+        for key, ours in self.hf_config(args).items():
+            theirs = config.get(key)
+            if key in _NOT_COMPARED or key in self.free_keys or ours is None or theirs is None or theirs == ours:
+                continue
+            return f"its config.json has {key} {theirs!r} where titanlite's model computes {ours!r}"
+        return None
 
     def config_mismatch(self, config: dict, args) -> str | None:
         """The first shape-defining config.json value that differs from `args`, as a phrase; None if all fit."""

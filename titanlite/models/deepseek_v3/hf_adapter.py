@@ -8,7 +8,9 @@ router is mlp.gate (its aux-loss-free bias mlp.gate.e_score_correction_bias), th
 SwiGLU mlp.shared_experts, the routed experts mlp.experts.E.*, stacked as Mixtral's (models/moe_hf.py).
 """
 
-from titanlite.models.hf import HFAdapter
+from titanlite.errors import UserError
+from titanlite.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
+from titanlite.models.hf import HFAdapter, required, rope_parameters
 from titanlite.models.moe_hf import StackedExpertsHFAdapter
 
 _LAYER = "model.layers.{}."
@@ -51,6 +53,7 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
     shape_keys = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace")
+    free_keys = ("num_nextn_predict_layers",)  # the multi-token-prediction layer is never read
 
     def hf_config(self, args, dtype: str = "float32") -> dict:
         yarn = args.rope_scaling
@@ -95,6 +98,29 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
             "attention_bias": False,
             "torch_dtype": dtype,
         }
+
+    def args_from_hf_config(self, config: dict):
+        """Absent keys take transformers' DeepseekV3Config defaults."""
+        rope = rope_parameters(config)
+        if rope["rope_type"] not in ("default", "yarn"):
+            raise UserError(f"its config.json has rope_type {rope['rope_type']}, which titanlite's DeepSeek-V3 does not "
+                            "compute (it knows default and yarn)")
+        yarn = None if rope["rope_type"] == "default" else YarnScaling(
+            factor=float(rope["factor"]), original_max_seq_len=int(rope["original_max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast", 32.0)), beta_slow=float(rope.get("beta_slow", 1.0)),
+            mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 1.0)))
+        shapes = {ours: required(config, key) for ours, key in (
+            ("dim", "hidden_size"), ("n_layers", "num_hidden_layers"), ("n_heads", "num_attention_heads"),
+            ("vocab_size", "vocab_size"), ("ffn_hidden_dim", "intermediate_size"), ("kv_lora_rank", "kv_lora_rank"),
+            ("qk_nope_head_dim", "qk_nope_head_dim"), ("qk_rope_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"),
+            ("num_experts", "n_routed_experts"), ("moe_hidden_dim", "moe_intermediate_size"))}
+        return DeepSeekV3Args(
+            **shapes, q_lora_rank=config.get("q_lora_rank") or 0, n_dense_layers=config.get("first_k_dense_replace", 3),
+            num_shared_experts=config.get("n_shared_experts", 1), top_k=config.get("num_experts_per_tok", 8),
+            n_group=config.get("n_group", 8), topk_group=config.get("topk_group", 4),
+            routed_scaling_factor=float(config.get("routed_scaling_factor", 2.5)), norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope["rope_theta"]), rope_scaling=yarn, max_seq_len=config.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
     def config_mismatch(self, config: dict, args) -> str | None:
         """As the shapes, the routing and RoPE settings must agree (absent keys take transformers'

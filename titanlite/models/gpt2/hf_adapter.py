@@ -9,7 +9,9 @@ import re
 
 import torch
 
-from titanlite.models.hf import HFAdapter
+from titanlite.errors import UserError
+from titanlite.models.gpt2.args import GPT2Args
+from titanlite.models.hf import HFAdapter, build_args, required
 
 _CONV1D = re.compile(r"^layers\.\d+\.(attention\.(wqkv|wo)|feed_forward\.w[12])\.weight$")
 
@@ -30,6 +32,7 @@ class GPT2HFAdapter(HFAdapter):
     # The causal-mask buffers older transformers saved, and lm_head, which is wte again.
     ignored = (r"\.attn\.(masked_)?bias$", r"^lm_head\.weight$")
     shape_keys = ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size")
+    free_keys = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "initializer_range")  # titanlite trains without dropout
 
     def tensor_to_hf(self, name: str, tensor: torch.Tensor, args) -> torch.Tensor:
         return tensor.t().contiguous() if _CONV1D.match(name) else tensor
@@ -58,3 +61,11 @@ class GPT2HFAdapter(HFAdapter):
             "tie_word_embeddings": True,
             "torch_dtype": dtype,
         }
+
+    def args_from_hf_config(self, config: dict):
+        dim = required(config, "n_embd")
+        if config.get("n_inner") not in (None, 4 * dim):
+            raise UserError(f"its config.json has n_inner {config['n_inner']}, where titanlite's GPT-2 has 4 x n_embd = {4 * dim}")
+        return build_args(GPT2Args, dict(dim=dim, n_layers=required(config, "n_layer"), n_heads=required(config, "n_head"),
+                                         vocab_size=required(config, "vocab_size"), max_seq_len=config.get("n_positions", 1024),
+                                         norm_eps=config.get("layer_norm_epsilon", 1e-5)))

@@ -24,6 +24,7 @@ class ModelArgs:
     vocab_size: int = -1  # -1 = the tokenizer's vocab, filled in by the trainer
     multiple_of: int = 256  # the FFN hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None
+    intermediate_size: int | None = None  # the FFN hidden size as a config.json gives it; None = derived as Meta does
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -41,6 +42,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.intermediate_size is not None:
+            return self.intermediate_size
         # Meta's sizing: 2/3 of 4*dim keeps SwiGLU's three matrices at the cost of a 4*dim MLP,
         # then the optional multiplier, then round up for hardware-friendly shapes.
         hidden = int(2 * 4 * self.dim / 3)

@@ -6,12 +6,15 @@ Families built from llama's blocks (Mistral, Mixtral) can subclass LlamaHFAdapte
 
 import torch
 
-from titanlite.models.hf import HFAdapter, rope_halves_to_pairs, rope_pairs_to_halves
+from titanlite.errors import UserError
+from titanlite.models.hf import HFAdapter, build_args, required, rope_halves_to_pairs, rope_parameters, rope_pairs_to_halves
+from titanlite.models.llama.args import ModelArgs, RopeScaling
 
 
 class LlamaHFAdapter(HFAdapter):
     architectures = ["LlamaForCausalLM"]
     model_type = "llama"
+    args_class = ModelArgs
     names = {
         "tok_embeddings.weight": "model.embed_tokens.weight",
         "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
@@ -75,3 +78,31 @@ class LlamaHFAdapter(HFAdapter):
                 "original_max_position_embeddings": scaling.original_max_seq_len,
             }
         return config
+
+    def args_fields(self, config: dict) -> dict:
+        """The args' fields from config.json; families built on Llama's blocks add theirs."""
+        heads = required(config, "num_attention_heads")
+        rope = rope_parameters(config)
+        return dict(
+            dim=required(config, "hidden_size"), n_layers=required(config, "num_hidden_layers"), n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=required(config, "vocab_size"),
+            intermediate_size=required(config, "intermediate_size"),
+            norm_eps=config.get("rms_norm_eps", 1e-6),  # absent keys take transformers' defaults
+            rope_theta=float(rope["rope_theta"]), rope_scaling=llama3_rope_scaling(rope),
+            max_seq_len=config.get("max_position_embeddings", 2048), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    def args_from_hf_config(self, config: dict):
+        return build_args(self.args_class, self.args_fields(config))
+
+
+def llama3_rope_scaling(rope: dict) -> RopeScaling | None:
+    """None for plain RoPE, Llama 3.1's long-context scaling for rope_type llama3; other types are refused."""
+    if rope["rope_type"] == "default":
+        return None
+    if rope["rope_type"] != "llama3":
+        raise UserError(f"its config.json has rope_type {rope['rope_type']}, which titanlite's Llama blocks do not "
+                        "compute (they know default and llama3)")
+    return RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                       high_freq_factor=float(rope["high_freq_factor"]),
+                       original_max_seq_len=int(rope["original_max_position_embeddings"]))

@@ -5,7 +5,9 @@ projections are separate tensors (block_sparse_moe.experts.E.w1 / w2 / w3, nn.Li
 which titanlite stacks row-wise (models/moe_hf.py).
 """
 
+from titanlite.models.hf import required
 from titanlite.models.llama.hf_adapter import LlamaHFAdapter
+from titanlite.models.mixtral.args import MixtralArgs
 from titanlite.models.mistral.hf_adapter import MistralHFAdapter
 from titanlite.models.moe_hf import StackedExpertsHFAdapter
 
@@ -13,6 +15,7 @@ from titanlite.models.moe_hf import StackedExpertsHFAdapter
 class MixtralHFAdapter(StackedExpertsHFAdapter, MistralHFAdapter):
     architectures = ["MixtralForCausalLM"]
     model_type = "mixtral"
+    args_class = MixtralArgs
     names = {
         **{ours: theirs for ours, theirs in LlamaHFAdapter.names.items() if ".feed_forward." not in ours},
         "layers.{}.feed_forward.gate.weight": "model.layers.{}.block_sparse_moe.gate.weight",
@@ -26,3 +29,7 @@ class MixtralHFAdapter(StackedExpertsHFAdapter, MistralHFAdapter):
         config["num_local_experts"] = args.num_experts
         config["num_experts_per_tok"] = args.top_k
         return config
+
+    def args_fields(self, config: dict) -> dict:
+        return {**super().args_fields(config), "sliding_window": config.get("sliding_window"),  # MixtralConfig: none
+                "num_experts": required(config, "num_local_experts"), "top_k": config.get("num_experts_per_tok", 2)}

@@ -8,7 +8,8 @@ mlp.experts.E.gate_proj / down_proj / up_proj, stacked as Mixtral's (models/moe_
 
 import torch
 
-from titanlite.models.hf import rope_halves_to_pairs, rope_pairs_to_halves
+from titanlite.models.hf import required, rope_halves_to_pairs, rope_pairs_to_halves
+from titanlite.models.qwen3.args import Qwen3Args, Qwen3MoeArgs
 from titanlite.models.llama.hf_adapter import LlamaHFAdapter
 from titanlite.models.moe_hf import StackedExpertsHFAdapter
 
@@ -20,6 +21,7 @@ def _as_one_head(reorder, tensor: torch.Tensor) -> torch.Tensor:
 class Qwen3HFAdapter(LlamaHFAdapter):
     architectures = ["Qwen3ForCausalLM"]
     model_type = "qwen3"
+    args_class = Qwen3Args
     names = {
         **LlamaHFAdapter.names,
         "layers.{}.attention.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
@@ -43,10 +45,15 @@ class Qwen3HFAdapter(LlamaHFAdapter):
         config.update(use_sliding_window=False, sliding_window=None)
         return config
 
+    def args_fields(self, config: dict) -> dict:
+        fields = super().args_fields(config)
+        return {**fields, "head_dim": config.get("head_dim") or fields["dim"] // fields["n_heads"]}
+
 
 class Qwen3MoeHFAdapter(StackedExpertsHFAdapter, Qwen3HFAdapter):
     architectures = ["Qwen3MoeForCausalLM"]
     model_type = "qwen3_moe"
+    args_class = Qwen3MoeArgs
     names = {
         **{ours: theirs for ours, theirs in Qwen3HFAdapter.names.items() if ".feed_forward." not in ours},
         "layers.{}.feed_forward.gate.weight": "model.layers.{}.mlp.gate.weight",
@@ -61,4 +68,13 @@ class Qwen3MoeHFAdapter(StackedExpertsHFAdapter, Qwen3HFAdapter):
             num_experts=args.num_experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate_size,
             norm_topk_prob=args.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
         )
+        config["intermediate_size"] = args.intermediate_size  # the dense MLP's, which all-sparse blocks never build
         return config
+
+    def args_fields(self, config: dict) -> dict:
+        experts = config.get("num_experts") or config.get("num_local_experts")  # transformers 5 writes the second
+        if experts is None:
+            required(config, "num_experts")
+        return {**super().args_fields(config), "num_experts": experts, "top_k": config.get("num_experts_per_tok", 8),
+                "moe_intermediate_size": required(config, "moe_intermediate_size"),
+                "norm_topk_prob": bool(config.get("norm_topk_prob", False))}  # Qwen3MoeConfig's default
