@@ -34,12 +34,12 @@ def grad_norms(tmp_path, name: str) -> dict[int, float]:
     return tensorboard_scalars(tmp_path / name / "tb", "optim/grad_norm")
 
 
-def test_ep2_and_ep2_x_fsdp2_train_as_one_process_and_resume_on_one(tmp_path):
+def test_ep2_and_ep2_x_fsdp2_train_as_one_process_and_checkpoints_move_between_layouts(tmp_path):
     """5 steps of each MoE family's debug model (8 experts, top-2; 4 per rank under EP2, sharded again
     over 2 ranks under EP2 x FSDP2): the losses and gradient norms equal the 1-process fp32 run's within
     1e-5, DeepSeek-V3's aux-loss-free routing biases (moved after every step from the global counts) are
-    equal to the bit, and DeepSeek-V3's EP2 checkpoint of step 5 resumes on one process with the
-    uninterrupted losses of steps 6 and 7."""
+    equal to the bit, and DeepSeek-V3's checkpoints of step 5 move between the layouts: EP2's resumes
+    on one process and one process's under EP2 x FSDP2, both with the uninterrupted losses of steps 6 and 7."""
     prepare("sample", str(tmp_path / "store"))  # the same windows at any data-parallel degree
     runs = {world: [] for world, _ in LAYOUTS.values()}
     for family, extra in FAMILIES.items():
@@ -47,11 +47,13 @@ def test_ep2_and_ep2_x_fsdp2_train_as_one_process_and_resume_on_one(tmp_path):
             saved = family == "deepseek_v3"
             steps = RESUMED_STEPS if layout == "one" else STEPS
             runs[world].append(run(tmp_path, f"{family}_{layout}", ["--model.name", family, *extra, *flags], steps, checkpoint=saved))
-    resumed = run(tmp_path, "deepseek_v3_ep2_to_one", ["--model.name", "deepseek_v3", *FAMILIES["deepseek_v3"]],
-                  RESUMED_STEPS, resume_from="deepseek_v3_ep2")
+    deepseek = ["--model.name", "deepseek_v3", *FAMILIES["deepseek_v3"]]
+    to_one = run(tmp_path, "deepseek_v3_ep2_to_one", deepseek, RESUMED_STEPS, resume_from="deepseek_v3_ep2")
+    to_ep = run(tmp_path, "deepseek_v3_one_to_ep2_fsdp2", [*deepseek, *LAYOUTS["ep2_fsdp2"][1]], RESUMED_STEPS,
+                resume_from="deepseek_v3_one")
     launch(runs[2], 2, tmp_path, "world2")
-    launch(runs[4], 4, tmp_path, "world4")
-    launch([*runs[1], resumed], 1, tmp_path, "world1")
+    launch([*runs[1], to_one], 1, tmp_path, "world1")
+    launch([*runs[4], to_ep], 4, tmp_path, "world4")
     for family in FAMILIES:
         one, one_norms = losses(tmp_path, f"{family}_one"), grad_norms(tmp_path, f"{family}_one")
         assert sorted(one) == list(range(1, RESUMED_STEPS + 1)), one
@@ -69,8 +71,10 @@ def test_ep2_and_ep2_x_fsdp2_train_as_one_process_and_resume_on_one(tmp_path):
     one_biases, ep_biases = (saved_routing_biases(tmp_path / f"deepseek_v3_{layout}") for layout in ("one", "ep2"))
     assert len(one_biases) == 3 and ep_biases.keys() == one_biases.keys()
     assert all(torch.equal(ep_biases[key], bias) and bias.abs().max() > 0 for key, bias in one_biases.items())
-    one, again = losses(tmp_path, "deepseek_v3_one"), losses(tmp_path, "deepseek_v3_ep2_to_one")
-    assert sorted(again) == [6, 7] and all(again[s] == pytest.approx(one[s], abs=1e-5) for s in again), again
+    one = losses(tmp_path, "deepseek_v3_one")
+    for resumed in ("deepseek_v3_ep2_to_one", "deepseek_v3_one_to_ep2_fsdp2"):
+        again = losses(tmp_path, resumed)
+        assert sorted(again) == [6, 7] and all(again[s] == pytest.approx(one[s], abs=1e-5) for s in again), (resumed, again)
 
 
 @pytest.mark.cuda
