@@ -29,6 +29,8 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1  # expert parallel degree: a divisor of dp_shard
     mesh: DeviceMesh | None = field(default=None, repr=False)  # set by build_mesh
+    # Under EP, dp_shard is a flattened mesh; slicing it out of the root again is deprecated (torch 2.11).
+    shard_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
@@ -86,6 +88,12 @@ class ParallelDims:
         return self.tp * self.pp
 
     @property
+    def layout(self) -> str:
+        """The mesh in words, for the start-up log and the planner."""
+        experts = f" (experts over ep {self.ep} of them)" if self.ep_enabled else ""
+        return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard}{experts} x tp {self.tp}, pp {self.pp}"
+
+    @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
@@ -93,11 +101,12 @@ class ParallelDims:
         if self.ep_enabled:
             self.mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
                                          mesh_dim_names=EP_MESH_DIMS)
-            self.mesh["efsdp", "ep"]._flatten("dp_shard")
+            self.shard_mesh = self.mesh["efsdp", "ep"]._flatten("dp_shard")
         else:
             self.mesh = init_device_mesh(
                 device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
             )
+            self.shard_mesh = self.mesh["dp_shard"]
         # The global gradient norm reduces over all dims at once; a flattened mesh lets DTensor do
         # that in one collective instead of one per dim.
         self.mesh[self.mesh.mesh_dim_names]._flatten("all")
@@ -110,13 +119,15 @@ class ParallelDims:
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:
-        """(dp_replicate, efsdp): the ranks holding the same experts, which FSDP shards them over."""
-        return self.mesh["dp_replicate", "efsdp"]
+        """(dp_replicate, efsdp): the ranks holding the same experts, which FSDP shards them over
+        (efsdp alone where there is one replica)."""
+        return self.mesh["dp_replicate", "efsdp"] if self.dp_replicate > 1 else self.mesh["efsdp"]
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """(dp_replicate, dp_shard): FSDP shards over dp_shard; with more than one replica it is HSDP."""
-        return self.mesh["dp_replicate", "dp_shard"]
+        """(dp_replicate, dp_shard): FSDP shards over dp_shard; with more than one replica it is HSDP
+        (dp_shard alone where there is one replica)."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.shard_mesh
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -126,7 +137,7 @@ class ParallelDims:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (replica-major); TP and PP ranks of one
         data-parallel group share it, so they read the same batches."""
-        return self.mesh["dp_replicate"].get_local_rank() * self.dp_shard + self.mesh["dp_shard"].get_local_rank()
+        return self.mesh["dp_replicate"].get_local_rank() * self.dp_shard + self.shard_mesh.get_local_rank()
 
     def check_model(self, args) -> None:
         """Refuse degrees the model's shapes cannot be split by, before anything is built."""

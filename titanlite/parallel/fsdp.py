@@ -1,6 +1,7 @@
 """FSDP2: shard every block, then the root, with the config's mixed precision (autocast where there is no FSDP)."""
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ from titanlite.parallel.offload import fsdp_offload_policy
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str, reduce_dtype: str, reshard_after_forward: str,
                cpu_offload: bool = False, expert_mesh: DeviceMesh | None = None) -> None:
-    """`mesh` has dims (dp_replicate, dp_shard); with more than one replica FSDP becomes HSDP.
+    """`mesh` has dims (dp_replicate, dp_shard), or dp_shard alone; with more than one replica FSDP becomes HSDP.
 
     reshard_after_forward: "always" frees every gathered block after its forward; "never" keeps
     them (ZeRO-2-like: more memory, no re-gather in backward); "default" frees all but the last
@@ -26,15 +27,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str, reduce_dtyp
     """
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     offload = fsdp_offload_policy(cpu_offload)
-    dp_mesh = mesh if mesh.size(0) > 1 else mesh["dp_shard"]
+    dp_mesh = mesh if mesh.ndim == 1 or mesh.size(0) > 1 else mesh["dp_shard"]
     n_blocks = len(model.layers)
     for index, block in enumerate(model.layers.values()):
         reshard = {"always": True, "never": False, "default": index < n_blocks - 1}[reshard_after_forward]
         if expert_mesh is not None:
-            shard_experts(block, mesh, expert_mesh, dict(mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload))
+            shard_experts(block, dp_mesh, expert_mesh, dict(mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload))
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always",
                 offload_policy=offload)
+
+
+# A MoE's output [B, T, D] is a view of its [B * T, D] result; every block adds it out of place, so
+# FSDP's warning about in-place ops on a view returned by an FSDP module does not apply.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w*MoE\) returned a view tensor")
 
 
 def shard_experts(block: nn.Module, dp_mesh: DeviceMesh, expert_mesh: DeviceMesh, options: dict) -> None:
@@ -42,8 +48,6 @@ def shard_experts(block: nn.Module, dp_mesh: DeviceMesh, expert_mesh: DeviceMesh
     ranks, like the rest of the block, and the routed experts (the MoE's own parameters) over the ranks
     holding the same experts (the MoE's run_experts scales their gradients by 1 / ep, so that FSDP's
     average over these ranks is the average over all data-parallel ranks)."""
-    dp_mesh = dp_mesh if dp_mesh.size(0) > 1 else dp_mesh["dp_shard"]
-    expert_mesh = expert_mesh if expert_mesh.size(0) > 1 else expert_mesh["efsdp"]
     for moe in expert_fsdp_units(block):
         for dense in (moe.gate, getattr(moe, "shared_experts", None)):
             if dense is not None:
