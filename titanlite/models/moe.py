@@ -103,7 +103,7 @@ def weighted_sum(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) 
     """out [N * k, D], the expert outputs of the assignments sorted by `order` -> [N, D], each token's
     outputs weighted by its routing weights [N, k] and summed."""
     num_tokens, top_k = weights.shape
-    out = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)  # back to (token, slot) order
+    out = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, out.shape[-1])  # (token, slot) order; N may be 0
     return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
 

@@ -58,11 +58,10 @@ class ParallelDims:
                 f"parallelism.expert_parallel_degree {ep} does not divide data_parallel_shard_degree {shard}; "
                 "choose an expert_parallel_degree that divides the data-parallel shard ranks"
             )
-        if ep > 1 and (tp > 1 or pp > 1):
+        if ep > 1 and tp > 1:
             raise UserError(
-                f"parallelism.expert_parallel_degree {ep} is not supported together with tensor or pipeline "
-                "parallelism yet; set tensor_parallel_degree and pipeline_parallel_degree to 1 (tensor parallelism "
-                "alone already splits the experts over its ranks)"
+                f"parallelism.expert_parallel_degree {ep} is not supported together with tensor_parallel_degree {tp} "
+                "yet; set one of them to 1 (tensor parallelism alone already splits the experts over its ranks)"
             )
         return cls(replicate, shard, tp, pp, ep)
 
