@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import tensorboard_scalars
+from conftest import run_titanlite, tensorboard_scalars
 from test_deepseek_v3 import saved_routing_biases
 from test_pipeline_parallel import launch, losses, run
 from titanlite.config_sections import Parallelism
@@ -16,6 +16,7 @@ from titanlite.errors import UserError
 from test_families import moe_inputs
 from titanlite.models.moe import _grouped_mm_supported, experts_forward
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.parallelize import check_expert_parallel
 
 FAMILIES = {  # name: extra flags; DeepSeek-V3 with its optional balance loss, so its gradient is checked too
     "mixtral": [], "qwen3_moe": [], "deepseek_v3": ["--model.moe_aux_loss_coeff", "0.01"],
@@ -135,3 +136,14 @@ def test_ep_degree_not_dividing_the_experts_is_one_sentence():
     for experts, what in ((8, "8 experts"), (0, "0 experts")):
         with pytest.raises(UserError, match=re.escape(f"parallelism.expert_parallel_degree 3 cannot split the model's {what}")):
             dims.check_model(type("Args", (), {"num_experts": experts})())
+
+
+def test_ep_with_compile_is_one_sentence():
+    with pytest.raises(UserError, match=re.escape("parallelism.expert_parallel_degree above 1 does not compile yet")):
+        check_expert_parallel(compile_enabled=True)
+
+
+def test_refused_ep_degree_exits_2_without_traceback(tiny_run):
+    out = run_titanlite([*tiny_run, "--parallelism.expert_parallel_degree", "2"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "error: parallelism.expert_parallel_degree 2 does not divide data_parallel_shard_degree 1" in out.stderr
