@@ -107,6 +107,7 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "ranks each replica is sharded over by FSDP; -1 = the rest of the world", at_least=1, sentinels=(-1,))
     fsdp_reshard_after_forward: str = opt("default", "free gathered params after forward: default (yes, except the root), always, never (ZeRO-2-like)", choices=("default", "always", "never"))
     fsdp_cpu_offload: bool = opt(False, "keep FSDP's sharded params, grads and optimizer state in CPU memory; the optimizer steps on the CPU (needs FSDP)")
+    expert_parallel_degree: int = opt(1, "expert parallel degree (MoE models): the routed experts are split evenly over this many of the data_parallel_shard_degree ranks, which send each token to its experts' ranks with all-to-all; the expert weights are FSDP-sharded over the remaining data_parallel_shard_degree / expert_parallel_degree ranks, the router and shared experts are ordinary FSDP layers; must divide data_parallel_shard_degree and the experts", at_least=1)
     tensor_parallel_degree: int = opt(1, "tensor + sequence parallel degree: ranks (innermost, i.e. within a node) that split every matmul; must divide heads, kv heads, FFN hidden size, vocab and experts", at_least=1)
     disable_loss_parallel: bool = opt(False, "under tensor parallelism, gather the full-vocabulary logits before the loss instead of computing it on vocab shards (debugging)")
     enable_async_tensor_parallel: bool = opt(False, "torch's async TP: all-gather/reduce-scatter micro-pipelined with the matmuls (needs CUDA and compile)")

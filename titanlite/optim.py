@@ -71,13 +71,31 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group: dist.ProcessGroup | N
     """
     parameters = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in parameters if not any(p is u for u in uncounted)]
-    total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(total_norm, "full_tensor"):
-        total_norm = total_norm.full_tensor()
+    total_norm = _global_norm(grads)
     if pp_group is not None:
         squared = total_norm**2
         dist.all_reduce(squared, group=pp_group)
         total_norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+        for group in _by_mesh(parameters):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
     return total_norm
+
+
+def _by_mesh(tensors: list) -> list[list]:
+    """The tensors grouped by DTensor mesh (plain tensors together): foreach ops take one mesh at a time,
+    and expert parallelism puts the experts on a mesh of their own."""
+    groups: dict = {}
+    for t in tensors:
+        key = getattr(t.grad if isinstance(t, torch.nn.Parameter) else t, "device_mesh", None)
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
+
+
+def _global_norm(grads: list) -> torch.Tensor:
+    """The 2-norm of all the gradients, whole (each mesh's DTensor norm reduced over its shards)."""
+    norms = []
+    for group in _by_mesh(grads) or [grads]:
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()

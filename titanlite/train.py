@@ -80,7 +80,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     if cfg.job.description:
         logger.info(f"job: {cfg.job.description}")
     data = f"a mix of {len(training.dataset_mix)} sources" if training.dataset_mix else training.dataset_path or training.dataset
-    mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
+    mesh = dims.layout
     logger.info(
         f"model {model_label(cfg.model)}: {num_params:,} parameters, vocab {args.vocab_size} | "
         f"world {info.world_size} on {info.device.type}, mesh {mesh} | "

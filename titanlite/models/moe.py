@@ -10,7 +10,9 @@ over more than 8 ranks would leave most ranks holding padding as large as a whol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.distributed as dist
 
+from titanlite.parallel.ep import all_to_all, exchange_counts, expert_weights
 from titanlite.models.init import trunc_normal_
 from titanlite.models.llama.model import BASE_INIT_STD, FeedForward
 
@@ -87,15 +89,38 @@ def experts_forward(x, weights, experts, counts, w1, w2, w3, grouped: bool | Non
 
     x [N, D]; weights, experts [N, k]; counts [E] tokens per expert; w1, w3 [E, H, D]; w2 [E, D, H].
     The N * k (token, expert) assignments are sorted by expert, so each expert's tokens are one
-    contiguous block; grouped=None picks the grouped GEMM where it runs, else a loop over experts.
+    contiguous block; grouped=None picks the grouped GEMM where it runs, else a loop over experts
+    (the one place that chooses).
     """
-    num_tokens, top_k = experts.shape
     order = experts.flatten().argsort(stable=True)
-    sorted_x = x[order // top_k]  # assignment a belongs to token a // top_k
+    sorted_x = x[order // experts.shape[1]]  # assignment a belongs to token a // top_k
     grouped = _grouped_mm_supported(sorted_x) if grouped is None else grouped
     out = (_grouped_swiglu if grouped else _looped_swiglu)(sorted_x, counts, w1, w2, w3)
-    out = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)  # back to (token, slot) order
+    return weighted_sum(out, order, weights)
+
+
+def weighted_sum(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out [N * k, D], the expert outputs of the assignments sorted by `order` -> [N, D], each token's
+    outputs weighted by its routing weights [N, k] and summed."""
+    num_tokens, top_k = weights.shape
+    out = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, out.shape[-1])  # (token, slot) order; N may be 0
     return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+
+def experts_forward_over_ranks(x, weights, experts, counts, w1, w2, w3, group) -> torch.Tensor:
+    """experts_forward with the experts split over the ranks of `group` (expert parallelism: w1, w2, w3
+    hold this rank's E / ep experts): each assignment goes to its expert's rank and its output comes
+    back, by two all-to-alls; the routing weights are applied here, on the token's own rank."""
+    order = experts.flatten().argsort(stable=True)
+    ep = dist.get_world_size(group)
+    received = exchange_counts(counts, group)  # [ep, E / ep]: from each rank, per local expert
+    send, receive = counts.view(ep, -1).sum(dim=1).tolist(), received.sum(dim=1).tolist()
+    tokens = all_to_all(x[order // experts.shape[1]], receive, send, group)
+    per_rank = received.shape[1]  # the received rows: source rank, then local expert
+    local_experts = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(received.flatten())
+    out = experts_forward(tokens, tokens.new_ones(tokens.shape[0], 1), local_experts[:, None], received.sum(dim=0),
+                          w1, w2, w3)
+    return weighted_sum(all_to_all(out, send, receive, group), order, weights)
 
 
 class MoE(nn.Module):
@@ -118,6 +143,7 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts * hidden_dim, dim))  # viewed as [E, H, D]
         self.w2 = nn.Parameter(torch.empty(num_experts * dim, hidden_dim))  # viewed as [E, D, H]
         self.w3 = nn.Parameter(torch.empty(num_experts * hidden_dim, dim))  # viewed as [E, H, D]
+        self.ep_group = None  # the expert-parallel process group, set by titanlite.parallel.ep.apply_ep
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (out [B, T, D], balance loss (0-dim), tokens per expert [E])."""
@@ -137,7 +163,11 @@ class MoE(nn.Module):
         return load_balancing_loss(logits, assignments)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [N, D] through each token's experts, weighted; expert parallelism replaces this method."""
+        """x [N, D] through each token's experts, weighted (TP's expert split replaces this method)."""
+        if self.ep_group is not None:  # this rank's experts: a DTensor shard on the ep mesh
+            w1, w2, w3 = expert_weights([self.w1, self.w2, self.w3], self.ep_group)
+            w1, w2, w3 = (w.view(self.num_experts // dist.get_world_size(self.ep_group), -1, w.shape[-1]) for w in (w1, w2, w3))
+            return experts_forward_over_ranks(x, weights, experts, counts, w1, w2, w3, self.ep_group)
         w1, w2, w3 = (w.view(self.num_experts, -1, w.shape[-1]) for w in (self.w1, self.w2, self.w3))
         return experts_forward(x, weights, experts, counts, w1, w2, w3)
 

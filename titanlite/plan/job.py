@@ -118,7 +118,7 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
         buffers = fsdp_buffers(cfg, block, root_params(whole, stages), dims)
         memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None)
         roles.append((stages.name if dims.pp_enabled else "every rank", memory))
-    mesh = f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}, pp {dims.pp}"
+    mesh = dims.layout
     return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, job_speed(cfg, spec, whole, dims, states),
                    plan_notes(cfg, args.dim, gpu))
 
