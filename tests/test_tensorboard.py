@@ -123,11 +123,11 @@ def test_two_rank_dashboard_read_over_http(tmp_path):
         final = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
         assert final["loss/train"] == pytest.approx(logged_losses(out.stderr)[13], abs=1e-4)
 
-    # The honest save figure: the async saves' blocked time is a small part of what they cost.
+    # The save figure: every save reports what it cost the steps it touched, never less than the time it
+    # blocked the loop (those steps contain that wait; less would be the steady time's noise).
     saves = {int(s): (float(b), float(lost)) for s, lost, b in SAVE_LINE.findall(out.stderr)}
     assert sorted(saves) == [4, 8, 12, 13]
-    interval_saves = [saves[4], saves[8]]  # the async ones with steps after them (12 and 13 end the run)
-    assert sum(lost for _, lost in interval_saves) > sum(blocked for blocked, _ in interval_saves), out.stderr
+    assert all(lost >= blocked for blocked, lost in saves.values()), out.stderr
     written = {e.step: e.value for e in scalars(job / "rank0", "checkpoint/training_lost_seconds")}
     assert written == pytest.approx({s: lost for s, (_, lost) in saves.items()}, abs=1e-3)
     summary_lost = float(re.search(r"checkpoints: 4 saves, training lost (-?[\d.]+)s", out.stderr).group(1))

@@ -6,7 +6,8 @@ training for memory bandwidth, CPU cores and PCIe, and the steps it overlaps run
 cost of a save is measured on the steps themselves: every training step whose time overlaps the
 save (from its start until its write completed, which includes the step whose optimizer waited
 for the staging copy) is compared with the steady step time, the median of the recent steps no
-save touched after warm-up, and the sum of the differences is the training time the save lost.
+save touched after warm-up, and the sum of the differences is the training time the save lost
+(never less than the time it blocked the loop, which those steps contain).
 A step touched by two saves (the later one waited for the earlier one's write) is shared between
 them by how long each overlapped it.
 
@@ -142,6 +143,9 @@ class SaveCost:
         lost, count = self.lost(save, steady) if steady is not None else (0.0, 0)
         if count:
             how = f"{count} step{'s' * (count > 1)} over a steady {steady:.3f}s"
+            # The touched steps hold the loop's wait, so the save cost at least that; a smaller figure (even
+            # a negative one, on a noisy machine) is the steady time's noise, not a save that cost nothing.
+            lost = max(lost, save.blocked)
         else:  # nothing to compare with: what the loop waited is all that is known
             lost, how = save.blocked, "no steady step to compare with"
         self.saves += 1
