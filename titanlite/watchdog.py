@@ -34,6 +34,7 @@ FIRST_STEPS_SECONDS = 1800  # before a steady step time is known: compilation, a
 FLOOR_SECONDS = 300
 STEADY_FACTOR = 20
 KEY = "titanlite/watchdog"
+JOIN_SECONDS = 30  # how long stop() waits for a store call in flight (the store answers in milliseconds)
 
 
 def where_thread_is(thread_id: int) -> str:
@@ -82,7 +83,12 @@ class HangWatchdog:
         self.finished = step
 
     def stop(self) -> None:
+        """Stop watching and wait for the thread to leave: a daemon thread still inside a store call when the
+        interpreter shuts down is unwound through C++ frames, and the process aborts ("terminate called
+        without an active exception", seen at the end of finished gloo runs)."""
         self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=JOIN_SECONDS)
 
     def _watch(self) -> None:
         while not self.stopped.wait(min(5.0, self.timeout() / 10)):
