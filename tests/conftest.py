@@ -1,5 +1,6 @@
 """Helpers to run titanlite as a user would: as a subprocess, alone or under torchrun."""
 
+import json
 import logging
 import os
 import re
@@ -65,6 +66,20 @@ def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict
         launcher + ["-m", "titanlite.train", *ON_CPU, *args], cwd=ROOT, env=full_env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def torchrun_json(script: str, tmp_path: Path, *args: str) -> dict:
+    """Run tests/<script> under torchrun on 2 CPU processes (the script's rank 0 writes JSON to the path it
+    is given first, then `args`) and return that JSON."""
+    out_file = tmp_path / "results.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / script), str(out_file), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out_file.read_text())
 
 
 def logged_losses(output: str) -> dict[int, float]:

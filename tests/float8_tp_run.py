@@ -4,28 +4,21 @@ whole world) and unsharded on every rank, for each recipe; and the unsharded run
 to show float8 changed the numbers. Rank 0 writes {recipe: {family: [[tp, one process, no float8], ...]}}
 as JSON to argv[1]; argv[2] lists the families (comma-separated), argv[3] the recipes."""
 
-import json
 import sys
 
-import torch
-import torch.distributed as dist
-
-from tp_families import losses
+from tp_families import losses, write_from_rank0
 
 
 def main(out_path: str, families: str = "llama3", recipes: str = "tensorwise,rowwise") -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    world = dist.get_world_size()
-    results = {}
-    for recipe in recipes.split(","):
-        float8 = ("--float8.enable", "--float8.emulate", "--float8.recipe_name", recipe)
-        results[recipe] = {name: list(zip(losses(name, world, float8), losses(name, 1, float8), losses(name, 1)))
-                           for name in families.split(",")}
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    def results(world: int) -> dict:
+        by_recipe = {}
+        for recipe in recipes.split(","):
+            float8 = ("--float8.enable", "--float8.emulate", "--float8.recipe_name", recipe)
+            by_recipe[recipe] = {name: list(zip(losses(name, world, float8), losses(name, 1, float8), losses(name, 1)))
+                                 for name in families.split(",")}
+        return by_recipe
+
+    write_from_rank0(out_path, results)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ float8 loss is far more sensitive: a 1e-7 relative change of its weights moves i
 on one process, and its TP2 losses were measured within 1.6e-3 (its fused q/k/v in high precision).
 """
 
-import json
 import os
 import shutil
 import subprocess
@@ -20,21 +19,13 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, logged_losses, run_titanlite
+from conftest import ROOT, logged_losses, run_titanlite, torchrun_json
 
 pytest.importorskip("torchao")
 
 
 def test_tp2_float8_equals_one_process_float8(tmp_path):
-    out_file = tmp_path / "losses.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "float8_tp_run.py"), str(out_file)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out_file.read_text())
+    results = torchrun_json("float8_tp_run.py", tmp_path)
     assert sorted(results) == ["rowwise", "tensorwise"]
     for recipe, families in results.items():
         assert sorted(families) == ["llama3"]

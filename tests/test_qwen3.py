@@ -121,21 +121,9 @@ def test_moe_flops_count_the_active_experts_and_head_dim():
 def test_tp2_equals_one_process(tmp_path):
     """5 steps of each debugmodel under TP2 (q/k norms over the local heads, experts split over ranks)
     give the unsharded model's losses."""
-    import os
-    import subprocess
-    import sys
+    from conftest import torchrun_json
 
-    from conftest import ROOT
-
-    out_file = tmp_path / "losses.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "tp_families.py"), str(out_file), "qwen3,qwen3_moe"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out_file.read_text())
+    results = torchrun_json("tp_families.py", tmp_path, "qwen3,qwen3_moe")
     assert sorted(results) == ["qwen3", "qwen3_moe"]
     for name, pairs in results.items():
         assert len(pairs) == 5

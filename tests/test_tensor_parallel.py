@@ -1,16 +1,12 @@
 """Tensor + sequence parallelism on CPU (gloo): the losses of a 1-process run, and every refused layout."""
 
 import dataclasses
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, assert_planned_state, logged_losses, run_titanlite
+from conftest import assert_planned_state, logged_losses, run_titanlite, torchrun_json
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
@@ -21,15 +17,7 @@ from titanlite.parallel.tp import check_tensor_parallel
 def test_tp2_every_family_equals_one_process(tmp_path):
     """llama3, mistral (sliding window cut in: seq 64 > window 32), mixtral (expert-parallel) and
     gpt2 (fused q/k/v by heads): 5 steps under TP2 give the unsharded model's losses."""
-    out_file = tmp_path / "losses.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "tp_families.py"), str(out_file)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out_file.read_text())
+    results = torchrun_json("tp_families.py", tmp_path)
     assert sorted(results) == ["gpt2", "llama3", "mistral", "mixtral"]
     for name, pairs in results.items():
         assert len(pairs) == 5

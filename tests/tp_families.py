@@ -47,15 +47,21 @@ def losses(name: str, world: int, flags: tuple[str, ...] = ()) -> list[float]:
                        cross_entropy_loss, delimiters=delimiters)[0].item() for _ in range(STEPS)]
 
 
-def main(out_path: str, families: str = "llama3,mistral,mixtral,gpt2") -> None:
+def write_from_rank0(out_path: str, results) -> None:
+    """In a torchrun worker: `results(world)` computed on every rank (gloo, one thread each), written by rank 0
+    as JSON to out_path."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    results = {name: list(zip(losses(name, dist.get_world_size()), losses(name, 1)))
-               for name in families.split(",")}
+    computed = results(dist.get_world_size())
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump(results, f)
+            json.dump(computed, f)
     dist.destroy_process_group()
+
+
+def main(out_path: str, families: str = "llama3,mistral,mixtral,gpt2") -> None:
+    write_from_rank0(out_path, lambda world: {name: list(zip(losses(name, world), losses(name, 1)))
+                                              for name in families.split(",")})
 
 
 if __name__ == "__main__":

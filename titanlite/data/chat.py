@@ -28,7 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from titanlite.data.hf_tokenizer import HFTokenizer
 from titanlite.data.local_files import find_data_files, read_records, READ_ERRORS
-from titanlite.data.store import TokenStore
+from titanlite.data.store import TokenStore, concatenate
 from titanlite.errors import UserError
 
 ROLES = ("system", "user", "assistant")
@@ -173,8 +173,5 @@ def chat_record(renderer: ChatRenderer, dataset_format: str, train_on: str) -> d
 
 def conversation_store(conversations, encode, name: str) -> TokenStore:
     """Conversations tokenized (encode: messages -> ids, trained flags) into an in-memory store with its loss mask."""
-    encoded = [encode(messages) for messages in conversations]
-    offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in encoded])])
-    tokens = np.fromiter((t for ids, _ in encoded for t in ids), dtype=np.int64, count=int(offsets[-1]))
-    mask = np.fromiter((f for _, trained in encoded for f in trained), dtype=np.uint8, count=int(offsets[-1]))
+    tokens, offsets, mask = concatenate([encode(messages) for messages in conversations], np.int64)
     return TokenStore.from_offsets([tokens], [offsets], name, [mask])

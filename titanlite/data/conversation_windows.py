@@ -15,10 +15,12 @@ import torch
 from torch.utils.data import Dataset
 
 from titanlite.data.documents import seeded_rng
-from titanlite.data.packing import IGNORED, split_window
+from titanlite.data.packing import split_window
 from titanlite.data.store import TokenStore
 from titanlite.errors import UserError
 from titanlite.log import logger
+
+IGNORED = -100  # the label of a token outside the loss (cross_entropy's ignore_index)
 
 
 def trained_counts(store: TokenStore, lengths: np.ndarray) -> np.ndarray:

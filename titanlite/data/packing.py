@@ -76,9 +76,6 @@ class PackedTokens(IterableDataset):
             self.epoch, self.position = self.epoch + 1, None
 
 
-IGNORED = -100  # the label of a token outside the loss (cross_entropy's ignore_index)
-
-
 class SyntheticTokens(IterableDataset):
     """Endless uniform random tokens for benchmarks: no files and no tokenizer work.
 

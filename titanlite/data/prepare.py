@@ -29,7 +29,7 @@ from tqdm import tqdm
 from titanlite.data.chat import ChatRenderer, Conversations, chat_record, tokenize_conversation
 from titanlite.data.local_files import LOADER_BY_SUFFIX, load_local_documents
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
-from titanlite.data.store import FORMAT, MANIFEST, mask_path, shard_paths, token_dtype, tokenizer_record
+from titanlite.data.store import FORMAT, MANIFEST, concatenate, mask_path, shard_paths, token_dtype, tokenizer_record
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from titanlite.errors import UserError
 
@@ -58,13 +58,10 @@ def tokenize_shard(task: tuple) -> None:
     """Worker: tokenize one shard's documents as packing does (bos + text + eos; a conversation as chat.py
     does, with its mask) and write it, the offsets file last."""
     folder, shard, documents, dtype = task
-    encoded = [ENCODE(document) for document in documents]
-    offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in encoded])]).astype(np.int64)
+    tokens, offsets, mask = concatenate([ENCODE(document) for document in documents], dtype)
     tokens_path, index_path = shard_paths(folder, shard)
-    tokens = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in encoded), dtype=dtype, count=int(offsets[-1]))
     write_then_rename(tokens_path, tokens.tofile)
-    if encoded and encoded[0][1] is not None:
-        mask = np.fromiter(itertools.chain.from_iterable(trained for _, trained in encoded), dtype=np.uint8, count=int(offsets[-1]))
+    if mask is not None:
         write_then_rename(mask_path(folder, shard), mask.tofile)
     write_then_rename(index_path, lambda file: np.save(file, offsets))
 

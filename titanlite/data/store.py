@@ -15,6 +15,7 @@ train_on and the chat template's sha256, which a run must match.
 """
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,9 +99,19 @@ class TokenStore:
     @classmethod
     def tokenize(cls, texts, tokenizer, name: str) -> "TokenStore":
         """An in-memory store of raw documents (a raw source in a mix): tokenized here, once per run."""
-        ids = [np.asarray(tokenizer.encode(text, bos=True, eos=True), dtype=np.int64) for text in texts]
-        offsets = np.concatenate([[0], np.cumsum([len(a) for a in ids])])
-        return cls.from_offsets([np.concatenate(ids)], [offsets], name)
+        tokens, offsets, _ = concatenate([(tokenizer.encode(text, bos=True, eos=True), None) for text in texts], np.int64)
+        return cls.from_offsets([tokens], [offsets], name)
+
+
+def concatenate(encoded: list[tuple[list[int], list[bool] | None]], dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Documents as (ids, trained flags, or None for text) -> (their ids back to back in dtype, int64 offsets
+    where each starts and the last ends, their flags back to back as uint8 or None): one shard's arrays."""
+    offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in encoded])]).astype(np.int64)
+    tokens = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in encoded), dtype=dtype, count=int(offsets[-1]))
+    if not encoded or encoded[0][1] is None:
+        return tokens, offsets, None
+    flags = np.fromiter(itertools.chain.from_iterable(flags for _, flags in encoded), dtype=np.uint8, count=int(offsets[-1]))
+    return tokens, offsets, flags
 
 
 def portable(arrays: list | None) -> list | None:

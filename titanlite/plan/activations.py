@@ -35,10 +35,10 @@ from titanlite.dtypes import DTYPES
 from titanlite.lora import apply_lora
 from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.parallel.ac import apply_ac, every_nth
-from titanlite.plan.moe import route_evenly
 from titanlite.parallel.compile import compiles
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import mixed_precision_context
+from titanlite.plan.moe import route_evenly
 
 FULL_DEPTH_UP_TO = 8  # deeper models are measured at two depths and extrapolated (the blocks are identical)
 
