@@ -10,6 +10,8 @@ experts' ranks under expert parallelism, which this does not foresee.
 
 import functools
 
+from titanlite.parallel.ep import is_moe
+
 
 class BalancedCounts:
     """Stands in for the tokens per expert where the expert loop reads them (tolist)."""
@@ -25,7 +27,7 @@ class BalancedCounts:
 def route_evenly(model) -> None:
     """Make every MoE layer of the (fake) model run its experts on balanced counts."""
     for module in model.modules():
-        if hasattr(module, "run_experts") and hasattr(module, "num_experts"):
+        if is_moe(module):
             module.run_experts = functools.partial(balanced_run_experts, module, type(module).run_experts)
 
 
