@@ -7,7 +7,8 @@ Expert parallelism (ep > 1) splits dp_shard into (efsdp, ep): the mesh is
 pp x dp_replicate x efsdp x ep x tp, with dp_shard the flattened (efsdp, ep). Every dense weight is
 sharded over dp_shard as without EP; the routed experts are split over the ep ranks (consecutive
 dp_shard ranks, so an all-to-all group stays as close as TP allows) and FSDP-sharded over efsdp
-(and replicated over dp_replicate).
+(and replicated over dp_replicate). With TP as well (ep x tp), the experts are split over the
+flattened (ep, tp) mesh, ep * tp whole-expert blocks, one per rank (see titanlite/parallel/ep.py).
 """
 
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ class ParallelDims:
     mesh: DeviceMesh | None = field(default=None, repr=False)  # set by build_mesh
     # Under EP, dp_shard is a flattened mesh; slicing it out of the root again is deprecated (torch 2.11).
     shard_mesh: DeviceMesh | None = field(default=None, repr=False)
+    # Under EP, the ranks whose whole-expert blocks together hold all the experts: ep, or the flattened
+    # (ep, tp) under EP x TP (rank (e, t) holds block e * tp + t); set by build_mesh.
+    expert_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
@@ -57,11 +61,6 @@ class ParallelDims:
             raise UserError(
                 f"parallelism.expert_parallel_degree {ep} does not divide data_parallel_shard_degree {shard}; "
                 "choose an expert_parallel_degree that divides the data-parallel shard ranks"
-            )
-        if ep > 1 and tp > 1:
-            raise UserError(
-                f"parallelism.expert_parallel_degree {ep} is not supported together with tensor_parallel_degree {tp} "
-                "yet; set one of them to 1 (tensor parallelism alone already splits the experts over its ranks)"
             )
         return cls(replicate, shard, tp, pp, ep)
 
@@ -101,6 +100,7 @@ class ParallelDims:
             self.mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
                                          mesh_dim_names=EP_MESH_DIMS)
             self.shard_mesh = self.mesh["efsdp", "ep"]._flatten("dp_shard")
+            self.expert_mesh = self.mesh["ep", "tp"]._flatten("ep_tp") if self.tp_enabled else self.mesh["ep"]
         else:
             self.mesh = init_device_mesh(
                 device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
@@ -141,10 +141,11 @@ class ParallelDims:
     def check_model(self, args) -> None:
         """Refuse degrees the model's shapes cannot be split by, before anything is built."""
         experts = getattr(args, "num_experts", 0)
-        if self.ep_enabled and (not experts or experts % self.ep):
+        if self.ep_enabled and (not experts or experts % (self.ep * self.tp)):
+            split = f"{self.ep} x tensor_parallel_degree {self.tp}" if self.tp_enabled else f"{self.ep}"
             raise UserError(
-                f"parallelism.expert_parallel_degree {self.ep} cannot split the model's {experts} experts (num_experts) "
-                "evenly; choose an expert_parallel_degree that divides the experts, or 1 for a model without experts"
+                f"parallelism.expert_parallel_degree {split} cannot split the model's {experts} experts (num_experts) "
+                "evenly; choose degrees whose product divides the experts, or expert_parallel_degree 1 for a model without experts"
             )
         if self.tp_enabled:
             shapes = {"attention heads (n_heads)": args.n_heads,

@@ -7,6 +7,19 @@ The MoE module is duck-typed (this package does not import the models): apply_ep
 w1/w2/w3 of every module with `num_experts` and sets its `ep_group`; the MoE's run_experts then
 dispatches through all_to_all below. The router and shared experts stay ordinary layers, FSDP-sharded
 with their block over all data-parallel ranks; apply_fsdp shards the experts over the remaining ranks.
+
+EP x TP: the experts are split over the ep x tp ranks, whole experts per rank (Shard(0) on the
+flattened (ep, tp) mesh: rank (e, t) holds block e * tp + t), and the tokens move as under TP
+alone: the MoE's input is gathered over the TP group (every TP rank routes the same tokens, so the
+router, its balance loss and the tokens-per-expert counts are those of TP alone), TP rank t keeps
+the assignments to the experts of the blocks of tp index t and sends them, with the all-to-all,
+among the ep ranks of the same tp index; the partial outputs are reduce-scattered back onto
+sequence shards after the MoE. Why this rather than splitting each expert's matmuls over tp: whole
+experts keep the expert matmuls as large as on one rank (as TP alone does today), the checkpoint
+layout stays a plain Shard(0) of the stacked weights (no per-expert column blocks a DCP box cannot
+hold), and the all-to-all moves only the 1 / tp of the assignments each TP rank keeps. An expert's
+gradient is the sum over the tokens of the ep ranks' batches (TP ranks of one group hold the same
+batch, and only one of them sends an assignment to it), so the scale stays 1 / ep.
 """
 
 import torch
@@ -77,13 +90,14 @@ def is_moe(module: nn.Module) -> bool:
     return hasattr(module, "num_experts") and all(isinstance(getattr(module, n, None), nn.Parameter) for n in EXPERT_WEIGHTS)
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split every MoE block's routed experts evenly over `ep_mesh` (whole experts per rank)."""
+def apply_ep(model: nn.Module, expert_mesh: DeviceMesh, ep_mesh: DeviceMesh) -> None:
+    """Split every MoE block's routed experts evenly over `expert_mesh` (whole experts per rank; the
+    ep mesh, or the flattened (ep, tp) under EP x TP); tokens move over `ep_mesh`."""
     for module in model.modules():
         if not is_moe(module):
             continue
         for name in EXPERT_WEIGHTS:
-            module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name), ep_mesh, [Shard(0)])))
+            module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name), expert_mesh, [Shard(0)])))
         module.ep_group = ep_mesh.get_group()
 
 

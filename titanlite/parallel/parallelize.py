@@ -50,7 +50,7 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, settings: Parallel
         dims.check_model(model.args)
     if dims.ep_enabled:
         check_expert_parallel(settings.compile.enable)
-        apply_ep(model, dims.ep_mesh)
+        apply_ep(model, dims.expert_mesh, dims.ep_mesh)
     if dims.tp_enabled:
         apply_tp(model, dims, loss_parallel=not par.disable_loss_parallel)
         if par.enable_async_tensor_parallel:

@@ -10,14 +10,16 @@ replicated: every rank routes the whole (gathered) sequence identically.
 import types
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titanlite.models.llama.parallelize import attention_plan
-from titanlite.models.moe import experts_forward
+from titanlite.models.moe import experts_forward, experts_forward_over_ranks
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.ep import expert_weights
 from titanlite.parallel.tp import apply_tp_plan, vocab_parallel_plan
 
 
@@ -27,18 +29,29 @@ def _sum_grads(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def _local_experts(moe: nn.Module, x, weights, experts, counts) -> torch.Tensor:
-    """MoE.run_experts on this rank's experts only: a partial sum of each token's output."""
-    mesh = moe.w1.device_mesh
-    w1, w2, w3 = (w.to_local() for w in (moe.w1, moe.w2, moe.w3))
-    per_rank = moe.num_experts // mesh.size()
-    first = mesh.get_local_rank() * per_rank
-    # x and the routing weights feed every rank's experts: their gradients are partial sums.
+    """MoE.run_experts on this TP rank's experts only: a partial sum of each token's output.
+
+    TP alone: rank t holds expert block t. EP x TP (moe.ep_group set): the blocks are over the
+    flattened (ep, tp) mesh, rank (e, t) holding block e * tp + t; TP rank t keeps the assignments to
+    blocks of tp index t, renumbered among them (block e * tp + t becomes e), and exchanges them with
+    the ep ranks of its tp index (titanlite/parallel/ep.py says why this layout)."""
+    mesh = moe.tp_mesh
+    tp, tp_rank = mesh.size(), mesh.get_local_rank()
+    per_rank = moe.num_experts // (tp * (1 if moe.ep_group is None else dist.get_world_size(moe.ep_group)))
+    # x and the routing weights feed every TP rank's experts: their gradients are partial sums.
     x, weights = _sum_grads(x, mesh), _sum_grads(weights, mesh)
-    mine = (experts >= first) & (experts < first + per_rank)
+    block = experts // per_rank
+    mine = block % tp == tp_rank
+    local_ids = (block // tp) * per_rank + experts % per_rank  # among the experts of tp index tp_rank
+    local_counts = counts.view(-1, tp, per_rank)[:, tp_rank].flatten()
     tokens = mine.nonzero()[:, 0]  # the token of each local assignment, in (token, slot) order
-    w1, w2, w3 = (w.view(per_rank, -1, w.shape[-1]) for w in (w1, w2, w3))
-    out = experts_forward(x[tokens], weights[mine][:, None], (experts[mine] - first)[:, None],
-                          counts[first:first + per_rank], w1, w2, w3)
+    inputs = (x[tokens], weights[mine][:, None], local_ids[mine][:, None], local_counts)
+    if moe.ep_group is not None:
+        w1, w2, w3 = (w.view(per_rank, -1, w.shape[-1]) for w in expert_weights([moe.w1, moe.w2, moe.w3], moe.ep_group))
+        out = experts_forward_over_ranks(*inputs, w1, w2, w3, moe.ep_group)
+    else:
+        w1, w2, w3 = (w.to_local().view(per_rank, -1, w.shape[-1]) for w in (moe.w1, moe.w2, moe.w3))
+        out = experts_forward(*inputs, w1, w2, w3)
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
@@ -52,7 +65,8 @@ class ExpertParallel(ParallelStyle):
         if name:  # called for every submodule too; the MoE itself places them all
             return
         for param_name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+            if not isinstance(param, DTensor):  # under EP x TP, apply_ep has split them over (ep, tp) already
+                module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
         module.gate.weight = nn.Parameter(distribute_tensor(module.gate.weight, mesh, [Replicate()]))
 
     @staticmethod
@@ -73,6 +87,7 @@ class ExpertParallel(ParallelStyle):
         module = distribute_module(module, device_mesh, self._partition, self._input, self._output)
         gate = module.gate
         gate.forward = lambda x: nn.functional.linear(x, gate.weight.to_local())
+        module.tp_mesh = device_mesh
         module.run_experts = types.MethodType(_local_experts, module)
         return module
 
