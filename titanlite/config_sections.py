@@ -156,7 +156,7 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = opt(False, "torch.compile the chosen components")
-    components: list[str] = opt(["model", "loss"], "what to compile: model (each block, fullgraph), loss", choices=("model", "loss"))
+    components: list[str] = opt(["model", "loss"], "what to compile: model (each block, fullgraph; under expert parallelism with graph breaks at the token dispatch), loss", choices=("model", "loss"))
     backend: str = opt("inductor", "torch.compile backend: inductor (fast kernels), aot_eager (no codegen, for debugging numerics)")
 
 

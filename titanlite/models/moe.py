@@ -107,6 +107,10 @@ def weighted_sum(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) 
     return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
 
+# Run eagerly even inside a compiled block: the all-to-all splits are read on the host (.tolist())
+# and change every step, so dynamo, tracing them, would specialise on each step's numbers and
+# recompile; disabled, the dispatch is a graph break between the block's compiled parts.
+@torch.compiler.disable
 def experts_forward_over_ranks(x, weights, experts, counts, w1, w2, w3, group) -> torch.Tensor:
     """experts_forward with the experts split over the ranks of `group` (expert parallelism: w1, w2, w3
     hold this rank's E / ep experts): each assignment goes to its expert's rank and its output comes

@@ -17,11 +17,14 @@ def compiles(cfg: Compile, component: str) -> bool:
     return cfg.enable and component in cfg.components
 
 
-def apply_compile(model: nn.Module, cfg: Compile) -> None:
-    """Compile every block of model.layers (after AC, so the checkpointing is traced too)."""
+def apply_compile(model: nn.Module, cfg: Compile, fullgraph: bool = True) -> None:
+    """Compile every block of model.layers (after AC, so the checkpointing is traced too).
+
+    fullgraph: a graph break inside a block would silently cost the speed-up, so it fails instead;
+    expert parallelism passes False, its token dispatch (variable all-to-all splits read on the
+    host) being run eagerly between the block's compiled parts (torch.compiler.disable on it)."""
     if not compiles(cfg, "model"):
         return
     for block in model.layers.values():
-        # fullgraph: a graph break inside a block would silently cost the speed-up; fail instead.
-        block.forward = torch.compile(block.forward, backend=cfg.backend, fullgraph=True)
+        block.forward = torch.compile(block.forward, backend=cfg.backend, fullgraph=fullgraph)
 
