@@ -64,8 +64,9 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, settings: Parallel
 
 
 def check_expert_parallel(tp_enabled: bool, compile_enabled: bool) -> None:
-    """EP x TP with compile is refused: on CPU its compiled gradients were 0.2% off eager's (grad norm
-    1.1839 against 1.1861 at step 1 on Mixtral's debug model), and TP's MoE alone does not compile there."""
+    """EP x TP with compile is refused: on CPU, with the blocks compiled (compile.components model), its
+    gradients were 0.2% off eager's (grad norm 1.1839 against 1.1861 at step 1 on Mixtral's debug model),
+    also with the whole expert step run eagerly; TP's MoE alone does not compile there either."""
     if tp_enabled and compile_enabled:
         raise UserError(
             "parallelism.expert_parallel_degree above 1 with tensor_parallel_degree above 1 does not compile yet "
