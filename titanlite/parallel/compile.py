@@ -6,10 +6,14 @@ Each block's `forward` is replaced by its compiled version in place, which keeps
 tree (and so the FQNs) unchanged and leaves FSDP's hooks, which run around `forward`, eager.
 """
 
+import functools
+
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from titanlite.config_sections import Compile
+from titanlite.log import logger
 
 
 def compiles(cfg: Compile, component: str) -> bool:
@@ -26,5 +30,29 @@ def apply_compile(model: nn.Module, cfg: Compile, fullgraph: bool = True) -> Non
     if not compiles(cfg, "model"):
         return
     for block in model.layers.values():
-        block.forward = torch.compile(block.forward, backend=cfg.backend, fullgraph=fullgraph)
+        block.forward = _with_plain_input(torch.compile(block.forward, backend=cfg.backend, fullgraph=fullgraph))
 
+
+def _with_plain_input(compiled_forward):
+    """Under TP the first block's input is the embedding's reduce-scatter result, still pending (an
+    AsyncCollectiveTensor). Handed to a compiled block as it is, the block's backward gives it no
+    gradient (torch 2.13, gloo) and the embedding's backward fails; a copy waits for it and is a
+    plain tensor (once per step, [batch, seq / tp, dim])."""
+
+    @functools.wraps(compiled_forward)
+    def forward(x, *args, **kwargs):
+        return compiled_forward(x.clone() if isinstance(x, AsyncCollectiveTensor) else x, *args, **kwargs)
+
+    return forward
+
+
+
+def compile_without_disk_cache() -> None:
+    """Inductor's on-disk caches (FX graphs, AOTAutograd) key a compiled graph by its mesh but not by
+    the names of the process groups its collectives use, which shift when a run makes its groups in
+    another order (another feature on, or a second run in one process). A cached graph then calls a
+    group that does not exist, or another one. So under TP and EP, whose compiled code holds
+    collectives, every start compiles afresh; FSDP's collectives stay outside the compiled code."""
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    logger.info("compile: inductor's on-disk cache is off under TP/EP (its entries name process groups); each start compiles afresh")
