@@ -2,7 +2,7 @@
 every shipped config fits its hardware, and the CLI's table, verdict and advice.
 (Exact per-rank state bytes against real FSDP2/HSDP/TP2/PP2 runs: conftest.assert_planned_state, called
 from tests/test_distributed.py, tests/test_tensor_parallel.py and tests/test_pipeline_parallel.py on the
-runs they already make.)"""
+runs they already make, and here for EP2.)"""
 
 import time
 from pathlib import Path
@@ -247,3 +247,15 @@ def test_expert_parallel_plan_gathers_a_ranks_experts_and_adds_the_all_to_alls(f
     compute, reduce = DTYPES[cfg.training.mixed_precision_param].itemsize, DTYPES[cfg.training.mixed_precision_reduce].itemsize
     assert one.buffers - eight.buffers == pytest.approx((gathered[1] - gathered[8]) * (2 * compute + reduce), abs=16)
     assert plans[1].speed.ep_s == 0 < plans[8].speed.ep_s and plans[8].speed.fsdp_s < plans[1].speed.fsdp_s
+
+
+def test_planned_state_of_an_ep2_run_equals_the_trainers(tmp_path):
+    """The planner's per-rank parameter, gradient and optimizer bytes under EP2 (2 ranks: 4 of the debug model's 8
+    experts each) equal, byte for byte, what a real 2-process CPU run reports in its summary."""
+    from conftest import assert_planned_state, run_titanlite
+
+    flags = ["--job.config_file", DEBUG_CONFIG, "--model.name", "qwen3_moe", "--job.dump_folder", str(tmp_path),
+             "--training.seq_len", "64", "--training.steps", "2", "--parallelism.expert_parallel_degree", "2"]
+    out = run_titanlite(flags, nproc=2)
+    assert out.returncode == 0, out.stderr
+    assert_planned_state(flags, 2, out.stderr)
