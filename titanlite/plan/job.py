@@ -12,7 +12,8 @@ from titanlite.models import get_model_spec
 from titanlite.plan.activations import activations, per_block_and_ends
 from titanlite.plan.fake_world import fake_world, sharded_model, state_bytes
 from titanlite.plan.hardware import FABRIC_GBPS, GPUS
-from titanlite.plan.memory import Memory, fsdp_buffers, plan_memory
+from titanlite.plan.memory import Memory, fsdp_buffers, pipeline_fsdp_buffers, plan_memory
+from titanlite.plan.moe import gathered_params
 from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
 from titanlite.plan.speed import Shape, Speed, plan_speed
@@ -53,12 +54,25 @@ def rank_stages(cfg: JobConfig, n_layers: int, pp: int, pp_rank: int) -> Stages:
     return Stages(pp_rank, ids, max(sizes), sum(sizes), 0 in ids, len(splits) - 1 in ids)
 
 
-def root_params(whole, stages: Stages) -> int:
+def held_root_params(whole, stages: Stages) -> list:
     """Parameters outside model.layers that the stages hold: the embedding on the first, the rest on the last."""
     held = [module for name, module in whole.named_children()
             if name != "layers" and (stages.first if name == "tok_embeddings" else stages.last)]
-    unique = {id(p): p for module in held for p in module.parameters()}  # tied embeddings count once
-    return sum(p.numel() for p in unique.values())
+    return list({id(p): p for module in held for p in module.parameters()}.values())  # tied embeddings count once
+
+
+def root_params(whole, stages: Stages) -> int:
+    return sum(p.numel() for p in held_root_params(whole, stages))
+
+
+def stage_params(whole, stages: Stages, ep: int) -> tuple[int, int]:
+    """Parameters of the rank's stages that FSDP gathers, all and trained (LoRA's frozen base has no
+    gradient): its blocks at the largest block's size (an upper bound where blocks differ) and the root
+    parameters it holds; under EP a block's E / ep experts only."""
+    largest = max(whole.layers.values(), key=lambda b: gathered_params(b, ep))
+    root = held_root_params(whole, stages)
+    return tuple(stages.held * gathered_params(largest, ep, trained) + sum(p.numel() for p in root if p.requires_grad or not trained)
+                 for trained in (False, True))
 
 
 def plan_states(cfg: JobConfig, world: int) -> dict[int, dict[str, int]]:
@@ -101,7 +115,7 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
     for each pp rank in `states`."""
     gpu = GPUS[cfg.plan.gpu]
     whole = meta_model(spec, args, cfg.training.param_dtype, cfg.lora)
-    block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
+    block = max(gathered_params(b, dims.ep) for b in whole.layers.values())  # what FSDP gathers of a block
     tallies = (False, True) if compiles(cfg.compile, "model") else (False,)  # eager; a compiled step's lower bound
     if dims.pp_enabled:
         # Each in-flight microbatch's activations, measured at the microbatch size and composed per stage.
@@ -115,7 +129,8 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
         stages = rank_stages(cfg, args.n_layers, dims.pp, pp_rank)
         acts = ([stage_activations(per_block, ends, stages, in_flight(cfg, dims.pp, pp_rank), last_stage_in_flight(cfg, dims.pp))
                  for per_block, ends in pieces] if dims.pp_enabled else whole_model)
-        buffers = fsdp_buffers(cfg, block, root_params(whole, stages), dims)
+        buffers = (pipeline_fsdp_buffers(cfg, *stage_params(whole, stages, dims.ep), dims) if dims.pp_enabled
+                   else fsdp_buffers(cfg, block, root_params(whole, stages), dims))
         memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None)
         roles.append((stages.name if dims.pp_enabled else "every rank", memory))
     mesh = dims.layout

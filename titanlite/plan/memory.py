@@ -60,6 +60,20 @@ def fsdp_buffers(cfg: JobConfig, block: int, root: int, dims: ParallelDims) -> i
     return (kept_root * compute + 2 * block * compute + block * reduce) // dims.tp
 
 
+def pipeline_fsdp_buffers(cfg: JobConfig, held: int, trained: int, dims: ParallelDims) -> int:
+    """Under PP, torch's PipelineStage runs every microbatch's backward without FSDP's gradient sync and
+    without resharding after backward (torch.distributed.pipelining's backward_maybe_with_nosync) and reduces
+    once after the last: from the first backward to the step's end the rank holds its stages' `held`
+    parameters gathered in the compute dtype and the unsharded gradients of the `trained` ones, which FSDP
+    accumulates in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed), beside the in-flight
+    microbatches' activations. All split over tp."""
+    if not dims.fsdp_enabled:
+        return 0
+    training = cfg.training
+    compute, reduce = DTYPES[training.mixed_precision_param].itemsize, DTYPES[training.mixed_precision_reduce].itemsize
+    return (held * compute + trained * reduce) // dims.tp
+
+
 def optimizer_temporaries(cfg: JobConfig, params: int) -> int:
     """foreach AdamW writes its intermediates out (one parameter-sized set, measured on CPU); the fused
     kernels (the GPU default) and AdamWBF16Kahan's compiled update write none."""

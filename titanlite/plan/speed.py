@@ -14,9 +14,11 @@ backward's kernels).
 Overlap model: FSDP's all-gathers and reduce-scatters run on their own stream, prefetched a block
 ahead, so only the part longer than the compute shows; TP's collectives sit between the matmuls
 that need them and are all exposed, less the share of their bytes async TP hides by splitting them
-into the matmuls; a pipeline adds its bubble (plan/pipeline.py's bubble, per schedule) and
-its send/recv between stages, counted as exposed (torch's schedules wait for each receive before the
-stage's compute). Under PP each rank runs and gathers only its share of the layers.
+into the matmuls; expert parallelism's two all-to-alls per MoE layer (dispatch and combine, in
+forward, again in backward and in full AC's repeated forward) are exposed too, each carrying the
+rank's tokens x top_k rows (even routing, plan/moe.py); a pipeline adds its bubble
+(plan/pipeline.py's bubble, per schedule) and its send/recv between stages, counted as exposed
+(torch's schedules wait for each receive before the stage's compute). Under PP each rank runs and gathers only its share of the layers.
 """
 
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.dtypes import DTYPES
 from titanlite.plan import hardware
 from titanlite.plan.hardware import Gpu
+from titanlite.plan.moe import expert_params, moe_modules
 from titanlite.plan.pipeline import bubble, send_recv_bytes
 
 
@@ -41,6 +44,9 @@ class Shape:
     matmul_params: int  # num_params(exclude_embedding=True), MoE: active ones only: 6 FLOPs per token each
     total_params: int
     flops_per_token: float  # the model family's formula, as metrics.py uses it
+    expert_params: int = 0  # MoE: all routed experts' (what EP splits)
+    moe_layers: int = 0
+    top_k: int = 0
 
     @classmethod
     def of(cls, whole, seq_len: int, flops_per_token: float) -> "Shape":
@@ -49,8 +55,9 @@ class Shape:
         matmul = whole.num_params(exclude_embedding=True)
         # A token goes through top_k of the experts: the idle ones cost it neither matmuls nor traffic.
         active = whole.num_params(exclude_embedding=True, active=True) if hasattr(args, "num_experts") else matmul
+        moes = moe_modules(whole)
         return cls(args.n_layers, args.dim, args.vocab_size, round(block * active / matmul), active,
-                   whole.num_params(), flops_per_token)
+                   whole.num_params(), flops_per_token, expert_params(whole), len(moes), moes[0].top_k if moes else 0)
 
     @property
     def width(self) -> float:
@@ -64,6 +71,7 @@ class Speed:
     parts: tuple[tuple[str, float], ...]  # compute_s by kind of work
     fsdp_s: float
     tp_s: float
+    ep_s: float  # expert parallelism's all-to-alls
     pp_s: float  # sending activations and their gradients between stages
     bubble: float  # idle share of the step (pipeline)
     step_s: float
@@ -131,12 +139,14 @@ def fsdp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, s
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
     reduce_bytes = DTYPES[training.mixed_precision_reduce].itemsize
     local = shape.total_params / (dims.tp * dims.pp)
-    gathered = local * compute_bytes
+    gathers = 1 if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2
+    experts = shape.expert_params / (dims.tp * dims.pp)
+    # Under EP a rank gathers and reduces only its E / ep experts, among the dp_shard / ep ranks holding them.
+    groups = [(local - experts, n), (experts / dims.ep, n // dims.ep)]
+    per_micro = sum((size - 1) / size * params * (gathers * compute_bytes + reduce_bytes) for params, size in groups)
     if cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather:
         in_float8 = shape.n_layers * shape.block_params / (dims.tp * dims.pp)
-        gathered -= in_float8 * (compute_bytes - 1)
-    gathers = 1 if cfg.parallelism.fsdp_reshard_after_forward == "never" else 2
-    per_micro = (n - 1) / n * (gathers * gathered + local * reduce_bytes)
+        per_micro -= (n - 1) / n * gathers * in_float8 * (compute_bytes - 1)
     within_node = dims.dp_shard * dims.tp <= gpus_per_node
     total = accum * seconds(per_micro, intra if within_node else inter)
     if dims.dp_replicate > 1:  # HSDP: all-reduce of the shards' gradients across replicas (other nodes)
@@ -161,6 +171,21 @@ def tp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, int
     return collectives * activation / (intra * 1e9 * hardware.COLLECTIVE_EFFICIENCY), collectives * hardware.TP_SYNC_S
 
 
+def ep_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, seconds, intra: float, inter: float,
+               gpus_per_node: int) -> float:
+    """Expert parallelism's all-to-alls per step: dispatch and combine per MoE layer of this rank's stages, in
+    forward, backward and full AC's repeated forward, each moving the (ep - 1) / ep of the rank's tokens x top_k
+    rows that go to other ranks; within a node where the ep ranks (consecutive, inside tp) fit in one."""
+    if dims.ep == 1 or not shape.moe_layers:
+        return 0.0
+    training = cfg.training
+    rows = training.local_batch_size * training.seq_len * shape.top_k / dims.tp
+    nbytes = rows * shape.dim * DTYPES[training.mixed_precision_param].itemsize * (dims.ep - 1) / dims.ep
+    passes = 3 if cfg.activation_checkpoint.mode == "full" else 2
+    exchanges = accum * 2 * passes * shape.moe_layers / dims.pp
+    return exchanges * seconds(nbytes, intra if dims.ep * dims.tp <= gpus_per_node else inter)
+
+
 def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state_bytes: int, accum: int,
                intra_gbps: float, inter_gbps: float, gpus_per_node: int) -> Speed:
     """`state_bytes`: this rank's parameters, gradients and optimizer state (the optimizer step reads them)."""
@@ -174,14 +199,15 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
 
     fsdp = fsdp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
     tp_bytes, tp_sync = tp_seconds(cfg, dims, shape, accum, intra_gbps)
+    ep = ep_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
     hidden = hardware.ASYNC_TP_HIDDEN if cfg.parallelism.enable_async_tensor_parallel else 0.0
     tp = tp_bytes * (1 - hidden) + tp_sync
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
     across_nodes = dims.dp_degree * dims.tp >= gpus_per_node  # pp is outermost: stage neighbours sit on other nodes
     pp = accum * seconds(send_recv_bytes(cfg, dims.pp, dims.tp, shape.dim, compute_bytes), inter_gbps if across_nodes else intra_gbps)
     idle = bubble(cfg, dims.pp)
-    step = (compute + max(0.0, fsdp - compute) + tp + pp) / (1 - idle)
+    step = (compute + max(0.0, fsdp - compute) + tp + ep + pp) / (1 - idle)
     tps = tokens / step
     world = dims.dp_degree * dims.model_parallel_degree
-    return Speed(compute, tuple(parts.items()), fsdp, tp, pp, idle, step, tps,
+    return Speed(compute, tuple(parts.items()), fsdp, tp, ep, pp, idle, step, tps,
                  100 * tps * shape.flops_per_token / (gpu.bf16_tflops * 1e12), tps * world * 86400, 1e9 / tps / 3600)
