@@ -118,9 +118,8 @@ def attention_before_document_masks(attention, x, rope_cos, rope_sin, mask, wind
     v = attention.wv(x).view(batch, seq_len, -1, attention.head_dim)
     q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if attention.n_rep > 1:
-        k = k.repeat_interleave(attention.n_rep, dim=1)
-        v = v.repeat_interleave(attention.n_rep, dim=1)
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     if window is not None and seq_len > window:
         distance = torch.arange(seq_len)[:, None] - torch.arange(seq_len)[None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=(distance >= 0) & (distance < window))

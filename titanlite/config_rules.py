@@ -6,6 +6,7 @@ tokenizer's vocabulary, the model's context) stay where those facts are known.
 
 from titanlite.config_sections import JobConfig
 from titanlite.errors import UserError
+from titanlite.parallel.cp import check_context_parallel
 
 
 def check_training(cfg: JobConfig) -> None:
@@ -84,6 +85,7 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # one stage per rank; the other sche
 
 def check_parallelism(cfg: JobConfig) -> None:
     par = cfg.parallelism
+    check_context_parallel(cfg.training.seq_len, par.context_parallel_degree)
     schedule, per_rank = par.pipeline_parallel_schedule, par.pipeline_parallel_stages_per_rank
     if schedule in SINGLE_STAGE_SCHEDULES and per_rank > 1:
         raise UserError(

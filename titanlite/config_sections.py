@@ -116,7 +116,7 @@ class Parallelism:
     pipeline_parallel_microbatch_size: int = opt(1, "sequences per pipeline microbatch; must divide training.local_batch_size", at_least=1)
     pipeline_parallel_stages_per_rank: int = opt(-1, "stages each pipeline rank holds (interleaved schedules: 2 or more, ZBVZeroBubble: 2); -1 = 1 for GPipe/1F1B, 2 for the others", at_least=1, sentinels=(-1,))
     pipeline_parallel_layers_per_stage: int = opt(-1, "blocks of model.layers per stage; -1 = the layers spread evenly (earlier stages take one more)", at_least=1, sentinels=(-1,))
-    context_parallel_degree: int = opt(1, "context parallel degree", unsupported=True, at_least=1)
+    context_parallel_degree: int = opt(1, "context parallel degree: ranks that split every sequence (load-balanced chunks for causal attention) and gather each attention's keys and values from one another; they join FSDP's sharding (weights sharded over data_parallel_shard_degree x context_parallel_degree); training.seq_len must divide into 2 x this many chunks", at_least=1)
 
 
 @dataclass

@@ -148,25 +148,27 @@ def local_loss(loss: torch.Tensor) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def micro_batch_loss(model, inputs: torch.Tensor, labels: torch.Tensor, document_ids, loss_fn, forward_context) -> torch.Tensor:
+def micro_batch_loss(model, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
+                     forward_context) -> torch.Tensor:
     """The mean loss of a micro-batch (a plain tensor), as the train step, validation and the planner run
-    it. The chunked loss runs inside the model's forward (under forward_context); any other loss_fn takes
-    the logits after it (outside: activation offload is for the model's activations, not the loss's).
-    Under loss parallel the caller holds loss_parallel_context over this and the backward."""
+    it; `model_kwargs` are the model's keyword inputs (document_ids, sequence_shard: parallel/cp.py's
+    split_batch). The chunked loss runs inside the model's forward (under forward_context); any other
+    loss_fn takes the logits after it (outside: activation offload is for the model's activations, not
+    the loss's). Under loss parallel the caller holds loss_parallel_context over this and the backward."""
     if computed_in_forward(loss_fn):
         with forward_context:
-            return model(inputs, document_ids=document_ids, output_loss=loss_fn.against(labels))
+            return model(inputs, output_loss=loss_fn.against(labels), **model_kwargs)
     with forward_context:
-        logits = model(inputs, document_ids=document_ids)
+        logits = model(inputs, **model_kwargs)
     return local_loss(loss_fn(logits, labels))
 
 
-def stage_forward(forward, chunked_loss: ChunkedCrossEntropy | None, h, document_ids=None, labels=None):
+def stage_forward(forward, chunked_loss: ChunkedCrossEntropy | None, h, labels=None, **model_kwargs):
     """A pipeline stage's forward under the chunked loss: every stage receives its microbatch's labels; the
     last computes the loss from them inside its forward (where FSDP has gathered the output weight)."""
     if chunked_loss is None:
-        return forward(h, document_ids=document_ids)
-    return forward(h, document_ids=document_ids, output_loss=chunked_loss.against(labels)).reshape(1)
+        return forward(h, **model_kwargs)
+    return forward(h, output_loss=chunked_loss.against(labels), **model_kwargs).reshape(1)
 
 
 def stage_loss(output: torch.Tensor, labels: torch.Tensor, loss_fn) -> torch.Tensor:
@@ -175,8 +177,8 @@ def stage_loss(output: torch.Tensor, labels: torch.Tensor, loss_fn) -> torch.Ten
     return output.sum() if computed_in_forward(loss_fn) else local_loss(loss_fn(output, labels))
 
 
-def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, document_ids, loss_fn, forward_context,
+def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn, forward_context,
              loss_parallel_enabled: bool) -> torch.Tensor:
     """The sum of a batch's token losses (validation, under no_grad): its mean times its trained tokens."""
     with loss_parallel_context(loss_parallel_enabled):
-        return micro_batch_loss(model, inputs, labels, document_ids, loss_fn, forward_context) * trained_tokens(labels)
+        return micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, forward_context) * trained_tokens(labels)

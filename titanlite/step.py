@@ -11,6 +11,7 @@ import torch.distributed as dist
 from titanlite.config_sections import JobConfig
 from titanlite.loss import loss_parallel_context, micro_batch_loss, trained_tokens
 from titanlite.models.attention import document_ids
+from titanlite.parallel.cp import SequenceShard, split_batch
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import mixed_precision_context
@@ -47,12 +48,14 @@ def forward_context(settings: StepSettings, dims: ParallelDims, device_type: str
 
 
 def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dims: ParallelDims, device, metrics, loss_fn,
-               pipeline=None, delimiters: tuple[int, int] | None = None, offloaded: HeldBytes | None = None):
+               pipeline=None, delimiters: tuple[int, int] | None = None, offloaded: HeldBytes | None = None,
+               shard: SequenceShard | None = None):
     """One optimizer step over settings.accum_steps micro-batches; returns (loss, grad_norm, lr used, skipped).
     With settings.skip_nonfinite a step whose loss or gradient norm is NaN or inf on any rank is skipped:
     its gradients are dropped and neither the optimizer nor the lr schedule steps (skipped True).
     `delimiters` (bos, eos) split each window into documents for block-causal attention; None = causal.
     `offloaded` counts the activations offloaded to host memory; None = no activation offload.
+    `shard`: under context parallelism this rank's positions of every window (parallel/cp.py); None = all.
 
     Text trains on every token and each micro-batch holds as many (packed windows), so dividing every
     micro-batch mean by accum_steps makes the summed gradient that of the whole batch. Chat data trains
@@ -65,17 +68,20 @@ def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dim
     accum_steps = settings.accum_steps
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
-    micro_batches = [next_batch(batches, device, metrics, dims) for _ in range(accum_steps)]
+    micro_batches = []
+    for _ in range(accum_steps):
+        inputs, labels = next_batch(batches, device, metrics, dims)
+        micro_batches.append(split_batch(inputs, labels, document_ids(inputs, delimiters), shard))
     weights, per_token = trained_token_weights(micro_batches, dims) if settings.per_trained_token else (None, None)
-    for index, (inputs, labels) in enumerate(micro_batches):
-        ids = document_ids(inputs, delimiters)
+    for index, (inputs, labels, model_kwargs) in enumerate(micro_batches):
         if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
             with forward_context(settings, dims, device.type, offloaded):
                 total_loss += pipeline.train_microstep(inputs, labels, accum_steps, settings.aux_loss_coeff,
-                                                       {} if ids is None else {"document_ids": ids}, per_token)
+                                                       model_kwargs, per_token)
             continue
         with loss_parallel_context(settings.loss_parallel):
-            loss = micro_batch_loss(model, inputs, labels, ids, loss_fn, forward_context(settings, dims, device.type, offloaded))
+            loss = micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn,
+                                    forward_context(settings, dims, device.type, offloaded))
             loss = loss / accum_steps if weights is None else loss * weights[index]
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
             (loss if aux_loss is None else loss + settings.aux_loss_coeff * aux_loss / accum_steps).backward()
@@ -121,18 +127,19 @@ def next_batch(batches, device, metrics, dims: ParallelDims) -> tuple[torch.Tens
     waited = time.perf_counter()
     inputs, labels = next(batches)
     metrics.data_seconds += time.perf_counter() - waited
-    metrics.tokens += labels.numel() // dims.model_parallel_degree  # a TP/PP group shares one batch
+    metrics.tokens += labels.numel() // dims.batch_sharing_degree  # a TP/PP group (and its cp ranks) shares one batch
     return inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 
 def trained_token_weights(micro_batches, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
     """(each micro-batch's weight, the weight of one trained token): a micro-batch mean times its trained
     tokens is its sum; over the trained tokens of the global batch (counted on every rank, each TP/PP
-    group holding one batch), times the dp degree FSDP's gradient average divides by."""
-    counts = torch.stack([trained_tokens(labels) for _, labels in micro_batches]).float()
+    group holding one batch; cp ranks count their own shares), times the degree FSDP's gradient average
+    divides by (data-parallel x context-parallel ranks)."""
+    counts = torch.stack([trained_tokens(labels) for _, labels, _ in micro_batches]).float()
     total = counts.sum().reshape(1)
     dist.all_reduce(total)
-    per_token = dims.dp_degree * dims.model_parallel_degree / total
+    per_token = dims.gradient_average_degree * dims.model_parallel_degree / total
     return counts * per_token, per_token
 
 

@@ -28,6 +28,7 @@ from titanlite.models.attention import document_delimiters
 from titanlite.observers import observe
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.output_folders import check_output_folders
+from titanlite.parallel.cp import sequence_shard
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
 from titanlite.parallel.float8 import register_float8_scale_precompute
@@ -68,6 +69,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     step_settings = StepSettings.of(cfg, dims, accum_steps)
     delimiters = document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
     training = cfg.training
+    shard = sequence_shard(training.seq_len, dims.cp_mesh, info.device) if dims.cp_enabled else None
     dataloader = build_dataloader(
         dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
         tokenizer=tokenizer, seq_len=training.seq_len, batch_size=training.local_batch_size,
@@ -131,7 +133,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                     gc.collect(1)
                 summary.step_began(metrics)
                 loss, grad_norm, lr, skipped = train_step(model, optimizer, scheduler, batches, step_settings, dims,
-                                                          info.device, metrics, loss_fn, pipeline, delimiters, offloaded)
+                                                          info.device, metrics, loss_fn, pipeline, delimiters, offloaded, shard)
                 summary.step_ended(metrics)
                 skips.record(step, skipped)
                 state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step

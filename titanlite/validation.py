@@ -22,6 +22,7 @@ from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.loss import cross_entropy_loss, loss_sum, trained_tokens
 from titanlite.models.attention import document_ids
+from titanlite.parallel.cp import check_context_parallel, sequence_shard, split_batch
 from titanlite.parallel.fsdp import mixed_precision_context
 
 
@@ -53,6 +54,8 @@ class Validator:
         self.metrics = metrics
         batch_size, seq_len = batch_shape(cfg, training)
         self.batch_size = batch_size
+        check_context_parallel(seq_len, dims.cp, "validation.seq_len")
+        self.shard = sequence_shard(seq_len, dims.cp_mesh, device) if dims.cp_enabled else None
         if pipeline is not None and (batch_size, seq_len) != (training.local_batch_size, training.seq_len):
             raise UserError(
                 f"under pipeline parallelism validation runs the training schedule, so its batch of {batch_size} x {seq_len} "
@@ -85,14 +88,15 @@ class Validator:
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
         return bool(have.item())
 
-    def _loss_sum(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The sum of the batch's token losses (a pipeline runs its schedule forward only)."""
-        ids = document_ids(inputs, self.delimiters)
+    def _loss_sum(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum of this rank's token losses of the batch (a pipeline runs its schedule forward only) and
+        its trained tokens (under context parallelism this rank's share of them)."""
+        inputs, labels, model_kwargs = split_batch(inputs, labels, document_ids(inputs, self.delimiters), self.shard)
         context = mixed_precision_context(self.dims, self.param_dtype, self.device.type)  # one path enters it
         if self.pipeline is not None:
             with context:
-                return self.pipeline.eval_loss_sum(inputs, labels, {} if ids is None else {"document_ids": ids})
-        return loss_sum(model, inputs, labels, ids, self.loss_fn, context, self.loss_parallel)
+                return self.pipeline.eval_loss_sum(inputs, labels, model_kwargs), trained_tokens(labels)
+        return loss_sum(model, inputs, labels, model_kwargs, self.loss_fn, context, self.loss_parallel), trained_tokens(labels)
 
     @torch.no_grad()
     def validate(self, model, step: int) -> tuple[float, float]:
@@ -114,8 +118,9 @@ class Validator:
                 if not self._all_ranks_have(batch):
                     break
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in batch)
-                loss_sum += self._loss_sum(model, inputs, labels)
-                tokens += trained_tokens(labels)
+                batch_loss, batch_tokens = self._loss_sum(model, inputs, labels)
+                loss_sum += batch_loss
+                tokens += batch_tokens
                 count += 1
         finally:
             model.train()

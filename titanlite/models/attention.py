@@ -15,9 +15,14 @@ attention reads that same mask through `attend`. One mask rule (`allowed`) is ev
     16 s for the first shape and 7 s for each new one here, against milliseconds for the step.
 Without documents the mask is what it was before document masks existed, on every device: None
 (SDPA's is_causal path), or Mistral's [T, T] window where the window is shorter than the sequence.
+
+Under context parallelism (parallel/cp.py) a rank holds only some positions of each window (a
+SequenceShard): its queries are those positions, its keys and values are gathered from the whole
+cp group inside `attend`, and the same rule is evaluated at each query's and key's true position.
 """
 
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,8 +30,20 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanlite.log import logger
+from titanlite.parallel.cp import SequenceShard
 
-Mask = torch.Tensor | BlockMask | int | None  # int: Mistral's window alone (window_mask)
+
+
+@dataclass(frozen=True, eq=False)
+class GatheredKeys:
+    """A context-parallel attention's mask: over this rank's queries and the gathered keys ([B or 1, 1,
+    T_local, T], or a BlockMask on CUDA), with the gather `attend` applies to keys and values first."""
+
+    mask: torch.Tensor | BlockMask
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
+Mask = torch.Tensor | BlockMask | GatheredKeys | int | None  # int: Mistral's window alone (window_mask)
 
 
 def document_delimiters(attention_mask: str, tokenizer, dataset: str) -> tuple[int, int] | None:
@@ -85,21 +102,31 @@ def allowed(document_ids: torch.Tensor | None, window: int | None) -> Callable:
     return rule
 
 
-def attention_mask(document_ids: torch.Tensor | None, window: int | None, device: torch.device) -> Mask:
+def attention_mask(document_ids: torch.Tensor | None, window: int | None, device: torch.device,
+                   shard: SequenceShard | None = None) -> Mask:
     """The mask every block of one forward shares; None = plain causal. Without documents, Mistral's
     window stays an int that `attend` turns into its [T, T] mask: only there is the whole sequence
-    length known (a later pipeline stage under sequence parallelism receives a shard of it)."""
-    if document_ids is None:
+    length known (a later pipeline stage under sequence parallelism receives a shard of it).
+    Under context parallelism (`shard`) it is always a mask (the queries are not the keys' first T_local)."""
+    if document_ids is None and shard is None:
         return window
-    seq_len = document_ids.shape[1]
+    seq_len = shard.seq_len if shard is not None else document_ids.shape[1]
     if window is not None and window >= seq_len:
         window = None  # cuts nothing off
     rule = allowed(document_ids, window)
+    if shard is None:
+        queries = keys = torch.arange(seq_len, device=device)
+    else:
+        queries, keys = shard.positions, shard.key_positions
+    batch = None if document_ids is None else document_ids.shape[0]
     if device.type == "cuda":
-        return compiled(create_block_mask)(rule, document_ids.shape[0], None, seq_len, seq_len, device=device)
-    positions = torch.arange(seq_len, device=device)
-    rows = torch.arange(document_ids.shape[0], device=device)[:, None, None, None]
-    return rule(rows, 0, positions[:, None], positions[None, :])  # [B, 1, T, T]
+        def at_positions(b, h, q, kv):
+            return rule(b, h, queries[q], keys[kv])
+        mask = compiled(create_block_mask)(at_positions, batch, None, len(queries), len(keys), device=device)
+    else:
+        rows = torch.arange(batch or 1, device=device)[:, None, None, None]
+        mask = rule(rows, 0, queries[:, None], keys[None, :])  # [B, 1, T_local, T] or [T_local, T]
+    return mask if shard is None else GatheredKeys(mask, shard.gather)
 
 
 def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor | None:
@@ -121,8 +148,15 @@ def compiled(function: Callable) -> Callable:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float | None = None) -> torch.Tensor:
-    """Attention of q, k [B, heads, T, qk_dim] and v [B, heads, T, v_dim] (as many key/value heads as query
-    heads) under `mask`; the scores are scaled by `scale`, 1 / sqrt(qk_dim) when None (DeepSeek's YaRN changes it)."""
+    """Attention of q [B, heads, T, qk_dim], k [B, kv_heads, T, qk_dim] and v [B, kv_heads, T, v_dim] under
+    `mask`; query head h reads key/value head h // (heads / kv_heads) (grouped-query attention). The scores
+    are scaled by `scale`, 1 / sqrt(qk_dim) when None (DeepSeek's YaRN changes it)."""
+    if isinstance(mask, GatheredKeys):  # context parallelism: only the key/value heads travel
+        k, v, mask = mask.gather(k), mask.gather(v), mask.mask
+    if k.shape[1] < q.shape[1]:
+        # An explicit repeat works on every SDPA backend, unlike enable_gqa, which some kernels do not support.
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     if isinstance(mask, int):
         mask = window_mask(q.shape[2], mask, q.device)
     if mask is None:

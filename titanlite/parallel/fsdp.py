@@ -16,7 +16,8 @@ from titanlite.parallel.offload import fsdp_offload_policy
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str, reduce_dtype: str, reshard_after_forward: str,
                cpu_offload: bool = False, expert_mesh: DeviceMesh | None = None) -> None:
-    """`mesh` has dims (dp_replicate, dp_shard), or dp_shard alone; with more than one replica FSDP becomes HSDP.
+    """`mesh` has dims (dp_replicate, dp_shard), or dp_shard alone (ParallelDims.dp_mesh; under context
+    parallelism dp_shard is the flattened (dp_shard, cp)); with more than one replica FSDP becomes HSDP.
 
     reshard_after_forward: "always" frees every gathered block after its forward; "never" keeps
     them (ZeRO-2-like: more memory, no re-gather in backward); "default" frees all but the last
@@ -27,14 +28,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str, reduce_dtyp
     """
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     offload = fsdp_offload_policy(cpu_offload)
-    dp_mesh = mesh if mesh.ndim == 1 or mesh.size(0) > 1 else mesh["dp_shard"]
     n_blocks = len(model.layers)
     for index, block in enumerate(model.layers.values()):
         reshard = {"always": True, "never": False, "default": index < n_blocks - 1}[reshard_after_forward]
         if expert_mesh is not None:
-            shard_experts(block, dp_mesh, expert_mesh, dict(mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload))
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always",
+            shard_experts(block, mesh, expert_mesh, dict(mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload))
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always",
                 offload_policy=offload)
 
 

@@ -150,7 +150,7 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compi
                 param.register_post_accumulate_grad_hook(keep_shard)
     with fake, tally:
         context = mixed_precision_context(dims, training.mixed_precision_param, "cpu")
-        loss = micro_batch_loss(model, tokens, tokens, None, loss_fn, context)
+        loss = micro_batch_loss(model, tokens, tokens, {}, loss_fn, context)
         saved = tally.live
         loss.backward()
     return Activations(saved // dims.tp, tally.peak)

@@ -8,10 +8,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titanlite.models.attention import Mask, attend, attention_mask, document_positions
+from titanlite.models.attention import Mask, attend, attention_mask
 from titanlite.models.gpt2.args import GPT2Args
+from titanlite.parallel.cp import SequenceShard
 from titanlite.models.init import trunc_normal_
-from titanlite.models.llama.model import KeepsTiedEmbeddings, check_seq_len
+from titanlite.models.llama.model import KeepsTiedEmbeddings, check_seq_len, token_positions
 
 # OpenAI's GPT-2 init: weights N(0, 0.02), position embeddings N(0, 0.01), and the projections
 # that write into the residual stream scaled by 1/sqrt(2 * layers).
@@ -81,23 +82,24 @@ class GPT2(KeepsTiedEmbeddings):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.output.weight = self.tok_embeddings.weight  # tied, as in GPT-2
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None,
+                sequence_shard: SequenceShard | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
         given (KeepsTiedEmbeddings.head). With `document_ids` [B, T]
         (models/attention.py) each token attends only within its document, and with
-        args.reset_position_ids its position counts from its document's first token.
+        args.reset_position_ids its position counts from its document's first token. Under context
+        parallelism `sequence_shard` says which positions of the window `tokens` are.
 
         A pipeline stage lacks the modules of the other stages (None): a stage after the first takes
         the previous stage's hidden states as `tokens`, one before the last returns its hidden states."""
         h = tokens
         if self.tok_embeddings is not None:
-            seq_len = check_seq_len(tokens, self.args.max_seq_len)
-            if self.args.reset_position_ids and document_ids is not None:
-                positions = document_positions(document_ids)
-            else:
-                positions = torch.arange(seq_len, device=tokens.device)
+            check_seq_len(tokens, self.args.max_seq_len, sequence_shard)
+            positions = token_positions(document_ids if self.args.reset_position_ids else None, sequence_shard)
+            if positions is None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
             h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
-        mask = attention_mask(document_ids, None, tokens.device)  # built once, shared by every block
+        mask = attention_mask(document_ids, None, tokens.device, sequence_shard)  # built once, shared by every block
         for block in self.layers.values():
             h = block(h, mask)
         return h if self.output is None else self.head(h, output_loss)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from titanlite.errors import UserError
 from titanlite.models.attention import Mask, attend, attention_mask, document_positions
+from titanlite.parallel.cp import SequenceShard
 from titanlite.models.init import trunc_normal_
 from titanlite.models.llama.args import ModelArgs, RopeScaling
 
@@ -66,7 +67,6 @@ class Attention(nn.Module):
         """head_dim defaults to dim // n_heads; Qwen3 sets its own."""
         super().__init__()
         self.head_dim = head_dim if head_dim is not None else dim // n_heads
-        self.n_rep = n_heads // n_kv_heads  # query heads per key/value head
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -84,12 +84,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = self.normalize_heads(q, k)
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
-        if self.n_rep > 1:
-            # Query head h reads key/value head h // n_rep. An explicit repeat works on every SDPA
-            # backend, unlike enable_gqa, which some kernels do not support.
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]; attend repeats k, v for GQA
         out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
@@ -153,15 +148,26 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(f"{prefix}feed_forward.", seed, self.out_init_std)
 
 
-def check_seq_len(tokens: torch.Tensor, max_seq_len: int) -> int:
-    """The length of a [B, T] batch, refused when the model has no positions for it."""
-    seq_len = tokens.shape[1]
+def check_seq_len(tokens: torch.Tensor, max_seq_len: int, shard: SequenceShard | None = None) -> int:
+    """The length of a [B, T] batch's windows (under context parallelism the whole window's, not the
+    shard's), refused when the model has no positions for it."""
+    seq_len = tokens.shape[1] if shard is None else shard.seq_len
     if seq_len > max_seq_len:
         raise UserError(
             f"sequences of {seq_len} tokens are longer than this model's max_seq_len "
             f"{max_seq_len}; set training.seq_len to at most {max_seq_len}"
         )
     return seq_len
+
+
+def token_positions(document_ids: torch.Tensor | None, shard: SequenceShard | None) -> torch.Tensor | None:
+    """Each token's position where it is not its index in the window: counted from its document's first
+    token where `document_ids` are given (model.reset_position_ids; [B, T]), and under context parallelism
+    only this rank's tokens ([B, T_local], or [T_local] without documents). None = 0..T-1."""
+    positions = None if document_ids is None else document_positions(document_ids)
+    if shard is None:
+        return positions
+    return shard.positions if positions is None else shard.take(positions)
 
 
 class KeepsTiedEmbeddings(nn.Module):
@@ -210,25 +216,28 @@ class Transformer(KeepsTiedEmbeddings):
         a = self.args
         return rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None,
+                sequence_shard: SequenceShard | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
         given (head()). With `document_ids` [B, T]
         (models/attention.py) each token attends only within its document, and with
         args.reset_position_ids its RoPE position counts from its document's first token.
+        Under context parallelism `sequence_shard` says which positions of the window `tokens` are
+        (document_ids stay the whole window's).
 
         A pipeline stage lacks the modules of the other stages (None): a stage after the first takes
         the previous stage's hidden states as `tokens`, one before the last returns its hidden states.
         """
         h = tokens
         if self.tok_embeddings is not None:
-            check_seq_len(tokens, self.args.max_seq_len)
+            check_seq_len(tokens, self.args.max_seq_len, sequence_shard)
             h = self.tok_embeddings(tokens)
         rope_cos, rope_sin = self.rope_cos, self.rope_sin  # each Attention takes the positions it sees
-        if self.args.reset_position_ids and document_ids is not None:
-            positions = document_positions(document_ids)
-            rope_cos, rope_sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, head_dim // 2]
+        positions = token_positions(document_ids if self.args.reset_position_ids else None, sequence_shard)
+        if positions is not None:
+            rope_cos, rope_sin = self.rope_cos[positions], self.rope_sin[positions]  # [B or none, T, head_dim // 2]
         # Built once here and shared by every block; Mistral and Mixtral args carry a sliding window.
-        mask = attention_mask(document_ids, getattr(self.args, "sliding_window", None), tokens.device)
+        mask = attention_mask(document_ids, getattr(self.args, "sliding_window", None), tokens.device, sequence_shard)
         h = self.run_blocks(h, rope_cos, rope_sin, mask)
         return h if self.output is None else self.head(h, output_loss)
 
