@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 
+from titanlite.parallel.cp import sum_over_ranks
 from titanlite.parallel.ep import all_to_all, exchange_counts, expert_weights
 from titanlite.models.init import trunc_normal_
 from titanlite.models.llama.model import BASE_INIT_STD, FeedForward
@@ -45,7 +46,8 @@ def assignments_per_sequence(experts: torch.Tensor, num_experts: int) -> torch.T
     return flat.new_zeros(flat.shape[0], num_experts).scatter_add_(1, flat, torch.ones_like(flat))
 
 
-def load_balancing_loss(logits: torch.Tensor, assignments: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+def load_balancing_loss(logits: torch.Tensor, assignments: torch.Tensor, probs: torch.Tensor | None = None,
+                        sequence_mesh=None) -> torch.Tensor:
     """Switch Transformer's auxiliary loss, num_experts * sum_i f_i * P_i, per sequence, averaged.
 
     logits [B, T, E] are the router's, assignments [B, E] from assignments_per_sequence. f_i is expert i's share
@@ -55,8 +57,14 @@ def load_balancing_loss(logits: torch.Tensor, assignments: torch.Tensor, probs: 
     DeepSeek-V3 and torchtitan do, so a batch's loss does not depend on how it is split over
     ranks and micro-steps. `probs` [B, T, E] replaces the softmax where a router scores otherwise
     (SigmoidGroupMoE's normalised sigmoids: DeepSeek-V3's sequence-wise balance loss).
+    Under context parallelism (`sequence_mesh`, the cp ranks) each rank holds an equal share of every
+    sequence: the shares' counts are summed and their mean probabilities averaged, so every cp rank
+    computes the whole sequences' loss, as one process does.
     """
     probs = (logits.float().softmax(dim=-1) if probs is None else probs).mean(dim=1)  # [B, E]
+    if sequence_mesh is not None:
+        probs = sum_over_ranks(probs, sequence_mesh) / sequence_mesh.size()
+        assignments = sum_over_ranks(assignments, sequence_mesh)
     shares = assignments.float() / assignments.sum(dim=-1, keepdim=True)
     return assignments.shape[-1] * (shares * probs).sum(dim=-1).mean()
 
@@ -148,6 +156,7 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts * dim, hidden_dim))  # viewed as [E, D, H]
         self.w3 = nn.Parameter(torch.empty(num_experts * hidden_dim, dim))  # viewed as [E, H, D]
         self.ep_group = None  # the expert-parallel process group, set by titanlite.parallel.ep.apply_ep
+        self.sequence_mesh = None  # the cp ranks holding the rest of each sequence, set by titanlite.parallel.cp.apply_cp
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (out [B, T, D], balance loss (0-dim), tokens per expert [E])."""
@@ -164,7 +173,7 @@ class MoE(nn.Module):
         return ROUTERS[self.router](logits, self.top_k, self.norm_topk_prob)
 
     def balance_loss(self, logits: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
-        return load_balancing_loss(logits, assignments)
+        return load_balancing_loss(logits, assignments, sequence_mesh=self.sequence_mesh)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, D] through each token's experts, weighted (TP's expert split replaces this method)."""
@@ -229,7 +238,8 @@ class SigmoidGroupMoE(MoE):
 
     def balance_loss(self, logits: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
         scores = logits.float().sigmoid()
-        return load_balancing_loss(logits, assignments, probs=scores / scores.sum(dim=-1, keepdim=True))
+        return load_balancing_loss(logits, assignments, probs=scores / scores.sum(dim=-1, keepdim=True),
+                                   sequence_mesh=self.sequence_mesh)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out, aux_loss, counts = super().forward(x)

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanlite.errors import UserError
@@ -78,10 +79,28 @@ def sequence_shard(seq_len: int, cp_mesh: DeviceMesh, device) -> SequenceShard:
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         """[B, heads, T_local, D] -> [B, heads, T, D] of every cp rank, rank by rank; backward reduce-scatters."""
-        gathered = _gather_dim0(x.movedim(2, 0).contiguous(), 0, cp_mesh)  # funcol gathers along dim 0 only
-        return gathered.movedim(0, 2)
+        return gather_ranks(x.movedim(2, 0), cp_mesh).movedim(0, 2)  # funcol gathers along dim 0 only
 
     return SequenceShard(every_rank[cp_mesh.get_local_rank()], torch.cat(every_rank), gather)
+
+
+def gather_ranks(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """Every cp rank's x concatenated along dim 0, rank by rank; the backward sums each rank's gradients
+    (a reduce-scatter). Traceable by torch.compile, unlike torch.distributed's own collectives."""
+    return _gather_dim0(x.contiguous(), 0, cp_mesh)
+
+
+def sum_over_ranks(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """The sum of x over the cp ranks, differentiable (every rank's gradient reaches every rank's x)."""
+    return gather_ranks(x.unsqueeze(0), cp_mesh).sum(dim=0)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Tell every module that reduces over whole sequences (a MoE's per-sequence balance loss) which
+    ranks hold the rest of each sequence."""
+    for module in model.modules():
+        if hasattr(module, "sequence_mesh"):
+            module.sequence_mesh = cp_mesh
 
 
 def split_batch(inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None,

@@ -8,6 +8,7 @@ from torch import nn
 from titanlite.config_sections import ActivationCheckpoint, Compile, Float8, JobConfig, Parallelism
 from titanlite.parallel.ac import apply_ac
 from titanlite.parallel.compile import apply_compile, compile_without_disk_cache
+from titanlite.parallel.cp import apply_cp
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.ep import apply_ep
 from titanlite.parallel.float8 import apply_float8
@@ -49,6 +50,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, settings: Parallel
         dims.check_model(model.args)
     if dims.ep_enabled:
         apply_ep(model, dims.expert_mesh, dims.ep_mesh)
+    if dims.cp_enabled:
+        apply_cp(model, dims.cp_mesh)
     if dims.tp_enabled:
         apply_tp(model, dims, loss_parallel=not par.disable_loss_parallel)
         if par.enable_async_tensor_parallel:

@@ -1,0 +1,131 @@
+"""Context parallelism (parallelism.context_parallel_degree): every window split over the cp ranks,
+each attention gathering keys and values. CP2 trains as one process (fp32, the same global batch) for
+the attention variants (block-causal documents with reset positions, Mistral's window, GPT-2's learned
+positions, DeepSeek-V3's latent attention with its MoE balance loss), composes with FSDP, TP and PP,
+validates to the same loss, and checkpoints move between CP and non-CP layouts."""
+
+import pytest
+import torch
+
+from conftest import run_titanlite, tensorboard_scalars
+from test_pipeline_parallel import launch, losses, run
+from titanlite.config_sections import Parallelism
+from titanlite.data.prepare import prepare
+from titanlite.errors import UserError
+from titanlite.models.attention import GatheredKeys, attend, attention_mask, document_ids
+from titanlite.parallel.cp import SequenceShard, chunk_positions
+from titanlite.parallel.dims import ParallelDims
+
+STEPS, RESUMED_STEPS = 5, 7
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+VALIDATE = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2"]
+FAMILIES = {  # name: flags; each trains 5 steps on one process and under CP2 (4 windows of 64 tokens)
+    "llama3": ["--model.attention_mask", "block_causal", "--model.reset_position_ids", *VALIDATE],
+    "mistral": ["--model.name", "mistral"],  # its debug window (32) is shorter than the 64-token windows
+    "gpt2": ["--model.name", "gpt2", "--model.attention_mask", "block_causal"],
+    "deepseek_v3": ["--model.name", "deepseek_v3", "--model.attention_mask", "block_causal", "--model.moe_aux_loss_coeff", "0.01"],
+}
+LLAMA = FAMILIES["llama3"]
+LAYOUTS_OF_FOUR = {  # llama3, the same 4 windows per step
+    "cp2_fsdp2": [*CP2, "--training.local_batch_size", "2", "--training.global_batch_size", "4"],
+    "cp2_tp2": [*CP2, "--parallelism.tensor_parallel_degree", "2"],
+    "pp2_cp2": [*CP2, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+}
+
+
+def scalars(tmp_path, name: str, tag: str) -> dict[int, float]:
+    return tensorboard_scalars(tmp_path / name / "tb", tag)
+
+
+def test_cp2_trains_as_one_process_composes_with_fsdp_tp_pp_and_checkpoints_move(tmp_path):
+    """Losses and gradient norms of CP2 equal one process's within 1e-5 for 5 steps for each attention
+    variant, the validation loss too; CP2 x FSDP2, CP2 x TP2 and PP2 x CP2 (4 ranks) give the same losses;
+    a checkpoint of step 5 saved under CP2 resumes on one process, and one process's under CP2 x FSDP2,
+    both with the uninterrupted losses of steps 6 and 7."""
+    prepare("sample", str(tmp_path / "store"))  # the same windows at any data-parallel degree
+    ones, twos = [], []
+    for family, flags in FAMILIES.items():
+        saved = family == "llama3"
+        ones.append(run(tmp_path, f"{family}_one", flags, RESUMED_STEPS if saved else STEPS, checkpoint=saved))
+        twos.append(run(tmp_path, f"{family}_cp2", [*flags, *CP2], STEPS, checkpoint=saved))
+    fours = [run(tmp_path, f"llama3_{name}", [*LLAMA, *flags], STEPS) for name, flags in LAYOUTS_OF_FOUR.items()]
+    fours.append(run(tmp_path, "llama3_one_to_cp2_fsdp2", [*LLAMA, *LAYOUTS_OF_FOUR["cp2_fsdp2"]], RESUMED_STEPS,
+                     resume_from="llama3_one"))
+    launch(ones, 1, tmp_path, "world1")
+    launch([*twos], 2, tmp_path, "world2")
+    launch([run(tmp_path, "llama3_cp2_to_one", LLAMA, RESUMED_STEPS, resume_from="llama3_cp2")], 1, tmp_path, "resume1")
+    launch(fours, 4, tmp_path, "world4")
+    for family in FAMILIES:
+        one, cp2 = losses(tmp_path, f"{family}_one"), losses(tmp_path, f"{family}_cp2")
+        one_norms, cp2_norms = (scalars(tmp_path, f"{family}_{n}", "optim/grad_norm") for n in ("one", "cp2"))
+        assert sorted(cp2) == list(range(1, STEPS + 1)), (family, cp2)
+        for step in cp2:
+            assert cp2[step] == pytest.approx(one[step], abs=1e-5), (family, step, cp2[step], one[step])
+            assert cp2_norms[step] == pytest.approx(one_norms[step], rel=1e-5, abs=1e-6), (family, step)
+    validation = {n: scalars(tmp_path, f"llama3_{n}", "loss/validation") for n in ("one", "cp2")}
+    assert validation["cp2"] == pytest.approx(validation["one"], abs=1e-5) and validation["one"]
+    one = losses(tmp_path, "llama3_one")
+    for name in [*LAYOUTS_OF_FOUR, "cp2_to_one", "one_to_cp2_fsdp2"]:
+        got = losses(tmp_path, f"llama3_{name}")
+        assert got and all(got[step] == pytest.approx(one[step], abs=1e-5) for step in got), (name, got, one)
+    assert sorted(losses(tmp_path, "llama3_cp2_to_one")) == [6, 7]
+
+
+def test_each_rank_scores_the_same_attention_pairs():
+    """Rank r's chunks r and 2N-1-r: under a causal mask every rank attends over the same number of pairs."""
+    for cp in (2, 4, 8):
+        pairs = [int((chunk_positions(64, cp, rank) + 1).sum()) for rank in range(cp)]
+        assert len(set(pairs)) == 1, (cp, pairs)
+        assert torch.equal(torch.cat([chunk_positions(64, cp, r) for r in range(cp)]).sort().values, torch.arange(64))
+
+
+def attention_inputs(device: str = "cpu", seq_len: int = 32):
+    """q [2, 4 heads, T, 8], k and v with 2 key/value heads, and document ids with 3 + 2 documents."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, seq_len, 8, generator=generator)
+    k, v = (torch.randn(2, 2, seq_len, 8, generator=generator) for _ in range(2))
+    tokens = torch.randint(2, 9, (2, seq_len), generator=generator)
+    tokens[0, [7, seq_len - 12]], tokens[1, 13] = 1, 1  # bos: documents start there
+    return (*(t.to(device).requires_grad_() for t in (q, k, v)), document_ids(tokens, (1, 0)).to(device))
+
+
+def sharded_attention(q, k, v, ids, window: int | None, cp: int) -> torch.Tensor:
+    """One process plays `cp` ranks: each rank's queries attend to every rank's keys, gathered rank by rank
+    as the cp group's all-gather returns them, under the mask at true positions; the rows back in order."""
+    every_rank = [chunk_positions(q.shape[2], cp, rank, q.device) for rank in range(cp)]
+    keys, out = torch.cat(every_rank), torch.empty_like(q)
+    for positions in every_rank:
+        k_local, v_local = k[:, :, positions], v[:, :, positions]
+
+        def gather(x):
+            whole = k if x is k_local else v
+            return torch.cat([whole[:, :, p] for p in every_rank], dim=2)
+
+        mask = attention_mask(ids, window, q.device, SequenceShard(positions, keys, gather))
+        assert isinstance(mask, GatheredKeys)
+        out[:, :, positions] = attend(q[:, :, positions], k_local, v_local, mask)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sharded_attention_equals_whole_attention(window):
+    """4 cp ranks' attention rows, with documents, GQA and optionally a window, equal the whole attention's,
+    and so do the gradients of q, k and v."""
+    q, k, v, ids = attention_inputs()
+    whole = attend(q, k, v, attention_mask(ids, window, q.device))
+    expected = torch.autograd.grad(whole.square().sum(), (q, k, v))
+    sharded = sharded_attention(q, k, v, ids, window, cp=4)
+    torch.testing.assert_close(sharded, whole, rtol=0, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(sharded.square().sum(), (q, k, v)), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_cp_errors_are_one_sentence(tmp_path):
+    """A seq_len that does not cut into 2 x cp chunks, and CP with expert parallelism, are refused before any work."""
+    out = run_titanlite(["--job.config_file", "train_configs/debug_model.toml", *CP2, "--training.seq_len", "66",
+                         "--job.dump_folder", str(tmp_path)])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "training.seq_len 66 does not split into 2 x parallelism.context_parallel_degree 2 = 4 equal chunks" in out.stderr
+    both = Parallelism(context_parallel_degree=2, expert_parallel_degree=2)
+    with pytest.raises(UserError, match="expert_parallel_degree and context_parallel_degree cannot both be above 1"):
+        ParallelDims.from_config(both, 4)
