@@ -107,11 +107,12 @@ def sharded_attention(q, k, v, ids, window: int | None, cp: int) -> torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_sharded_attention_equals_whole_attention(window):
-    """4 cp ranks' attention rows, with documents, GQA and optionally a window, equal the whole attention's,
+@pytest.mark.parametrize("window, documents", [(None, True), (5, True), (None, False), (5, False)])
+def test_sharded_attention_equals_whole_attention(window, documents):
+    """4 cp ranks' attention rows (GQA; with or without documents and a window) equal the whole attention's,
     and so do the gradients of q, k and v."""
     q, k, v, ids = attention_inputs()
+    ids = ids if documents else None
     whole = attend(q, k, v, attention_mask(ids, window, q.device))
     expected = torch.autograd.grad(whole.square().sum(), (q, k, v))
     sharded = sharded_attention(q, k, v, ids, window, cp=4)

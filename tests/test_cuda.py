@@ -218,17 +218,18 @@ def test_block_causal_flex_attention_equals_the_cpu_mask_path():
         torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("window", [None, 100])
-def test_context_parallel_flex_attention_equals_the_cpu_path(window):
+@pytest.mark.parametrize("window, documents", [(None, True), (100, True), (None, False)])
+def test_context_parallel_flex_attention_equals_the_cpu_path(window, documents):
     """Context parallelism's mask on CUDA is a FlexAttention BlockMask over this rank's queries and the
-    gathered keys (rank by rank, not in sequence order); 4 ranks' rows and the gradients equal the CPU
-    dense-mask path (tests/test_cp.py plays the ranks in one process). 512 tokens: 64-token chunks."""
+    gathered keys (rank by rank, not in sequence order), with or without documents; 4 ranks' rows and the
+    gradients equal the CPU dense-mask path (tests/test_cp.py plays the ranks in one process). 512 tokens:
+    64-token chunks."""
     from test_cp import attention_inputs, sharded_attention
 
     results = []
     for device in ("cpu", "cuda"):
         q, k, v, ids = attention_inputs(device, seq_len=512)
-        out = sharded_attention(q, k, v, ids, window, cp=4)
+        out = sharded_attention(q, k, v, ids if documents else None, window, cp=4)
         results.append((out.detach().cpu(), *(g.cpu() for g in torch.autograd.grad(out.square().sum(), (q, k, v)))))
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

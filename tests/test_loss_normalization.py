@@ -46,6 +46,7 @@ def one_process(example, tmp_path_factory):
     ("fsdp2", 2, []),
     ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2"]),
     ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    ("cp2", 2, ["--parallelism.context_parallel_degree", "2"]),  # each rank trains on some of each window's answers
 ])
 def test_every_layout_gives_the_loss_of_one_process(example, one_process, tmp_path, layout, nproc, flags):
     """Chat data is read in one global order, so every layout holds the same 4 windows each step; step 2 on
