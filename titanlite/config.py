@@ -196,7 +196,6 @@ def _check_range(name: str, value: Any, meta: dict, origin: str) -> None:
 
 
 def _check_values(cfg: JobConfig, origins: dict[str, str]) -> None:
-    defaults = JobConfig()
     for section in _sections():
         for key, f in _fields(section).items():
             value = getattr(getattr(cfg, section), key)
@@ -205,10 +204,6 @@ def _check_values(cfg: JobConfig, origins: dict[str, str]) -> None:
             outside = [v for v in (value if isinstance(value, list) else [value]) if v not in choices]
             if choices and outside:
                 raise UserError(f"{section}.{key} must be one of {', '.join(choices)}; got {outside[0]!r}")
-            if f.metadata.get("unsupported") and value != getattr(getattr(defaults, section), key):
-                raise UserError(
-                    f"{section}.{key} is not supported yet; remove it or set it back to {getattr(getattr(defaults, section), key)!r}"
-                )
             origin = origins.get(f"{section}.{key}", "the defaults")
             _check_range(f"{section}.{key}", value, f.metadata, origin)
             for i, table in enumerate(value if isinstance(value, list) else []):
@@ -240,8 +235,7 @@ def field_doc(f: dataclasses.Field) -> str:
     """The field's doc with its choices or range, as --help and the README reference show it."""
     choices = f" (one of {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
     bounds = f" ({range_text(f.metadata)})" if range_text(f.metadata) else ""
-    later = "; not supported yet" if f.metadata.get("unsupported") else ""
-    return f"{f.metadata['doc']}{later}{choices}{bounds}"
+    return f"{f.metadata['doc']}{choices}{bounds}"
 
 
 def help_text() -> str:

@@ -2,22 +2,20 @@
 
 `opt(default, doc, ...)` declares a field; the doc (with its choices or range) becomes its `--help` line.
 Every numeric field declares its valid range (at_least/above/at_most/below, sentinels, length), which
-the loader checks and a fuzz test (tests/test_config_fuzz.py) requires. A field declared with
-`unsupported=True` belongs to a feature that has not landed yet: setting it to anything but its
-default stops the run with a "not supported yet" sentence instead of being silently ignored.
+the loader checks and a fuzz test (tests/test_config_fuzz.py) requires.
 """
 
 from dataclasses import dataclass, field
 from typing import Any
 
 
-def opt(default: Any, doc: str, *, choices: tuple = (), unsupported: bool = False,
+def opt(default: Any, doc: str, *, choices: tuple = (),
         at_least: float | None = None, above: float | None = None, at_most: float | None = None,
         below: float | None = None, sentinels: tuple = (), length: int | None = None) -> Any:
     """Declare a field. Numeric ranges (applied to each item of a list field): at_least/at_most
     are inclusive bounds, above/below exclusive; `sentinels` are values allowed outside the range
     (e.g. -1 = "all"); `length` is the required length of a list field."""
-    meta = {"doc": doc, "choices": choices, "unsupported": unsupported, "at_least": at_least, "above": above,
+    meta = {"doc": doc, "choices": choices, "at_least": at_least, "above": above,
             "at_most": at_most, "below": below, "sentinels": sentinels, "length": length}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
