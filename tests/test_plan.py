@@ -259,3 +259,19 @@ def test_planned_state_of_an_ep2_run_equals_the_trainers(tmp_path):
     out = run_titanlite(flags, nproc=2)
     assert out.returncode == 0, out.stderr
     assert_planned_state(flags, 2, out.stderr)
+
+
+def test_planned_state_of_a_cp2_run_equals_the_trainers(tmp_path):
+    """Under CP2 FSDP shards every weight over the flattened (dp_shard 1, cp 2): the planner's per-rank parameter,
+    gradient and optimizer bytes equal, byte for byte, a real 2-process CPU run's, and those of FSDP over 2
+    data-parallel ranks."""
+    from conftest import assert_planned_state, run_titanlite
+    from titanlite.plan.job import plan_state
+
+    flags = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--training.seq_len", "64",
+             "--training.steps", "2", "--parallelism.context_parallel_degree", "2"]
+    out = run_titanlite(flags, nproc=2)
+    assert out.returncode == 0, out.stderr
+    assert_planned_state(flags, 2, out.stderr)
+    data_parallel = [*flags[:-2], "--parallelism.context_parallel_degree", "1"]
+    assert plan_state(load_config(flags), 2) == plan_state(load_config(data_parallel), 2)

@@ -134,7 +134,7 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
         memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None)
         roles.append((stages.name if dims.pp_enabled else "every rank", memory))
     mesh = dims.layout
-    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, job_speed(cfg, spec, whole, dims, states),
+    return JobPlan(roles, dims.dp_degree * dims.batch_sharing_degree, mesh, job_speed(cfg, spec, whole, dims, states),
                    plan_notes(cfg, args.dim, gpu))
 
 
