@@ -1,7 +1,10 @@
 """Step time from FLOPs and bytes, with the constants of plan/hardware.py.
 
 Compute, per GPU: the matmuls (6 FLOPs per parameter per token) at MATMUL of the peak, attention (as
-metrics.py counts it) at ATTENTION of the peak, and the memory-bound kernels (the elementwise ones,
+metrics.py counts it for MFU: the family's flops_per_token less the matmuls, for Llama 12 x layers x heads x
+head_dim x seq_len per token, the whole window's score matrix with neither the causal half nor other
+documents' keys discounted, so it grows with seq_len and dominates at long context) at ATTENTION of the
+peak, which was measured on that count, and the memory-bound kernels (the elementwise ones,
 float8's casts, the optimizer step) at BANDWIDTH of the HBM bandwidth. Matmuls grow with the square of
 the model's width and the elementwise traffic with the width itself, so small models spend a larger
 share of their step on memory-bound kernels: that, not a per-model constant, is why a 1B runs at a
