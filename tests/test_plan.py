@@ -328,3 +328,24 @@ def test_context_parallel_speed_divides_the_tokens_and_adds_exposed_key_value_ga
     gbps = GPUS[cfg.plan.gpu].link_gbps * 1e9 * COLLECTIVE_EFFICIENCY
     assert cp.speed.cp_s == pytest.approx(3 * args.n_layers * window_kv * 7 / 8 / gbps)
     assert cp.speed.step_s == pytest.approx(cp.speed.compute_s + max(0, cp.speed.fsdp_s - cp.speed.compute_s) + cp.speed.cp_s)
+
+
+def test_a_window_too_long_for_one_rank_is_advised_more_context_parallel_ranks(capsys):
+    """The 8B at 32,768 tokens, bf16, on 8 H100s (FSDP 8, op AC) needs 109 GiB; the advice is CP2 with the global
+    batch kept (8 sequences: 4 data-parallel ranks, 2 micro-steps). A changed config skips load_config, so plan_job
+    itself refuses a window that does not cut into 2 x cp chunks, which makes that change no fix."""
+    import dataclasses
+
+    from titanlite.errors import UserError
+
+    flags = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), "--training.seq_len", "32768",
+             "--float8.enable", "false", "--float8.enable_fsdp_float8_all_gather", "false",
+             "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
+    assert plan_main(flags) == 1
+    out = capsys.readouterr().out
+    assert "the cheapest change that fits: --parallelism.context_parallel_degree 2 --training.global_batch_size 8 (" in out, out
+    cfg = load_config(flags)
+    uneven = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=32760),
+                                 parallelism=dataclasses.replace(cfg.parallelism, context_parallel_degree=8))
+    with pytest.raises(UserError, match="does not split into 2 x parallelism.context_parallel_degree 8"):
+        plan_job(uneven)
