@@ -2,7 +2,7 @@
 every shipped config fits its hardware, and the CLI's table, verdict and advice.
 (Exact per-rank state bytes against real FSDP2/HSDP/TP2/PP2 runs: conftest.assert_planned_state, called
 from tests/test_distributed.py, tests/test_tensor_parallel.py and tests/test_pipeline_parallel.py on the
-runs they already make, and here for EP2.)"""
+runs they already make, and here for EP2 and CP2; context parallelism's activations and speed below.)"""
 
 import time
 from pathlib import Path
