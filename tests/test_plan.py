@@ -2,7 +2,7 @@
 every shipped config fits its hardware, and the CLI's table, verdict and advice.
 (Exact per-rank state bytes against real FSDP2/HSDP/TP2/PP2 runs: conftest.assert_planned_state, called
 from tests/test_distributed.py, tests/test_tensor_parallel.py and tests/test_pipeline_parallel.py on the
-runs they already make, and here for EP2.)"""
+runs they already make, and here for EP2 and CP2; context parallelism's activations and speed below.)"""
 
 import time
 from pathlib import Path
@@ -193,6 +193,10 @@ HELD_OUT_MISSES = {
     ("70B, 256 H100, FSDP 32 x TP 8, float8", "memory"): 0.46,
     ("70B, 256 H100, FSDP 32 x TP 8, float8, async TP", "memory"): 0.42,
     ("405B, 512 H100, FSDP 8 x TP 8 x PP 8, float8, async TP, 1F1B", "memory"): 0.22,
+    ("8B, 8 H100, FSDP 2 x CP 4, seq 131072, compile, float8, full AC", "tps"): 0.24,
+    ("8B, 8 H100, FSDP 8, seq 32768, compile, float8, full AC", "memory"): 0.39,
+    ("8B, 8 H100, FSDP 4 x CP 2, seq 65536, compile, float8, full AC", "memory"): 0.39,
+    ("8B, 8 H100, FSDP 2 x CP 4, seq 131072, compile, float8, full AC", "memory"): 0.39,
 }
 
 
@@ -202,7 +206,7 @@ def test_planner_within_15_percent_of_the_held_out_published_rows():
     from titanlite.plan.published_rows import ROWS, plan_row, predicted_memory_gib
 
     held_out = [item for item in ROWS if not item.tuning]
-    assert len(held_out) == 26 and {name for name, _ in HELD_OUT_MISSES} <= {item.name for item in held_out}
+    assert len(held_out) == 29 and {name for name, _ in HELD_OUT_MISSES} <= {item.name for item in held_out}
     for item in held_out:
         plan = plan_row(item)
         errors = {"tps": plan.speed.tps / item.tps - 1}
@@ -259,3 +263,89 @@ def test_planned_state_of_an_ep2_run_equals_the_trainers(tmp_path):
     out = run_titanlite(flags, nproc=2)
     assert out.returncode == 0, out.stderr
     assert_planned_state(flags, 2, out.stderr)
+
+
+def test_planned_state_of_a_cp2_run_equals_the_trainers(tmp_path):
+    """Under CP2 FSDP shards every weight over the flattened (dp_shard 1, cp 2): the planner's per-rank parameter,
+    gradient and optimizer bytes equal, byte for byte, a real 2-process CPU run's, and those of FSDP over 2
+    data-parallel ranks."""
+    from conftest import assert_planned_state, run_titanlite
+    from titanlite.plan.job import plan_state
+
+    flags = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--training.seq_len", "64",
+             "--training.steps", "2", "--parallelism.context_parallel_degree", "2"]
+    out = run_titanlite(flags, nproc=2)
+    assert out.returncode == 0, out.stderr
+    assert_planned_state(flags, 2, out.stderr)
+    data_parallel = [*flags[:-2], "--parallelism.context_parallel_degree", "1"]
+    assert plan_state(load_config(flags), 2) == plan_state(load_config(data_parallel), 2)
+
+
+def test_context_parallel_activations_are_the_ranks_share_plus_the_whole_windows_keys_and_values():
+    """On 4 ranks, CP N (FSDP over dp_shard 4/N x cp N) against FSDP over 4 data-parallel ranks: a rank's activations
+    are 1/N of the data-parallel rank's, except attention's keys and values. Without AC every block saves the whole
+    window's (gathered, then repeated to every query head for SDPA: [B, heads, T, head_dim] each, as without CP), so
+    the saved bytes exceed 1/N by layers x those x (1 - 1/N); under full AC a rank saves 1/N of the block inputs, and
+    its peak, in a recomputed block's backward, holds the whole window's keys and values (and their gradients)."""
+    from titanlite.dtypes import DTYPES
+
+    plans = {}
+    for mode in ("none", "full"):
+        for cp in (1, 2, 4):
+            cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "256", "--training.local_batch_size", "2",
+                               "--activation_checkpoint.mode", mode, "--parallelism.context_parallel_degree", str(cp)])
+            spec = get_model_spec(cfg.model.name)
+            args = model_args(cfg, spec)
+            plans[mode, cp] = activations(cfg, spec, args, ParallelDims.from_config(cfg.parallelism, 4))
+    layer_kv = 2 * cfg.training.local_batch_size * args.n_heads * 256 * args.head_dim * DTYPES[cfg.training.mixed_precision_param].itemsize
+    for n in (2, 4):
+        no_ac, full = plans["none", n], plans["full", n]
+        assert no_ac.saved - plans["none", 1].saved / n == pytest.approx(args.n_layers * layer_kv * (1 - 1 / n), abs=16384)
+        assert full.saved == pytest.approx(plans["full", 1].saved / n, abs=16384)
+        assert full.peak - plans["full", 1].peak / n > 2 * layer_kv * (1 - 1 / n)
+
+
+def test_context_parallel_speed_divides_the_tokens_and_adds_exposed_key_value_gathers():
+    """CP8 against FSDP over 8 data-parallel ranks of one node, full AC: each GPU computes 1/8 of the tokens (each
+    attending to the whole window either way), FSDP moves the same bytes (8 shards either way), and the step adds,
+    exposed, per layer the all-gathers of keys and values (forward and AC's recompute) and the reduce-scatters of
+    their gradients (backward), each moving 7/8 of the window's keys and values over NVLink."""
+    from titanlite.dtypes import DTYPES
+    from titanlite.plan.hardware import COLLECTIVE_EFFICIENCY, GPUS
+
+    base = ["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "1024", "--activation_checkpoint.mode", "full",
+            "--compile.enable", "false", "--plan.gpus_per_node", "8", "--plan.nodes", "1"]
+    dp = plan_job(load_config(base))
+    cfg = load_config([*base, "--parallelism.context_parallel_degree", "8"])
+    cp = plan_job(cfg)
+    assert cp.mesh == "dp_replicate 1 x dp_shard 1 x cp 8 x tp 1, pp 1" and cp.world_size == 8
+    dp_parts, cp_parts = dict(dp.speed.parts), dict(cp.speed.parts)
+    for kind in ("matmuls", "attention", "elementwise"):
+        assert cp_parts[kind] == pytest.approx(dp_parts[kind] / 8)
+    assert cp.speed.fsdp_s == pytest.approx(dp.speed.fsdp_s) and dp.speed.cp_s == 0
+    args = model_args(cfg, get_model_spec(cfg.model.name))
+    window_kv = cfg.training.local_batch_size * 1024 * 2 * args.n_kv_heads * args.head_dim * DTYPES[cfg.training.mixed_precision_param].itemsize
+    gbps = GPUS[cfg.plan.gpu].link_gbps * 1e9 * COLLECTIVE_EFFICIENCY
+    assert cp.speed.cp_s == pytest.approx(3 * args.n_layers * window_kv * 7 / 8 / gbps)
+    assert cp.speed.step_s == pytest.approx(cp.speed.compute_s + max(0, cp.speed.fsdp_s - cp.speed.compute_s) + cp.speed.cp_s)
+
+
+def test_a_window_too_long_for_one_rank_is_advised_more_context_parallel_ranks(capsys):
+    """The 8B at 32,768 tokens, bf16, on 8 H100s (FSDP 8, op AC) needs 109 GiB; the advice is CP2 with the global
+    batch kept (8 sequences: 4 data-parallel ranks, 2 micro-steps). A changed config skips load_config, so plan_job
+    itself refuses a window that does not cut into 2 x cp chunks, which makes that change no fix."""
+    import dataclasses
+
+    from titanlite.errors import UserError
+
+    flags = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), "--training.seq_len", "32768",
+             "--float8.enable", "false", "--float8.enable_fsdp_float8_all_gather", "false",
+             "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
+    assert plan_main(flags) == 1
+    out = capsys.readouterr().out
+    assert "the cheapest change that fits: --parallelism.context_parallel_degree 2 --training.global_batch_size 8 (" in out, out
+    cfg = load_config(flags)
+    uneven = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=32760),
+                                 parallelism=dataclasses.replace(cfg.parallelism, context_parallel_degree=8))
+    with pytest.raises(UserError, match="does not split into 2 x parallelism.context_parallel_degree 8"):
+        plan_job(uneven)

@@ -29,6 +29,7 @@ def speed_table(result: JobPlan) -> str:
     parts = ", ".join(f"{name} {seconds:.3f}" for name, seconds in s.parts if seconds)
     rows = [("compute per step", f"{s.compute_s:.3f} s ({parts})"), ("FSDP collectives", f"{s.fsdp_s:.3f} s (overlapped)"),
             ("TP collectives", f"{s.tp_s:.3f} s (exposed)"), ("EP all-to-alls", f"{s.ep_s:.3f} s (exposed)"),
+            ("CP key/value gathers", f"{s.cp_s:.3f} s (exposed)"),
             ("PP send/recv", f"{s.pp_s:.3f} s (exposed)"),
             ("pipeline bubble", f"{100 * s.bubble:.1f}% of the step"), ("step time", f"{s.step_s:.3f} s"),
             ("tps per GPU", f"{s.tps:,.0f}"), ("MFU", f"{s.mfu:.1f}%"), ("tokens per day", f"{s.tokens_per_day:,.3g}"),

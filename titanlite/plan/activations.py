@@ -12,6 +12,14 @@ is reduce-scattered away at once (its transient is in the buffers), leaving this
 Under tensor parallelism every activation of a block is split over the tp ranks (sequence
 parallel outside attention, heads inside), so the unsharded tally is divided by tp.
 
+Under context parallelism the step runs the trainer's split (parallel/cp.py: split_batch with cp rank
+0's positions; every rank holds 2 of the 2N chunks, so rank 0 stands for all): the blocks see T/N
+tokens and each attention the whole window's keys and values, which `planned_shard`'s gather makes
+from N copies of the rank's own instead of an all-gather (the same [B, kv_heads, T, D] buffer, then
+GQA's repeat and the [T/N, T] attention, as in the real step; its backward sums the N copies' gradients
+where the real one reduce-scatters them). The CPU builds the mask as a dense [T/N, T] boolean, a GPU as
+a FlexAttention BlockMask of kilobytes: the tally leaves it out.
+
 Compiled (`compiled=True`): the same eager step, tallied as inductor would keep it. A tensor made by
 an op that AOTAutograd's min-cut partitioner may recompute (its list: pointwise ops, casts, views;
 and, where the loss is compiled, the softmax family, which inductor decomposes into pointwise ops
@@ -34,8 +42,10 @@ from titanlite.config_sections import Compile, JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.lora import apply_lora
 from titanlite.loss import build_loss, micro_batch_loss
+from titanlite.models.attention import GatheredKeys
 from titanlite.parallel.ac import apply_ac, every_nth
 from titanlite.parallel.compile import compiles
+from titanlite.parallel.cp import SequenceShard, chunk_positions, split_batch
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.plan.moe import route_evenly
@@ -54,14 +64,19 @@ class LiveBytes(TorchDispatchMode):
         # Views of tensors made before (parameters' transposes, RoPE slices) allocate nothing.
         self.existing = {tensor.untyped_storage()._cdata for tensor in existing}
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.ignored: dict[int, StorageWeakRef] = {}  # storages that cost nothing, nor what is made from them alone
         self.live = self.peak = self.grads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        from_ignored = self._made_from_ignored(args)
         counted = func.overloadpacket not in self.recomputed
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
-                self._track(tensor.untyped_storage(), counted)
+                if from_ignored:
+                    self.ignore(tensor)
+                else:
+                    self._track(tensor.untyped_storage(), counted)
         self._purge()
         self.peak = max(self.peak, self.live // self.split + self.grads)
         return out
@@ -80,6 +95,8 @@ class LiveBytes(TorchDispatchMode):
         dead = [key for key, (ref, _) in self.storages.items() if ref.expired()]
         for key in dead:
             del self.storages[key]
+        for key in [key for key, ref in self.ignored.items() if ref.expired()]:
+            del self.ignored[key]
         self.live = sum(nbytes for _, nbytes in self.storages.values())
 
     def keep(self, tensor: torch.Tensor) -> None:
@@ -90,6 +107,19 @@ class LiveBytes(TorchDispatchMode):
 
     def forget(self, tensor: torch.Tensor) -> None:
         self.storages.pop(tensor.untyped_storage()._cdata, None)
+
+    def ignore(self, tensor: torch.Tensor) -> None:
+        """Count the tensor's storage as nothing while it lives, and whatever an op makes from it alone
+        (SDPA's float copy of a boolean mask on the CPU)."""
+        storage = tensor.untyped_storage()
+        ref = StorageWeakRef(storage)
+        self.ignored[storage._cdata] = ref
+        self.storages[storage._cdata] = (ref, 0)
+
+    def _made_from_ignored(self, args) -> bool:
+        """Whether every input of more than one element is an ignored storage."""
+        inputs = [arg for arg in pytree.tree_leaves(args) if isinstance(arg, torch.Tensor) and arg.numel() > 1]
+        return bool(inputs) and all(arg.untyped_storage()._cdata in self.ignored for arg in inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +136,25 @@ def recomputed_by_compile(cfg: JobConfig) -> frozenset:
     softmax = {aten._log_softmax, aten._softmax, aten._log_softmax_backward_data, aten._softmax_backward_data,
                aten.nll_loss_backward} if compiles(cfg.compile, "loss") else set()
     return frozenset(get_default_op_list().recomputable_ops) | softmax
+
+
+def planned_shard(seq_len: int, cp: int) -> SequenceShard:
+    """cp rank 0's SequenceShard of parallel/cp.py, whose gather makes the all-gather's [B, heads, T, D]
+    from cp copies of the rank's own keys or values, with no process group (the module docstring)."""
+    every_rank = [chunk_positions(seq_len, cp, rank) for rank in range(cp)]
+    return SequenceShard(every_rank[0], torch.cat(every_rank), lambda x: torch.cat([x] * cp, dim=2))
+
+
+def leave_out_dense_masks(model, tally: LiveBytes) -> None:
+    """Under context parallelism the tally counts no attention mask: each block's GatheredKeys carries
+    the CPU's dense [T_local, T] one, where a GPU's BlockMask is a few kilobytes."""
+    def leave_out(_, inputs):
+        for value in inputs:
+            if isinstance(value, GatheredKeys):
+                tally.ignore(value.mask)
+
+    for block in model.layers.values():
+        block.register_forward_pre_hook(leave_out)
 
 
 def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool = False) -> Activations:
@@ -125,8 +174,13 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compi
             param.data = param.data.to(dtype)
         apply_ac(model, cfg.activation_checkpoint)
         tokens = torch.randint(0, args.vocab_size, (training.local_batch_size, training.seq_len))
-    tally = LiveBytes(dims.tp, [*model.parameters(), *model.buffers(), tokens],
+        shard = planned_shard(training.seq_len, dims.cp) if dims.cp_enabled else None
+        inputs, labels, model_kwargs = split_batch(tokens, tokens, None, shard)  # the train step's split
+    positions = [shard.positions, shard.key_positions] if shard is not None else []
+    tally = LiveBytes(dims.tp, [*model.parameters(), *model.buffers(), inputs, labels, *positions],
                       recomputed_by_compile(cfg) if compiled else frozenset())
+    if shard is not None:
+        leave_out_dense_masks(model, tally)
     if compiled:  # what crosses a compiled region's edge is kept: blocks' inputs, the gradients flowing back into each
         def keep_gradient(_, inputs, output):
             output = output[0] if isinstance(output, tuple) else output  # an MoE block's hidden state, its loss and loads
@@ -137,20 +191,20 @@ def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compi
             block.register_forward_pre_hook(lambda _, inputs: tally.keep(inputs[0]))
             block.register_forward_hook(keep_gradient)
         model.register_forward_hook(keep_gradient)  # the logits' gradient, the compiled loss's backward output
-    shard = dims.dp_shard * dims.tp
+    fsdp_shards = dims.dp_shard * dims.cp * dims.tp  # FSDP shards over (dp_shard, cp), TP splits each shard
     if dims.fsdp_enabled:
         param_bytes = DTYPES[training.param_dtype].itemsize
 
         def keep_shard(param):
             tally.forget(param.grad)
-            tally.grads += param.numel() * param_bytes // shard
+            tally.grads += param.numel() * param_bytes // fsdp_shards
 
         for param in model.parameters():
             if param.requires_grad:  # LoRA's frozen base has no gradient
                 param.register_post_accumulate_grad_hook(keep_shard)
     with fake, tally:
         context = mixed_precision_context(dims, training.mixed_precision_param, "cpu")
-        loss = micro_batch_loss(model, tokens, tokens, {}, loss_fn, context)
+        loss = micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, context)
         saved = tally.live
         loss.backward()
     return Activations(saved // dims.tp, tally.peak)

@@ -18,6 +18,7 @@ from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
 from titanlite.plan.speed import Shape, Speed, plan_speed
 from titanlite.parallel.compile import compiles
+from titanlite.parallel.cp import check_context_parallel
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
 from titanlite.parallel.tp import check_tensor_parallel
@@ -105,6 +106,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     args = model_args(cfg, spec)
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
     dims = ParallelDims.from_config(cfg.parallelism, world)
+    check_context_parallel(cfg.training.seq_len, dims.cp)  # load_config checks it too; a changed config (changes_to_try) is not loaded
     if dims.tp_enabled or cfg.parallelism.enable_async_tensor_parallel:
         check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable)
     return predict(cfg, spec, args, dims, plan_states(cfg, world))
@@ -134,7 +136,7 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
         memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None)
         roles.append((stages.name if dims.pp_enabled else "every rank", memory))
     mesh = dims.layout
-    return JobPlan(roles, dims.dp_degree * dims.model_parallel_degree, mesh, job_speed(cfg, spec, whole, dims, states),
+    return JobPlan(roles, dims.dp_degree * dims.batch_sharing_degree, mesh, job_speed(cfg, spec, whole, dims, states),
                    plan_notes(cfg, args.dim, gpu))
 
 
@@ -160,10 +162,9 @@ def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:
                       replace(cfg, activation_checkpoint=replace(ac, mode="selective", selective_ac_option="op"))))
     if ac.mode != "full":
         tries.append(("--activation_checkpoint.mode full", replace(cfg, activation_checkpoint=replace(ac, mode="full"))))
+    dp = ParallelDims.from_config(par, cfg.plan.nodes * cfg.plan.gpus_per_node).dp_degree  # the ranks reading their own batches
+    global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp
     if training.local_batch_size > 1:
-        world = cfg.plan.nodes * cfg.plan.gpus_per_node
-        dp = world // (par.tensor_parallel_degree * par.pipeline_parallel_degree)
-        global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp
         half = training.local_batch_size // 2
         tries.append((f"--training.local_batch_size {half} --training.global_batch_size {global_batch}",
                       replace(cfg, training=replace(training, local_batch_size=half, global_batch_size=global_batch))))
@@ -171,6 +172,11 @@ def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:
     if tp <= cfg.plan.gpus_per_node:
         tries.append((f"--parallelism.tensor_parallel_degree {tp}",
                       replace(cfg, parallelism=replace(par, tensor_parallel_degree=tp))))
+    if par.data_parallel_shard_degree == -1:  # twice the cp ranks from the shard ranks, the global batch kept
+        cp = par.context_parallel_degree * 2
+        tries.append((f"--parallelism.context_parallel_degree {cp} --training.global_batch_size {global_batch}",
+                      replace(cfg, parallelism=replace(par, context_parallel_degree=cp),
+                              training=replace(training, global_batch_size=global_batch))))
     if not par.fsdp_cpu_offload:
         tries.append(("--parallelism.fsdp_cpu_offload", replace(cfg, parallelism=replace(par, fsdp_cpu_offload=True))))
     return tries

@@ -85,11 +85,12 @@ def bubble(cfg: JobConfig, pp: int) -> float:
     return share * ZERO_BUBBLE_SHARE if "ZeroBubble" in schedule else share
 
 
-def send_recv_bytes(cfg: JobConfig, pp: int, tp: int, dim: int, compute_bytes: int) -> int:
+def send_recv_bytes(cfg: JobConfig, pp: int, split: int, dim: int, compute_bytes: int) -> int:
     """Bytes one pp rank sends per micro-step: each stage's output activations forward and the gradient of
-    its input backward, per microbatch (split over tp: the blocks' outputs are sequence-parallel shards)."""
+    its input backward, per microbatch, split over `split` ranks (tp x cp: the blocks' outputs are
+    sequence-parallel shards of the rank's share of the window)."""
     if pp == 1:
         return 0
     par, training = cfg.parallelism, cfg.training
-    microbatch = par.pipeline_parallel_microbatch_size * training.seq_len * dim * compute_bytes // tp
+    microbatch = par.pipeline_parallel_microbatch_size * training.seq_len * dim * compute_bytes // split
     return 2 * stages_per_rank(par) * microbatch_count(cfg, pp) * microbatch

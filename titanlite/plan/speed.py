@@ -1,7 +1,10 @@
 """Step time from FLOPs and bytes, with the constants of plan/hardware.py.
 
 Compute, per GPU: the matmuls (6 FLOPs per parameter per token) at MATMUL of the peak, attention (as
-metrics.py counts it) at ATTENTION of the peak, and the memory-bound kernels (the elementwise ones,
+metrics.py counts it for MFU: the family's flops_per_token less the matmuls, for Llama 12 x layers x heads x
+head_dim x seq_len per token, the whole window's score matrix with neither the causal half nor other
+documents' keys discounted, so it grows with seq_len and dominates at long context) at ATTENTION of the
+peak, which was measured on that count, and the memory-bound kernels (the elementwise ones,
 float8's casts, the optimizer step) at BANDWIDTH of the HBM bandwidth. Matmuls grow with the square of
 the model's width and the elementwise traffic with the width itself, so small models spend a larger
 share of their step on memory-bound kernels: that, not a per-model constant, is why a 1B runs at a
@@ -19,6 +22,10 @@ forward, again in backward and in full AC's repeated forward) are exposed too, e
 rank's tokens x top_k rows (even routing, plan/moe.py); a pipeline adds its bubble
 (plan/pipeline.py's bubble, per schedule) and its send/recv between stages, counted as exposed
 (torch's schedules wait for each receive before the stage's compute). Under PP each rank runs and gathers only its share of the layers.
+Context parallelism (parallel/cp.py) gives each rank 1/cp of every window's tokens (each attending to the
+whole window: the attention FLOPs per token are the whole window's), adds per layer the all-gathers of the
+keys and values (forward, and again wherever AC recomputes the block) and the reduce-scatter of their
+gradients (backward), exposed, as attention waits for them; FSDP's traffic runs among the dp_shard x cp ranks.
 """
 
 from dataclasses import dataclass
@@ -44,6 +51,7 @@ class Shape:
     matmul_params: int  # num_params(exclude_embedding=True), MoE: active ones only: 6 FLOPs per token each
     total_params: int
     flops_per_token: float  # the model family's formula, as metrics.py uses it
+    kv_width: int  # elements per token of one layer's keys and values, as attention receives them (what CP gathers)
     expert_params: int = 0  # MoE: all routed experts' (what EP splits)
     moe_layers: int = 0
     top_k: int = 0
@@ -56,8 +64,11 @@ class Shape:
         # A token goes through top_k of the experts: the idle ones cost it neither matmuls nor traffic.
         active = whole.num_params(exclude_embedding=True, active=True) if hasattr(args, "num_experts") else matmul
         moes = moe_modules(whole)
+        # DeepSeek's MLA gives every head a key of qk_head_dim and a value of v_head_dim; the others use head_dim for both.
+        key, value = (args.qk_head_dim, args.v_head_dim) if hasattr(args, "qk_head_dim") else (args.head_dim, args.head_dim)
         return cls(args.n_layers, args.dim, args.vocab_size, round(block * active / matmul), active,
-                   whole.num_params(), flops_per_token, expert_params(whole), len(moes), moes[0].top_k if moes else 0)
+                   whole.num_params(), flops_per_token, args.n_kv_heads * (key + value), expert_params(whole), len(moes),
+                   moes[0].top_k if moes else 0)
 
     @property
     def width(self) -> float:
@@ -72,6 +83,7 @@ class Speed:
     fsdp_s: float
     tp_s: float
     ep_s: float  # expert parallelism's all-to-alls
+    cp_s: float  # context parallelism's all-gathers of keys and values and reduce-scatters of their gradients
     pp_s: float  # sending activations and their gradients between stages
     bubble: float  # idle share of the step (pipeline)
     step_s: float
@@ -135,7 +147,7 @@ def fsdp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, s
     of this rank's layers, per micro-step; float8's all-gather moves the blocks' Linear weights in 1 byte."""
     if not dims.fsdp_enabled:
         return 0.0
-    training, n = cfg.training, dims.dp_shard
+    training, n = cfg.training, dims.dp_shard * dims.cp  # FSDP shards over the flattened (dp_shard, cp)
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
     reduce_bytes = DTYPES[training.mixed_precision_reduce].itemsize
     local = shape.total_params / (dims.tp * dims.pp)
@@ -147,7 +159,7 @@ def fsdp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, s
     if cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather:
         in_float8 = shape.n_layers * shape.block_params / (dims.tp * dims.pp)
         per_micro -= (n - 1) / n * gathers * in_float8 * (compute_bytes - 1)
-    within_node = dims.dp_shard * dims.tp <= gpus_per_node
+    within_node = n * dims.tp <= gpus_per_node
     total = accum * seconds(per_micro, intra if within_node else inter)
     if dims.dp_replicate > 1:  # HSDP: all-reduce of the shards' gradients across replicas (other nodes)
         r = dims.dp_replicate
@@ -165,7 +177,8 @@ def tp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, int
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
     # torchao's tensorwise float8 TP styles cast before the all-gathers (half the collectives): 1 byte there.
     gathered_bytes = 1 if cfg.float8.enable and cfg.float8.recipe_name == "tensorwise" else compute_bytes
-    activation = training.local_batch_size * training.seq_len * shape.dim * (compute_bytes + gathered_bytes) / 2 * (t - 1) / t
+    tokens = training.local_batch_size * training.seq_len / dims.cp  # under CP the rank's share of each window
+    activation = tokens * shape.dim * (compute_bytes + gathered_bytes) / 2 * (t - 1) / t
     passes = 3 if cfg.activation_checkpoint.mode == "full" else 2
     collectives = accum * 4 * passes * shape.n_layers / dims.pp
     return collectives * activation / (intra * 1e9 * hardware.COLLECTIVE_EFFICIENCY), collectives * hardware.TP_SYNC_S
@@ -186,11 +199,38 @@ def ep_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, sec
     return exchanges * seconds(nbytes, intra if dims.ep * dims.tp <= gpus_per_node else inter)
 
 
+def recomputed_blocks(cfg: JobConfig) -> float:
+    """Share of the blocks whose forward AC runs again in backward, collectives included: all under full AC and
+    under op-level AC (its policy saves no all-gather, parallel/ac.py), one in N under every N-th block."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "full":
+        return 1.0
+    if ac.mode == "selective":
+        every = every_nth(ac.selective_ac_option)
+        return 1.0 if every is None else 1 / every
+    return 0.0
+
+
+def cp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, seconds, intra: float, inter: float,
+               gpus_per_node: int) -> float:
+    """Context parallelism's collectives per step, per layer of this rank's stages: the all-gathers of its keys
+    and of its values (forward, and again in AC's recompute) and the reduce-scatters of their gradients
+    (backward), each moving the (cp - 1) / cp of the window's keys or values that the other cp ranks hold,
+    in the compute dtype; within a node where the cp x tp ranks (adjacent in the mesh) fit in one."""
+    if not dims.cp_enabled:
+        return 0.0
+    training, cp = cfg.training, dims.cp
+    window = training.local_batch_size * training.seq_len * shape.kv_width / dims.tp  # keys + values, TP splits heads
+    nbytes = window * DTYPES[training.mixed_precision_param].itemsize * (cp - 1) / cp
+    passes = accum * (2 + recomputed_blocks(cfg)) * shape.n_layers / dims.pp
+    return passes * seconds(nbytes, intra if cp * dims.tp <= gpus_per_node else inter)
+
+
 def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state_bytes: int, accum: int,
                intra_gbps: float, inter_gbps: float, gpus_per_node: int) -> Speed:
     """`state_bytes`: this rank's parameters, gradients and optimizer state (the optimizer step reads them)."""
     training = cfg.training
-    tokens = training.local_batch_size * training.seq_len * accum / dims.model_parallel_degree  # per GPU per step
+    tokens = training.local_batch_size * training.seq_len * accum / dims.batch_sharing_degree  # per GPU per step
     parts = compute_parts(cfg, gpu, shape, tokens, state_bytes)
     compute = sum(parts.values())
 
@@ -200,14 +240,16 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
     fsdp = fsdp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
     tp_bytes, tp_sync = tp_seconds(cfg, dims, shape, accum, intra_gbps)
     ep = ep_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
+    cp = cp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
     hidden = hardware.ASYNC_TP_HIDDEN if cfg.parallelism.enable_async_tensor_parallel else 0.0
     tp = tp_bytes * (1 - hidden) + tp_sync
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
-    across_nodes = dims.dp_degree * dims.tp >= gpus_per_node  # pp is outermost: stage neighbours sit on other nodes
-    pp = accum * seconds(send_recv_bytes(cfg, dims.pp, dims.tp, shape.dim, compute_bytes), inter_gbps if across_nodes else intra_gbps)
+    across_nodes = dims.dp_degree * dims.cp * dims.tp >= gpus_per_node  # pp is outermost: stage neighbours sit on other nodes
+    pp = accum * seconds(send_recv_bytes(cfg, dims.pp, dims.tp * dims.cp, shape.dim, compute_bytes),
+                         inter_gbps if across_nodes else intra_gbps)
     idle = bubble(cfg, dims.pp)
-    step = (compute + max(0.0, fsdp - compute) + tp + ep + pp) / (1 - idle)
+    step = (compute + max(0.0, fsdp - compute) + tp + ep + cp + pp) / (1 - idle)
     tps = tokens / step
-    world = dims.dp_degree * dims.model_parallel_degree
-    return Speed(compute, tuple(parts.items()), fsdp, tp, ep, pp, idle, step, tps,
+    world = dims.dp_degree * dims.batch_sharing_degree
+    return Speed(compute, tuple(parts.items()), fsdp, tp, ep, cp, pp, idle, step, tps,
                  100 * tps * shape.flops_per_token / (gpu.bf16_tflops * 1e12), tps * world * 86400, 1e9 / tps / 3600)
