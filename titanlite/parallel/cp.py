@@ -72,16 +72,20 @@ def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tens
     return torch.cat([first, first + (2 * cp - 1 - 2 * rank) * chunk])
 
 
+def shard_of(seq_len: int, cp: int, rank: int, gather: Callable[[torch.Tensor], torch.Tensor], device=None) -> SequenceShard:
+    """cp rank `rank`'s SequenceShard of `seq_len`-token windows, whose keys and values come from `gather`."""
+    every_rank = [chunk_positions(seq_len, cp, r, device) for r in range(cp)]
+    return SequenceShard(every_rank[rank], torch.cat(every_rank), gather)
+
+
 def sequence_shard(seq_len: int, cp_mesh: DeviceMesh, device) -> SequenceShard:
     """This rank's SequenceShard of `seq_len`-token windows over the cp ranks of `cp_mesh`."""
-    cp = cp_mesh.size()
-    every_rank = [chunk_positions(seq_len, cp, rank, device) for rank in range(cp)]
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         """[B, heads, T_local, D] -> [B, heads, T, D] of every cp rank, rank by rank; backward reduce-scatters."""
         return gather_ranks(x.movedim(2, 0), cp_mesh).movedim(0, 2)  # funcol gathers along dim 0 only
 
-    return SequenceShard(every_rank[cp_mesh.get_local_rank()], torch.cat(every_rank), gather)
+    return shard_of(seq_len, cp_mesh.size(), cp_mesh.get_local_rank(), gather, device)
 
 
 def gather_ranks(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:

@@ -45,7 +45,7 @@ from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.models.attention import GatheredKeys
 from titanlite.parallel.ac import apply_ac, every_nth
 from titanlite.parallel.compile import compiles
-from titanlite.parallel.cp import SequenceShard, chunk_positions, split_batch
+from titanlite.parallel.cp import SequenceShard, shard_of, split_batch
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.plan.moe import route_evenly
@@ -141,8 +141,7 @@ def recomputed_by_compile(cfg: JobConfig) -> frozenset:
 def planned_shard(seq_len: int, cp: int) -> SequenceShard:
     """cp rank 0's SequenceShard of parallel/cp.py, whose gather makes the all-gather's [B, heads, T, D]
     from cp copies of the rank's own keys or values, with no process group (the module docstring)."""
-    every_rank = [chunk_positions(seq_len, cp, rank) for rank in range(cp)]
-    return SequenceShard(every_rank[0], torch.cat(every_rank), lambda x: torch.cat([x] * cp, dim=2))
+    return shard_of(seq_len, cp, 0, lambda x: torch.cat([x] * cp, dim=2))
 
 
 def leave_out_dense_masks(model, tally: LiveBytes) -> None:
