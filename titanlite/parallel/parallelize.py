@@ -35,7 +35,8 @@ class ParallelizeSettings:
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, settings: ParallelizeSettings, apply_tp: Callable) -> nn.Module:
-    """For any decoder with model.layers: float8 -> EP -> CP (MoE balance losses told the cp ranks) -> TP (the family's apply_tp plan) -> AC -> compile -> FSDP.
+    """For any decoder with model.layers: float8 -> EP -> CP -> TP (the family's apply_tp plan) -> AC -> compile
+    -> FSDP. CP changes no weight: it only tells the MoE balance losses which ranks hold the rest of each sequence.
 
     float8 swaps Linear modules, so it goes first; TP turns the weights into DTensors on the tp
     mesh, which FSDP then shards again over the dp dims (2D); AC wraps each block and compile then
