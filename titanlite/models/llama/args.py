@@ -57,8 +57,9 @@ _LLAMA3_1_ROPE = RopeScaling(factor=8.0)
 _LLAMA3_2_ROPE = RopeScaling(factor=32.0)  # the 3.2 1B/3B checkpoints were trained with 32, not 3.1's 8
 
 LLAMA3_FLAVORS = {
-    # n_kv_heads 8 < 16 heads so the CPU debug runs exercise the grouped-query path too.
-    "debugmodel": replace(_LLAMA3, dim=256, n_layers=6, n_heads=16, vocab_size=-1, max_seq_len=2048),
+    # n_kv_heads 8 < 16 heads so the CPU debug runs exercise the grouped-query path too; 8192 positions
+    # for the long-window context-parallel runs (docs/benchmarks.md).
+    "debugmodel": replace(_LLAMA3, dim=256, n_layers=6, n_heads=16, vocab_size=-1, max_seq_len=8192),
     "1B": replace(_LLAMA3, dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5,
                   rope_scaling=_LLAMA3_2_ROPE, tie_embeddings=True),
     "3B": replace(_LLAMA3, dim=3072, n_layers=28, n_heads=24, ffn_dim_multiplier=1.0,
