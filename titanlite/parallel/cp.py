@@ -2,8 +2,8 @@
 
 Load balance. Under a causal mask a token attends to every earlier one, so a window's last tokens cost
 the most. The window is cut into 2N chunks (N = cp ranks) and rank r holds chunks r and 2N-1-r: one
-cheap and one dear chunk each, so every rank scores the same number of (query, key) pairs, to within
-one chunk's diagonal (see tests/test_cp.py).
+cheap and one dear chunk each, so every rank scores exactly the same number of (query, key) pairs
+(chunks i and 2N-1-i together see 2N chunks' worth of earlier keys, whatever i; tests/test_cp.py).
 
 Attention. Each rank all-gathers the keys and values of its cp group before attending (Llama 3's
 approach for its 128k training), not a ring passing key/value blocks around:
