@@ -75,5 +75,5 @@ def test_impossible_degrees_name_degrees_and_world(tmp_path):
         nproc=2,
     )
     assert out.returncode != 0
-    assert ("error: parallelism degrees data_parallel_replicate_degree 3 x tensor_parallel_degree 1 x "
-            "pipeline_parallel_degree 1 = 3 do not divide the world size 2") in out.stderr
+    assert ("error: parallelism degrees data_parallel_replicate_degree 3 x context_parallel_degree 1 x "
+            "tensor_parallel_degree 1 x pipeline_parallel_degree 1 = 3 do not divide the world size 2") in out.stderr

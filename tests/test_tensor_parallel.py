@@ -46,7 +46,7 @@ def test_tp2_trainer_logs_the_one_process_losses_and_learns(tmp_path):
 @pytest.mark.parametrize(
     "degrees, world, message",
     [
-        ({"tensor_parallel_degree": 2}, 3, "data_parallel_replicate_degree 1 x tensor_parallel_degree 2 x pipeline_parallel_degree 1 = 2 do not divide the world size 3"),
+        ({"tensor_parallel_degree": 2}, 3, "data_parallel_replicate_degree 1 x context_parallel_degree 1 x tensor_parallel_degree 2 x pipeline_parallel_degree 1 = 2 do not divide the world size 3"),
         ({"tensor_parallel_degree": 2, "data_parallel_shard_degree": 2}, 2, "= 4 do not match the world size 2"),
     ],
 )
@@ -92,7 +92,7 @@ def test_async_tp_needs_cuda_compile_and_tp():
 def test_refused_layout_exits_2_without_traceback(tiny_run):
     out = run_titanlite([*tiny_run, "--parallelism.tensor_parallel_degree", "2"])
     assert out.returncode == 2
-    assert "error: parallelism degrees data_parallel_replicate_degree 1 x tensor_parallel_degree 2" in out.stderr
+    assert "error: parallelism degrees data_parallel_replicate_degree 1 x context_parallel_degree 1 x tensor_parallel_degree 2" in out.stderr
     assert "Traceback" not in out.stderr
 
 

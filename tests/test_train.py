@@ -44,7 +44,7 @@ def test_same_seed_same_losses_other_seed_other_losses(tmp_path, tiny_run):
         (["--model.flavor", "8b"], "8B"),
         (["--model.tokenizer_path", "/no/tokenizer.model"], "/no/tokenizer.model"),
         (["--parallelism.data_parallel_shard_degree", "2"], "world size 1"),
-        (["--training.seq_len", "4096"], "training.seq_len 4096 exceeds the context"),
+        (["--training.seq_len", "16384"], "training.seq_len 16384 exceeds the context"),
         (["--training.global_batch_size", "3"], "training.global_batch_size 3 must be a multiple"),
         (["--training.dataset_path", "/no/data.jsonl"], "/no/data.jsonl"),
         (["--training.steps", "0"], "training.steps must be at least 1"),

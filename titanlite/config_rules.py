@@ -6,7 +6,6 @@ tokenizer's vocabulary, the model's context) stay where those facts are known.
 
 from titanlite.config_sections import JobConfig
 from titanlite.errors import UserError
-from titanlite.parallel.cp import check_context_parallel
 
 
 def check_training(cfg: JobConfig) -> None:
@@ -81,6 +80,16 @@ def check_activation_checkpoint(cfg: JobConfig) -> None:
 
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # one stage per rank; the other schedules hold several
+
+
+def check_context_parallel(seq_len: int, cp: int, key: str = "training.seq_len") -> None:
+    """The window (`key`'s length) must cut into 2 x cp equal chunks (parallel/cp.py); validation and the
+    planner's changed configs check theirs too."""
+    if cp > 1 and seq_len % (2 * cp):
+        raise UserError(
+            f"{key} {seq_len} does not split into 2 x parallelism.context_parallel_degree {cp} = "
+            f"{2 * cp} equal chunks; choose a seq_len divisible by {2 * cp}"
+        )
 
 
 def check_parallelism(cfg: JobConfig) -> None:

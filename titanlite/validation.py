@@ -16,13 +16,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import Training, Validation
 from titanlite.data.datasets import build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.loss import cross_entropy_loss, loss_sum, trained_tokens
 from titanlite.models.attention import document_ids
-from titanlite.parallel.cp import check_context_parallel, sequence_shard, split_batch
+from titanlite.parallel.cp import sequence_shard, split_batch
 from titanlite.parallel.fsdp import mixed_precision_context
 
 

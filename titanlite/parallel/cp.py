@@ -31,7 +31,6 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanlite.errors import UserError
 
 # all_gather_single_autograd is torch 2.13's name; all_gather_tensor_autograd (torch 2.11) warns there.
 _gather_dim0 = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -54,15 +53,6 @@ class SequenceShard:
     def take(self, per_token: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] over the whole window -> [B, T_local, ...] of this rank's positions."""
         return per_token[:, self.positions]
-
-
-def check_context_parallel(seq_len: int, cp: int, key: str = "training.seq_len") -> None:
-    """The window (`key`'s length) must cut into 2 x cp equal chunks."""
-    if cp > 1 and seq_len % (2 * cp):
-        raise UserError(
-            f"{key} {seq_len} does not split into 2 x parallelism.context_parallel_degree {cp} = "
-            f"{2 * cp} equal chunks; choose a seq_len divisible by {2 * cp}"
-        )
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:

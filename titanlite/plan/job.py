@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlite.build import grad_accumulation_steps, meta_model, resolve_model_args
+from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import JobConfig
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
@@ -18,7 +19,6 @@ from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
 from titanlite.plan.speed import Shape, Speed, plan_speed
 from titanlite.parallel.compile import compiles
-from titanlite.parallel.cp import check_context_parallel
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
 from titanlite.parallel.tp import check_tensor_parallel
