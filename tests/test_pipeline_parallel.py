@@ -45,7 +45,7 @@ def launch(runs: list[dict], world: int, tmp_path, label: str) -> str:
     out = subprocess.run([*launcher, *driver], cwd=ROOT, capture_output=True, text=True, timeout=400,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     ranks = [line for line in out.stderr.splitlines() if line.startswith("[rank")]  # the ranks' tracebacks, not torchrun's
-    assert out.returncode == 0, "\n".join(ranks[-40:]) or out.stderr[-4000:]
+    assert out.returncode == 0, "\n".join(ranks[-150:]) or out.stderr[-4000:]  # enough to reach the first cause
     return out.stderr
 
 
