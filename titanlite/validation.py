@@ -135,5 +135,7 @@ class Validator:
             )
         loss = loss_total / token_total
         perplexity = torch.tensor(loss).exp().item()  # inf rather than an OverflowError for a diverged model
-        self.metrics.log_validation(step, loss, perplexity, count, int(token_total), time.perf_counter() - started)
+        # Every rank of a TP/PP group counted the group's tokens (and its loss sum): the ratio stands, the count is once.
+        tokens_once = int(token_total) // self.dims.model_parallel_degree
+        self.metrics.log_validation(step, loss, perplexity, count, tokens_once, time.perf_counter() - started)
         return loss, perplexity
