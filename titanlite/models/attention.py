@@ -122,7 +122,9 @@ def attention_mask(document_ids: torch.Tensor | None, window: int | None, device
     if device.type == "cuda":
         def at_positions(b, h, q, kv):
             return rule(b, h, queries[q], keys[kv])
-        mask = compiled(create_block_mask)(at_positions, batch, None, len(queries), len(keys), device=device)
+        # Without CP the indices are the positions: the rule as it is, no lookup in the compiled mask builder.
+        mask_mod = rule if shard is None else at_positions
+        mask = compiled(create_block_mask)(mask_mod, batch, None, len(queries), len(keys), device=device)
     else:
         rows = torch.arange(batch or 1, device=device)[:, None, None, None]
         mask = rule(rows, 0, queries[:, None], keys[None, :])  # [B, 1, T_local, T] or [T_local, T]

@@ -85,7 +85,7 @@ class ParallelDims:
     @property
     def fsdp_enabled(self) -> bool:
         """FSDP shards over the data-parallel ranks and the context-parallel ones."""
-        return self.dp_degree * self.cp > 1
+        return self.gradient_average_degree > 1
 
     @property
     def cp_enabled(self) -> bool:

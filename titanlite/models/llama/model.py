@@ -148,16 +148,15 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(f"{prefix}feed_forward.", seed, self.out_init_std)
 
 
-def check_seq_len(tokens: torch.Tensor, max_seq_len: int, shard: SequenceShard | None = None) -> int:
-    """The length of a [B, T] batch's windows (under context parallelism the whole window's, not the
-    shard's), refused when the model has no positions for it."""
+def check_seq_len(tokens: torch.Tensor, max_seq_len: int, shard: SequenceShard | None = None) -> None:
+    """Refuse a [B, T] batch whose windows (under context parallelism the whole window, not the shard) are
+    longer than the model has positions for."""
     seq_len = tokens.shape[1] if shard is None else shard.seq_len
     if seq_len > max_seq_len:
         raise UserError(
             f"sequences of {seq_len} tokens are longer than this model's max_seq_len "
             f"{max_seq_len}; set training.seq_len to at most {max_seq_len}"
         )
-    return seq_len
 
 
 def token_positions(document_ids: torch.Tensor | None, shard: SequenceShard | None) -> torch.Tensor | None:
