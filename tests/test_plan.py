@@ -83,7 +83,7 @@ def test_activation_peak_within_10_percent_of_a_real_cpu_step(model):
 def test_a_compiled_cpu_step_peaks_between_the_planners_two_counts():
     """Inductor on the CPU runs the same min-cut partitioner as on a GPU: the peak of a real compiled step
     (blocks and loss compiled) lies between the planner's lower bound and its eager count, without AC and
-    with op-level AC (at seq 256 x 4 it sat 0.63 of the way up in both; memory.COMPILED_KEPT puts 0.44)."""
+    with op-level AC (at seq 256 x 4 it sat 0.63 of the way up in both; memory.COMPILED_KEPT puts 0.33)."""
     for mode in ("none", "selective"):
         cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "128", "--training.local_batch_size", "2",
                            "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", "op",
@@ -188,15 +188,10 @@ HELD_OUT_MISSES = {
     ("8B, 32 H200, FSDP, compile, float8", "tps"): 0.16,
     ("8B, 64 H200, FSDP, compile, float8", "tps"): 0.16,
     ("Llama 2 70B, 64 A100, FSDP, bs 1, op AC", "tps"): 0.21,
-    ("8B, 128 H100, FSDP, compile", "memory"): 0.18,
-    ("8B, 128 H100, FSDP, compile, float8", "memory"): 0.18,
-    ("70B, 256 H100, FSDP 32 x TP 8, float8", "memory"): 0.46,
-    ("70B, 256 H100, FSDP 32 x TP 8, float8, async TP", "memory"): 0.42,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8", "memory"): 0.31,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8, async TP", "memory"): 0.26,
     ("405B, 512 H100, FSDP 8 x TP 8 x PP 8, float8, async TP, 1F1B", "memory"): 0.22,
     ("8B, 8 H100, FSDP 2 x CP 4, seq 131072, compile, float8, full AC", "tps"): 0.24,
-    ("8B, 8 H100, FSDP 8, seq 32768, compile, float8, full AC", "memory"): 0.39,
-    ("8B, 8 H100, FSDP 4 x CP 2, seq 65536, compile, float8, full AC", "memory"): 0.39,
-    ("8B, 8 H100, FSDP 2 x CP 4, seq 131072, compile, float8, full AC", "memory"): 0.39,
 }
 
 
