@@ -88,6 +88,16 @@ def test_importing_the_planner_does_not_import_the_trainer():
     assert result.stdout.strip() == "False"
 
 
+def test_starting_a_run_imports_no_library_that_only_some_runs_use():
+    """`datasets` (with pyarrow and pandas) and torch.distributed.pipelining took 1.5 of a debug run's 6.3 s of
+    start-up on the 2-core CI machine while the shipped sample and most runs use neither: each is imported
+    where a run needs it (local_files.py, documents.py, datasets.py; parallel/pp.py)."""
+    code = ("import sys, titanlite.train; "
+            "print(sorted(m for m in ('datasets', 'pyarrow', 'torch.distributed.pipelining') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_parallel_does_not_import_models():
     graph = import_graph()
     upward = {(name, target) for name, targets in graph.items() if name.startswith("titanlite.parallel")

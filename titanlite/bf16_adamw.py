@@ -22,8 +22,9 @@ Works on plain tensors and on FSDP2's DTensor shards alike: the states are creat
 parameter (so DTensor-sharded and checkpointed like it) and the update runs on local tensors.
 """
 
+import functools
+
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
 
 from titanlite.errors import UserError
 from titanlite.models.init import local_tensor
@@ -46,18 +47,22 @@ def kahan_adamw_(weight, grad, exp_avg, exp_avg_sq, compensation, beta1: float, 
     compensation.copy_(target - weight.float())
 
 
-class AdamWBF16Kahan(torch.optim.Optimizer):
-    # One fused kernel per parameter: reads 5 and writes 4 bf16 tensors, no fp32 temporaries in
-    # memory (eager or foreach ops write each intermediate out). dynamic=True: one graph serves
-    # every size; the floats change every step but are graph inputs, not constants.
-    # emulate_precision_casts: inductor otherwise folds float(bf16(target)) into target, and the
-    # compensation, target - float(weight), would come out 0.
-    update = staticmethod(torch.compile(kahan_adamw_, fullgraph=True, dynamic=True,
-                                        options={"emulate_precision_casts": True}))
+@functools.cache
+def compiled_update():
+    """kahan_adamw_ as one fused kernel per parameter: reads 5 and writes 4 bf16 tensors, no fp32 temporaries
+    in memory (eager or foreach ops write each intermediate out). dynamic=True: one graph serves every
+    size; the floats change every step but are graph inputs, not constants. emulate_precision_casts:
+    inductor otherwise folds float(bf16(target)) into target, and the compensation, target -
+    float(weight), would come out 0. Compiled when the first such optimizer is made, not on import:
+    torch.compile loads dynamo and its backends, half a second of start-up for runs with another optimizer."""
+    return torch.compile(kahan_adamw_, fullgraph=True, dynamic=True, options={"emulate_precision_casts": True})
 
+
+class AdamWBF16Kahan(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.update = compiled_update()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -81,7 +86,7 @@ class AdamWBF16Kahan(torch.optim.Optimizer):
                 tensors = [(t.view(-1) if flat else t).detach() for t in tensors]
                 try:
                     self.update(*tensors, beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step), 1 - beta2**step)
-                except BackendCompilerFailed as e:
+                except torch._dynamo.exc.BackendCompilerFailed as e:  # compiled_update imported torch._dynamo
                     raise UserError(
                         f"optimizer.name AdamWBF16Kahan compiles its update with torch.compile, which failed here "
                         f"({type(e.inner_exception).__name__}); install a C++ compiler (CPU) or Triton (GPU), or use "

@@ -27,7 +27,7 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from titanlite.data.hf_tokenizer import HFTokenizer
-from titanlite.data.local_files import find_data_files, read_records, READ_ERRORS
+from titanlite.data.local_files import find_data_files, read_errors, read_records
 from titanlite.data.store import TokenStore, concatenate
 from titanlite.errors import UserError
 
@@ -135,7 +135,7 @@ class Conversations(Sequence):
             raise UserError(f"{key} {dataset_path} holds {loader} files; training.dataset_format {dataset_format} reads jsonl/json/parquet records")
         try:
             records = read_records(loader, files)
-        except READ_ERRORS as error:
+        except read_errors() as error:
             raise UserError(f"{key} {dataset_path} could not be read as {loader} ({str(error).splitlines()[0]}); fix the files") from None
         missing = [field for field in fields if field not in records.column_names]
         if missing:

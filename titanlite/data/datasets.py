@@ -19,7 +19,6 @@ import functools
 import warnings
 from pathlib import Path
 
-import datasets
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.data.chat import ChatRenderer, Conversations, chat_record, conversation_store, tokenize_conversation
@@ -58,7 +57,10 @@ def resolve_dataset(dataset: str, dataset_path: str, section: str = "training") 
     return "local" if dataset_path else dataset
 
 
-def open_c4(split: str, section: str) -> datasets.IterableDataset:
+def open_c4(split: str, section: str):
+    """allenai/c4's split as a streamed datasets.IterableDataset, or one sentence when the hub is out of reach."""
+    import datasets  # here: `datasets` is a second of start-up (local_files.py)
+
     try:
         return datasets.load_dataset("allenai/c4", "en", split=split, streaming=True)
     except OSError as error:  # ConnectionError and the hub's offline errors are all OSErrors

@@ -11,19 +11,30 @@ number), text that is not UTF-8 (with its line). Undecodable bytes are refused, 
 in another encoding would otherwise train on replacement characters without anyone noticing.
 """
 
+from __future__ import annotations  # the datasets and pyarrow annotations name modules imported only where used
+
 from collections.abc import Sequence
 from pathlib import Path
-
-import datasets
-import pyarrow as pa
-from datasets.exceptions import DatasetGenerationError
+from typing import TYPE_CHECKING
 
 from titanlite.errors import UserError
 
+if TYPE_CHECKING:
+    import datasets
+    import pyarrow as pa
+
 LOADER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "txt"}
 KINDS = "a .jsonl/.json/.parquet/.arrow/.txt file or a folder of such files"
-# What `datasets` and pyarrow raise for file contents they cannot parse; anything else is a bug.
-READ_ERRORS = (DatasetGenerationError, pa.ArrowInvalid, UnicodeDecodeError)
+
+
+def read_errors() -> tuple[type[Exception], ...]:
+    """What `datasets` and pyarrow raise for file contents they cannot parse; anything else is a bug. Both are
+    imported where used, here and below: together they take about a second of every process's start-up,
+    which a run on the shipped sample or a token store never needs."""
+    import pyarrow as pa
+    from datasets.exceptions import DatasetGenerationError
+
+    return (DatasetGenerationError, pa.ArrowInvalid, UnicodeDecodeError)
 
 
 class TextFiles(Sequence):
@@ -96,6 +107,8 @@ def text_fault(records: datasets.Dataset, text_field: str) -> str | None:
     if text_field not in records.column_names:
         return (f"has no field '{text_field}' (its fields are {', '.join(records.column_names)}); "
                 "set training.dataset_text_field to one of them")
+    import pyarrow as pa
+
     column = records.data.column(text_field)
     if column.null_count == 0 and (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         try:
@@ -131,6 +144,8 @@ def read_fault(path: Path, loader: str, error: Exception) -> str:
 def read_records(loader: str, files: list[Path]) -> datasets.Dataset:
     # datasets logs an error line of its own for a file it cannot parse; titanlite names the fault in one sentence.
     # Nor its progress bar, which would stand above a one-sentence error about the data.
+    import datasets
+
     verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     datasets.disable_progress_bars()
@@ -147,7 +162,7 @@ def raise_for_the_faulty_file(loader: str, files: list[Path], text_field: str, k
     for path in files:
         try:
             fault = text_fault(read_records(loader, [path]), text_field)
-        except READ_ERRORS as one_error:
+        except read_errors() as one_error:
             fault = read_fault(path, loader, one_error)
         if fault:
             raise UserError(f"{key}: {path} {fault}") from None
@@ -164,7 +179,7 @@ def load_local_documents(dataset_path: str, text_field: str, key: str) -> Sequen
         return TextFiles(files)
     try:
         records, error = read_records(loader, files), None
-    except READ_ERRORS as read_error:
+    except read_errors() as read_error:
         records, error = None, read_error
     except ValueError as no_data:  # how `datasets` says that every file held zero records (e.g. a json [])
         if "corresponds to no data" not in str(no_data):

@@ -15,14 +15,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
 from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
 from titanlite.config_sections import Parallelism
@@ -32,13 +24,8 @@ from titanlite.lora import init_lora
 from titanlite.loss import computed_in_forward, loss_parallel_context, stage_forward, stage_loss, trained_tokens
 from titanlite.parallel.tp import place_grads_like_params
 
-SCHEDULES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-}
+SCHEDULE_CLASSES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
+                    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble", "ZBVZeroBubble": "ScheduleZBVZeroBubble"}
 
 
 def stages_per_rank(cfg: Parallelism) -> int:
@@ -156,7 +143,7 @@ class AuxLossGrad(torch.autograd.Function):
 class Pipeline:
     """This rank's stages and schedule; the loss on the last stage is scaled by `loss_scale`."""
 
-    stages: list[PipelineStage]
+    stages: list  # torch.distributed.pipelining.PipelineStage, one per stage this rank holds
     schedule: object
     group: dist.ProcessGroup
     n_microbatches: int
@@ -279,6 +266,11 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
 
     Returns the rank's model (the one part, or a RankModel of several) and its Pipeline.
     """
+    # Imported here, not with this module: torch.distributed.pipelining takes most of a second of a
+    # process's start-up, which a run without pipeline parallelism does not need.
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import schedules  # noqa: F401 (pipelining.schedules below)
+
     splits, parts = stage_parts(model, dims, par, local_batch_size, parallelize)
     num_stages = len(splits)
     n_micro = microbatches(local_batch_size, par.pipeline_parallel_microbatch_size, num_stages,
@@ -300,13 +292,13 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
         part.train()
         part.register_forward_hook(pipeline._add_aux_grad)
         pipeline.parts.append(part)
-        pipeline.stages.append(PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
+        pipeline.stages.append(pipelining.PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
     if getattr(model.args, "tie_embeddings", False):
         per_rank = num_stages // dims.pp
         last_pp_rank = next(r for r in range(dims.pp)
                             if num_stages - 1 in stage_ids(r, dims.pp, per_rank, par.pipeline_parallel_schedule))
         tie_copies(pipeline, dims, last_pp_rank)
-    schedule_cls = SCHEDULES[par.pipeline_parallel_schedule]
+    schedule_cls = getattr(pipelining.schedules, SCHEDULE_CLASSES[par.pipeline_parallel_schedule])
     stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
     # Gradients are not rescaled by the schedule: the loss is already scaled per microbatch (loss_scale).
     pipeline.schedule = schedule_cls(stages, n_microbatches=n_micro, scale_grads=False,
