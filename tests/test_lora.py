@@ -115,7 +115,9 @@ def test_bf16_base_changes_no_result_and_resumes(tmp_path, capsys):
     assert {n: p.dtype for n, p in layers.named_parameters()} == {
         "0.weight": torch.bfloat16, "0.bias": torch.bfloat16, "0.lora_a": torch.float32, "0.lora_b": torch.float32,
         "1.weight": torch.bfloat16, "1.bias": torch.bfloat16}
-    bf16 = ["--training.mixed_precision_param", "bfloat16", "--training.dataset", "synthetic", "--metrics.enable_tensorboard"]
+    # bf16 matmuls are slow on a CPU without bf16 instructions: 32-token windows, 2 sequences a step.
+    bf16 = ["--training.mixed_precision_param", "bfloat16", "--training.dataset", "synthetic", "--metrics.enable_tensorboard",
+            "--training.seq_len", "32"]
     saving = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
 
     def losses(name, *extra, nproc=1):
@@ -123,12 +125,13 @@ def test_bf16_base_changes_no_result_and_resumes(tmp_path, capsys):
         assert run.returncode == 0, run.stderr[-2000:]
         return tensorboard_scalars(tmp_path / name / "tb", "loss/train")
 
-    float32_base = losses("fp32", "--training.local_batch_size", "4")
-    bf16_base = losses("bf16", "--training.local_batch_size", "4", "--lora.base_dtype", "bfloat16", *saving)
+    float32_base = losses("fp32")
+    bf16_base = losses("bf16", "--lora.base_dtype", "bfloat16", *saving)
     assert bf16_base == float32_base and sorted(bf16_base) == [1, 2, 3, 4]
     shutil.copytree(tmp_path / "bf16" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
-    resumed = losses("resumed", "--training.local_batch_size", "4", "--lora.base_dtype", "bfloat16", *saving)
+    resumed = losses("resumed", "--lora.base_dtype", "bfloat16", *saving)
     assert {s: resumed[s] for s in (3, 4)} == {s: bf16_base[s] for s in (3, 4)}
-    assert losses("fsdp_bf16", "--lora.base_dtype", "bfloat16", nproc=2) == losses("fsdp_fp32", nproc=2)
+    one_each = ["--training.local_batch_size", "1"]  # the same 2 sequences a step over two ranks
+    assert losses("fsdp_bf16", *one_each, "--lora.base_dtype", "bfloat16", nproc=2) == losses("fsdp_fp32", *one_each, nproc=2)
     assert main(flags(tmp_path / "bad", 1, "--lora.base_dtype", "bfloat16", "--training.mixed_precision_param", "float32")) == 2
     assert "lora.base_dtype bfloat16 keeps LoRA's frozen weights in the dtype they compute in" in capsys.readouterr().err
