@@ -48,7 +48,7 @@ class Gpu:
 # It covers the 500 W power cap, which torchtitan's footnote bounds to 835/989 = 0.84 .. 1 of the peak, and
 # the software of its runs (torch and torchtitan of 2024-25, FlashAttention 2 through SDPA; titanlite's
 # H100 run used cuDNN's attention on torch 2.11).
-GRAND_TETON_CLOCK = 0.658
+GRAND_TETON_CLOCK = 0.66
 
 GPUS = {gpu.name: gpu for gpu in (
     Gpu("A100 40GB", "A100", 39.4, 0.0, 1.56, 300.0, "ampere"),
@@ -72,10 +72,10 @@ FABRIC_GBPS = {"infiniband_ndr": 50.0, "efa_p5": 50.0}  # per GPU, per direction
 # Matmul FLOPs (6 per parameter per token) at this share of the peak: measured, 6 x 1.236e9 x 16,384 FLOP
 # in 158 ms (that H100's measured bf16 matmul limit was 804 TFLOP/s, 0.81). The ampere value is fitted; no
 # Blackwell run has been measured or published to us, so it takes Hopper's.
-MATMUL = {"hopper": 0.78, "blackwell": 0.78, "ampere": 0.766}
+MATMUL = {"hopper": 0.78, "blackwell": 0.78, "ampere": 0.767}
 # Attention FLOPs as metrics.py counts them (the full score matrix, causal or not): measured,
 # 12 x 16 x 2048 x 8192 x 16,384 FLOP in 84 ms.
-ATTENTION = {"hopper": 0.64, "blackwell": 0.64, "ampere": 0.64 * 0.766 / 0.78}
+ATTENTION = {"hopper": 0.64, "blackwell": 0.64, "ampere": 0.64 * 0.767 / 0.78}
 # Share of the HBM bandwidth that memory-bound kernels reach: measured on the fused AdamW step
 # (it reads parameters, gradients and moments and writes parameters and moments: 2 x 19.8 GB in 19 ms).
 BANDWIDTH = 0.62
@@ -83,16 +83,16 @@ BANDWIDTH = 0.62
 # per token, per unit of width: a block of P parameters at model dim d counts P / d units, the loss
 # counts the vocabulary; measured, 40 ms at 1B's 16 x 29,696 + 128,256 units x 16,384 tokens.
 ELEMENTWISE_BYTES = 8.4
-EAGER_ELEMENTWISE = 3.23  # without compile the same kernels run unfused and move this many times more: fitted
+EAGER_ELEMENTWISE = 3.24  # without compile the same kernels run unfused and move this many times more: fitted
 # float8: the blocks' Linear matmuls at MATMUL of the float8 peak, plus the casts and scales,
 # memory-bound, at these bytes per token per unit of width (ELEMENTWISE_BYTES' units): fitted.
-FLOAT8_CAST_BYTES = {"tensorwise": 11.6, "rowwise": 33.7}
+FLOAT8_CAST_BYTES = {"tensorwise": 12.0, "rowwise": 33.4}
 COLLECTIVE_EFFICIENCY = 0.75  # FSDP's and PP's: NCCL ring bus bandwidth reached, as a fraction of the link's
 # TP's collectives wait, each, for the slowest of the tp ranks to reach it (seconds per collective): fitted
 # on rows of 12-16 sequences per TP group (every published TP row has that many); below, an extrapolation.
 # Async TP hides this share of their bytes' time behind the matmuls: fitted.
-TP_SYNC_S = 0.00284
-ASYNC_TP_HIDDEN = 0.394
+TP_SYNC_S = 0.00191
+ASYNC_TP_HIDDEN = 0.321
 
 
 def check_dtype(gpu: Gpu, dtype: str) -> None:

@@ -185,7 +185,7 @@ def speed_inputs(item: Row) -> tuple:
     cfg = row_config(item)
     spec = get_model_spec(cfg.model.name)
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
-    whole = meta_model(spec, model_args(cfg, spec), cfg.training.param_dtype)
+    whole = meta_model(spec, model_args(cfg, spec), cfg.training.param_dtype, cfg.lora)
     return cfg, spec, whole, ParallelDims.from_config(cfg.parallelism, world), plan_states(cfg, world)
 
 

@@ -179,8 +179,10 @@ def tp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, int
     gathered_bytes = 1 if cfg.float8.enable and cfg.float8.recipe_name == "tensorwise" else compute_bytes
     tokens = training.local_batch_size * training.seq_len / dims.cp  # under CP the rank's share of each window
     activation = tokens * shape.dim * (compute_bytes + gathered_bytes) / 2 * (t - 1) / t
-    passes = 3 if cfg.activation_checkpoint.mode == "full" else 2
-    collectives = accum * 4 * passes * shape.n_layers / dims.pp
+    # Forward and backward: 2 all-gathers and 2 reduce-scatters each; AC's recompute repeats the all-gathers,
+    # and the reduce-scatters too except under op-level AC, whose policy saves them (parallel/ac.py).
+    per_block = 8 + 2 * recomputed_blocks(cfg) + 2 * recomputed_blocks(cfg, saved_by_op_ac=True)
+    collectives = accum * per_block * shape.n_layers / dims.pp
     return collectives * activation / (intra * 1e9 * hardware.COLLECTIVE_EFFICIENCY), collectives * hardware.TP_SYNC_S
 
 
@@ -194,20 +196,22 @@ def ep_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, sec
     training = cfg.training
     rows = training.local_batch_size * training.seq_len * shape.top_k / dims.tp
     nbytes = rows * shape.dim * DTYPES[training.mixed_precision_param].itemsize * (dims.ep - 1) / dims.ep
-    passes = 3 if cfg.activation_checkpoint.mode == "full" else 2
-    exchanges = accum * 2 * passes * shape.moe_layers / dims.pp
+    exchanges = accum * 2 * (2 + recomputed_blocks(cfg)) * shape.moe_layers / dims.pp
     return exchanges * seconds(nbytes, intra if dims.ep * dims.tp <= gpus_per_node else inter)
 
 
-def recomputed_blocks(cfg: JobConfig) -> float:
-    """Share of the blocks whose forward AC runs again in backward, collectives included: all under full AC and
-    under op-level AC (its policy saves no all-gather, parallel/ac.py), one in N under every N-th block."""
+def recomputed_blocks(cfg: JobConfig, saved_by_op_ac: bool = False) -> float:
+    """Share of the blocks in which AC runs a collective again in backward: all under full AC, one in N under
+    every N-th block, and all under op-level AC unless its policy saves that collective's output (it saves
+    reduce-scatters, no all-gather or all-to-all: parallel/ac.py)."""
     ac = cfg.activation_checkpoint
     if ac.mode == "full":
         return 1.0
     if ac.mode == "selective":
         every = every_nth(ac.selective_ac_option)
-        return 1.0 if every is None else 1 / every
+        if every is None:
+            return 0.0 if saved_by_op_ac else 1.0
+        return 1 / every
     return 0.0
 
 
