@@ -135,7 +135,7 @@ def test_float8_with_tp_is_planned_like_any_layout(capsys, config, flags, mesh, 
     assert plan_main(["--job.config_file", str(ROOT / "train_configs" / config), *flags, *float8]) == 0
     out = capsys.readouterr().out
     assert mesh in out and "verdict: fits" in out and "refuses" not in out, out
-    assert out.count("peak (allocated)") == tables and float(out.split("tps per GPU")[1].split()[0]) > 0
+    assert out.count("peak (allocated)") == tables and float(out.split("tps per GPU")[1].split()[0].replace(",", "")) > 0
 
 
 def test_pipeline_plan_shows_first_and_last_stage_with_each_schedules_bubble(capsys):
@@ -182,16 +182,15 @@ def test_float8_note_says_when_float8_pays_by_the_measured_figures():
 # Held-out rows the planner misses by more than 15%, each held to its present error so that the table in
 # docs/benchmarks.md (which says why each misses) stays true: (row, "tps" or "memory") -> the error allowed.
 HELD_OUT_MISSES = {
-    ("405B, 128 H100, FSDP 16 x TP 8, float8", "tps"): 0.22,
-    ("405B, 128 H100, FSDP 16 x TP 8, float8, async TP", "tps"): 0.22,
-    ("70B, 256 H100, FSDP 32 x TP 8, float8 rowwise, async TP", "tps"): 0.17,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8 rowwise", "tps"): 0.16,
+    ("70B, 256 H100, FSDP 32 x TP 8, float8 rowwise, async TP", "tps"): 0.20,
     ("8B, 32 H200, FSDP, compile, float8", "tps"): 0.16,
     ("8B, 64 H200, FSDP, compile, float8", "tps"): 0.16,
     ("Llama 2 70B, 64 A100, FSDP, bs 1, op AC", "tps"): 0.21,
     ("70B, 256 H100, FSDP 32 x TP 8, float8", "memory"): 0.31,
     ("70B, 256 H100, FSDP 32 x TP 8, float8, async TP", "memory"): 0.26,
     ("405B, 512 H100, FSDP 8 x TP 8 x PP 8, float8, async TP, 1F1B", "memory"): 0.22,
-    ("8B, 8 H100, FSDP 2 x CP 4, seq 131072, compile, float8, full AC", "tps"): 0.24,
+    ("8B, 8 H100, FSDP 2 x CP 4, seq 131072, compile, float8, full AC", "tps"): 0.25,
 }
 
 

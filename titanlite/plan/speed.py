@@ -18,7 +18,7 @@ Overlap model: FSDP's all-gathers and reduce-scatters run on their own stream, p
 ahead, so only the part longer than the compute shows; TP's collectives sit between the matmuls
 that need them and are all exposed, less the share of their bytes async TP hides by splitting them
 into the matmuls; expert parallelism's two all-to-alls per MoE layer (dispatch and combine, in
-forward, again in backward and in full AC's repeated forward) are exposed too, each carrying the
+forward, again in backward and in AC's repeated forward) are exposed too, each carrying the
 rank's tokens x top_k rows (even routing, plan/moe.py); a pipeline adds its bubble
 (plan/pipeline.py's bubble, per schedule) and its send/recv between stages, counted as exposed
 (torch's schedules wait for each receive before the stage's compute). Under PP each rank runs and gathers only its share of the layers.
