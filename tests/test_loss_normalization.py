@@ -37,7 +37,7 @@ def one_process(example, tmp_path_factory):
     """One process holding the whole global batch of 4 windows."""
     dump = tmp_path_factory.mktemp("one")
     run = run_titanlite(chat_flags(example, dump, 4))
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.returncode == 0, "\n".join(run.stderr.splitlines()[-150:])  # enough lines to hold a dying rank's cause
     return losses(dump)
 
 
@@ -54,7 +54,7 @@ def test_every_layout_gives_the_loss_of_one_process(example, one_process, tmp_pa
     losses of the same held-out windows over the same count."""
     local_batch = {"accumulation": 1, "fsdp2": 2}.get(layout, 4)
     run = run_titanlite(chat_flags(example, tmp_path, local_batch, *flags, data_parallel=2 if layout == "fsdp2" else 1), nproc=nproc)
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.returncode == 0, "\n".join(run.stderr.splitlines()[-150:])  # enough lines to hold a dying rank's cause
     if layout == "accumulation":
         assert "(4 micro-steps)" in run.stderr
     theirs = losses(tmp_path)
