@@ -268,8 +268,7 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
     """
     # Imported here, not with this module: torch.distributed.pipelining takes most of a second of a
     # process's start-up, which a run without pipeline parallelism does not need.
-    from torch.distributed import pipelining
-    from torch.distributed.pipelining import schedules  # noqa: F401 (pipelining.schedules below)
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     splits, parts = stage_parts(model, dims, par, local_batch_size, parallelize)
     num_stages = len(splits)
@@ -292,13 +291,13 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
         part.train()
         part.register_forward_hook(pipeline._add_aux_grad)
         pipeline.parts.append(part)
-        pipeline.stages.append(pipelining.PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
+        pipeline.stages.append(PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
     if getattr(model.args, "tie_embeddings", False):
         per_rank = num_stages // dims.pp
         last_pp_rank = next(r for r in range(dims.pp)
                             if num_stages - 1 in stage_ids(r, dims.pp, per_rank, par.pipeline_parallel_schedule))
         tie_copies(pipeline, dims, last_pp_rank)
-    schedule_cls = getattr(pipelining.schedules, SCHEDULE_CLASSES[par.pipeline_parallel_schedule])
+    schedule_cls = getattr(schedules, SCHEDULE_CLASSES[par.pipeline_parallel_schedule])
     stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
     # Gradients are not rescaled by the schedule: the loss is already scaled per microbatch (loss_scale).
     pipeline.schedule = schedule_cls(stages, n_microbatches=n_micro, scale_grads=False,
