@@ -1,5 +1,6 @@
 """job.hang_timeout_seconds: a rank that blocks is named, every rank dumps its stacks, the job exits with
-code 3, and the next run resumes from the last checkpoint as if nothing had happened."""
+code 3, and the next run resumes from the last checkpoint as if nothing had happened. A rank that alone
+meets a user error says so before torchrun stops the others."""
 
 import os
 import re
@@ -15,19 +16,21 @@ def flags(dump) -> list[str]:
             "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
 
 
+def run_with_fault(fault: str, args: list[str]) -> subprocess.CompletedProcess:
+    """Two ranks under torchrun; rank 1 meets `fault` in its third step (tests/fault_run.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "FAULT_RANK": "1", "FAULT_AT_STEP": "3"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/fault_run.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
 def test_a_blocked_rank_is_named_the_job_exits_3_and_resumes_from_the_last_checkpoint(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HANG_RANK": "1", "HANG_AT_STEP": "3"}
-    hung = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/hang_run.py",
-         *flags(tmp_path / "run"), "--job.hang_timeout_seconds", "4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
-    )
+    hung = run_with_fault("hang", [*flags(tmp_path / "run"), "--job.hang_timeout_seconds", "4"])
     assert hung.returncode != 0
     err = hung.stderr
     # Rank 1 blocks in step 3; rank 0 waits for it in step 3's first collective.
     (sentence,) = re.findall(r"ERROR (hang: .*)", err)
     assert sentence.startswith("hang: ranks 0, 1 did not finish step 3; rank 0 finished step 2, now in step 3: "), sentence
-    assert re.search(r"rank 1 finished step 2, now in step 3: train_step_that_hangs \(.*hang_run.py:\d+\), called from "
+    assert re.search(r"rank 1 finished step 2, now in step 3: train_step_with_a_fault \(.*fault_run.py:\d+\), called from "
                      r"train \(.*titanlite/train.py:\d+\)", sentence), sentence
     assert "exiting with code 3" in sentence
     assert "exitcode  : 3" in err  # torchrun's report: the workers' own exit code
@@ -40,3 +43,12 @@ def test_a_blocked_rank_is_named_the_job_exits_3_and_resumes_from_the_last_check
     assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
     clean = run_titanlite(flags(tmp_path / "clean"), nproc=2)
     assert logged_losses(resumed.stderr) == {s: v for s, v in logged_losses(clean.stderr).items() if s > 2}
+
+
+def test_a_user_error_on_one_rank_is_said_once_before_torchrun_stops_the_others(tmp_path):
+    """Rank 1 alone fails while rank 0 waits for it in a collective: when rank 1 exits, torchrun kills rank 0,
+    so the sentence must come from the rank that failed (rank 0 speaking for all would say nothing)."""
+    failed = run_with_fault("user_error", flags(tmp_path))
+    assert failed.returncode != 0
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 1 alone cannot go on"], failed.stderr[-3000:]

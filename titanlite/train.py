@@ -5,7 +5,6 @@ loop -> close. Each component comes from one build_* call; this file owns only t
 """
 
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.output_folders import check_output_folders
 from titanlite.parallel.cp import sequence_shard
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
+from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed, say_user_error
 from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.offload import HeldBytes, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.plan.startup import predict_on_gpu
@@ -172,7 +171,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
 
 
 def main(argv: list[str]) -> int:
-    cfg = info = None
+    info = None
     try:
         cfg = load_config(argv)
         info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
@@ -181,11 +180,7 @@ def main(argv: list[str]) -> int:
         finally:
             close_distributed()
     except UserError as error:
-        # Rank 0 speaks for all, except where the ranks did not meet (without torchrun's store):
-        # rank 0 may be the one missing.
-        never_met = cfg is not None and info is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        if os.environ.get("RANK", "0") == "0" or never_met:
-            print(f"error: {error}", file=sys.stderr)
+        say_user_error(f"error: {error}", met=info is not None)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while building the run (from the checkpoint load on, StopFlags handles it)
         print("\ninterrupted (Ctrl-C) before training; nothing was saved", file=sys.stderr)

@@ -9,6 +9,7 @@ in-memory store, so the same code path (DeviceMesh, collectives, DCP) runs eithe
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -146,3 +147,43 @@ def init_distributed(device_choice: str, init_timeout_s: int) -> DistInfo:
 def close_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+
+REPORTED_KEY = "titanlite/user_error"
+REPORT_WAIT = timedelta(seconds=10)  # how long a rank waits for the sentence to be printed before it exits
+
+
+def say_user_error(text: str, met: bool) -> None:
+    """Print a user error's sentence once for the whole job. Under torchrun the first rank to fail prints
+    it and the others wait until it has: torchrun kills every rank once one exits, so a rank that left
+    the printing to rank 0 could take rank 0's sentence with it. Ranks started without torchrun: rank 0
+    speaks for all once they have met (`met`), and before that each speaks, as any may be the one missing."""
+    store = torchrun_store() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    if store is None:
+        if os.environ.get("RANK", "0") == "0" or not met:
+            print(text, file=sys.stderr, flush=True)
+        return
+    try:
+        if store.add(REPORTED_KEY, 1) > 1:
+            store.wait([f"{REPORTED_KEY}/printed"], REPORT_WAIT)
+            return
+    except dist.DistError:  # the first rank died before printing: better twice than never
+        pass
+    print(text, file=sys.stderr, flush=True)
+    try:
+        store.set(f"{REPORTED_KEY}/printed", "1")
+    except dist.DistError:
+        pass
+
+
+def torchrun_store() -> dist.TCPStore | None:
+    """The store torchrun's agent shares with every rank of the job (the process group's store under
+    it), reachable before the group exists and after it is closed; None without torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=REPORT_WAIT)
+    except (dist.DistError, KeyError, ValueError):
+        return None
