@@ -8,6 +8,7 @@ copies it into the run's own checkpoint folder first. Each run writes TensorBoar
 job.dump_folder, which the test reads the losses from (float32, unlike the 4-decimal console).
 """
 
+import faulthandler
 import json
 import shutil
 import sys
@@ -35,4 +36,5 @@ def main(runs_json: str) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)  # as titanlite.train.main does: a rank that aborts shows where
     main(sys.argv[1])

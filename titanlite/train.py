@@ -4,6 +4,7 @@ Reads top to bottom in the order a job happens: config -> mesh -> model -> optim
 loop -> close. Each component comes from one build_* call; this file owns only the loop.
 """
 
+import faulthandler
 import gc
 import sys
 import time
@@ -171,6 +172,9 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # A rank killed by a fatal signal (an abort in a collective library, a segfault) prints every thread's
+    # Python stack first: otherwise the job's log says only "Signal 6 received" and not where.
+    faulthandler.enable(all_threads=True)
     info = None
     try:
         cfg = load_config(argv)
