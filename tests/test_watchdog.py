@@ -4,6 +4,7 @@ meets a user error says so before torchrun stops the others."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -52,3 +53,19 @@ def test_a_user_error_on_one_rank_is_said_once_before_torchrun_stops_the_others(
     assert failed.returncode != 0
     errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: rank 1 alone cannot go on"], failed.stderr[-3000:]
+
+
+def test_a_rank_killed_by_an_abort_prints_where_it_was(tmp_path):
+    """An abort in a collective library or a segfault kills a rank without a Python traceback; faulthandler
+    prints every thread's stack first, so the log says where the rank was, not only "Signal 6"."""
+    args = [*flags(tmp_path), "--training.steps", "100000", "--checkpoint.enable", "false"]
+    run = subprocess.Popen([sys.executable, "-m", "titanlite.train", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in run.stderr:  # training has begun
+        if "step:" in line:
+            break
+    os.kill(run.pid, signal.SIGABRT)
+    rest = run.stderr.read()
+    assert run.wait(timeout=60) == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in rest and "Thread 0x" in rest
+    assert re.search(r'File ".*titanlite/(train|step)\.py", line \d+ in \w+', rest), rest[-3000:]

@@ -172,9 +172,6 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
 
 
 def main(argv: list[str]) -> int:
-    # A rank killed by a fatal signal (an abort in a collective library, a segfault) prints every thread's
-    # Python stack first: otherwise the job's log says only "Signal 6 received" and not where.
-    faulthandler.enable(all_threads=True)
     info = None
     try:
         cfg = load_config(argv)
@@ -193,4 +190,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # A rank killed by a fatal signal (an abort in a collective library, a segfault) prints every thread's
+    # Python stack first: otherwise the job's log says only "Signal 6 received" and not where.
+    faulthandler.enable(all_threads=True)
     sys.exit(main(sys.argv[1:]))
