@@ -81,7 +81,14 @@ def sequence_shard(seq_len: int, cp_mesh: DeviceMesh, device) -> SequenceShard:
 def gather_ranks(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
     """Every cp rank's x concatenated along dim 0, rank by rank; the backward sums each rank's gradients
     (a reduce-scatter). Traceable by torch.compile, unlike torch.distributed's own collectives."""
-    return _gather_dim0(x.contiguous(), 0, cp_mesh)
+    gathered = _gather_dim0(x.contiguous(), 0, cp_mesh)
+    if x.device.type == "cpu":
+        # On gloo two functional collectives in flight at once (the keys' and the values' gathers) corrupt the
+        # heap: torch 2.13 aborts with "malloc(): unaligned tcache chunk detected" within a few thousand
+        # gathers (tests/cp_gather_stress.py). Copying waits for this gather before the next one starts;
+        # NCCL has no such fault and keeps the gathers in flight together.
+        gathered = gathered.clone()
+    return gathered
 
 
 def sum_over_ranks(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:

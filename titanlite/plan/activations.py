@@ -156,9 +156,22 @@ def leave_out_dense_masks(model, tally: LiveBytes) -> None:
         block.register_forward_pre_hook(leave_out)
 
 
+TALLIES: dict[tuple, Activations] = {}  # measure()'s results in this process: a table of rows repeats many jobs' tallies
+
+
 def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool = False) -> Activations:
     """One training micro-step of the model cut to n_layers blocks, tallied op by op (as a compiled
-    step keeps it where `compiled`)."""
+    step keeps it where `compiled`). Jobs that differ only in what the tally does not read (float8,
+    async TP, the node count beyond the shards) share one tally."""
+    key = tuple(map(repr, (cfg.training, cfg.lora, cfg.activation_checkpoint, cfg.compile, spec.model_cls, args, dims,
+                           n_layers, compiled)))
+    if key not in TALLIES:
+        TALLIES[key] = tally_step(cfg, spec, args, dims, n_layers, compiled)
+    return TALLIES[key]
+
+
+def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool) -> Activations:
+    """measure() without its memo."""
     training = cfg.training
     compute = DTYPES[training.mixed_precision_param]
     loss_fn = build_loss(training, Compile())  # eager: compile's fused loss keeps fewer temporaries, never more
