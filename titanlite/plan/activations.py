@@ -65,7 +65,7 @@ class LiveBytes(TorchDispatchMode):
         self.existing = {tensor.untyped_storage()._cdata for tensor in existing}
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
         self.ignored: dict[int, StorageWeakRef] = {}  # storages that cost nothing, nor what is made from them alone
-        self.live = self.peak = self.grads = 0
+        self.counted = self.added = self.peak = self.grads = 0  # counted: the bytes alive at the last purge
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -77,8 +77,11 @@ class LiveBytes(TorchDispatchMode):
                     self.ignore(tensor)
                 else:
                     self._track(tensor.untyped_storage(), counted)
-        self._purge()
-        self.peak = max(self.peak, self.live // self.split + self.grads)
+        # What is alive is at most what was counted at the last purge plus what came since; only when that bound
+        # passes the peak can the peak rise, so only then are the dead storages looked for (one by one: the
+        # slow part of a tally).
+        if (self.counted + self.added) // self.split + self.grads > self.peak:
+            self.peak = max(self.peak, self.live // self.split + self.grads)
         return out
 
     def _track(self, storage, counted: bool = True) -> None:
@@ -89,21 +92,28 @@ class LiveBytes(TorchDispatchMode):
             return
         known = self.storages.get(key)
         if known is None or known[0].expired():
-            self.storages[key] = (StorageWeakRef(storage), storage.nbytes() if counted else 0)
+            nbytes = storage.nbytes() if counted else 0
+            self.storages[key] = (StorageWeakRef(storage), nbytes)
+            self.added += nbytes
 
-    def _purge(self) -> None:
-        dead = [key for key, (ref, _) in self.storages.items() if ref.expired()]
+    @property
+    def live(self) -> int:
+        """The bytes alive now, the dead storages purged."""
+        expired = torch.UntypedStorage._expired
+        dead = [key for key, (ref, _) in self.storages.items() if expired(ref.cdata)]
         for key in dead:
             del self.storages[key]
         for key in [key for key, ref in self.ignored.items() if ref.expired()]:
             del self.ignored[key]
-        self.live = sum(nbytes for _, nbytes in self.storages.values())
+        self.counted, self.added = sum(nbytes for _, nbytes in self.storages.values()), 0
+        return self.counted
 
     def keep(self, tensor: torch.Tensor) -> None:
         """Count the tensor whatever op made it (a compiled region's input)."""
         storage = tensor.untyped_storage()
         if storage._cdata not in self.existing:
             self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+            self.added += storage.nbytes()
 
     def forget(self, tensor: torch.Tensor) -> None:
         self.storages.pop(tensor.untyped_storage()._cdata, None)
@@ -119,7 +129,11 @@ class LiveBytes(TorchDispatchMode):
     def _made_from_ignored(self, args) -> bool:
         """Whether every input of more than one element is an ignored storage."""
         inputs = [arg for arg in pytree.tree_leaves(args) if isinstance(arg, torch.Tensor) and arg.numel() > 1]
-        return bool(inputs) and all(arg.untyped_storage()._cdata in self.ignored for arg in inputs)
+        return bool(inputs) and all(self._is_ignored(arg.untyped_storage()._cdata) for arg in inputs)
+
+    def _is_ignored(self, key: int) -> bool:
+        ref = self.ignored.get(key)
+        return ref is not None and not ref.expired()  # a dead one's address may be a new storage's
 
 
 @dataclasses.dataclass(frozen=True)
