@@ -149,7 +149,6 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
-
 REPORTED_KEY = "titanlite/user_error"
 REPORT_WAIT = timedelta(seconds=10)  # how long a rank waits for the sentence to be printed before it exits
 

@@ -99,7 +99,7 @@ class LiveBytes(TorchDispatchMode):
     @property
     def live(self) -> int:
         """The bytes alive now, the dead storages purged."""
-        expired = torch.UntypedStorage._expired
+        expired = torch.Storage._expired  # what StorageWeakRef.expired calls, without its frame per storage
         dead = [key for key, (ref, _) in self.storages.items() if expired(ref.cdata)]
         for key in dead:
             del self.storages[key]
