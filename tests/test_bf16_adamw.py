@@ -73,31 +73,34 @@ class EagerKahan(AdamWBF16Kahan):
     update = staticmethod(kahan_adamw_)
 
 
-def test_compiled_step_matches_the_eager_step():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compiled_step_matches_the_eager_step(device):
     """Fusion may contract a multiply-add or reorder an fp32 operation (on CPU the bf16 results come
     out bit-equal, and one fp32 moment of the fp32 weight differs by 1 ulp): each stored tensor may
     differ by one ulp of its dtype (finfo.eps relative), and weight + compensation, which a flipped
-    bf16 rounding moves between its two parts, by fp32 rounding (1e-6 relative)."""
+    bf16 rounding moves between its two parts, by fp32 rounding (1e-6 relative). On CUDA the update
+    is one Triton kernel per parameter shape (inductor's GPU code, not the CPU's C++), held to the same bounds."""
     generator = torch.Generator().manual_seed(0)
     shapes = [(64, 32), (32,), (7, 3, 5), (1,)]
     runs = []
     for optimizer_class in (AdamWBF16Kahan, EagerKahan):
-        params = [torch.nn.Parameter(torch.ones(shape).bfloat16()) for shape in shapes]
-        params.append(torch.nn.Parameter(torch.ones(3)))  # an fp32 weight
-        params.append(torch.nn.Parameter(torch.ones(4, 6).bfloat16().T))  # not contiguous: its own graph
+        params = [torch.nn.Parameter(torch.ones(shape, device=device).bfloat16()) for shape in shapes]
+        params.append(torch.nn.Parameter(torch.ones(3, device=device)))  # an fp32 weight
+        params.append(torch.nn.Parameter(torch.ones(4, 6, device=device).bfloat16().T))  # not contiguous: its own graph
         optimizer = optimizer_class([{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}],
                                     lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
         generator.manual_seed(0)
         for step in range(5):
             for i, p in enumerate(params):
                 # The third parameter misses step 2: it counts one step fewer from then on.
-                p.grad = None if (i == 2 and step == 2) else torch.randn(p.shape, generator=generator).to(p.dtype)
+                p.grad = None if (i == 2 and step == 2) else torch.randn(p.shape, generator=generator).to(p)
             optimizer.step()
         runs.append((params, optimizer.state))
     (ours, our_state), (eager, eager_state) = runs
     for p, q in zip(ours, eager):
         s, t = our_state[p], eager_state[q]
         assert s["step"] == t["step"] and p.dtype == q.dtype and s["compensation"].dtype == p.dtype
+        assert s["exp_avg"].device.type == p.device.type == device
         ulp = torch.finfo(p.dtype).eps
         for name in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(s[name], t[name], rtol=ulp, atol=0)

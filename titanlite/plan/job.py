@@ -11,7 +11,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.models import get_model_spec
 from titanlite.plan.activations import activations, per_block_and_ends
-from titanlite.plan.fake_world import fake_world, sharded_model, state_bytes
+from titanlite.plan.fake_world import buildable, fake_world, sharded_model, state_bytes
 from titanlite.plan.hardware import FABRIC_GBPS, GPUS
 from titanlite.plan.memory import Memory, fsdp_buffers, pipeline_fsdp_buffers, plan_memory
 from titanlite.plan.moe import gathered_params
@@ -76,11 +76,24 @@ def stage_params(whole, stages: Stages, ep: int) -> tuple[int, int]:
                  for trained in (False, True))
 
 
+STATES: dict[str, dict[int, dict[str, int]]] = {}  # plan_states' results in this process: jobs that differ only
+# in float8 or async TP (left out of the fake build) or in what no build reads share one (a table of rows, advice)
+
+
 def plan_states(cfg: JobConfig, world: int) -> dict[int, dict[str, int]]:
     """Bytes of parameters, gradients and optimizer state per pp rank role, each on its rank with the
     largest shards (dp and tp rank 0) of a world of `world`: the first and the last pp rank, and any
     other holding more blocks than the first (ZBV's V over uneven stages). The others hold no more than
-    the first (no embedding) and no more microbatches in flight (plan/pipeline.py): they are bounded."""
+    the first (no embedding) and no more microbatches in flight (plan/pipeline.py): they are bounded.
+    Memoized on everything the build reads."""
+    key = repr((cfg.model, cfg.training, cfg.lora, cfg.optimizer.name, buildable(cfg), world))
+    if key not in STATES:
+        STATES[key] = build_states(cfg, world)
+    return STATES[key]
+
+
+def build_states(cfg: JobConfig, world: int) -> dict[int, dict[str, int]]:
+    """plan_states() without its memo."""
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg, spec)
     pp = cfg.parallelism.pipeline_parallel_degree
