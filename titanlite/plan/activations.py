@@ -9,8 +9,11 @@ logsumexp per row (linear in seq_len), never the seq_len^2 scores.
 
 Gradients: without FSDP each one stays as autograd made it; with FSDP the unsharded gradient
 is reduce-scattered away at once (its transient is in the buffers), leaving this rank's shard.
-Under tensor parallelism every activation of a block is split over the tp ranks (sequence
-parallel outside attention, heads inside), so the unsharded tally is divided by tp.
+Under tensor parallelism an activation is split over the tp ranks (sequence parallel outside attention,
+heads inside), so the unsharded tally is divided by tp, but for what sequence parallelism holds whole on
+every rank: each block's all-gathered inputs, its partial sums before their reduce-scatter and the
+gradients of both, and the output projection's gathered input (count_sequence_gathers). Against a real
+TP2 step counted on its local shards: within 10% with and without AC (tests/test_plan.py).
 
 Under context parallelism the step runs the trainer's split (parallel/cp.py: split_batch with cp rank
 0's positions; every rank holds 2 of the 2N chunks, so rank 0 stands for all): the blocks see T/N
@@ -43,6 +46,7 @@ from titanlite.dtypes import DTYPES
 from titanlite.lora import apply_lora
 from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.models.attention import GatheredKeys
+from titanlite.models.init import local_tensor
 from titanlite.parallel.ac import apply_ac, every_nth
 from titanlite.parallel.compile import compiles
 from titanlite.parallel.cp import SequenceShard, shard_of, split_batch
@@ -51,6 +55,11 @@ from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.plan.moe import route_evenly
 
 FULL_DEPTH_UP_TO = 8  # deeper models are measured at two depths and extrapolated (the blocks are identical)
+
+
+def storage_of(tensor: torch.Tensor):
+    """The tensor's storage; a DTensor's is its local shard's (the tally also counts real TP steps: tests/)."""
+    return local_tensor(tensor).untyped_storage()
 
 
 class LiveBytes(TorchDispatchMode):
@@ -62,7 +71,7 @@ class LiveBytes(TorchDispatchMode):
         self.split = split
         self.recomputed = recomputed  # ops whose outputs cost nothing (a compiled step recomputes them)
         # Views of tensors made before (parameters' transposes, RoPE slices) allocate nothing.
-        self.existing = {tensor.untyped_storage()._cdata for tensor in existing}
+        self.existing = {storage_of(tensor)._cdata for tensor in existing}
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
         self.ignored: dict[int, StorageWeakRef] = {}  # storages that cost nothing, nor what is made from them alone
         self.counted = self.added = self.peak = self.grads = 0  # counted: the bytes alive at the last purge
@@ -76,7 +85,7 @@ class LiveBytes(TorchDispatchMode):
                 if from_ignored:
                     self.ignore(tensor)
                 else:
-                    self._track(tensor.untyped_storage(), counted)
+                    self._track(storage_of(tensor), counted)
         # What is alive is at most what was counted at the last purge plus what came since; only when that bound
         # passes the peak can the peak rise, so only then are the dead storages looked for (one by one: the
         # slow part of a tally).
@@ -115,6 +124,16 @@ class LiveBytes(TorchDispatchMode):
             self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
             self.added += storage.nbytes()
 
+    def unsplit(self, tensor: torch.Tensor) -> None:
+        """Count the tensor whole on every tp rank (sequence parallelism gathers it whole), where every
+        other tensor is divided by split; whatever op made it (a collective's output is no recomputable op)."""
+        storage = tensor.untyped_storage()
+        if storage._cdata in self.existing:
+            return
+        ref, nbytes = self.storages.get(storage._cdata, (StorageWeakRef(storage), 0))
+        self.storages[storage._cdata] = (ref, storage.nbytes() * self.split)
+        self.added += storage.nbytes() * self.split - nbytes
+
     def forget(self, tensor: torch.Tensor) -> None:
         self.storages.pop(tensor.untyped_storage()._cdata, None)
 
@@ -129,7 +148,7 @@ class LiveBytes(TorchDispatchMode):
     def _made_from_ignored(self, args) -> bool:
         """Whether every input of more than one element is an ignored storage."""
         inputs = [arg for arg in pytree.tree_leaves(args) if isinstance(arg, torch.Tensor) and arg.numel() > 1]
-        return bool(inputs) and all(self._is_ignored(arg.untyped_storage()._cdata) for arg in inputs)
+        return bool(inputs) and all(self._is_ignored(storage_of(arg)._cdata) for arg in inputs)
 
     def _is_ignored(self, key: int) -> bool:
         ref = self.ignored.get(key)
@@ -170,6 +189,27 @@ def leave_out_dense_masks(model, tally: LiveBytes) -> None:
         block.register_forward_pre_hook(leave_out)
 
 
+def count_sequence_gathers(model, tally: LiveBytes) -> None:
+    """Under TP each block's attention and feed-forward take the whole sequence, all-gathered from the
+    sequence shards, and return a partial sum of the whole sequence that a reduce-scatter splits
+    (parallel/tp.py); in backward the gradient of each output is gathered whole and that of each input
+    is whole until reduce-scattered; the output projection takes the final norm's output gathered. The
+    tally divides every other tensor by tp: these it counts whole on every rank."""
+    def whole(tensor: torch.Tensor) -> None:
+        tally.unsplit(tensor)
+        if tensor.requires_grad:
+            tensor.register_hook(tally.unsplit)
+
+    def whole_output(_, inputs, output):
+        whole(output[0] if isinstance(output, tuple) else output)  # an MoE block's hidden state, its loss and loads
+
+    for block in model.layers.values():
+        for part in (block.attention, block.feed_forward):
+            part.register_forward_pre_hook(lambda _, inputs: whole(inputs[0]))
+            part.register_forward_hook(whole_output)
+    model.output.register_forward_pre_hook(lambda _, inputs: whole(inputs[0]))
+
+
 TALLIES: dict[tuple, Activations] = {}  # measure()'s results in this process: a table of rows repeats many jobs' tallies
 
 
@@ -207,6 +247,8 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
                       recomputed_by_compile(cfg) if compiled else frozenset())
     if shard is not None:
         leave_out_dense_masks(model, tally)
+    if dims.tp_enabled:
+        count_sequence_gathers(model, tally)
     if compiled:  # what crosses a compiled region's edge is kept: blocks' inputs, the gradients flowing back into each
         def keep_gradient(_, inputs, output):
             output = output[0] if isinstance(output, tuple) else output  # an MoE block's hidden state, its loss and loads
