@@ -63,7 +63,7 @@ def storage_of(tensor: torch.Tensor):
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes alive of the storages created under it: `live` now, `peak` the most at any op of
+    """Bytes alive of the storages created under it: purge() says how many now, `peak` the most at any op of
     live / split + grads, where split is the tp degree and grads the sharded gradients counted apart."""
 
     def __init__(self, split: int, existing: list[torch.Tensor], recomputed: frozenset = frozenset()):
@@ -90,7 +90,7 @@ class LiveBytes(TorchDispatchMode):
         # passes the peak can the peak rise, so only then are the dead storages looked for (one by one: the
         # slow part of a tally).
         if (self.counted + self.added) // self.split + self.grads > self.peak:
-            self.peak = max(self.peak, self.live // self.split + self.grads)
+            self.peak = max(self.peak, self.purge() // self.split + self.grads)
         return out
 
     def _track(self, storage, counted: bool = True) -> None:
@@ -105,9 +105,8 @@ class LiveBytes(TorchDispatchMode):
             self.storages[key] = (StorageWeakRef(storage), nbytes)
             self.added += nbytes
 
-    @property
-    def live(self) -> int:
-        """The bytes alive now, the dead storages purged."""
+    def purge(self) -> int:
+        """Forget the dead storages; return the bytes alive now."""
         expired = torch.Storage._expired  # what StorageWeakRef.expired calls, without its frame per storage
         dead = [key for key, (ref, _) in self.storages.items() if expired(ref.cdata)]
         for key in dead:
@@ -273,7 +272,7 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
     with fake, tally:
         context = mixed_precision_context(dims, training.mixed_precision_param, "cpu")
         loss = micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, context)
-        saved = tally.live
+        saved = tally.purge()
         loss.backward()
     return Activations(saved // dims.tp, tally.peak)
 
