@@ -5,7 +5,8 @@ weigh a short answer like a long one). Text trains on every token: its losses ar
 
 import pytest
 
-from conftest import DEBUG_CONFIG, ON_CPU, run_titanlite, tensorboard_scalars
+from conftest import DEBUG_CONFIG, ON_CPU, tensorboard_scalars
+from test_pipeline_parallel import launch
 from titanlite.data import chat_example
 
 
@@ -32,31 +33,30 @@ def losses(dump) -> dict[int, float]:
     return {**tensorboard_scalars(dump / "tb", "loss/train"), **{step + 0.5: loss for step, loss in validation.items()}}
 
 
-@pytest.fixture(scope="module")
-def one_process(example, tmp_path_factory):
-    """One process holding the whole global batch of 4 windows."""
-    dump = tmp_path_factory.mktemp("one")
-    run = run_titanlite(chat_flags(example, dump, 4))
-    assert run.returncode == 0, "\n".join(run.stderr.splitlines()[-150:])  # enough lines to hold a dying rank's cause
-    return losses(dump)
+LAYOUTS = {  # name: (processes, local batch, flags); the global batch is 4 windows in each
+    "accumulation": (1, 1, ["--training.global_batch_size", "4"]),
+    "fsdp2": (2, 2, []),
+    "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "pp2": (2, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "cp2": (2, 4, ["--parallelism.context_parallel_degree", "2"]),  # each rank trains on some of each window's answers
+}
 
 
-@pytest.mark.parametrize("layout, nproc, flags", [
-    ("accumulation", 1, ["--training.global_batch_size", "4"]),
-    ("fsdp2", 2, []),
-    ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2"]),
-    ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2"]),
-    ("cp2", 2, ["--parallelism.context_parallel_degree", "2"]),  # each rank trains on some of each window's answers
-])
-def test_every_layout_gives_the_loss_of_one_process(example, one_process, tmp_path, layout, nproc, flags):
-    """Chat data is read in one global order, so every layout holds the same 4 windows each step; step 2 on
-    also shows the earlier updates were the same; validation (after steps 2 and 4) sums the trained tokens'
-    losses of the same held-out windows over the same count."""
-    local_batch = {"accumulation": 1, "fsdp2": 2}.get(layout, 4)
-    run = run_titanlite(chat_flags(example, tmp_path, local_batch, *flags, data_parallel=2 if layout == "fsdp2" else 1), nproc=nproc)
-    assert run.returncode == 0, "\n".join(run.stderr.splitlines()[-150:])  # enough lines to hold a dying rank's cause
-    if layout == "accumulation":
-        assert "(4 micro-steps)" in run.stderr
-    theirs = losses(tmp_path)
-    assert sorted(theirs) == sorted(one_process) == [1, 2, 2.5, 3, 4, 4.5]
-    assert all(theirs[s] == pytest.approx(one_process[s], rel=1e-6) for s in one_process), (one_process, theirs)
+def test_every_layout_gives_the_loss_of_one_process(example, tmp_path):
+    """Chat data is read in one global order, so every layout holds the same 4 windows each step as one process
+    holding all 4; step 2 on also shows the earlier updates were the same; validation (after steps 2 and 4) sums
+    the trained tokens' losses of the same held-out windows over the same count. One launch per world size
+    (tests/layout_runs.py)."""
+    def layout_run(name: str, local_batch: int, flags: list[str]) -> dict:
+        return {"argv": chat_flags(example, tmp_path / name, local_batch, *flags, data_parallel=2 if name == "fsdp2" else 1)}
+
+    one = launch([layout_run("one", 4, []), *(layout_run(name, batch, flags) for name, (world, batch, flags) in LAYOUTS.items()
+                                               if world == 1)], 1, tmp_path, "world1")
+    assert "(4 micro-steps)" in one
+    launch([layout_run(name, batch, flags) for name, (world, batch, flags) in LAYOUTS.items() if world == 2], 2, tmp_path, "world2")
+    one_process = losses(tmp_path / "one")
+    assert sorted(one_process) == [1, 2, 2.5, 3, 4, 4.5]
+    for name in LAYOUTS:
+        theirs = losses(tmp_path / name)
+        assert sorted(theirs) == sorted(one_process), (name, theirs)
+        assert all(theirs[s] == pytest.approx(one_process[s], rel=1e-6) for s in one_process), (name, one_process, theirs)
