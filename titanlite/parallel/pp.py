@@ -88,7 +88,11 @@ def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
 
 def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
     """A copy of the meta model holding only this stage's blocks and ends (absent ones are None)."""
-    stage = copy.deepcopy(model)
+    return cut_to_stage(copy.deepcopy(model), layers, first, last)
+
+
+def cut_to_stage(stage: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """keep_stage in place (the planner's tally cuts its own fake model)."""
     stage.layers = nn.ModuleDict({str(i): stage.layers[str(i)] for i in layers})
     if not first:
         stage.tok_embeddings = None

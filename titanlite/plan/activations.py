@@ -51,6 +51,7 @@ from titanlite.parallel.ac import apply_ac, every_nth
 from titanlite.parallel.compile import compiles
 from titanlite.parallel.cp import SequenceShard, shard_of, split_batch
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.pp import cut_to_stage
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.plan.moe import route_evenly
 
@@ -206,24 +207,27 @@ def count_sequence_gathers(model, tally: LiveBytes) -> None:
         for part in (block.attention, block.feed_forward):
             part.register_forward_pre_hook(lambda _, inputs: whole(inputs[0]))
             part.register_forward_hook(whole_output)
-    model.output.register_forward_pre_hook(lambda _, inputs: whole(inputs[0]))
+    if model.output is not None:  # a pipeline stage before the last has none
+        model.output.register_forward_pre_hook(lambda _, inputs: whole(inputs[0]))
 
 
 TALLIES: dict[tuple, Activations] = {}  # measure()'s results in this process: a table of rows repeats many jobs' tallies
 
 
-def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool = False) -> Activations:
+def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool = False,
+            middle: bool = False) -> Activations:
     """One training micro-step of the model cut to n_layers blocks, tallied op by op (as a compiled
-    step keeps it where `compiled`). Jobs that differ only in what the tally does not read (float8,
-    async TP, the node count beyond the shards) share one tally."""
+    step keeps it where `compiled`); `middle`: as a pipeline stage holding those blocks alone, which takes
+    hidden states and a gradient for its output. Jobs that differ only in what the tally does not read
+    (float8, async TP, the node count beyond the shards) share one tally."""
     key = tuple(map(repr, (cfg.training, cfg.lora, cfg.activation_checkpoint, cfg.compile, spec.model_cls, args, dims,
-                           n_layers, compiled)))
+                           n_layers, compiled, middle)))
     if key not in TALLIES:
-        TALLIES[key] = tally_step(cfg, spec, args, dims, n_layers, compiled)
+        TALLIES[key] = tally_step(cfg, spec, args, dims, n_layers, compiled, middle)
     return TALLIES[key]
 
 
-def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool) -> Activations:
+def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool, middle: bool) -> Activations:
     """measure() without its memo."""
     training = cfg.training
     compute = DTYPES[training.mixed_precision_param]
@@ -231,6 +235,8 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
     fake = FakeTensorMode()  # also active during the step: factory calls in forward (masks, positions) stay fake
     with fake:
         model = spec.model_cls(dataclasses.replace(args, n_layers=n_layers))
+        if middle:
+            cut_to_stage(model, range(n_layers), first=False, last=False)
         apply_lora(model, cfg.lora)  # a frozen weight's input is not saved for its (never computed) gradient
         route_evenly(model)  # fake tensors hold no router values: each expert takes an equal share (plan/moe.py)
         # FSDP gathers the parameters in the compute dtype; without it autocast casts them, as in train_step.
@@ -241,6 +247,8 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
         tokens = torch.randint(0, args.vocab_size, (training.local_batch_size, training.seq_len))
         shard = planned_shard(training.seq_len, dims.cp) if dims.cp_enabled else None
         inputs, labels, model_kwargs = split_batch(tokens, tokens, None, shard)  # the train step's split
+        if middle:  # the previous stage's hidden states
+            inputs = torch.randn(*inputs.shape, args.dim, dtype=dtype, requires_grad=True)
     positions = [shard.positions, shard.key_positions] if shard is not None else []
     tally = LiveBytes(dims.tp, [*model.parameters(), *model.buffers(), inputs, labels, *positions],
                       recomputed_by_compile(cfg) if compiled else frozenset())
@@ -271,17 +279,35 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
                 param.register_post_accumulate_grad_hook(keep_shard)
     with fake, tally:
         context = mixed_precision_context(dims, training.mixed_precision_param, "cpu")
-        loss = micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, context)
-        saved = tally.purge()
-        loss.backward()
+        if middle:
+            with context:
+                hidden = model(inputs, **model_kwargs)
+            saved = tally.purge()
+            hidden.backward(torch.ones_like(hidden))  # the gradient the next stage sends back
+        else:
+            loss = micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, context)
+            saved = tally.purge()
+            loss.backward()
     return Activations(saved // dims.tp, tally.peak)
+
+
+def ac_period(ac) -> int:
+    """Blocks per repeat of the AC pattern: N for every N-th block, else 1."""
+    return (every_nth(ac.selective_ac_option) or 1) if ac.mode == "selective" else 1
+
+
+def middle_stage_transient(cfg: JobConfig, spec, args, dims: ParallelDims, compiled: bool = False) -> int:
+    """What a pipeline stage without the embedding and the loss holds above what it saves at its backward's
+    peak: one AC period's blocks recomputed and their gradients, whatever its depth. per_block_and_ends puts
+    this in its ends (with the loss's, whichever is larger), which only the last stage holds."""
+    stage = measure(cfg, spec, args, dims, ac_period(cfg.activation_checkpoint), compiled, middle=True)
+    return stage.peak - stage.saved
 
 
 def per_block_and_ends(cfg: JobConfig, spec, args, dims: ParallelDims, compiled: bool = False) -> tuple[Activations, Activations]:
     """measure() at depths p and 2p (p = the AC period): one block's share, and the rest (the embedding,
     final norm, logits and loss, and the first measured depth's AC remainder)."""
-    ac = cfg.activation_checkpoint
-    period = (every_nth(ac.selective_ac_option) or 1) if ac.mode == "selective" else 1
+    period = ac_period(cfg.activation_checkpoint)
     low, high = measure(cfg, spec, args, dims, period, compiled), measure(cfg, spec, args, dims, 2 * period, compiled)
     block = Activations((high.saved - low.saved) / period, (high.peak - low.peak) / period)
     return block, Activations(low.saved - period * block.saved, low.peak - period * block.peak)

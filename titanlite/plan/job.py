@@ -10,7 +10,7 @@ from titanlite.config_sections import JobConfig
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.models import get_model_spec
-from titanlite.plan.activations import activations, per_block_and_ends
+from titanlite.plan.activations import activations, middle_stage_transient, per_block_and_ends
 from titanlite.plan.fake_world import buildable, fake_world, sharded_model, state_bytes
 from titanlite.plan.hardware import FABRIC_GBPS, GPUS
 from titanlite.plan.memory import Memory, fsdp_buffers, pipeline_fsdp_buffers, plan_memory
@@ -136,14 +136,16 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
         # Each in-flight microbatch's activations, measured at the microbatch size and composed per stage.
         microbatch = dataclasses.replace(cfg, training=dataclasses.replace(
             cfg.training, local_batch_size=cfg.parallelism.pipeline_parallel_microbatch_size))
-        pieces = [per_block_and_ends(microbatch, spec, args, dims, compiled) for compiled in tallies]
+        pieces = [(*per_block_and_ends(microbatch, spec, args, dims, compiled),
+                   middle_stage_transient(microbatch, spec, args, dims, compiled)) for compiled in tallies]
     else:
         whole_model = [activations(cfg, spec, args, dims, compiled) for compiled in tallies]
     roles = []
     for pp_rank, state in states.items():
         stages = rank_stages(cfg, args.n_layers, dims.pp, pp_rank)
-        acts = ([stage_activations(per_block, ends, stages, in_flight(cfg, dims.pp, pp_rank), last_stage_in_flight(cfg, dims.pp))
-                 for per_block, ends in pieces] if dims.pp_enabled else whole_model)
+        acts = ([stage_activations(per_block, ends, transient, stages, in_flight(cfg, dims.pp, pp_rank),
+                                   last_stage_in_flight(cfg, dims.pp))
+                 for per_block, ends, transient in pieces] if dims.pp_enabled else whole_model)
         buffers = (pipeline_fsdp_buffers(cfg, *stage_params(whole, stages, dims.ep), dims) if dims.pp_enabled
                    else fsdp_buffers(cfg, block, root_params(whole, stages), dims))
         memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None)

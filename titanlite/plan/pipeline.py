@@ -57,11 +57,14 @@ def in_flight(cfg: JobConfig, pp: int, pp_rank: int) -> int:
     return min(per_rank * count, (per_rank - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
 
 
-def stage_activations(block: Activations, ends: Activations, stages: Stages, held: int, ends_held: int) -> Activations:
+def stage_activations(block: Activations, ends: Activations, transient: int, stages: Stages, held: int,
+                      ends_held: int) -> Activations:
     """`held` stage-microbatches of `block` x the largest stage's blocks, one of them at its backward's peak,
-    and on the rank that holds the last stage `ends_held` microbatches' `ends` (logits, loss)."""
+    and on the rank that holds the last stage `ends_held` microbatches' `ends` (logits, loss). Above what is
+    saved, the backward's peak: the ends' (the loss's, or one block's recompute) on the last stage, elsewhere
+    `transient`, one block's recompute and gradients as a stage without the loss holds them."""
     saved = held * stages.blocks * block.saved + stages.last * ends_held * ends.saved
-    peak = saved + stages.blocks * (block.peak - block.saved) + stages.last * (ends.peak - ends.saved)
+    peak = saved + stages.blocks * (block.peak - block.saved) + (ends.peak - ends.saved if stages.last else transient)
     return Activations(int(saved), int(peak))
 
 
