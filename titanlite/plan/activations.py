@@ -119,20 +119,21 @@ class LiveBytes(TorchDispatchMode):
 
     def keep(self, tensor: torch.Tensor) -> None:
         """Count the tensor whatever op made it (a compiled region's input)."""
-        storage = tensor.untyped_storage()
-        if storage._cdata not in self.existing:
-            self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-            self.added += storage.nbytes()
+        self._count(tensor, 1)
 
     def unsplit(self, tensor: torch.Tensor) -> None:
         """Count the tensor whole on every tp rank (sequence parallelism gathers it whole), where every
         other tensor is divided by split; whatever op made it (a collective's output is no recomputable op)."""
+        self._count(tensor, self.split)
+
+    def _count(self, tensor: torch.Tensor, copies: int) -> None:
+        """Count the tensor's storage as `copies` times its bytes, in place of what it counted."""
         storage = tensor.untyped_storage()
         if storage._cdata in self.existing:
             return
-        ref, nbytes = self.storages.get(storage._cdata, (StorageWeakRef(storage), 0))
-        self.storages[storage._cdata] = (ref, storage.nbytes() * self.split)
-        self.added += storage.nbytes() * self.split - nbytes
+        ref, before = self.storages.get(storage._cdata, (None, 0))
+        self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes() * copies)
+        self.added += storage.nbytes() * copies - (0 if ref is None or ref.expired() else before)
 
     def forget(self, tensor: torch.Tensor) -> None:
         self.storages.pop(tensor.untyped_storage()._cdata, None)
