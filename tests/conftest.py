@@ -8,8 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Two xdist workers and the ranks they start share 2 cores: one thread per process, and inductor
+# compiling in the process itself (its default on 2 cores is a pool of worker processes per
+# compiling rank, each importing torch again). Set before torch is imported; every run started
+# from a test inherits them.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist
 
 from titanlite.models import get_model_args, get_model_spec
@@ -18,6 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
 # Tests of CPU behaviour say so, so that the suite means the same on a GPU machine; args after it may override.
 ON_CPU = ["--job.device", "cpu"]
+# `[*FORKED_TORCHRUN, N, script, args...]`: torchrun --standalone --nproc_per_node N with forked ranks
+# (tests/forked_torchrun.py), for runs whose subject is the numbers, not the launch.
+FORKED_TORCHRUN = [sys.executable, str(ROOT / "tests" / "forked_torchrun.py")]
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -61,7 +71,7 @@ def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     else:
         launcher = [sys.executable]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         launcher + ["-m", "titanlite.train", *ON_CPU, *args], cwd=ROOT, env=full_env,
         capture_output=True, text=True, timeout=timeout,
@@ -69,14 +79,13 @@ def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict
 
 
 def torchrun_json(script: str, tmp_path: Path, *args: str) -> dict:
-    """Run tests/<script> under torchrun on 2 CPU processes (the script's rank 0 writes JSON to the path it
-    is given first, then `args`) and return that JSON."""
+    """Run tests/<script> under torchrun on 2 CPU processes, forked (tests/forked_torchrun.py; the script's
+    rank 0 writes JSON to the path it is given first, then `args`) and return that JSON."""
     out_file = tmp_path / "results.json"
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / script), str(out_file), *args],
+        [*FORKED_TORCHRUN, "2", str(ROOT / "tests" / script), str(out_file), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out_file.read_text())

@@ -6,7 +6,6 @@ run is compared with the same uninterrupted reference.
 """
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -72,7 +71,7 @@ def start(args: list[str], log: Path, nproc: int = 0) -> subprocess.Popen:
     """Launch in the background, stderr into `log`."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
     return subprocess.Popen(launcher + ["-m", "titanlite.train", *ON_CPU, *args], cwd=ROOT, stderr=log.open("w"),
-                            stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stdout=subprocess.DEVNULL)
 
 
 def wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float = 120) -> None:

@@ -6,12 +6,11 @@ validates to the same loss, and checkpoints move between CP and non-CP layouts."
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, run_titanlite, tensorboard_scalars
+from conftest import FORKED_TORCHRUN, ROOT, run_titanlite, tensorboard_scalars
 from test_pipeline_parallel import launch, losses, run
 from titanlite.config_sections import Parallelism
 from titanlite.data.prepare import prepare
@@ -153,7 +152,6 @@ def test_cp_errors_are_one_sentence(tmp_path):
 def test_key_and_value_gathers_in_flight_together_do_not_crash_gloo():
     """Gloo corrupted its heap when several of CP's gathers were in flight at once: before the fix every run of
     this stress aborted or segfaulted within its 300 steps (three of three), the CP tests now and then."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(ROOT / "tests" / "cp_gather_stress.py"), "300"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([*FORKED_TORCHRUN, "2", str(ROOT / "tests" / "cp_gather_stress.py"), "300"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, "\n".join(out.stderr.splitlines()[-60:])

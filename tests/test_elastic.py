@@ -39,7 +39,7 @@ def test_a_killed_worker_restarts_the_group_from_the_last_checkpoint(tmp_path):
         "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
         "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
     # Whatever happens, nothing this test started outlives it (torchrun and its workers share the session).

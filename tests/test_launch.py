@@ -181,7 +181,7 @@ def test_slurm_rejects_a_bad_nproc_per_node():
 
 def test_run_train_launches_the_trainer_from_any_directory(tmp_path):
     """run_train.sh -> torchrun -> the real trainer, with the arguments forwarded (one cheap launch)."""
-    env = {**os.environ, "NGPU": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "NGPU": "1"}
     out = subprocess.run(
         [str(REPO / "scripts" / "run_train.sh"), "--help"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,

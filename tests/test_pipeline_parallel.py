@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import DEBUG_CONFIG, ON_CPU, ROOT, assert_planned_state, run_titanlite, tensorboard_scalars
+from conftest import DEBUG_CONFIG, FORKED_TORCHRUN, ON_CPU, ROOT, assert_planned_state, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.config_sections import Parallelism
 from titanlite.data.prepare import prepare
@@ -41,9 +41,9 @@ def launch(runs: list[dict], world: int, tmp_path, label: str) -> str:
     spec = tmp_path / f"{label}.json"
     spec.write_text(json.dumps(runs))
     driver = [str(ROOT / "tests" / "layout_runs.py"), str(spec)]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else [sys.executable]
+    launcher = [*FORKED_TORCHRUN, str(world)] if world > 1 else [sys.executable]
     out = subprocess.run([*launcher, *driver], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     # The last 200 lines reach a dying rank's cause (its traceback, or faulthandler's stacks) past torchrun's summary.
     assert out.returncode == 0, "\n".join(out.stderr.splitlines()[-200:])
     return out.stderr

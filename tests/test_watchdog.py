@@ -19,7 +19,7 @@ def flags(dump) -> list[str]:
 
 def run_with_fault(fault: str, args: list[str]) -> subprocess.CompletedProcess:
     """Two ranks under torchrun; rank 1 meets `fault` in its third step (tests/fault_run.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "FAULT_RANK": "1", "FAULT_AT_STEP": "3"}
+    env = {**os.environ, "FAULT": fault, "FAULT_RANK": "1", "FAULT_AT_STEP": "3"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "tests/fault_run.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
@@ -59,8 +59,7 @@ def test_a_rank_killed_by_an_abort_prints_where_it_was(tmp_path):
     """An abort in a collective library or a segfault kills a rank without a Python traceback; faulthandler
     prints every thread's stack first, so the log says where the rank was, not only "Signal 6"."""
     args = [*flags(tmp_path), "--training.steps", "100000", "--checkpoint.enable", "false"]
-    run = subprocess.Popen([sys.executable, "-m", "titanlite.train", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.Popen([sys.executable, "-m", "titanlite.train", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     for line in run.stderr:  # training has begun
         if "step:" in line:
             break

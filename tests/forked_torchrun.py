@@ -1,0 +1,36 @@
+"""`python tests/forked_torchrun.py N script args...`: the script under torchrun --standalone
+--nproc_per_node N, with torchrun's own launcher (torch.distributed.run's arguments and config, its
+elastic agent, rendezvous and per-rank environment), but each rank forked from this process after
+it has imported titanlite's trainer instead of started afresh. The layout tests start about 120
+ranks; each would otherwise spend its first ~5 CPU-seconds importing torch and titanlite again.
+Tests whose subject is the launch itself (exit codes, signals, restarts, rank logs) use torchrun's
+command line instead (conftest.run_titanlite)."""
+
+import os
+import runpy
+import sys
+import uuid
+
+from torch.distributed import run as torchrun
+from torch.distributed.launcher.api import elastic_launch
+
+import titanlite.train  # noqa: F401  imported once here, inherited by every forked rank
+
+
+def run_script(path: str, *argv: str) -> None:
+    """One rank: the script as `python script argv...` would run it."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+def main(nproc: str, script: str, *argv: str) -> None:
+    args = torchrun.parse_args(["--standalone", f"--nproc_per_node={nproc}", "--start-method", "fork", script, *argv])
+    # What --standalone sets in torchrun's run(): a one-node rendezvous on a free local port.
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = torchrun.config_from_args(args)
+    elastic_launch(config, entrypoint=run_script)(script, *argv)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
