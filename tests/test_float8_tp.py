@@ -12,14 +12,15 @@ on one process, and its TP2 losses were measured within 1.6e-3 (its fused q/k/v 
 """
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, logged_losses, run_titanlite, torchrun_json
+from conftest import ON_CPU, ROOT, run_titanlite, tensorboard_scalars, torchrun_json
+from test_pipeline_parallel import launch
+from titanlite.train import main
 
 pytest.importorskip("torchao")
 
@@ -51,32 +52,26 @@ def test_gpt2_fused_qkv_in_float8_under_tp_is_one_sentence(tiny_run):
 def test_fsdp2_tp2_float8_trains_and_resumes_exactly(tmp_path):
     """4 ranks, tensorwise with FSDP's float8 all-gather and the scales precomputed after each step:
     the first step is the 1-process float8 loss (same global batch of 4), and a run resumed from the
-    step-2 checkpoint logs the uninterrupted run's losses and gradient norms."""
-    flags = ["--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "synthetic", "--training.seq_len", "64",
-             "--training.steps", "3", "--metrics.log_freq", "1", "--float8.enable", "--float8.emulate"]
+    step-2 checkpoint gives the uninterrupted run's loss and gradient norm to the bit."""
+    flags = [*ON_CPU, "--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "synthetic",
+             "--training.seq_len", "64", "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
+             "--float8.enable", "--float8.emulate"]
     layout = ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2",
               "--parallelism.tensor_parallel_degree", "2", "--float8.enable_fsdp_float8_all_gather",
-              "--float8.precompute_float8_dynamic_scale_for_fsdp", "--checkpoint.enable", "--checkpoint.interval", "2",
-              "--job.dump_folder", str(tmp_path / "run")]
-    run = run_titanlite([*flags, *layout], nproc=4)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "mesh dp_replicate 1 x dp_shard 2 x tp 2, pp 1" in run.stderr
-    one = run_titanlite([*flags, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "one")])
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert logged_losses(run.stderr)[1] == pytest.approx(logged_losses(one.stderr)[1], abs=1.5e-4)  # as printed
+              "--float8.precompute_float8_dynamic_scale_for_fsdp", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    log = launch([{"argv": [*flags, *layout, "--job.dump_folder", str(tmp_path / "run")]},
+                  {"argv": [*flags, *layout, "--job.dump_folder", str(tmp_path / "resumed")],
+                   "resume_from": str(tmp_path / "run" / "checkpoint" / "step-2")}], 4, tmp_path, "world4")
+    assert "mesh dp_replicate 1 x dp_shard 2 x tp 2, pp 1" in log and "resumed from" in log
+    assert main([*flags, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "one")]) == 0
 
-    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-3")
-    resumed = run_titanlite([*flags, *layout], nproc=4)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr and "step-2" in resumed.stderr
+    def scalars(name: str, tag: str) -> dict[int, float]:
+        return tensorboard_scalars(tmp_path / name / "tb", tag)
 
-    def logged_steps(output: str) -> dict[str, str]:  # the whole printed line from loss to grad_norm
-        return {line.split("step: ")[1].split()[0]: line.split("loss: ")[1].split("  memory")[0]
-                for line in output.splitlines() if "INFO step: " in line}
-
-    after = logged_steps(resumed.stderr)
-    assert sorted(after) == ["3"]
-    assert after == {step: logged_steps(run.stderr)[step] for step in after}
+    assert scalars("run", "loss/train")[1] == pytest.approx(scalars("one", "loss/train")[1], abs=1.5e-4)
+    for tag in ("loss/train", "optim/grad_norm"):
+        resumed = scalars("resumed", tag)
+        assert sorted(resumed) == [3] and resumed[3] == scalars("run", tag)[3], tag
 
 
 @pytest.mark.cuda

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import DEBUG_CONFIG, ON_CPU, logged_losses, run_titanlite, tensorboard_scalars
+from test_pipeline_parallel import launch
 from titanlite.config_sections import LoRA
 from titanlite.errors import UserError
 from titanlite.lora import LoRALinear, apply_lora
@@ -120,18 +121,19 @@ def test_bf16_base_changes_no_result_and_resumes(tmp_path, capsys):
             "--training.seq_len", "32"]
     saving = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
 
-    def losses(name, *extra, nproc=1):
-        run = run_titanlite(flags(tmp_path / name, 4, *bf16, *extra), nproc=nproc)
-        assert run.returncode == 0, run.stderr[-2000:]
+    def run(name, *extra, resume_from=None):
+        return {"argv": flags(tmp_path / name, 4, *bf16, *extra), "resume_from": resume_from}
+
+    def losses(name):
         return tensorboard_scalars(tmp_path / name / "tb", "loss/train")
 
-    float32_base = losses("fp32")
-    bf16_base = losses("bf16", "--lora.base_dtype", "bfloat16", *saving)
-    assert bf16_base == float32_base and sorted(bf16_base) == [1, 2, 3, 4]
-    shutil.copytree(tmp_path / "bf16" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
-    resumed = losses("resumed", "--lora.base_dtype", "bfloat16", *saving)
-    assert {s: resumed[s] for s in (3, 4)} == {s: bf16_base[s] for s in (3, 4)}
+    bf16_base = ["--lora.base_dtype", "bfloat16"]
+    launch([run("fp32"), run("bf16", *bf16_base, *saving),
+            run("resumed", *bf16_base, *saving, resume_from=str(tmp_path / "bf16" / "checkpoint" / "step-2"))], 1, tmp_path, "one")
+    assert losses("bf16") == losses("fp32") and sorted(losses("bf16")) == [1, 2, 3, 4]
+    assert {s: losses("resumed")[s] for s in (3, 4)} == {s: losses("bf16")[s] for s in (3, 4)}
     one_each = ["--training.local_batch_size", "1"]  # the same 2 sequences a step over two ranks
-    assert losses("fsdp_bf16", *one_each, "--lora.base_dtype", "bfloat16", nproc=2) == losses("fsdp_fp32", *one_each, nproc=2)
+    launch([run("fsdp_bf16", *one_each, *bf16_base), run("fsdp_fp32", *one_each)], 2, tmp_path, "fsdp")
+    assert losses("fsdp_bf16") == losses("fsdp_fp32")
     assert main(flags(tmp_path / "bad", 1, "--lora.base_dtype", "bfloat16", "--training.mixed_precision_param", "float32")) == 2
     assert "lora.base_dtype bfloat16 keeps LoRA's frozen weights in the dtype they compute in" in capsys.readouterr().err
