@@ -25,9 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = str(ROOT / "train_configs" / "debug_model.toml")
 # Tests of CPU behaviour say so, so that the suite means the same on a GPU machine; args after it may override.
 ON_CPU = ["--job.device", "cpu"]
-# `[*FORKED_TORCHRUN, N, script, args...]`: torchrun --standalone --nproc_per_node N with forked ranks
-# (tests/forked_torchrun.py), for runs whose subject is the numbers, not the launch.
-FORKED_TORCHRUN = [sys.executable, str(ROOT / "tests" / "forked_torchrun.py")]
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -78,15 +75,19 @@ def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict
     )
 
 
+def run_test_script(script: str, *args: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """tests/<script> with args, alone (nproc 1) or under torchrun --standalone --nproc_per_node nproc with its
+    ranks forked (tests/forked_torchrun.py): for runs whose subject is the numbers, not the launch."""
+    launcher = [sys.executable, str(ROOT / "tests" / "forked_torchrun.py"), str(nproc)] if nproc > 1 else [sys.executable]
+    return subprocess.run([*launcher, str(ROOT / "tests" / script), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def torchrun_json(script: str, tmp_path: Path, *args: str) -> dict:
-    """Run tests/<script> under torchrun on 2 CPU processes, forked (tests/forked_torchrun.py; the script's
-    rank 0 writes JSON to the path it is given first, then `args`) and return that JSON."""
+    """Run tests/<script> on 2 forked torchrun ranks (run_test_script; the script's rank 0 writes JSON to the
+    path it is given first, then `args`) and return that JSON."""
     out_file = tmp_path / "results.json"
-    out = subprocess.run(
-        [*FORKED_TORCHRUN, "2", str(ROOT / "tests" / script), str(out_file), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    out = run_test_script(script, str(out_file), *args, nproc=2)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out_file.read_text())
 

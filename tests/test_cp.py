@@ -4,13 +4,10 @@ the attention variants (block-causal documents with reset positions, Mistral's w
 positions, DeepSeek-V3's latent attention with its MoE balance loss), composes with FSDP, TP and PP,
 validates to the same loss, and checkpoints move between CP and non-CP layouts."""
 
-import os
-import subprocess
-
 import pytest
 import torch
 
-from conftest import FORKED_TORCHRUN, ROOT, run_titanlite, tensorboard_scalars
+from conftest import run_test_script, run_titanlite, tensorboard_scalars
 from test_pipeline_parallel import launch, losses, run
 from titanlite.config_sections import Parallelism
 from titanlite.data.prepare import prepare
@@ -152,6 +149,5 @@ def test_cp_errors_are_one_sentence(tmp_path):
 def test_key_and_value_gathers_in_flight_together_do_not_crash_gloo():
     """Gloo corrupted its heap when several of CP's gathers were in flight at once: before the fix every run of
     this stress aborted or segfaulted within its 300 steps (three of three), the CP tests now and then."""
-    out = subprocess.run([*FORKED_TORCHRUN, "2", str(ROOT / "tests" / "cp_gather_stress.py"), "300"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = run_test_script("cp_gather_stress.py", "300", nproc=2)
     assert out.returncode == 0, "\n".join(out.stderr.splitlines()[-60:])

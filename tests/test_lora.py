@@ -130,8 +130,9 @@ def test_bf16_base_changes_no_result_and_resumes(tmp_path, capsys):
     bf16_base = ["--lora.base_dtype", "bfloat16"]
     launch([run("fp32"), run("bf16", *bf16_base, *saving),
             run("resumed", *bf16_base, *saving, resume_from=str(tmp_path / "bf16" / "checkpoint" / "step-2"))], 1, tmp_path, "one")
-    assert losses("bf16") == losses("fp32") and sorted(losses("bf16")) == [1, 2, 3, 4]
-    assert {s: losses("resumed")[s] for s in (3, 4)} == {s: losses("bf16")[s] for s in (3, 4)}
+    fp32_losses, bf16_losses, resumed_losses = losses("fp32"), losses("bf16"), losses("resumed")
+    assert bf16_losses == fp32_losses and sorted(bf16_losses) == [1, 2, 3, 4]
+    assert {s: resumed_losses[s] for s in (3, 4)} == {s: bf16_losses[s] for s in (3, 4)}
     one_each = ["--training.local_batch_size", "1"]  # the same 2 sequences a step over two ranks
     launch([run("fsdp_bf16", *one_each, *bf16_base), run("fsdp_fp32", *one_each)], 2, tmp_path, "fsdp")
     assert losses("fsdp_bf16") == losses("fsdp_fp32")

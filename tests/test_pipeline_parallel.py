@@ -3,14 +3,11 @@ layouts and the refused layouts. The trainer runs of one world size share one la
 (tests/layout_runs.py), and their losses are read from TensorBoard (float32)."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import DEBUG_CONFIG, FORKED_TORCHRUN, ON_CPU, ROOT, assert_planned_state, run_titanlite, tensorboard_scalars
+from conftest import DEBUG_CONFIG, ON_CPU, assert_planned_state, run_test_script, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.config_sections import Parallelism
 from titanlite.data.prepare import prepare
@@ -40,10 +37,7 @@ def launch(runs: list[dict], world: int, tmp_path, label: str) -> str:
     """The runs in one process group of `world` ranks; returns their log (stderr), the runs in order."""
     spec = tmp_path / f"{label}.json"
     spec.write_text(json.dumps(runs))
-    driver = [str(ROOT / "tests" / "layout_runs.py"), str(spec)]
-    launcher = [*FORKED_TORCHRUN, str(world)] if world > 1 else [sys.executable]
-    out = subprocess.run([*launcher, *driver], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = run_test_script("layout_runs.py", str(spec), nproc=world, timeout=400)
     # The last 200 lines reach a dying rank's cause (its traceback, or faulthandler's stacks) past torchrun's summary.
     assert out.returncode == 0, "\n".join(out.stderr.splitlines()[-200:])
     return out.stderr
