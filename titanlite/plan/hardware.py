@@ -84,15 +84,16 @@ BANDWIDTH = 0.62
 # counts the vocabulary; measured, 40 ms at 1B's 16 x 29,696 + 128,256 units x 16,384 tokens.
 ELEMENTWISE_BYTES = 8.4
 EAGER_ELEMENTWISE = 3.24  # without compile the same kernels run unfused and move this many times more: fitted
-# float8: the blocks' Linear matmuls at MATMUL of the float8 peak, plus the casts and scales,
-# memory-bound, at these bytes per token per unit of width (ELEMENTWISE_BYTES' units): fitted.
-FLOAT8_CAST_BYTES = {"tensorwise": 12.0, "rowwise": 33.4}
+# float8: the blocks' Linear matmuls at MATMUL of the float8 peak, plus the casts and scales, memory-bound, at
+# these bytes per element of the tensors cast (plan/speed.py cast_widths: each linear's input and output
+# gradient, an input its sibling linears share counted once): fitted.
+FLOAT8_CAST_BYTES = {"tensorwise": 11.1, "rowwise": 19.9}
 COLLECTIVE_EFFICIENCY = 0.75  # FSDP's and PP's: NCCL ring bus bandwidth reached, as a fraction of the link's
 # TP's collectives wait, each, for the slowest of the tp ranks to reach it (seconds per collective): fitted
 # on rows of 12-16 sequences per TP group (every published TP row has that many); below, an extrapolation.
 # Async TP hides this share of their bytes' time behind the matmuls: fitted.
-TP_SYNC_S = 0.00191
-ASYNC_TP_HIDDEN = 0.321
+TP_SYNC_S = 0.00147
+ASYNC_TP_HIDDEN = 0.381
 
 
 def check_dtype(gpu: Gpu, dtype: str) -> None:

@@ -30,6 +30,8 @@ gradients (backward), exposed, as attention waits for them; FSDP's traffic runs 
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from titanlite.config_sections import JobConfig
 from titanlite.parallel.ac import every_nth
 from titanlite.parallel.dims import ParallelDims
@@ -55,6 +57,8 @@ class Shape:
     expert_params: int = 0  # MoE: all routed experts' (what EP splits)
     moe_layers: int = 0
     top_k: int = 0
+    cast_width: int = 0  # float8: elements per token of what one block's linears cast (cast_widths)
+    whole_cast_width: int = 0  # the share of it that sequence parallelism holds whole on every rank
 
     @classmethod
     def of(cls, whole, seq_len: int, flops_per_token: float) -> "Shape":
@@ -66,14 +70,35 @@ class Shape:
         moes = moe_modules(whole)
         # DeepSeek's MLA gives every head a key of qk_head_dim and a value of v_head_dim; the others use head_dim for both.
         key, value = (args.qk_head_dim, args.v_head_dim) if hasattr(args, "qk_head_dim") else (args.head_dim, args.head_dim)
+        largest = max(whole.layers.values(), key=lambda b: sum(p.numel() for p in b.parameters()))
         return cls(args.n_layers, args.dim, args.vocab_size, round(block * active / matmul), active,
                    whole.num_params(), flops_per_token, args.n_kv_heads * (key + value), expert_params(whole), len(moes),
-                   moes[0].top_k if moes else 0)
+                   moes[0].top_k if moes else 0, *cast_widths(largest, args.dim))
 
     @property
     def width(self) -> float:
         """Units of elementwise traffic per token (hardware.ELEMENTWISE_BYTES)."""
         return self.n_layers * self.block_params / self.dim + self.vocab
+
+
+def cast_widths(block: nn.Module, dim: int) -> tuple[int, int]:
+    """Elements per token of the tensors a block's float8 linears cast, and of those among them that sequence
+    parallelism holds whole on every rank. Each linear casts its output's gradient and its input, but the
+    linears that read a sub-block's input (wq, wk, wv; w1, w3) read one tensor, whose casts a compiled block
+    computes once (AOTAutograd's CSE merges them). Under TP that input is the all-gathered sequence, and the
+    gradient of the sub-block's output projection (the last linear back to the model's width: wo, w2) arrives
+    all-gathered in backward: two tensors per sub-block, whole on every rank (as count_sequence_gathers in
+    plan/activations.py counts them for memory)."""
+    total = whole = 0
+    for part in (block.attention, block.feed_forward):
+        linears = [m for m in part.modules() if isinstance(m, nn.Linear)]
+        outputs = [m for m in linears if m.out_features == dim]
+        output = outputs[-1] if outputs else None
+        readers = [m for m in linears if m.in_features == dim and m is not output]
+        total += sum(m.out_features for m in linears) + sum(m.in_features for m in linears if m not in readers)
+        total += dim if readers else 0
+        whole += (dim if readers else 0) + (dim if output is not None else 0)
+    return total, whole
 
 
 @dataclass(frozen=True)
@@ -114,7 +139,7 @@ def recompute(cfg: JobConfig) -> Recompute:
     return Recompute(0.0, 0.0, 0.0)
 
 
-def compute_parts(cfg: JobConfig, gpu: Gpu, shape: Shape, tokens: float, state_bytes: int) -> dict[str, float]:
+def compute_parts(cfg: JobConfig, gpu: Gpu, shape: Shape, tokens: float, state_bytes: int, tp: int) -> dict[str, float]:
     """Seconds of each kind of work one GPU does in a step of `tokens` tokens (already divided over tp x pp)."""
     training = cfg.training
     redo = recompute(cfg)
@@ -134,7 +159,12 @@ def compute_parts(cfg: JobConfig, gpu: Gpu, shape: Shape, tokens: float, state_b
         in_blocks = shape.n_layers * shape.block_params / shape.matmul_params
         float8_rate = gpu.fp8_tflops * 1e12 * gpu.clock * hardware.MATMUL[gpu.arch]
         parts["matmuls"] = matmul_flops * (in_blocks / float8_rate + (1 - in_blocks) / matmul_rate)
-        casts = tokens * shape.n_layers * shape.block_params / shape.dim * hardware.FLOAT8_CAST_BYTES[cfg.float8.recipe_name]
+        width = shape.cast_width
+        if cfg.float8.recipe_name == "rowwise":
+            # No float8 TP styles for rowwise scales (parallel/tp.py, as torchtitan): each Float8Linear casts the
+            # whole gathered tensors on every rank, tp times its share of them.
+            width += (tp - 1) * shape.whole_cast_width
+        casts = tokens * shape.n_layers * width * hardware.FLOAT8_CAST_BYTES[cfg.float8.recipe_name]
         parts["float8 casts"] = casts / bandwidth
     else:
         parts["matmuls"] = matmul_flops / matmul_rate
@@ -235,7 +265,7 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
     """`state_bytes`: this rank's parameters, gradients and optimizer state (the optimizer step reads them)."""
     training = cfg.training
     tokens = training.local_batch_size * training.seq_len * accum / dims.batch_sharing_degree  # per GPU per step
-    parts = compute_parts(cfg, gpu, shape, tokens, state_bytes)
+    parts = compute_parts(cfg, gpu, shape, tokens, state_bytes, dims.tp)
     compute = sum(parts.values())
 
     def seconds(nbytes: float, gbps: float) -> float:
