@@ -15,7 +15,10 @@ matmuls) and, without compile, the elementwise forward (compiled, the recompute 
 backward's kernels).
 
 Overlap model: FSDP's all-gathers and reduce-scatters run on their own stream, prefetched a block
-ahead, so only the part longer than the compute shows; TP's collectives sit between the matmuls
+ahead, so only the part longer than the compute of their own pass shows: the forward's all-gathers hide
+behind the forward (a third of the work), the backward's all-gathers and reduce-scatters behind the
+backward (the rest, with AC's recompute), and the optimizer step waits for the last reduce-scatter. A
+backward whose collectives outlast it is not helped by a forward with room to spare; TP's collectives sit between the matmuls
 that need them and are all exposed, less the share of their bytes async TP hides by splitting them
 into the matmuls; expert parallelism's two all-to-alls per MoE layer (dispatch and combine, in
 forward, again in backward and in AC's repeated forward) are exposed too, each carrying the
@@ -172,11 +175,12 @@ def compute_parts(cfg: JobConfig, gpu: Gpu, shape: Shape, tokens: float, state_b
 
 
 def fsdp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, seconds, intra: float, inter: float,
-                 gpus_per_node: int) -> float:
-    """All-gathers (forward, and again in backward unless reshard_after_forward is never) and reduce-scatters
-    of this rank's layers, per micro-step; float8's all-gather moves the blocks' Linear weights in 1 byte."""
+                 gpus_per_node: int) -> tuple[float, float]:
+    """(forward, backward) seconds of FSDP's collectives over the step: the all-gathers of this rank's layers in
+    forward, in backward their all-gathers again (unless reshard_after_forward is never) and reduce-scatters;
+    float8's all-gather moves the blocks' Linear weights in 1 byte."""
     if not dims.fsdp_enabled:
-        return 0.0
+        return 0.0, 0.0
     training, n = cfg.training, dims.dp_shard * dims.cp  # FSDP shards over the flattened (dp_shard, cp)
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
     reduce_bytes = DTYPES[training.mixed_precision_reduce].itemsize
@@ -185,16 +189,25 @@ def fsdp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, s
     experts = shape.expert_params / (dims.tp * dims.pp)
     # Under EP a rank gathers and reduces only its E / ep experts, among the dp_shard / ep ranks holding them.
     groups = [(local - experts, n), (experts / dims.ep, n // dims.ep)]
-    per_micro = sum((size - 1) / size * params * (gathers * compute_bytes + reduce_bytes) for params, size in groups)
+    gather = sum((size - 1) / size * params * compute_bytes for params, size in groups)
+    reduce = sum((size - 1) / size * params * reduce_bytes for params, size in groups)
     if cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather:
         in_float8 = shape.n_layers * shape.block_params / (dims.tp * dims.pp)
-        per_micro -= (n - 1) / n * gathers * in_float8 * (compute_bytes - 1)
-    within_node = n * dims.tp <= gpus_per_node
-    total = accum * seconds(per_micro, intra if within_node else inter)
+        gather -= (n - 1) / n * in_float8 * (compute_bytes - 1)
+    gbps = intra if n * dims.tp <= gpus_per_node else inter
+    forward = accum * seconds(gather, gbps)
+    backward = accum * seconds((gathers - 1) * gather + reduce, gbps)
     if dims.dp_replicate > 1:  # HSDP: all-reduce of the shards' gradients across replicas (other nodes)
         r = dims.dp_replicate
-        total += accum * seconds(2 * local / n * reduce_bytes * (r - 1) / r, inter)
-    return total
+        backward += accum * seconds(2 * local / n * reduce_bytes * (r - 1) / r, inter)
+    return forward, backward
+
+
+def forward_seconds(parts: dict[str, float], redo: Recompute) -> float:
+    """The forward's share of compute_parts' work: a third of each kind (the backward computes two gradients per
+    forward op), AC's recompute, which runs in the backward, left out; the optimizer step is neither."""
+    again = {"matmuls": redo.matmul, "attention": redo.attention, "elementwise": redo.elementwise}
+    return sum(seconds / (1 + again.get(kind, 0.0)) / 3 for kind, seconds in parts.items() if kind != "optimizer")
 
 
 def tp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, intra: float) -> tuple[float, float]:
@@ -271,7 +284,7 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
     def seconds(nbytes: float, gbps: float) -> float:
         return nbytes / (gbps * 1e9 * hardware.COLLECTIVE_EFFICIENCY)
 
-    fsdp = fsdp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
+    fsdp_forward, fsdp_backward = fsdp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
     tp_bytes, tp_sync = tp_seconds(cfg, dims, shape, accum, intra_gbps)
     ep = ep_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
     cp = cp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
@@ -282,8 +295,13 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
     pp = accum * seconds(send_recv_bytes(cfg, dims.pp, dims.tp * dims.cp, shape.dim, compute_bytes),
                          inter_gbps if across_nodes else intra_gbps)
     idle = bubble(cfg, dims.pp)
-    step = (compute + max(0.0, fsdp - compute) + tp + ep + cp + pp) / (1 - idle)
+    # FSDP's collectives hide behind the compute of their own pass: the forward's all-gathers behind the forward,
+    # the backward's all-gathers and reduce-scatters behind the backward; the optimizer step waits for the last.
+    forward = forward_seconds(parts, recompute(cfg))
+    backward = compute - parts["optimizer"] - forward
+    overlapped = max(forward, fsdp_forward) + max(backward, fsdp_backward) + parts["optimizer"]
+    step = (overlapped + tp + ep + cp + pp) / (1 - idle)
     tps = tokens / step
     world = dims.dp_degree * dims.batch_sharing_degree
-    return Speed(compute, tuple(parts.items()), fsdp, tp, ep, cp, pp, idle, step, tps,
+    return Speed(compute, tuple(parts.items()), fsdp_forward + fsdp_backward, tp, ep, cp, pp, idle, step, tps,
                  100 * tps * shape.flops_per_token / (gpu.bf16_tflops * 1e12), tps * world * 86400, 1e9 / tps / 3600)
