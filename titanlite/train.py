@@ -30,7 +30,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.output_folders import check_output_folders
 from titanlite.parallel.cp import sequence_shard
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed, say_user_error
+from titanlite.parallel.dist import DistInfo, close_distributed, exit_process, init_distributed, say_user_error
 from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.offload import HeldBytes, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.plan.startup import predict_on_gpu
@@ -193,4 +193,4 @@ if __name__ == "__main__":
     # A rank killed by a fatal signal (an abort in a collective library, a segfault) prints every thread's
     # Python stack first: otherwise the job's log says only "Signal 6 received" and not where.
     faulthandler.enable(all_threads=True)
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -7,11 +7,14 @@ environment; run as a plain `python -m titanlite.train`, the job is a world of o
 in-memory store, so the same code path (DeviceMesh, collectives, DCP) runs either way.
 """
 
+import atexit
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -147,6 +150,26 @@ def init_distributed(device_choice: str, init_timeout_s: int) -> DistInfo:
 def close_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave the trainer's process with `code`: first all that Python's own exit does for Python code (join
+    the non-daemon threads, run the atexit handlers, which close the log files and stop multiprocessing's
+    children; flush stdout and stderr), then os._exit, which skips only the interpreter's teardown.
+
+    That teardown aborted finished runs. destroy_process_group() cannot free the world group: DeviceMesh
+    reuses it for world-sized dims, and the meshes, FSDP's states and DTensor's caches keep it and the mesh
+    groups alive, with their gloo worker threads, which only freeing a group joins. A worker that frees a
+    collective's tensor after Python has let go of it needs the GIL; when it asks once the teardown has begun
+    (a worker the scheduler starved, under load), Python ends the thread with pthread_exit inside a C++
+    destructor and the process aborts with "terminate called without an active exception" (gdb:
+    pt_gloo_runloop, ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil -> PyThread_exit_thread),
+    so torchrun reports the finished run as failed."""
+    threading._shutdown()  # the interpreter's own first step at exit: joins the threads, stops thread pools
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 REPORTED_KEY = "titanlite/user_error"
