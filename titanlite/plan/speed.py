@@ -66,14 +66,14 @@ class Shape:
     @classmethod
     def of(cls, whole, seq_len: int, flops_per_token: float) -> "Shape":
         args = whole.args
-        block = max(sum(p.numel() for p in b.parameters()) for b in whole.layers.values())
+        largest = max(whole.layers.values(), key=lambda b: sum(p.numel() for p in b.parameters()))
+        block = sum(p.numel() for p in largest.parameters())
         matmul = whole.num_params(exclude_embedding=True)
         # A token goes through top_k of the experts: the idle ones cost it neither matmuls nor traffic.
         active = whole.num_params(exclude_embedding=True, active=True) if hasattr(args, "num_experts") else matmul
         moes = moe_modules(whole)
         # DeepSeek's MLA gives every head a key of qk_head_dim and a value of v_head_dim; the others use head_dim for both.
         key, value = (args.qk_head_dim, args.v_head_dim) if hasattr(args, "qk_head_dim") else (args.head_dim, args.head_dim)
-        largest = max(whole.layers.values(), key=lambda b: sum(p.numel() for p in b.parameters()))
         return cls(args.n_layers, args.dim, args.vocab_size, round(block * active / matmul), active,
                    whole.num_params(), flops_per_token, args.n_kv_heads * (key + value), expert_params(whole), len(moes),
                    moes[0].top_k if moes else 0, *cast_widths(largest, args.dim))
