@@ -134,8 +134,11 @@ def test_pure_bf16_training_with_the_kahan_optimizer_tracks_fp32(tmp_path, eager
 
 
 def test_async_pinned_save_resumes_exactly(tmp_path):
+    """Also the CLI's exit on the GPU (parallel/dist.py exit_process, os._exit after the threads and exit
+    handlers): exit 0, with the last step's pinned asynchronous save complete on disk."""
     flags = ["--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.async_mode", "async_with_pinned_mem"]
     reference = trained(tmp_path, *flags, steps=6)
+    assert (tmp_path / "checkpoint" / "step-6" / ".metadata").is_file()
     shutil.rmtree(tmp_path / "checkpoint" / "step-6")
     resumed = trained(tmp_path, *flags, steps=6, tb="resumed", first=4)
     assert resumed == {s: reference[s] for s in (4, 5, 6)}
