@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist
 
+from preloaded import run_python  # noqa: E402
 from titanlite.models import get_model_args, get_model_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,24 +64,19 @@ def titanlite_logger_fresh():
 
 def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """python -m titanlite.train (nproc 0) or torchrun --standalone with nproc processes, on the CPU
-    unless args say --job.device cuda/auto."""
-    if nproc:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    else:
-        launcher = [sys.executable]
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        launcher + ["-m", "titanlite.train", *ON_CPU, *args], cwd=ROOT, env=full_env,
-        capture_output=True, text=True, timeout=timeout,
-    )
+    unless args say --job.device cuda/auto: the command a user types, run by tests/preloaded.py (the
+    launcher's own imports done once; torchrun's ranks are new interpreters, as from the command line)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    return run_python([*launcher, "-m", "titanlite.train", *ON_CPU, *args], str(ROOT), {**os.environ, **(env or {})}, timeout)
 
 
 def run_test_script(script: str, *args: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """tests/<script> with args, alone (nproc 1) or under torchrun --standalone --nproc_per_node nproc with its
-    ranks forked (tests/forked_torchrun.py): for runs whose subject is the numbers, not the launch."""
-    launcher = [sys.executable, str(ROOT / "tests" / "forked_torchrun.py"), str(nproc)] if nproc > 1 else [sys.executable]
-    return subprocess.run([*launcher, str(ROOT / "tests" / script), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    ranks forked (tests/forked_torchrun.py), run by tests/preloaded.py: for runs whose subject is the numbers,
+    not the launch."""
+    launcher = [str(ROOT / "tests" / "forked_torchrun.py"), str(nproc)] if nproc > 1 else []
+    return run_python([*launcher, str(ROOT / "tests" / script), *args], str(ROOT), {**os.environ, "PYTHONPATH": str(ROOT)},
+                      timeout)
 
 
 def torchrun_json(script: str, tmp_path: Path, *args: str) -> dict:

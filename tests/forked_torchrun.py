@@ -3,8 +3,9 @@
 elastic agent, rendezvous and per-rank environment), but each rank forked from this process after
 it has imported titanlite's trainer instead of started afresh. The layout tests start about 120
 ranks; each would otherwise spend its first ~5 CPU-seconds importing torch and titanlite again.
-Tests whose subject is the launch itself (exit codes, signals, restarts, rank logs) use torchrun's
-command line instead (conftest.run_titanlite)."""
+Tests whose subject is the launch itself (exit codes, signals, restarts, rank logs) start fresh ranks
+from torchrun's own command line instead (conftest.run_titanlite). The tests start this file itself
+from tests/preloaded.py, which has imported it already."""
 
 import os
 import runpy
@@ -15,10 +16,16 @@ from torch.distributed import run as torchrun
 from torch.distributed.launcher.api import elastic_launch
 
 import titanlite.train  # noqa: F401  imported once here, inherited by every forked rank
+from titanlite.models import list_model_specs
+
+# What every rank would import again on its own: the model families (moe.py's compiler.disable brings
+# torch._dynamo) and TensorBoard's writer (the runs write their losses there).
+list_model_specs()
+import torch.utils.tensorboard  # noqa: F401,E402
 
 
 def run_script(path: str, *argv: str) -> None:
-    """One rank: the script as `python script argv...` would run it."""
+    """The script as `python script argv...` would run it (in one rank, or in a launcher of tests/preloaded.py)."""
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(path))
     runpy.run_path(path, run_name="__main__")
