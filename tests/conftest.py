@@ -5,7 +5,6 @@ import logging
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 # Two xdist workers and the ranks they start share 2 cores: one thread per process, and inductor

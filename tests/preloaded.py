@@ -17,12 +17,13 @@ import sys
 import tempfile
 import traceback
 import warnings
+from pathlib import Path
 
 import forked_torchrun  # titanlite's trainer, the families, torchrun, TensorBoard: preloaded below
 from titanlite.parallel.dist import exit_process
 
 _SERVER = multiprocessing.get_context("forkserver")
-_SERVER.set_forkserver_preload(["forked_torchrun", __name__])
+_SERVER.set_forkserver_preload([__name__])  # this module, and with it forked_torchrun's imports
 
 
 def _as_main(args: list[str]) -> None:
@@ -65,8 +66,11 @@ def run_python(args: list[str], cwd: str, env: dict, timeout: float) -> subproce
         launcher = _SERVER.Process(target=_launcher, args=(args, cwd, env, out.name, err.name))
         launcher.start()
         launcher.join(timeout)
-        if launcher.exitcode is None:
+        timed_out = launcher.exitcode is None
+        if timed_out:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.join()
-            raise subprocess.TimeoutExpired(command, timeout, open(out.name).read(), open(err.name).read())
-        return subprocess.CompletedProcess(command, launcher.exitcode, open(out.name).read(), open(err.name).read())
+        stdout, stderr = Path(out.name).read_text(), Path(err.name).read_text()
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(command, launcher.exitcode, stdout, stderr)
