@@ -69,13 +69,18 @@ def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict
     return run_python([*launcher, "-m", "titanlite.train", *ON_CPU, *args], str(ROOT), {**os.environ, **(env or {})}, timeout)
 
 
+def with_root_on_path() -> dict:
+    """This environment with the checkout first on PYTHONPATH, keeping what was there (packages a GPU image
+    carries on PYTHONPATH, say): new interpreters import this titanlite, installed or not."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def run_test_script(script: str, *args: str, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """tests/<script> with args, alone (nproc 1) or under torchrun --standalone --nproc_per_node nproc with its
     ranks forked (tests/forked_torchrun.py), run by tests/preloaded.py: for runs whose subject is the numbers,
     not the launch."""
     launcher = [str(ROOT / "tests" / "forked_torchrun.py"), str(nproc)] if nproc > 1 else []
-    return run_python([*launcher, str(ROOT / "tests" / script), *args], str(ROOT), {**os.environ, "PYTHONPATH": str(ROOT)},
-                      timeout)
+    return run_python([*launcher, str(ROOT / "tests" / script), *args], str(ROOT), with_root_on_path(), timeout)
 
 
 def torchrun_json(script: str, tmp_path: Path, *args: str) -> dict:

@@ -32,6 +32,10 @@ def run_script(path: str, *argv: str) -> None:
 
 
 def main(nproc: str, script: str, *argv: str) -> None:
+    # The forked ranks are CPU (gloo) ranks. On a machine with a GPU, a rank forked after this launcher has
+    # started CUDA cannot start it again ("CUDA error: initialization error"), and torch 2.11's optimizers ask
+    # CUDA whether it is capturing a graph whenever a GPU is visible: hidden before anything counts them.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     args = torchrun.parse_args(["--standalone", f"--nproc_per_node={nproc}", "--start-method", "fork", script, *argv])
     # What --standalone sets in torchrun's run(): a one-node rendezvous on a free local port.
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

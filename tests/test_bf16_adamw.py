@@ -7,18 +7,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from titanlite.bf16_adamw import AdamWBF16Kahan, kahan_adamw_
+from titanlite.bf16_adamw import AdamWBF16Kahan, fused_kahan_adamw_, kahan_adamw_
 from titanlite.config_sections import Optimizer
 from titanlite.errors import UserError
 from titanlite.optim import build_optimizer
 
 
-def regression(dtype, seed=0):
+def regression(dtype, seed=0, device="cpu"):
     """A linear least-squares problem whose weights sit near 1, where bf16's resolution is coarse."""
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.nn.Parameter((1 + 0.1 * torch.randn(32, 32, generator=generator)).to(dtype))
-    inputs = torch.randn(256, 32, generator=generator)
-    targets = inputs @ (1 + 0.1 * torch.randn(32, 32, generator=generator))
+    weight = torch.nn.Parameter((1 + 0.1 * torch.randn(32, 32, generator=generator)).to(device, dtype))
+    inputs = torch.randn(256, 32, generator=generator).to(device)
+    targets = inputs @ (1 + 0.1 * torch.randn(32, 32, generator=generator)).to(device)
     return weight, inputs, targets
 
 
@@ -43,14 +43,16 @@ def test_on_fp32_weights_it_is_adamw():
     torch.testing.assert_close(w1, w2, rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_with_kahan_tracks_fp32_where_plain_bf16_drifts():
-    """Small steps (lr 1e-3 against weights near 1) mostly round away in plain bf16."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bf16_with_kahan_tracks_fp32_where_plain_bf16_drifts(device):
+    """Small steps (lr 1e-3 against weights near 1) mostly round away in plain bf16. CPU: the eager update;
+    CUDA: the compiled kernel."""
     kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    w, x, y = regression(torch.float32)
+    w, x, y = regression(torch.float32, device=device)
     fp32 = train(w, x, y, torch.optim.AdamW([w], **kw), steps=150)
-    w, x, y = regression(torch.bfloat16)
+    w, x, y = regression(torch.bfloat16, device=device)
     kahan = train(w, x, y, AdamWBF16Kahan([w], **kw), steps=150)
-    w, x, y = regression(torch.bfloat16)
+    w, x, y = regression(torch.bfloat16, device=device)
     plain = train(w, x, y, torch.optim.AdamW([w], **kw), steps=150)
     kahan_gap = (kahan - fp32).abs().mean().item()
     plain_gap = (plain - fp32).abs().mean().item()
@@ -68,22 +70,36 @@ def test_states_are_bf16():
 
 
 class EagerKahan(AdamWBF16Kahan):
-    """The same update run op by op, unfused: the oracle for the compiled kernel."""
+    """The same update run op by op, unfused, on any device: the oracle for the compiled kernel."""
 
-    update = staticmethod(kahan_adamw_)
+    def update_for(self, device):
+        return kahan_adamw_
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_compiled_step_matches_the_eager_step(device):
-    """Fusion may contract a multiply-add or reorder an fp32 operation (on CPU the bf16 results come
-    out bit-equal, and one fp32 moment of the fp32 weight differs by 1 ulp): each stored tensor may
-    differ by one ulp of its dtype (finfo.eps relative), and weight + compensation, which a flipped
-    bf16 rounding moves between its two parts, by fp32 rounding (1e-6 relative). On CUDA the update
-    is one Triton kernel per parameter shape (inductor's GPU code, not the CPU's C++), held to the same bounds."""
+class FusedKahan(AdamWBF16Kahan):
+    """The compiled kernel on any device (the optimizer itself compiles it for CUDA parameters only)."""
+
+    def update_for(self, device):
+        return fused_kahan_adamw_
+
+
+def test_the_cpu_update_is_eager_and_the_cuda_update_compiled():
+    optimizer = AdamWBF16Kahan([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))])
+    assert optimizer.update_for(torch.device("cpu")) is kahan_adamw_
+    assert optimizer.update_for(torch.device("cuda")) is fused_kahan_adamw_
+
+
+@pytest.mark.cuda
+def test_compiled_step_matches_the_eager_step():
+    """The update the optimizer runs on CUDA, one Triton kernel per parameter shape, against the same math op
+    by op. Fusion may contract a multiply-add or reorder an fp32 operation: each stored tensor may differ by
+    one ulp of its dtype (finfo.eps relative), and weight + compensation, which a flipped bf16 rounding
+    moves between its two parts, by fp32 rounding (1e-6 relative)."""
     generator = torch.Generator().manual_seed(0)
     shapes = [(64, 32), (32,), (7, 3, 5), (1,)]
     runs = []
-    for optimizer_class in (AdamWBF16Kahan, EagerKahan):
+    device = "cuda"
+    for optimizer_class in (FusedKahan, EagerKahan):
         params = [torch.nn.Parameter(torch.ones(shape, device=device).bfloat16()) for shape in shapes]
         params.append(torch.nn.Parameter(torch.ones(3, device=device)))  # an fp32 weight
         params.append(torch.nn.Parameter(torch.ones(4, 6, device=device).bfloat16().T))  # not contiguous: its own graph
@@ -150,11 +166,12 @@ def test_build_optimizer_refusals():
 
 
 def test_a_failing_compile_is_a_user_error(monkeypatch, tmp_path):
-    """No C++ compiler (CPU): the step names the optimizer and the fixes. float16 weights make a
-    graph no other test compiled, and tmp_path an empty inductor cache, so the compile really runs."""
+    """A compile that fails (here on CPU parameters, through FusedKahan, with no C++ compiler) names the
+    optimizer and the fixes. float16 weights make a graph no other test compiled, and tmp_path an empty
+    inductor cache, so the compile really runs."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/g++",))
     weight = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
     weight.grad = torch.ones(4, dtype=torch.float16)
-    with pytest.raises(UserError, match="AdamWBF16Kahan compiles its update .*InvalidCxxCompiler.*optimizer.name AdamW"):
-        AdamWBF16Kahan([weight]).step()
+    with pytest.raises(UserError, match="AdamWBF16Kahan compiles its GPU update .*InvalidCxxCompiler.*optimizer.name AdamW"):
+        FusedKahan([weight]).step()

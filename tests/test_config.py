@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_titanlite
+from conftest import ROOT, run_titanlite, with_root_on_path
 from titanlite.config import load_config, to_toml, write_resolved_config
 from titanlite.errors import UserError
 
@@ -139,5 +139,5 @@ def test_readme_reference_is_what_the_generator_writes():
     import sys
 
     check = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=ROOT,
-                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+                           env=with_root_on_path(), capture_output=True, text=True)
     assert check.returncode == 0, "README.md's reference is stale: run python scripts/config_reference.py"

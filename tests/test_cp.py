@@ -93,11 +93,11 @@ def test_each_rank_scores_the_same_attention_pairs():
         assert torch.equal(torch.cat([chunk_positions(64, cp, r) for r in range(cp)]).sort().values, torch.arange(64))
 
 
-def attention_inputs(device: str = "cpu", seq_len: int = 32):
-    """q [2, 4 heads, T, 8], k and v with 2 key/value heads, and document ids with 3 + 2 documents."""
+def attention_inputs(device: str = "cpu", seq_len: int = 32, head_dim: int = 8):
+    """q [2, 4 heads, T, head_dim], k and v with 2 key/value heads, and document ids with 3 + 2 documents."""
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, seq_len, 8, generator=generator)
-    k, v = (torch.randn(2, 2, seq_len, 8, generator=generator) for _ in range(2))
+    q = torch.randn(2, 4, seq_len, head_dim, generator=generator)
+    k, v = (torch.randn(2, 2, seq_len, head_dim, generator=generator) for _ in range(2))
     tokens = torch.randint(2, 9, (2, seq_len), generator=generator)
     tokens[0, [7, seq_len - 12]], tokens[1, 13] = 1, 1  # bos: documents start there
     return (*(t.to(device).requires_grad_() for t in (q, k, v)), document_ids(tokens, (1, 0)).to(device))

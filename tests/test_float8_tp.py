@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ON_CPU, ROOT, run_titanlite, tensorboard_scalars, torchrun_json
+from conftest import ON_CPU, ROOT, run_titanlite, tensorboard_scalars, torchrun_json, with_root_on_path
 from test_pipeline_parallel import launch
 from titanlite.train import main
 
@@ -85,7 +85,7 @@ def test_float8_tp_styles_on_the_real_kernels(recipe):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
          str(ROOT / "tests" / "float8_tp_gpu_run.py"), "cuda", recipe],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=with_root_on_path(),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"float8 {recipe} under TP on cuda" in out.stdout

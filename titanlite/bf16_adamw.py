@@ -49,20 +49,35 @@ def kahan_adamw_(weight, grad, exp_avg, exp_avg_sq, compensation, beta1: float, 
 
 @functools.cache
 def compiled_update():
-    """kahan_adamw_ as one fused kernel per parameter: reads 5 and writes 4 bf16 tensors, no fp32 temporaries
-    in memory (eager or foreach ops write each intermediate out). dynamic=True: one graph serves every
-    size; the floats change every step but are graph inputs, not constants. emulate_precision_casts:
-    inductor otherwise folds float(bf16(target)) into target, and the compensation, target -
-    float(weight), would come out 0. Compiled when the first such optimizer is made, not on import:
-    torch.compile loads dynamo and its backends, half a second of start-up for runs with another optimizer."""
+    """kahan_adamw_ as one fused (Triton) kernel per CUDA parameter: reads 5 and writes 4 bf16 tensors, no fp32
+    temporaries in memory (eager or foreach ops write each intermediate out). dynamic=True: one graph serves
+    every size; the floats change every step but are graph inputs, not constants. emulate_precision_casts:
+    inductor otherwise folds float(bf16(target)) into target, and the compensation, target - float(weight),
+    would come out 0. Compiled at the first CUDA step, not on import: torch.compile loads dynamo and its
+    backends, half a second of start-up for runs with another optimizer."""
     return torch.compile(kahan_adamw_, fullgraph=True, dynamic=True, options={"emulate_precision_casts": True})
+
+
+def fused_kahan_adamw_(*args) -> None:
+    """kahan_adamw_ through compiled_update(); a compile that fails (no Triton) is one sentence."""
+    try:
+        compiled_update()(*args)
+    except torch._dynamo.exc.BackendCompilerFailed as e:  # torch.compile has imported torch._dynamo
+        raise UserError(
+            f"optimizer.name AdamWBF16Kahan compiles its GPU update with torch.compile, which failed here "
+            f"({type(e.inner_exception).__name__}); install Triton, or use optimizer.name AdamW") from e
 
 
 class AdamWBF16Kahan(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.update = compiled_update()
+
+    def update_for(self, device: torch.device):
+        """The compiled kernel on CUDA; op by op on the CPU, where the fused kernel's memory traffic matters little
+        and torch 2.11's C++ inductor backend loses the compensation (on the GPU image's torch 2.11 the compiled
+        CPU update trained exactly as plain bf16 AdamW, loss for loss)."""
+        return fused_kahan_adamw_ if device.type == "cuda" else kahan_adamw_
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -80,17 +95,12 @@ class AdamWBF16Kahan(torch.optim.Optimizer):
                 step = state["step"].item()
                 tensors = [local_tensor(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"],
                                                      state["compensation"])]
-                # Flat: one graph serves every shape. detach: the result is no view, so dynamo
+                # Flat: one compiled graph serves every shape. detach: the result is no view, so dynamo
                 # guards no base tensor's shape (which would recompile for every new one).
                 flat = all(t.is_contiguous() for t in tensors)
                 tensors = [(t.view(-1) if flat else t).detach() for t in tensors]
-                try:
-                    self.update(*tensors, beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step), 1 - beta2**step)
-                except torch._dynamo.exc.BackendCompilerFailed as e:  # compiled_update imported torch._dynamo
-                    raise UserError(
-                        f"optimizer.name AdamWBF16Kahan compiles its update with torch.compile, which failed here "
-                        f"({type(e.inner_exception).__name__}); install a C++ compiler (CPU) or Triton (GPU), or use "
-                        "optimizer.name AdamW") from e
+                self.update_for(param.device)(*tensors, beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step),
+                                              1 - beta2**step)
         return loss
 
     def _state(self, param: torch.Tensor) -> dict:

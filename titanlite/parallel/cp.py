@@ -78,10 +78,24 @@ def sequence_shard(seq_len: int, cp_mesh: DeviceMesh, device) -> SequenceShard:
     return shard_of(seq_len, cp_mesh.size(), cp_mesh.get_local_rank(), gather, device)
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands on its gradient contiguous: the gathered keys and values are used
+    with their sequence dim moved back (and a sum over ranks expands its gradient), and torch 2.11's gather
+    reduce-scatters the gradient it is given, which must be contiguous ("Expected input.is_contiguous()")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def gather_ranks(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
     """Every cp rank's x concatenated along dim 0, rank by rank; the backward sums each rank's gradients
     (a reduce-scatter). Traceable by torch.compile, unlike torch.distributed's own collectives."""
-    gathered = _gather_dim0(x.contiguous(), 0, cp_mesh)
+    gathered = _ContiguousGradient.apply(_gather_dim0(x.contiguous(), 0, cp_mesh))
     if x.device.type == "cpu":
         # On gloo two functional collectives in flight at once (the keys' and the values' gathers) corrupt the
         # heap: torch 2.13 aborts with "malloc(): unaligned tcache chunk detected" within a few thousand

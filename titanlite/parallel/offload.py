@@ -82,14 +82,16 @@ def storage_span(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Offloaded:
-    """A saved tensor in host memory; `ready` marks its copy back to the device (CUDA). `uses` counts
+    """A saved tensor in host memory; `ready` marks its copy back to the device (CUDA; `stream` is the side
+    stream of a CUDA tensor's copies, None for a CPU tensor, also on a machine with a GPU). `uses` counts
     the ops that saved it (wq, wk and wv all save the same normed input): one copy out, one copy back,
     and the copy back lives until the last of them has taken it in backward."""
 
-    __slots__ = ("index", "host", "shape", "stride", "device", "on_device", "ready", "uses", "taken", "held", "__weakref__")
+    __slots__ = ("index", "host", "shape", "stride", "device", "stream", "on_device", "ready", "uses", "taken", "held", "__weakref__")
 
     def __init__(self, index: int, tensor: torch.Tensor, stream, held: HeldBytes):
         self.index, self.shape, self.stride, self.device = index, tensor.shape, tensor.stride(), tensor.device
+        self.stream = stream
         self.on_device = self.ready = None
         self.uses, self.taken = 1, 0
         span = storage_span(tensor)
@@ -105,8 +107,9 @@ class _Offloaded:
         # The main stream may free the tensor now; its memory is not reused before the copy is done.
         span.record_stream(stream)
 
-    def fetch(self, stream) -> None:
+    def fetch(self) -> None:
         """Start the copy back (on the side stream, after the copy out on the same stream)."""
+        stream = self.stream
         self.on_device = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
         if stream is None:
             self.on_device.copy_(self.host)
@@ -118,9 +121,9 @@ class _Offloaded:
             self.ready.record()
         self.on_device.record_stream(stream)
 
-    def take(self, stream) -> torch.Tensor:
+    def take(self) -> torch.Tensor:
         if self.on_device is None:
-            self.fetch(stream)
+            self.fetch()
         if self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
         tensor = self.on_device.as_strided(self.shape, self.stride)
@@ -171,9 +174,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def unpack(self, packed):
         if not isinstance(packed, _Offloaded):
             return packed
-        if self.stream is not None:
+        if packed.stream is not None:
             for ref in self.saved[max(0, packed.index - self.PREFETCH):packed.index]:
                 earlier = ref()
                 if earlier is not None and earlier.on_device is None and not earlier.taken:  # not yet in backward
-                    earlier.fetch(self.stream)
-        return packed.take(self.stream)
+                    earlier.fetch()
+        return packed.take()
