@@ -128,6 +128,6 @@ def build_adamw_bf16_kahan(groups: list[dict], cfg) -> AdamWBF16Kahan:
     if cfg.implementation not in ("auto", "fused"):
         raise UserError(
             f"optimizer.implementation {cfg.implementation} does not exist for AdamWBF16Kahan (it updates each "
-            "parameter with one compiled, fused kernel); set it to auto"
+            "CUDA parameter with one compiled, fused kernel); set it to auto"
         )
     return AdamWBF16Kahan(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)

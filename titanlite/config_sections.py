@@ -54,7 +54,7 @@ class Optimizer:
     betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI", at_least=0, below=1, length=2)
     eps: float = opt(1e-8, "Adam epsilon", above=0)
     weight_decay: float = opt(0.1, "decoupled weight decay", at_least=0)
-    implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: always one compiled fused kernel per parameter, auto or fused)", choices=("auto", "fused", "foreach", "for-loop"))
+    implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: one compiled fused kernel per parameter on CUDA, the same math op by op on the CPU; auto or fused)", choices=("auto", "fused", "foreach", "for-loop"))
 
 
 @dataclass

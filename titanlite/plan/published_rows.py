@@ -14,7 +14,8 @@ one H100; torchtitan's Llama 3.1 8B rows on 8 Grand Teton H100s (tt-2412 Table 1
 (tt-2506); its Llama 3 8B rows on 64 A100s (tt-2410). Held out: the 8B's layer shapes on one H100, the
 8B on 128 GPUs, every 13B, 70B and 405B row (TP, PP, async TP, float8 at scale), all of Trainy's
 H200 rows (another team and GPU; no row of theirs tunes), and the 8B's long windows of tt-2412 Table 2
-(32k to 128k tokens, CP, added after the constants were fitted, none refitted). A first run with guessed constants came
+(32k to 128k tokens, CP, added after the constants were fitted, none refitted), and the 1B's best
+configuration measured on titanlite's second GPU run (added after the fit, none refitted). A first run with guessed constants came
 before the rule (it showed that no TP row was among the first choice of tuning rows, which had left
 TP's constants unfittable); no row moved after fitting. `python -m titanlite.plan.published_rows`
 prints every row's prediction and error (docs/benchmarks.md holds its output).
@@ -22,6 +23,8 @@ prints every row's prediction and error (docs/benchmarks.md holds its output).
 Sources (cited per row by key):
 - titanlite-h100: titanlite's one-H100 run, one H100 80GB HBM3, torch 2.11 + CUDA 13, torchao 0.17,
   synthetic tokens under causal attention, November 2026 (docs/benchmarks.md "One H100").
+- titanlite-h100-1126: titanlite's second GPU run, 2026-11-26, the same kind of H100 and software
+  (docs/benchmarks.md "First GPU run"): scripts/gpu_check.py's `best` run.
 - tt-2412: github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit b5bcd76;
   runs of December 2024, torchtitan 9dec370): 8 H100 96GB HBM2e at 500 W per host (Grand Teton),
   NVLink, 400 Gb/s RDMA per GPU. Table 2 (the 8B with FSDP x CP on 8 GPUs, the window growing with CP) is held
@@ -77,7 +80,7 @@ class Row:
 
 
 def row(name, source, config, flags, tps, memory=None, tuning=False, note=""):
-    kind = "allocated" if source == "titanlite-h100" else "reserved"
+    kind = "allocated" if source.startswith("titanlite-") else "reserved"
     if source in EAGER_LOSS_SOURCES:
         flags = [*flags, "--compile.components", "model"]
     return Row(name, source, config, tuple(flags), tps, memory, kind, tuning, note)
@@ -105,6 +108,9 @@ ROWS = [
     row("1B, 1 H100, compile, op AC", "titanlite-h100", "llama3_1b", [*ONE_1B, *COMPILE, *OP_AC, *NO_FLOAT8], 49_270, 31.2, True),
     row("1B, 1 H100, compile, float8 tensorwise", "titanlite-h100", "llama3_1b", [*ONE_1B, *COMPILE, *NO_AC, *TENSORWISE], 58_554, None, True),
     row("1B, 1 H100, compile, float8 rowwise", "titanlite-h100", "llama3_1b", [*ONE_1B, *COMPILE, *NO_AC, *ROWWISE], 51_272, None, True),
+    row("1B, 1 H100, compile, float8 tensorwise, op AC, batch 4", "titanlite-h100-1126", "llama3_1b",
+        ["--training.local_batch_size", "4", *H100, *COMPILE, *OP_AC, *TENSORWISE, "--float8.enable_fsdp_float8_all_gather",
+         "false", "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"], 58_520, 47.0),
     row("8B layer shapes (8 of 32), 1 H100, compile", "titanlite-h100", "llama3_8b", [*LAYERS_8B, *COMPILE, *NO_AC, *NO_FLOAT8], 31_744),
     row("8B layer shapes (8 of 32), 1 H100, compile, float8 tensorwise", "titanlite-h100", "llama3_8b",
         [*LAYERS_8B, *COMPILE, *NO_AC, *TENSORWISE], 34_919),
