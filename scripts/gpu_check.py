@@ -1,11 +1,14 @@
 """Everything a CPU cannot show, on one GPU (issue 17): the test suite with its cuda tier, and the
 benchmark rows of the issue's table at its shape (Llama 3.2 1B, seq 8192, synthetic tokens).
 
-    python3 scripts/gpu_check.py OUT_DIR GROUP [GROUP ...]   groups: tests table offload shapes attention saves
-    python3 scripts/gpu_check.py --list                      every run of every group, with its flags
+    python3 scripts/gpu_check.py OUT_DIR ITEM [ITEM ...]   items: groups (tests cuda table offload shapes
+                                                          attention saves) or single runs (compile, best, ...)
+    python3 scripts/gpu_check.py --list                    every run of every group, with its flags
 
-Each group is sized, from issue 17's timings (never run yet), for one 10-minute command of the
-lent GPU (see shared/GPU.md: carry the wheels, set PYTHONPATH). Each run writes OUT_DIR/NAME.log; after each group OUT_DIR/gpu_check.json and
+Each group is sized, from issue 17's timings, for one 10-minute command of the lent GPU (see
+shared/GPU.md: carry the wheels, set PYTHONPATH); `cuda`, `compile` and `best` ran on one H100 on
+2026-11-26 (docs/benchmarks.md "First GPU run"). Put runs before test groups in one command: a test
+group's leftover processes would share the machine with the runs timed after it. Each run writes OUT_DIR/NAME.log; after each group OUT_DIR/gpu_check.json and
 gpu_check.md hold the run summary figures of every log present so far, next to the planner's
 prediction for the run (the trainer logs both on CUDA). tests/test_gpu_check.py checks on the CPU
 that every run's flags form a valid job, so no GPU minute is lost to a typo.
@@ -132,12 +135,17 @@ def write_report(out: Path) -> str:
     return table
 
 
-def run_tests(out: Path) -> None:
-    """The whole suite, the cuda tier included: it must pass on a machine with one GPU too."""
-    with open(out / "tests.log", "w") as log:
-        code = subprocess.call([sys.executable, "-m", "pytest", "-n", "8", "-q", "-p", "no:cacheprovider", "tests"],
-                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    print(f"tests: {'passed' if code == 0 else f'FAILED (exit {code}), see {out}/tests.log'}", flush=True)
+TEST_GROUPS = {  # name -> pytest's selection: the whole suite (it must pass on a machine with a GPU too), or
+    "tests": [],   # the cuda tier alone (about 2 minutes on one H100 with 16 cores; the whole suite takes 5+)
+    "cuda": ["-m", "cuda"],
+}
+
+
+def run_tests(group: str, out: Path) -> None:
+    with open(out / f"{group}.log", "w") as log:
+        code = subprocess.call([sys.executable, "-m", "pytest", "-n", "8", "-v", "-p", "no:cacheprovider", "-rfEs",
+                                *TEST_GROUPS[group], "tests"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    print(f"{group}: {'passed' if code == 0 else f'FAILED (exit {code}), see {out}/{group}.log'}", flush=True)
 
 
 RUN_TIMEOUT_S = 240  # a run takes about a minute; a hung one must not take the group's whole command with it
@@ -168,10 +176,10 @@ def main(argv: list[str]) -> int:
             for name, flags in runs.items():
                 print(f"{group}\t{name}\t{' '.join(flags)}")
         return 0
-    groups = argv[1:]
-    if not groups or any(group not in (*GROUPS, "tests") for group in groups):
-        print(f"usage: python3 scripts/gpu_check.py OUT_DIR GROUP [GROUP ...] (groups: tests {' '.join(GROUPS)}) | --list",
-              file=sys.stderr)
+    items = argv[1:]
+    if not items or any(item not in (*TEST_GROUPS, *GROUPS, *RUNS) for item in items):
+        print(f"usage: python3 scripts/gpu_check.py OUT_DIR ITEM [ITEM ...] (groups: {' '.join([*TEST_GROUPS, *GROUPS])}; "
+              "or run names, see --list) | --list", file=sys.stderr)
         return 2
     import torch
 
@@ -183,11 +191,11 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0]).resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"gpu_check: {device_name}, torch {torch.__version__}; results in {out}", flush=True)
-    for group in groups:
-        if group == "tests":
-            run_tests(out)
+    for item in items:
+        if item in TEST_GROUPS:
+            run_tests(item, out)
             continue
-        for name in GROUPS[group]:
+        for name in GROUPS.get(item, [item]):
             train(name, out, planner_gpu(device_name))
         print(write_report(out), flush=True)
     return 0

@@ -42,7 +42,9 @@ def test_report_reads_the_run_summary_lines(tmp_path):
 
 def test_unknown_group_is_refused_and_list_names_every_run(capsys):
     assert gpu_check.main(["out", "tabel"]) == 2
-    assert "groups: tests table offload shapes attention saves" in capsys.readouterr().err
+    assert "groups: tests cuda table offload shapes attention saves; or run names" in capsys.readouterr().err
+    assert gpu_check.main(["out", "compile", "cuda"]) == 1  # a run name and a test group: valid, but no GPU here
+    assert "no CUDA GPU is visible" in capsys.readouterr().err
     assert gpu_check.main(["--list"]) == 0
     listed = [line.split("\t")[1] for line in capsys.readouterr().out.splitlines()]
     assert listed == list(gpu_check.RUNS)
