@@ -135,9 +135,9 @@ def write_report(out: Path) -> str:
     return table
 
 
-TEST_GROUPS = {  # name -> pytest's selection: the whole suite (it must pass on a machine with a GPU too), or
-    "tests": [],   # the cuda tier alone (about 2 minutes on one H100 with 16 cores; the whole suite takes 5+)
-    "cuda": ["-m", "cuda"],
+TEST_GROUPS = {  # name -> pytest's selection
+    "tests": [],  # the whole suite: it must pass on a machine with a GPU too (5+ minutes on one H100 with 16 cores)
+    "cuda": ["-m", "cuda"],  # the cuda tier alone (about 2 minutes there)
 }
 
 
