@@ -61,11 +61,19 @@ def titanlite_logger_fresh():
     yield
 
 
-def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict | None = None,
+                  fresh_ranks: bool = False) -> subprocess.CompletedProcess:
     """python -m titanlite.train (nproc 0) or torchrun --standalone with nproc processes, on the CPU
     unless args say --job.device cuda/auto: the command a user types, run by tests/preloaded.py (the
-    launcher's own imports done once; torchrun's ranks are new interpreters, as from the command line)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    launcher's own imports done once). torchrun's ranks are forked from that launcher
+    (tests/forked_torchrun.py), or with fresh_ranks new interpreters, as from the command line: for tests
+    whose subject is the launch (exit codes and torchrun's report, GPUs)."""
+    if nproc and not fresh_ranks:
+        launcher = [str(ROOT / "tests" / "forked_torchrun.py"), str(nproc)]
+    elif nproc:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        launcher = []
     return run_python([*launcher, "-m", "titanlite.train", *ON_CPU, *args], str(ROOT), {**os.environ, **(env or {})}, timeout)
 
 

@@ -189,7 +189,7 @@ def test_eager_1b_shape_trains_with_expandable_segments(tmp_path):
 
 def test_more_processes_than_gpus_is_one_sentence(tmp_path):
     visible = torch.cuda.device_count()
-    out = run_titanlite(gpu_flags(tmp_path, 1, "--job.device", "auto"), nproc=visible + 1, timeout=300)
+    out = run_titanlite(gpu_flags(tmp_path, 1, "--job.device", "auto"), nproc=visible + 1, timeout=300, fresh_ranks=True)
     assert out.returncode != 0
     assert (f"error: {visible + 1} processes on this machine but {visible} visible GPU") in out.stderr, out.stderr[-3000:]
     assert "titanlite/" not in "".join(line for line in out.stderr.splitlines() if line.strip().startswith("File "))
@@ -197,7 +197,7 @@ def test_more_processes_than_gpus_is_one_sentence(tmp_path):
 
 def test_cpu_ranks_on_a_gpu_machine(tmp_path):
     """job.device cpu hides the GPUs: two gloo ranks train even where there are fewer GPUs than ranks."""
-    out = run_titanlite(gpu_flags(tmp_path, 2, "--job.device", "cpu"), nproc=2)
+    out = run_titanlite(gpu_flags(tmp_path, 2, "--job.device", "cpu"), nproc=2, fresh_ranks=True)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "world 2 on cpu" in out.stderr
 

@@ -72,7 +72,7 @@ def test_impossible_degrees_name_degrees_and_world(tmp_path):
     out = run_titanlite(
         ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
          "--parallelism.data_parallel_replicate_degree", "3"],
-        nproc=2,
+        nproc=2, fresh_ranks=True,
     )
     assert out.returncode != 0
     assert ("error: parallelism degrees data_parallel_replicate_degree 3 x context_parallel_degree 1 x "

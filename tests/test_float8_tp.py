@@ -41,7 +41,7 @@ def test_tp2_float8_equals_one_process_float8(tmp_path):
 
 def test_gpt2_fused_qkv_in_float8_under_tp_is_one_sentence(tiny_run):
     out = run_titanlite([*tiny_run, "--model.name", "gpt2", "--float8.enable", "--float8.emulate",
-                         "--parallelism.tensor_parallel_degree", "2"], nproc=2)
+                         "--parallelism.tensor_parallel_degree", "2"], nproc=2, fresh_ranks=True)
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors and set(errors) == {
