@@ -2,7 +2,7 @@
 (or the trainer's command) under torchrun --standalone --nproc_per_node N, with torchrun's own launcher
 (torch.distributed.run's arguments and config, its elastic agent, rendezvous and per-rank environment),
 but each rank forked from this process after it has imported titanlite's trainer instead of started
-afresh. The suite starts about 170 ranks; each would otherwise spend its first ~5 CPU-seconds importing
+afresh. The suite starts about 150 ranks; each would otherwise spend its first ~5 CPU-seconds importing
 torch and titanlite again. Tests whose subject is the launch itself (exit codes and torchrun's report,
 signals, restarts, GPUs) start fresh ranks from torchrun's own command line instead
 (conftest.run_titanlite's fresh_ranks). The tests start this file itself from tests/preloaded.py,
@@ -48,12 +48,10 @@ def main(nproc: str, script: str, *argv: str) -> None:
     # started CUDA cannot start it again ("CUDA error: initialization error"), and torch 2.11's optimizers ask
     # CUDA whether it is capturing a graph whenever a GPU is visible: hidden before anything counts them.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    trainer = script == "-m"
+    trainer = script == "-m"  # torchrun's own flag: argv[0] is then the module
     if trainer and argv[0] != "titanlite.train":
         raise ValueError(f"forked ranks run scripts or -m titanlite.train, not -m {argv[0]}")
-    module = ["--module"] if trainer else []
-    args = torchrun.parse_args(["--standalone", f"--nproc_per_node={nproc}", "--start-method", "fork", *module,
-                                *(argv if trainer else (script, *argv))])
+    args = torchrun.parse_args(["--standalone", f"--nproc_per_node={nproc}", "--start-method", "fork", script, *argv])
     # What --standalone sets in torchrun's run(): a one-node rendezvous on a free local port.
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = torchrun.config_from_args(args)
