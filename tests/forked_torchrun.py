@@ -2,11 +2,11 @@
 (or the trainer's command) under torchrun --standalone --nproc_per_node N, with torchrun's own launcher
 (torch.distributed.run's arguments and config, its elastic agent, rendezvous and per-rank environment),
 but each rank forked from this process after it has imported titanlite's trainer instead of started
-afresh. The suite starts about 150 ranks; each would otherwise spend its first ~5 CPU-seconds importing
-torch and titanlite again. Tests whose subject is the launch itself (exit codes and torchrun's report,
-signals, restarts, GPUs) start fresh ranks from torchrun's own command line instead
-(conftest.run_titanlite's fresh_ranks). The tests start this file itself from tests/preloaded.py,
-which has imported it already."""
+afresh. The layout tests start about 120 ranks and conftest.run_titanlite's runs about 40; each would
+otherwise spend its first ~5 CPU-seconds importing torch and titanlite again. Tests whose subject is the
+launch itself (exit codes and torchrun's report, signals, restarts, GPUs) start fresh ranks from torchrun's
+own command line instead (conftest.run_titanlite's fresh_ranks). The tests start this file itself from
+tests/preloaded.py, which has imported it already."""
 
 import faulthandler
 import os
