@@ -327,7 +327,7 @@ LOADER_ROWS = ((2048, 8, 0), (256, 8, 0), (2048, 8, 2))  # (seq_len, local batch
 def loader_throughput(args) -> None:
     """--loader: tokens/s that one process's loader delivers from a token store (the sample corpus
     prepared into <work-dir>/sample_store), with no model: what it could feed a training step."""
-    from titanlite.data.datasets import build_dataloader
+    from titanlite.data.datasets import DataSpec, build_dataloader
     from titanlite.data.prepare import prepare
     from titanlite.data.store import is_store
     from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
@@ -340,8 +340,7 @@ def loader_throughput(args) -> None:
     print(f"command: {command()}")
     print("| loader | tokens/s per process |\n|---|---:|")
     for seq_len, batch, workers in LOADER_ROWS:
-        loader = build_dataloader(dataset="sample", dataset_path=str(store), text_field="text", tokenizer=tokenizer,
-                                  seq_len=seq_len, batch_size=batch, dp_rank=0, dp_world=1, seed=0, num_workers=workers)
+        loader = build_dataloader(DataSpec("sample", str(store), seq_len, batch, num_workers=workers), tokenizer, 0, 1, 0)
         batches = iter(loader)
         next(batches)  # start-up (worker processes, the first epoch's order) is not the steady rate
         tokens, began = 0, time.perf_counter()

@@ -1,4 +1,4 @@
-"""Regenerate README.md's "Configuration reference" from titanlite/config_sections.py (the same text
+"""Regenerate docs/configuration.md's "Configuration reference" from titanlite/config_sections.py (the same text
 as `python -m titanlite.train --help`): python scripts/config_reference.py [--check]."""
 
 import dataclasses
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from titanlite.config import SECTION_ALIASES, _sections, _type_name, field_doc
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 HEADING = "## Configuration reference"
 
 
@@ -45,12 +45,12 @@ def reference() -> str:
 
 
 def main() -> int:
-    text = README.read_text()
+    text = PAGE.read_text()
     before = text.split(HEADING, 1)[0]
     updated = before + reference()
     if "--check" in sys.argv[1:]:
         return 0 if updated == text else 1
-    README.write_text(updated)
+    PAGE.write_text(updated)
     return 0
 
 

@@ -155,6 +155,19 @@ def materialize(name: str, args, seed: int = 0):
     return model
 
 
+def checkpointed_run(model, checkpoint, dump_folder, model_name: str = "linear", args=None, spec=None):
+    """What CheckpointManager reads of build.py's Run, for a model a test built itself on one rank."""
+    from types import SimpleNamespace
+
+    from titanlite.config_sections import JobConfig
+
+    cfg = JobConfig()
+    cfg.checkpoint, cfg.job.dump_folder = checkpoint, str(dump_folder)
+    return SimpleNamespace(cfg=cfg, model=model, label=model_name, args=args, tokenizer=SimpleNamespace(path=None),
+                           spec=SimpleNamespace(hf_adapter=spec.hf_adapter if spec else None),
+                           dims=SimpleNamespace(dp_rank=0, dp_degree=1))
+
+
 @pytest.fixture
 def world_of_one():
     """A one-rank gloo process group in this process (for CheckpointManager and other collectives)."""

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import materialize
+from conftest import checkpointed_run, materialize
 from titanlite.checkpoint import CheckpointManager
 from titanlite.checkpoint.async_save import host_tensors
 from titanlite.config_sections import Checkpoint
@@ -35,11 +35,9 @@ def test_the_optimizer_step_after_an_async_save_waits_for_its_copy_into_reused_b
     optimizer.step()  # the optimizer now has its moments, saved with the model
     backward(model, args.vocab_size)  # gradients for the step right after the save
 
-    manager = CheckpointManager(
-        replace(Checkpoint(), enable=True, interval=1, async_mode="async"), str(tmp_path), model=model,
-        optimizer=optimizer, lr_scheduler=scheduler, dataloader=StatefulDataLoader(list(range(4))), dp_rank=0,
-        dp_degree=1, model_name="llama3/debugmodel", model_args=args, hf_adapter=spec.hf_adapter,
-    )
+    run = checkpointed_run(model, replace(Checkpoint(), enable=True, interval=1, async_mode="async"), tmp_path,
+                           "llama3/debugmodel", args, spec)
+    manager = CheckpointManager(run, optimizer, scheduler, StatefulDataLoader(list(range(4))))
     saved_at = {}
     for step in (1, 2):  # the second save copies into the host buffers the first one made
         at_save = {name: tensor.clone() for name, tensor in model.state_dict().items()}

@@ -13,7 +13,7 @@ from test_hf_tokenizer import write_hf_folder
 from titanlite.data import chat_example
 from titanlite.config_sections import Model
 from titanlite.data.chat import ChatRenderer, tokenize_conversation
-from titanlite.data.datasets import build_dataloader
+from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
@@ -95,9 +95,9 @@ def test_trained_tokens_per_train_on(folder, tmp_path):
 
 
 def loader(folder, data, seq_len, batch_size=2, **overrides):
-    args = dict(dataset="sample", dataset_path=str(data), text_field="text", tokenizer=build_tokenizer(Model(hf_assets_path=str(folder))),
-                seq_len=seq_len, batch_size=batch_size, dp_rank=0, dp_world=1, seed=0, infinite=False, dataset_format="chat")
-    return build_dataloader(**{**args, **overrides})
+    spec = DataSpec(**{"dataset": "sample", "dataset_path": str(data), "seq_len": seq_len, "batch_size": batch_size,
+                       "infinite": False, "dataset_format": "chat", **overrides})
+    return build_dataloader(spec, build_tokenizer(Model(hf_assets_path=str(folder))), 0, 1, 0)
 
 
 def test_masked_loss_by_hand_on_two_conversations(folder, tmp_path):

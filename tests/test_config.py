@@ -120,7 +120,7 @@ def test_readme_reference_documents_every_key_with_its_default():
     from titanlite.config import range_text
     from titanlite.config_sections import JobConfig
 
-    reference = (ROOT / "README.md").read_text().split("## Configuration reference", 1)[1]
+    reference = (ROOT / "docs" / "configuration.md").read_text().split("## Configuration reference", 1)[1]
     for section in dataclasses.fields(JobConfig):
         table = reference.split(f"**`[{section.name}]`**", 1)[1].split("**`[", 1)[0]
         for f in dataclasses.fields(section.type):
@@ -131,7 +131,7 @@ def test_readme_reference_documents_every_key_with_its_default():
             row = table.split(f"| `{f.name}` |", 1)[-1].split("\n")[0]
             assert f"| `{f.name}` |" in table and f"| {shown} |" in row, (section.name, f.name)
             bounds = range_text(f.metadata)
-            assert not bounds or f"({bounds}) |" in row, (section.name, f.name, "the README row lacks the range")
+            assert not bounds or f"({bounds}) |" in row, (section.name, f.name, "the reference row lacks the range")
 
 
 def test_readme_reference_is_what_the_generator_writes():
@@ -140,4 +140,4 @@ def test_readme_reference_is_what_the_generator_writes():
 
     check = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=ROOT,
                            env=with_root_on_path(), capture_output=True, text=True)
-    assert check.returncode == 0, "README.md's reference is stale: run python scripts/config_reference.py"
+    assert check.returncode == 0, "docs/configuration.md's reference is stale: run python scripts/config_reference.py"

@@ -13,7 +13,7 @@ import torch
 
 from conftest import logged_losses, run_titanlite
 from titanlite.config_sections import Model
-from titanlite.data.datasets import DataParallelLoader, build_dataloader
+from titanlite.data.datasets import DataParallelLoader, DataSpec, build_dataloader
 from titanlite.data.documents import IndexedDocuments, StreamedDocuments
 from titanlite.data.packing import PackedTokens
 from titanlite.data.sample_corpus import sample_documents
@@ -32,12 +32,9 @@ def hf_cache_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
 
 
-def loader(tokenizer, **overrides):
-    args = dict(
-        dataset="sample", dataset_path="", text_field="text", tokenizer=tokenizer, seq_len=16,
-        batch_size=2, dp_rank=0, dp_world=1, seed=0, num_workers=0, infinite=True,
-    )
-    return build_dataloader(**{**args, **overrides})
+def loader(tokenizer, *, dp_rank=0, dp_world=1, seed=0, **overrides):
+    data = DataSpec(**{"dataset": "sample", "dataset_path": "", "seq_len": 16, "batch_size": 2, **overrides})
+    return build_dataloader(data, tokenizer, dp_rank, dp_world, seed)
 
 
 def take(batches, count: int) -> list:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import DEBUG_CONFIG, ON_CPU, ROOT, logged_losses, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.data.chat_example import write_tokenizer_folder
-from titanlite.data.datasets import build_dataloader
+from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import list_model_specs
 from titanlite.models.hf_folder import matching_flavor
@@ -75,8 +75,7 @@ def test_first_step_loss_equals_transformers_on_the_same_batch(tmp_path, tokeniz
     ours = tensorboard_scalars(tmp_path / "run" / "tb", "loss/train")[1]
 
     tokenizer = build_tokenizer(load_config(folder_flags(folder, tmp_path / "run")).model)
-    loader = build_dataloader(dataset="synthetic", dataset_path="", text_field="text", tokenizer=tokenizer, seq_len=64,
-                              batch_size=2, dp_rank=0, dp_world=1, seed=0)
+    loader = build_dataloader(DataSpec("synthetic", "", 64, 2), tokenizer, 0, 1, 0)
     inputs, labels = next(iter(loader))[:2]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     with torch.no_grad():

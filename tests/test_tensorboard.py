@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import DEBUG_CONFIG, ROOT, logged_losses, run_titanlite
+from conftest import DEBUG_CONFIG, ROOT, checkpointed_run, logged_losses, run_titanlite
 from titanlite.checkpoint import CheckpointManager
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.config_sections import Checkpoint
@@ -201,10 +201,8 @@ def test_a_save_that_waits_for_the_previous_write_says_so_once(tmp_path, world_o
     model = torch.nn.Linear(512, 512)
     optimizer = torch.optim.AdamW(model.parameters())
     manager = CheckpointManager(
-        Checkpoint(enable=True, interval=1, async_mode="async"), str(tmp_path), model=model, optimizer=optimizer,
-        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-        dataloader=StatefulDataLoader(list(range(4))), dp_rank=0, dp_degree=1, model_name="linear", model_args=None,
-        hf_adapter=None,
+        checkpointed_run(model, Checkpoint(enable=True, interval=1, async_mode="async"), tmp_path), optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), StatefulDataLoader(list(range(4))),
     )
     for step in (1, 2, 3):  # no training between the saves: each one starts while the previous one writes
         manager.maybe_save(step)

@@ -15,7 +15,7 @@ import torch
 
 from conftest import ROOT, logged_losses, run_titanlite, tensorboard_scalars
 from titanlite.config_sections import DataSource
-from titanlite.data.datasets import build_dataloader
+from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.documents import IndexedDocuments
 from titanlite.data.global_order import MIX_BLOCK, GlobalOrderLoader, block_counts
 from titanlite.data.packing import PackedTokens
@@ -56,9 +56,8 @@ def txt_folder(folder: Path, count: int, word: str) -> Path:
 
 def loader(path_or_mix, tokenizer, *, dp_rank=0, dp_world=1, batch=2, workers=0, seed=0):
     mix = path_or_mix if isinstance(path_or_mix, list) else []
-    return build_dataloader(dataset="sample", dataset_path="" if mix else str(path_or_mix), text_field="text",
-                            tokenizer=tokenizer, seq_len=SEQ, batch_size=batch, dp_rank=dp_rank, dp_world=dp_world,
-                            seed=seed, num_workers=workers, dataset_mix=mix)
+    data = DataSpec("sample", "" if mix else str(path_or_mix), SEQ, batch, num_workers=workers, dataset_mix=mix)
+    return build_dataloader(data, tokenizer, dp_rank, dp_world, seed)
 
 
 def global_batches(make, world: int, batch: int, accum: int, steps: int) -> list[set]:
@@ -224,8 +223,7 @@ def test_a_missing_or_empty_mix_source_is_one_sentence(tokenizer, tmp_path, mix,
     with pytest.raises(UserError, match=fault.format(tmp=tmp_path)):
         loader(sources, tokenizer)
     with pytest.raises(UserError, match="training.dataset_mix is set together with training.dataset 'c4'"):
-        build_dataloader(dataset="c4", dataset_path="", text_field="text", tokenizer=tokenizer, seq_len=SEQ, batch_size=1,
-                         dp_rank=0, dp_world=1, seed=0, dataset_mix=sources)
+        build_dataloader(DataSpec("c4", "", SEQ, 1, dataset_mix=sources), tokenizer, 0, 1, 0)
 
 
 def test_a_mix_trains_and_reports_tokens_per_source(sample_store, tmp_path, tiny_run):
@@ -283,8 +281,8 @@ def test_benchmark_prints_the_loader_tokens_per_second(tmp_path):
 
 def test_validation_reads_a_store_in_one_finite_pass(sample_store, tokenizer):
     def pass_of(rank: int) -> list:
-        finite = build_dataloader(dataset="sample_val", dataset_path=str(sample_store), text_field="text", tokenizer=tokenizer,
-                                  seq_len=SEQ, batch_size=4, dp_rank=rank, dp_world=2, seed=0, infinite=False, section="validation")
+        finite = build_dataloader(DataSpec("sample_val", str(sample_store), SEQ, 4, infinite=False, section="validation"),
+                                  tokenizer, rank, 2, 0)
         first, again = list(finite), list(finite)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again)) and len(first) == len(again)
         return first

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from conftest import DEBUG_CONFIG, logged_losses, run_titanlite, tensorboard_scalars
 from titanlite.config_sections import Parallelism, Training, Validation
-from titanlite.data.datasets import build_dataloader
+from titanlite.data.datasets import DataSpec, build_dataloader
+from titanlite.loss import cross_entropy_loss
+from titanlite.step import ForwardSettings
 from titanlite.data.sample_corpus import HELD_OUT, sample_documents, sample_split
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer
 from titanlite.errors import UserError
@@ -48,6 +50,18 @@ class Recorder:
         self.calls.append((step, loss, perplexity, batches, tokens))
 
 
+def validated(validation: Validation, training: Training, tokenizer, dims):
+    """What Validator reads of build.py's Run, for a model a test built itself on one rank."""
+    from types import SimpleNamespace
+
+    from titanlite.config_sections import JobConfig
+
+    cfg = JobConfig()
+    cfg.validation, cfg.training = validation, training
+    return SimpleNamespace(cfg=cfg, loss_fn=cross_entropy_loss, forward=ForwardSettings(training.mixed_precision_param, False),
+                           pipeline=None, dims=dims, device=torch.device("cpu"), tokenizer=tokenizer)
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -73,8 +87,7 @@ def tiny_model(vocab_size: int, family: str = "llama3"):
 
 
 def held_out_batches(tokenizer, count: int | None = None) -> list:
-    loader = build_dataloader(dataset="sample_val", dataset_path="", text_field="text", tokenizer=tokenizer,
-                              seq_len=32, batch_size=2, dp_rank=0, dp_world=1, seed=0, infinite=False)
+    loader = build_dataloader(DataSpec("sample_val", "", 32, 2, infinite=False), tokenizer, 0, 1, 0)
     return list(loader)[:count]
 
 
@@ -82,8 +95,7 @@ def test_validator_reads_the_same_batches_every_time_and_weighs_tokens(one_rank,
     model = tiny_model(tokenizer.vocab_size)
     training = Training(local_batch_size=2, seq_len=32, mixed_precision_param="float32")
     recorder = Recorder()
-    validator = Validator(Validation(enable=True, steps=3), training, tokenizer=tokenizer, dims=one_rank,
-                          device=torch.device("cpu"), seed=0, metrics=recorder)
+    validator = Validator(validated(Validation(enable=True, steps=3), training, tokenizer, one_rank), recorder)
 
     first = validator.validate(model, step=5)
     assert model.training  # back in train mode
@@ -98,16 +110,15 @@ def test_validator_reads_the_same_batches_every_time_and_weighs_tokens(one_rank,
     assert first[1] == pytest.approx(math.exp(expected), rel=1e-6)
     assert recorder.calls[0] == (5, first[0], first[1], 3, 3 * 2 * 32)
 
-    whole = Validator(Validation(enable=True, steps=-1), training, tokenizer=tokenizer, dims=one_rank,
-                      device=torch.device("cpu"), seed=0, metrics=recorder)
+    whole = Validator(validated(Validation(enable=True, steps=-1), training, tokenizer, one_rank), recorder)
     whole.validate(model, step=1)
     assert recorder.calls[-1][3] == len(held_out_batches(tokenizer))  # steps -1: the whole held-out split
 
 
 def test_validation_forwards_stay_out_of_the_moe_router_statistics(one_rank, tokenizer):
     model = tiny_model(tokenizer.vocab_size, "mixtral")
-    validator = Validator(Validation(enable=True, steps=2), Training(local_batch_size=2, seq_len=32), tokenizer=tokenizer,
-                          dims=one_rank, device=torch.device("cpu"), seed=0, metrics=Recorder())
+    validator = Validator(validated(Validation(enable=True, steps=2), Training(local_batch_size=2, seq_len=32), tokenizer,
+                                    one_rank), Recorder())
     validator.validate(model, step=1)
     assert model.extra_metrics() == {}  # what the next training log reports counts training forwards only
 
@@ -125,8 +136,7 @@ def test_bad_validation_settings_are_user_errors(overrides, message):
 
 def test_synthetic_cannot_be_validated_on(one_rank, tokenizer):
     with pytest.raises(UserError, match="validation.dataset synthetic is an endless stream"):
-        Validator(Validation(enable=True, dataset="synthetic"), Training(), tokenizer=tokenizer, dims=one_rank,
-                  device=torch.device("cpu"), seed=0, metrics=Recorder())
+        Validator(validated(Validation(enable=True, dataset="synthetic"), Training(), tokenizer, one_rank), Recorder())
 
 
 # --- real runs ---------------------------------------------------------------------------------
@@ -163,8 +173,7 @@ def test_two_ranks_agree_and_stop_together_with_rank_logs(tmp_path, tokenizer):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": f"doc {i}: " + "held out words " * (15 * (i + 1))}) + "\n" for i in range(6)))
     shares = [
-        len(list(build_dataloader(dataset="local", dataset_path=str(data), text_field="text", tokenizer=tokenizer,
-                                  seq_len=64, batch_size=2, dp_rank=rank, dp_world=2, seed=0, infinite=False)))
+        len(list(build_dataloader(DataSpec("local", str(data), 64, 2, infinite=False), tokenizer, rank, 2, 0)))
         for rank in range(2)
     ]
     assert shares[0] != shares[1] and min(shares) > 0, shares

@@ -32,7 +32,7 @@ def test_a_blocked_rank_is_named_the_job_exits_3_and_resumes_from_the_last_check
     (sentence,) = re.findall(r"ERROR (hang: .*)", err)
     assert sentence.startswith("hang: ranks 0, 1 did not finish step 3; rank 0 finished step 2, now in step 3: "), sentence
     assert re.search(r"rank 1 finished step 2, now in step 3: train_step_with_a_fault \(.*fault_run.py:\d+\), called from "
-                     r"train \(.*titanlite/train.py:\d+\)", sentence), sentence
+                     r"one_step \(.*titanlite/train.py:\d+\)", sentence), sentence
     assert "exiting with code 3" in sentence
     assert "exitcode  : 3" in err  # torchrun's report: the workers' own exit code
     for rank in (0, 1):

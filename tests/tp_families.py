@@ -14,12 +14,11 @@ import torch.distributed as dist
 from titanlite.config import load_config
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import get_model_spec
-from titanlite.models.attention import document_delimiters
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.dims import ParallelDims
-from titanlite.build import build_model, resolve_model_args
+from titanlite.build import Run, build_model, resolve_model_args
 from titanlite.loss import cross_entropy_loss
-from titanlite.step import StepSettings, train_step
+from titanlite.step import ForwardSettings, StepSettings, train_step
 
 STEPS, BATCH, SEQ = 5, 2, 64
 
@@ -34,6 +33,8 @@ def losses(name: str, world: int, flags: tuple[str, ...] = ()) -> list[float]:
     if world > 1:
         dims.build_mesh("cpu")
     model, *_ = build_model(cfg, spec, args, dims, torch.device("cpu"), cross_entropy_loss)
+    run = Run(cfg, types.SimpleNamespace(device=torch.device("cpu")), dims, spec, args, tokenizer, model, None,
+              cross_entropy_loss, ForwardSettings.of(cfg, dims, torch.device("cpu"), tokenizer), StepSettings.of(cfg, 1), 0, 0.0)
     optimizer = build_optimizer(model, cfg.optimizer, "cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     generator = torch.Generator().manual_seed(0)  # the same batches for both runs
@@ -42,9 +43,7 @@ def losses(name: str, world: int, flags: tuple[str, ...] = ()) -> list[float]:
         w[:, 10::23] = tokenizer.bos_id
     batches = iter([(w[:, :-1], w[:, 1:]) for w in windows])
     metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
-    delimiters = document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
-    return [train_step(model, optimizer, scheduler, batches, StepSettings.of(cfg, dims, 1), dims, torch.device("cpu"), metrics,
-                       cross_entropy_loss, delimiters=delimiters)[0].item() for _ in range(STEPS)]
+    return [train_step(run, optimizer, scheduler, batches, metrics)[0].item() for _ in range(STEPS)]
 
 
 def write_from_rank0(out_path: str, results) -> None:

@@ -32,9 +32,11 @@ from titanlite.models.init import local_tensor
 MAX_BETA2 = 0.99
 
 
-def kahan_adamw_(weight, grad, exp_avg, exp_avg_sq, compensation, beta1: float, beta2: float, eps: float,
-                 decay_factor: float, step_size: float, bias_correction2: float) -> None:
-    """The Kahan-compensated AdamW step of the module doc for one parameter, in place, fp32 arithmetic."""
+def kahan_adamw_(tensors: list[torch.Tensor], beta1: float, beta2: float, eps: float, decay_factor: float,
+                 step_size: float, bias_correction2: float) -> None:
+    """The Kahan-compensated AdamW step of the module doc for one parameter, in place, fp32 arithmetic;
+    `tensors`: the weight, its gradient, exp_avg, exp_avg_sq and the compensation."""
+    weight, grad, exp_avg, exp_avg_sq, compensation = tensors
     grad = grad.float()
     m = exp_avg.float().lerp(grad, 1 - beta1)
     v = exp_avg_sq.float() * beta2 + grad * grad * (1 - beta2)
@@ -99,7 +101,7 @@ class AdamWBF16Kahan(torch.optim.Optimizer):
                 # guards no base tensor's shape (which would recompile for every new one).
                 flat = all(t.is_contiguous() for t in tensors)
                 tensors = [(t.view(-1) if flat else t).detach() for t in tensors]
-                self.update_for(param.device)(*tensors, beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step),
+                self.update_for(param.device)(tensors, beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step),
                                               1 - beta2**step)
         return loss
 

@@ -1,6 +1,7 @@
-"""The build path the trainer and the planner share: a job's model args (from its flavor), the model on
-the meta device, how it is parallelized, and the accumulation steps. Whatever the trainer builds, the
-planner counts, because both call these functions."""
+"""The build path the trainer, the planner, the generator and the evaluator share: a job's model args (from
+its flavor or an HF folder), the model on the meta device, how it is parallelized, the accumulation steps,
+and `build_run`, which builds all of it once into a frozen `Run`. Whatever the trainer builds, the planner
+counts, because both call these functions."""
 
 import dataclasses
 import functools
@@ -11,15 +12,77 @@ import torch
 from torch import nn
 
 from titanlite.config_sections import JobConfig, LoRA, Model, Training
+from titanlite.data.datasets import DataSpec
+from titanlite.data.tokenizer import build_tokenizer
 from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
+from titanlite.loss import build_loss
 from titanlite.lora import apply_lora, init_lora
-from titanlite.models import get_model_args
+from titanlite.models import ModelSpec, get_model_args, get_model_spec
 from titanlite.models.hf_folder import is_model_folder, read_model_folder
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.dist import DistInfo
+from titanlite.parallel.offload import note_if_offload_saves_nothing
 from titanlite.parallel.parallelize import ParallelizeSettings, parallelize_decoder
-from titanlite.parallel.pp import build_pipeline
+from titanlite.parallel.pp import Pipeline, build_pipeline
 from titanlite.parallel.tp import place_grads_like_params
+from titanlite.step import ForwardSettings, StepSettings
+from titanlite.validation import check_validation
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Everything a job builds before its loop, once: the trainer's step, validation, the checkpoint
+    manager, the planner's start-up prediction, the generator and the evaluator read it from here instead
+    of each threading its own copies."""
+
+    cfg: JobConfig
+    info: DistInfo  # this process: rank, world size, device
+    dims: ParallelDims  # the mesh and its degrees
+    spec: ModelSpec  # the model family
+    args: object  # the family's model args (flavor or HF folder, vocab and depth resolved)
+    tokenizer: object
+    model: nn.Module  # this rank's model: sharded as the layout says; under PP its stage(s)
+    pipeline: Pipeline | None  # None without pipeline parallelism
+    loss_fn: Callable
+    forward: ForwardSettings
+    step: StepSettings
+    num_params: int  # the whole model's
+    flops_per_token: float  # training FLOPs per token (metrics.py's MFU)
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def label(self) -> str:
+        return model_label(self.cfg.model)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over all data-parallel ranks."""
+        training = self.cfg.training
+        return training.local_batch_size * training.seq_len * self.dims.dp_degree * self.step.accum_steps
+
+
+def build_run(cfg: JobConfig, info: DistInfo) -> Run:
+    """config -> mesh -> tokenizer -> model args -> the model, parallelized, allocated and initialised
+    (weights are loaded afterwards, by the checkpoint manager) -> the step's and forward's settings."""
+    dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
+    dims.build_mesh(info.device.type)
+    seed_everything(cfg.job.seed, cfg.training.deterministic)
+    tokenizer = build_tokenizer(cfg.model)
+    spec = get_model_spec(cfg.model.name)
+    args = resolve_model_args(cfg, spec, tokenizer.vocab_size)
+    if cfg.validation.enable:
+        check_validation(cfg.validation, cfg.training, args.max_seq_len)
+    loss_fn = build_loss(cfg.training, cfg.compile)
+    model, num_params, flops_per_token, pipeline = build_model(cfg, spec, args, dims, info.device, loss_fn)
+    note_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
+    accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
+    return Run(cfg, info, dims, spec, args, tokenizer, model, pipeline, loss_fn,
+               ForwardSettings.of(cfg, dims, info.device, tokenizer), StepSettings.of(cfg, accum_steps),
+               num_params, flops_per_token)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -63,6 +126,13 @@ def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
     return args
 
 
+def training_data(cfg: Training) -> DataSpec:
+    """The [training] section's data keys, as the data loader takes them."""
+    return DataSpec(cfg.dataset, cfg.dataset_path, cfg.seq_len, cfg.local_batch_size, text_field=cfg.dataset_text_field,
+                    num_workers=cfg.num_workers, dataset_mix=cfg.dataset_mix, dataset_format=cfg.dataset_format,
+                    train_on=cfg.train_on, chat_template=cfg.chat_template)
+
+
 def grad_accumulation_steps(cfg: Training, dp_degree: int) -> int:
     """Micro-steps per optimizer step so that local x dp x micro-steps = global batch."""
     per_micro_step = cfg.local_batch_size * dp_degree
@@ -98,6 +168,18 @@ def parallelizer(spec, dims: ParallelDims, settings: ParallelizeSettings) -> Cal
     return functools.partial(parallelize_decoder, dims=dims, settings=settings, apply_tp=spec.apply_tp)
 
 
+def materialize(part: nn.Module, seed: int, device: torch.device, tp_enabled: bool) -> nn.Module:
+    """A parallelized meta model (or one pipeline stage of it) allocated on the device, only this rank's
+    shards, and initialised from the seed (its LoRA adapters too), in training mode."""
+    part.to_empty(device=device)
+    if tp_enabled:
+        place_grads_like_params(part)
+    part.init_weights(seed=seed)
+    init_lora(part, seed)
+    part.train()
+    return part
+
+
 def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.device, loss_fn):
     """Meta-device model -> (this rank's pipeline stages) -> parallelize -> allocate only this rank's
     shards -> initialise them. Returns the model, its size and FLOPs, and the Pipeline (None without PP)."""
@@ -105,15 +187,9 @@ def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.de
     num_params = model.num_params()
     flops_per_token = model_flops_per_token(spec, model, cfg.training.seq_len)
     parallelize = parallelizer(spec, dims, ParallelizeSettings.of(cfg))
+    allocate = functools.partial(materialize, seed=cfg.job.seed, device=device, tp_enabled=dims.tp_enabled)
     if dims.pp_enabled:
-        model, pipeline = build_pipeline(model, dims, cfg.parallelism, cfg.training.local_batch_size, cfg.job.seed,
-                                         parallelize, device, loss_fn)
+        model, pipeline = build_pipeline(model, dims, cfg.parallelism, cfg.training.local_batch_size, parallelize, allocate,
+                                         device, loss_fn)
         return model, num_params, flops_per_token, pipeline
-    model = parallelize(model)
-    model.to_empty(device=device)
-    if dims.tp_enabled:
-        place_grads_like_params(model)
-    model.init_weights(seed=cfg.job.seed)
-    init_lora(model, cfg.job.seed)
-    model.train()
-    return model, num_params, flops_per_token, None
+    return allocate(parallelize(model)), num_params, flops_per_token, None

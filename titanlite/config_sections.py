@@ -157,6 +157,10 @@ class Compile:
     components: list[str] = opt(["model", "loss"], "what to compile: model (each block, fullgraph; under expert parallelism with graph breaks at the token dispatch), loss", choices=("model", "loss"))
     backend: str = opt("inductor", "torch.compile backend: inductor (fast kernels), aot_eager (no codegen, for debugging numerics)")
 
+    def compiles(self, component: str) -> bool:
+        """components holds only known names: the config checks them against its choices."""
+        return self.enable and component in self.components
+
 
 @dataclass
 class Float8:

@@ -7,6 +7,8 @@
 - Tensor parallelism's loss parallel: cross-entropy on vocab-sharded logits.
 - `micro_batch_loss`: forward plus loss of one micro-batch, the one function the train step,
   validation and the planner run; `stage_loss`/`stage_forward`: the same for a pipeline's last stage.
+- `LossScale`: how each micro-batch mean enters a step's loss (gradient accumulation, chat data's
+  per-token weights, a pipeline's microbatches), so that the step is that of one process.
 
 The chunked loss. The plain path makes the logits of the whole micro-batch, [N, vocab] in the compute
 dtype, then their fp32 upcast and what cross_entropy keeps for backward: at Llama 3's vocabulary
@@ -27,13 +29,13 @@ import functools
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config_sections import Compile, Training
 from titanlite.data.conversation_windows import IGNORED
-from titanlite.parallel.compile import compiles
 
 
 def chunk_loss(logits: torch.Tensor, labels: torch.Tensor, grad_scale: float | None = None):
@@ -119,8 +121,46 @@ def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORED).sum()
 
 
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """How each micro-batch mean enters the step's loss, so that the loss and the gradients are those of
+    one process holding the whole global batch, whatever the layout.
+
+    Text trains on every token and each micro-batch holds as many (packed windows): every mean is divided
+    by `means`, the number of means summed in a step (micro-steps x a pipeline's microbatches). Chat data
+    trains on some tokens only: each mean is weighted by its trained tokens times `per_token`, the weight
+    of one trained token (`per_trained_token`)."""
+
+    means: int
+    per_token: torch.Tensor | None = None
+
+    def apply(self, loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's mean loss (against `labels`) as its share of the step's loss."""
+        if self.per_token is None:
+            return loss / self.means
+        return loss * (trained_tokens(labels) * self.per_token)
+
+    def aux_term(self, aux_loss: torch.Tensor, coeff: float) -> torch.Tensor:
+        """A micro-batch's balance loss (MoE) as its share of the step's, weighted by model.moe_aux_loss_coeff."""
+        return coeff * aux_loss / self.means
+
+    def aux_weight(self, coeff: float) -> float:
+        """aux_term's factor, for a pipeline stage that sends it into the backward itself."""
+        return coeff / self.means
+
+
+def per_trained_token(labels: list[torch.Tensor], degree: int) -> torch.Tensor:
+    """The weight of one trained token of the step: one over the trained tokens of the global batch
+    (these micro-batches' labels, counted on every rank: each TP/PP group holds one batch, cp ranks their
+    own shares), times `degree`, what FSDP's gradient average divides by times the ranks that share a batch
+    (data-parallel x context-parallel x model-parallel ranks)."""
+    total = torch.stack([trained_tokens(one) for one in labels]).float().sum().reshape(1)
+    dist.all_reduce(total)
+    return degree / total[0]
+
+
 def maybe_compile_loss(loss_fn: Callable, cfg: Compile) -> Callable:
-    return torch.compile(loss_fn, backend=cfg.backend) if compiles(cfg, "loss") else loss_fn
+    return torch.compile(loss_fn, backend=cfg.backend) if cfg.compiles("loss") else loss_fn
 
 
 def build_loss(cfg: Training, compile_cfg: Compile):

@@ -14,6 +14,7 @@ perplexity/validation, checkpoint/* (checkpoint/cost.py) and a model's own (MoE:
 
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -80,10 +81,13 @@ class MetricsLogger:
         self.reset()
 
     @observer("TensorBoard")
-    def start_tensorboard(self, job: JobConfig, resumed_step: int, hparams: dict) -> None:
-        """Open this rank's run (continuing the job's after a resume); rank 0 describes the run."""
-        self.writer = open_writer(job, self.rank, resumed_step)
-        if self.writer and self.rank == 0:
+    def start_tensorboard(self, folder: Path | None, job: JobConfig, resumed_step: int, hparams: dict) -> None:
+        """Open this rank's run in `folder` (tensorboard.run_folder: continuing the job's after a resume; None
+        writes nothing); rank 0 describes the run."""
+        if folder is None:
+            return
+        self.writer = open_writer(folder, self.rank, resumed_step)
+        if self.rank == 0:
             describe_run(self.writer, job, hparams, resumed_step)
 
     @observer("TensorBoard")

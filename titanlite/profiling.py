@@ -120,6 +120,15 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     }
 
 
+def state_peaks_over_ranks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, offloaded=None) -> dict[str, int]:
+    """The largest shard of each kind of state over all ranks (what must fit on a device), and the largest
+    activation offload peak: a collective every rank runs, so it is never inside an observer."""
+    state = model_state_bytes(model, optimizer)
+    per_rank = torch.tensor([*state.values(), offloaded.peak if offloaded else 0], dtype=torch.float64)
+    dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
+    return dict(zip([*state, "offloaded"], map(int, per_rank.tolist())))
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """CUDA: the most memory tensors held at once; CPU: the process's peak resident memory."""
     if device.type == "cuda":
@@ -172,20 +181,20 @@ class RunSummary:
                 self.ended = self._now()
 
     @observer("run summary")
-    def log(self, model, optimizer, tokens_per_step_per_rank: int, metrics, save_cost=None, offloaded=None) -> None:
-        """`save_cost` (checkpoint/cost.py's SaveCost) adds the training time checkpoint saves lost;
-        `offloaded` (parallel/offload.py's HeldBytes) the most activation bytes offload held in host memory."""
+    def log(self, state_peaks: dict[str, int], tokens_per_step_per_rank: int, metrics, save_cost=None,
+            offloaded=None) -> None:
+        """`state_peaks` (state_peaks_over_ranks, computed outside this observer: a collective), the largest
+        rank's params, grads, optimizer state and activation offload peak in bytes; `save_cost`
+        (checkpoint/cost.py's SaveCost) adds the training time checkpoint saves lost; `offloaded`
+        (parallel/offload.py's HeldBytes) says activation offload was on."""
         if not self.steps:
             return
         elapsed = (self.ended or self._now()) - self.started
         tps, tflops, mfu_pct = metrics.throughput(self.steps * tokens_per_step_per_rank, elapsed)
         mfu = "unknown" if mfu_pct is None else f"{mfu_pct:.2f}%"
-        state = model_state_bytes(model, optimizer)
-        # The largest shard (and offload peak) is what must fit on a device.
-        per_rank = torch.tensor([*state.values(), offloaded.peak if offloaded else 0], dtype=torch.float64)
-        dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-        *state_bytes, offloaded_peak = per_rank.tolist()
-        mib = {name: value / 2**20 for name, value in zip(state, state_bytes)}
+        exact = {name: state_peaks[name] for name in ("params", "grads", "optimizer")}
+        offloaded_peak = state_peaks["offloaded"]
+        mib = {name: value / 2**20 for name, value in exact.items()}
         tail = ""
         if save_cost is not None and save_cost.saves:
             tail = f"  checkpoints: {save_cost.saves} saves, training lost {save_cost.lost_seconds:.3f}s"
@@ -200,8 +209,7 @@ class RunSummary:
             f"state_per_rank: params {mib['params']:.3f}MiB grads {mib['grads']:.3f}MiB "
             f"optimizer {mib['optimizer']:.3f}MiB total {sum(mib.values()):.3f}MiB{tail}"
         )
-        exact = dict(zip(state, map(int, state_bytes)))
-        offload_bytes = f" activation_offload_peak {int(offloaded_peak)}" if offloaded is not None else ""
+        offload_bytes = f" activation_offload_peak {offloaded_peak}" if offloaded is not None else ""
         logger.info(f"run summary: state_per_rank_bytes params {exact['params']} grads {exact['grads']} "
                     f"optimizer {exact['optimizer']}{offload_bytes}")
         if self.predicted is not None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from titanlite.config import to_toml
 from titanlite.config_sections import JobConfig
 from titanlite.log import logger
+from titanlite.observers import observe
 
 # The charts of the CUSTOM SCALARS tab; each lists the regular expressions of the tags it draws.
 LAYOUT = {
@@ -53,21 +54,27 @@ def job_run_folder(cfg: JobConfig, resumed_step: int) -> Path:
     return tb / new_run_name(cfg)
 
 
-def open_writer(cfg: JobConfig, rank: int, resumed_step: int):
-    """The SummaryWriter of this rank (None where it writes nothing), purging past resumed_step."""
-    all_ranks = cfg.metrics.save_for_all_ranks
-    if not cfg.metrics.enable_tensorboard or not (all_ranks or rank == 0):
+def run_folder(cfg: JobConfig, rank: int, resumed_step: int) -> Path | None:
+    """This rank's TensorBoard folder, None where it writes nothing. Every rank calls it, outside the
+    observers: under save_for_all_ranks rank 0 names the run and broadcasts the name, so a failure naming
+    it turns TensorBoard off on every rank alike and no rank is left waiting in the broadcast."""
+    if not cfg.metrics.enable_tensorboard:
         return None
-    folder = [job_run_folder(cfg, resumed_step) if rank == 0 else None]
-    if all_ranks:  # rank 0 names the run, so every rank writes into the same one
+    folder = [observe("TensorBoard", job_run_folder, cfg, resumed_step) if rank == 0 else None]
+    if cfg.metrics.save_for_all_ranks:  # rank 0 names the run, so every rank writes into the same one
         dist.broadcast_object_list(folder, src=0)
-        folder[0] = folder[0] / f"rank{rank}"
+        return None if folder[0] is None else folder[0] / f"rank{rank}"
+    return folder[0]
+
+
+def open_writer(folder: Path, rank: int, resumed_step: int):
+    """The SummaryWriter of this rank's folder (run_folder), purging past resumed_step."""
     from torch.utils.tensorboard import SummaryWriter
 
     resumed = f", continuing after step {resumed_step}" if resumed_step else ""
     if rank == 0:
-        logger.info(f"TensorBoard run {folder[0]}{resumed}")
-    return SummaryWriter(str(folder[0]), purge_step=resumed_step + 1 if resumed_step else None)
+        logger.info(f"TensorBoard run {folder}{resumed}")
+    return SummaryWriter(str(folder), purge_step=resumed_step + 1 if resumed_step else None)
 
 
 def describe_run(writer, cfg: JobConfig, hparams: dict, step: int) -> None:

@@ -8,37 +8,103 @@ import faulthandler
 import gc
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.build import build_model, grad_accumulation_steps, model_label, resolve_model_args, seed_everything
-from titanlite.checkpoint import CheckpointManager, StopFlags
+from titanlite.build import Run, build_run, training_data
+from titanlite.checkpoint import CheckpointManager, StopFlags, TrainState
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.checkpoint.stopping import NonfiniteSkips, nothing_to_train
 from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig
 from titanlite.data.datasets import build_dataloader
-from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.log import init_logger, logger
-from titanlite.loss import build_loss
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
                                speed_features, speed_settings)
-from titanlite.models import get_model_spec
-from titanlite.models.attention import document_delimiters
 from titanlite.observers import observe
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.output_folders import check_output_folders
-from titanlite.parallel.cp import sequence_shard
-from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo, close_distributed, exit_process, init_distributed, say_user_error
 from titanlite.parallel.float8 import register_float8_scale_precompute
-from titanlite.parallel.offload import HeldBytes, note_if_offload_saves_nothing, optimizer_device_type
+from titanlite.parallel.offload import optimizer_device_type
 from titanlite.plan.startup import predict_on_gpu
-from titanlite.profiling import RunSummary, StepProfiler
-from titanlite.step import StepSettings, train_step
-from titanlite.tensorboard import hyperparameters
-from titanlite.validation import Validator, check_validation
+from titanlite.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
+from titanlite.step import train_step
+from titanlite.tensorboard import hyperparameters, run_folder
+from titanlite.validation import Validator
 from titanlite.watchdog import HangWatchdog
+
+
+def log_start(run: Run, metrics: MetricsLogger) -> None:
+    cfg, training = run.cfg, run.cfg.training
+    if cfg.job.description:
+        logger.info(f"job: {cfg.job.description}")
+    data = f"a mix of {len(training.dataset_mix)} sources" if training.dataset_mix else training.dataset_path or training.dataset
+    logger.info(
+        f"model {run.label}: {run.num_params:,} parameters, vocab {run.args.vocab_size} | "
+        f"world {run.info.world_size} on {run.device.type}, mesh {run.dims.layout} | "
+        f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {data} | "
+        f"{run.tokens_per_step:,} tokens per step ({run.step.accum_steps} micro-steps)"
+    )
+    if metrics.peak is None:
+        logger.info(f"MFU is not known on {run.device.type}: no peak FLOP/s for it; set metrics.peak_tflops to get one")
+
+
+@dataclass
+class Loop:
+    """What the step loop drives, built once by train()."""
+
+    run: Run
+    optimizer: object
+    scheduler: object
+    dataloader: object
+    metrics: MetricsLogger
+    validator: Validator | None
+    checkpointer: CheckpointManager
+    profiler: StepProfiler
+    stop: StopFlags
+    watchdog: HangWatchdog
+
+    def run_steps(self, state: TrainState, summary: RunSummary) -> None:
+        skips = NonfiniteSkips(self.run.cfg.training.max_nonfinite_skips, self.metrics.write_scalars)
+        batches = iter(self.dataloader)
+        for step in range(state.step + 1, self.run.cfg.training.steps + 1):
+            self.watchdog.step_began(step)
+            preempted = self.one_step(step, state, batches, skips, summary)
+            self.watchdog.step_ended(step)
+            if preempted:
+                break
+
+    def one_step(self, step: int, state: TrainState, batches, skips: NonfiniteSkips, summary: RunSummary) -> bool:
+        """Train, log, validate and save one step; returns whether a stop signal or a NaN ends the run here."""
+        run, metrics, checkpointer = self.run, self.metrics, self.checkpointer
+        began, validation_seconds = time.perf_counter(), 0.0
+        if step % run.cfg.training.gc_freq == 0:
+            gc.collect(1)
+        summary.step_began(metrics)
+        loss, grad_norm, lr, skipped = train_step(run, self.optimizer, self.scheduler, batches, metrics)
+        summary.step_ended(metrics)
+        skips.record(step, skipped)
+        state.step, state.tokens_seen = step, state.tokens_seen + run.tokens_per_step
+        last, logged = step == run.cfg.training.steps, metrics.should_log(step)
+        validating = self.validator is not None and self.validator.should_validate(step)
+        # A step that is logged, validated or saved must be known finite now; the others are
+        # checked one step later, so the host need not wait for the GPU every step.
+        settle = last or logged or validating or checkpointer.saves_at(step)
+        preempted = self.stop.should_stop(step, loss, grad_norm, settle)
+        if logged:
+            metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
+                        extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader))
+        if validating and not preempted:
+            validation_seconds = time.perf_counter()
+            self.validator.validate(run.model, step)
+            validation_seconds = time.perf_counter() - validation_seconds
+        checkpointer.maybe_save(step, last=last, force=preempted)
+        # The step's time as a save may have slowed it (validation is not training time).
+        checkpointer.cost.step_done(began, time.perf_counter(), left_out=validation_seconds)
+        self.profiler.step(step)
+        return preempted
 
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
@@ -47,128 +113,54 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     if info.allocator_note:
         logger.info(info.allocator_note)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
-    dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
-    dims.build_mesh(info.device.type)
-    seed_everything(cfg.job.seed, cfg.training.deterministic)
+    run = build_run(cfg, info)
     if info.rank == 0:
         write_resolved_config(cfg, Path(cfg.job.dump_folder))
-
-    tokenizer = build_tokenizer(cfg.model)
-    spec = get_model_spec(cfg.model.name)
-    args = resolve_model_args(cfg, spec, tokenizer.vocab_size)
-    if cfg.validation.enable:
-        check_validation(cfg.validation, cfg.training, args.max_seq_len)
-    loss_fn = build_loss(cfg.training, cfg.compile)
-    model, num_params, flops_per_token, pipeline = build_model(cfg, spec, args, dims, info.device, loss_fn)
-    optimizer = build_optimizer(model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
-    register_float8_scale_precompute(optimizer, model, cfg.float8)
-    note_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
-    offloaded = HeldBytes() if cfg.activation_checkpoint.offload_activations else None
+    optimizer = build_optimizer(run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
+    register_float8_scale_precompute(optimizer, run.model, cfg.float8)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
-    accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
-    step_settings = StepSettings.of(cfg, dims, accum_steps)
-    delimiters = document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
-    training = cfg.training
-    shard = sequence_shard(training.seq_len, dims.cp_mesh, info.device) if dims.cp_enabled else None
-    dataloader = build_dataloader(
-        dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
-        tokenizer=tokenizer, seq_len=training.seq_len, batch_size=training.local_batch_size,
-        dp_rank=dims.dp_rank, dp_world=dims.dp_degree, seed=cfg.job.seed, num_workers=training.num_workers,
-        dataset_mix=training.dataset_mix, dataset_format=training.dataset_format, train_on=training.train_on,
-        chat_template=training.chat_template,
-    )
-    metrics = MetricsLogger(cfg.metrics, info.rank, info.device, flops_per_token)
-    tokens_per_step = training.local_batch_size * training.seq_len * dims.dp_degree * accum_steps
-    if cfg.job.description:
-        logger.info(f"job: {cfg.job.description}")
-    data = f"a mix of {len(training.dataset_mix)} sources" if training.dataset_mix else training.dataset_path or training.dataset
-    mesh = dims.layout
-    logger.info(
-        f"model {model_label(cfg.model)}: {num_params:,} parameters, vocab {args.vocab_size} | "
-        f"world {info.world_size} on {info.device.type}, mesh {mesh} | "
-        f"dtype {training.mixed_precision_param} | {speed_features(cfg)} | dataset {data} | "
-        f"{tokens_per_step:,} tokens per step ({accum_steps} micro-steps)"
-    )
-    if metrics.peak is None:
-        logger.info(f"MFU is not known on {info.device.type}: no peak FLOP/s for it; set metrics.peak_tflops to get one")
-    validator = None
-    if cfg.validation.enable:  # its own loader: validating never moves the training data position
-        validator = Validator(cfg.validation, training, tokenizer=tokenizer, dims=dims, device=info.device,
-                              seed=cfg.job.seed, metrics=metrics, loss_fn=loss_fn, loss_parallel=step_settings.loss_parallel,
-                              pipeline=pipeline, delimiters=delimiters)
-
-    checkpointer = CheckpointManager(
-        cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-        dataloader=dataloader, dp_rank=dims.dp_rank, dp_degree=dims.dp_degree,
-        model_name=model_label(cfg.model), model_args=args, hf_adapter=spec.hf_adapter,
-        cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps), tokenizer_file=tokenizer.path,
-    )
+    dataloader = build_dataloader(training_data(cfg.training), run.tokenizer, run.dims.dp_rank, run.dims.dp_degree, cfg.job.seed)
+    metrics = MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token)
+    log_start(run, metrics)
+    validator = Validator(run, metrics) if cfg.validation.enable else None  # its own loader: never moves training's
+    checkpointer = CheckpointManager(run, optimizer, scheduler, dataloader,
+                                     cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps))
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
         checkpointer.close()
         return
     # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
-    stop = StopFlags(info.device, check_finite=training.on_nonfinite == "stop" and not training.skip_nan_check)
-    skips = NonfiniteSkips(training.max_nonfinite_skips, metrics.write_scalars)
+    stop = StopFlags(info.device, check_finite=cfg.training.on_nonfinite == "stop" and not cfg.training.skip_nan_check)
     watchdog = HangWatchdog(cfg.job.hang_timeout_seconds, info.rank, info.world_size, cfg.job.dump_folder)
+    loop = Loop(run, optimizer, scheduler, dataloader, metrics, validator, checkpointer, profiler, stop, watchdog)
     try:
         state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
-        if nothing_to_train(stop, state.step, training.steps):
+        if nothing_to_train(stop, state.step, cfg.training.steps):
             metrics.close()
             return
-        batch = tokens_per_step // training.seq_len
-        metrics.start_tensorboard(cfg, state.step, hyperparameters(cfg, info.world_size, mesh, batch, speed_settings(cfg)))
+        hparams = hyperparameters(cfg, info.world_size, run.dims.layout, run.tokens_per_step // cfg.training.seq_len,
+                                  speed_settings(cfg))
+        metrics.start_tensorboard(run_folder(cfg, info.rank, state.step), cfg, state.step, hparams)
         # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
         gc.disable()
-        batches = iter(dataloader)
-        summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,
-                             predicted=observe("the planner's start-up prediction", predict_on_gpu, cfg, spec, args, dims,
-                                               model, info))
+        summary = RunSummary(cfg.metrics.summary_warmup_steps, cfg.training.steps - state.step, info.device,
+                             predicted=observe("the planner's start-up prediction", predict_on_gpu, run))
         watchdog.start(state.step)
         with profiler:
-            for step in range(state.step + 1, training.steps + 1):
-                watchdog.step_began(step)
-                began, validation_seconds = time.perf_counter(), 0.0
-                if step % training.gc_freq == 0:
-                    gc.collect(1)
-                summary.step_began(metrics)
-                loss, grad_norm, lr, skipped = train_step(model, optimizer, scheduler, batches, step_settings, dims,
-                                                          info.device, metrics, loss_fn, pipeline, delimiters, offloaded, shard)
-                summary.step_ended(metrics)
-                skips.record(step, skipped)
-                state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
-                last, logged = step == training.steps, metrics.should_log(step)
-                validating = validator is not None and validator.should_validate(step)
-                # A step that is logged, validated or saved must be known finite now; the others are
-                # checked one step later, so the host need not wait for the GPU every step.
-                settle = last or logged or validating or checkpointer.saves_at(step)
-                preempted = stop.should_stop(step, loss, grad_norm, settle)
-                if logged:
-                    metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
-                                extra=(model_metrics(model) or {}) | source_scalars(dataloader))
-                if validating and not preempted:
-                    validation_seconds = time.perf_counter()
-                    validator.validate(model, step)
-                    validation_seconds = time.perf_counter() - validation_seconds
-                checkpointer.maybe_save(step, last=last, force=preempted)
-                # The step's time as a save may have slowed it (validation is not training time).
-                checkpointer.cost.step_done(began, time.perf_counter(), left_out=validation_seconds)
-                profiler.step(step)
-                watchdog.step_ended(step)
-                if preempted:
-                    break
+            loop.run_steps(state, summary)
     finally:
         watchdog.stop()
         checkpointer.close()  # waits for the last async save
         stop.close()
-    summary.log(model, optimizer, tokens_per_step // info.world_size, metrics, checkpointer.cost, offloaded)
+    summary.log(state_peaks_over_ranks(run.model, optimizer, run.forward.offloaded),
+                run.tokens_per_step // info.world_size, metrics, checkpointer.cost, run.forward.offloaded)
     observe("metrics", log_tokens_by_source, dataloader)
     metrics.close()
     gc.enable()
     if stop.signal:
         logger.info(f"stopped at step {state.step} on {stop.signal}; exiting")
     else:
-        logger.info(f"training finished after {training.steps} steps")
+        logger.info(f"training finished after {cfg.training.steps} steps")
 
 
 def main(argv: list[str]) -> int:

@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import Training, Validation
-from titanlite.data.datasets import build_dataloader, resolve_dataset
+from titanlite.data.datasets import DataSpec, build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.loss import cross_entropy_loss, loss_sum, trained_tokens
+from titanlite.loss import loss_sum, trained_tokens
 from titanlite.models.attention import document_ids
 from titanlite.parallel.cp import sequence_shard, split_batch
 from titanlite.parallel.fsdp import mixed_precision_context
@@ -33,6 +33,15 @@ def batch_shape(cfg: Validation, training: Training) -> tuple[int, int]:
     return batch_size, cfg.seq_len if cfg.seq_len != -1 else training.seq_len
 
 
+def validation_data(cfg: Validation, training: Training) -> DataSpec:
+    """validation's data keys, training's format; a finite pass read in this process (no workers: a pass is
+    short and a worker would be forked for each one)."""
+    batch_size, seq_len = batch_shape(cfg, training)
+    return DataSpec(cfg.dataset, cfg.dataset_path, seq_len, batch_size, text_field=training.dataset_text_field,
+                    infinite=False, section="validation", dataset_format=training.dataset_format,
+                    train_on=training.train_on, chat_template=training.chat_template)
+
+
 def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> None:
     """Called before the model is built, so a mistake costs no time."""
     seq_len = batch_shape(cfg, training)[1]
@@ -41,35 +50,30 @@ def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> N
 
 
 class Validator:
-    def __init__(self, cfg: Validation, training: Training, *, tokenizer, dims, device: torch.device, seed: int, metrics,
-                 loss_fn=cross_entropy_loss, loss_parallel: bool = False, pipeline=None, delimiters: tuple[int, int] | None = None):
-        """`delimiters` (bos, eos) split windows into documents, as in training (block_causal); None = causal.
-        `loss_fn`: the trainer's (the chunked loss validates by chunks too); `loss_parallel`: TP's vocab-sharded loss."""
+    def __init__(self, run, metrics):
+        """Validation of build.py's `run` as its [validation] section says: its loss function (the chunked
+        loss validates by chunks too), TP's loss parallel, document delimiters and pipeline as in training."""
+        cfg, training = run.cfg.validation, run.cfg.training
         self.cfg = cfg
-        self.loss_fn, self.loss_parallel = loss_fn, loss_parallel
-        self.pipeline = pipeline
-        self.delimiters = delimiters
-        self.dims = dims
-        self.device = device
+        self.loss_fn, self.loss_parallel = run.loss_fn, run.forward.loss_parallel
+        self.pipeline = run.pipeline
+        self.delimiters = run.forward.delimiters
+        self.dims = dims = run.dims
+        self.device = run.device
         self.param_dtype = training.mixed_precision_param
         self.metrics = metrics
         batch_size, seq_len = batch_shape(cfg, training)
         self.batch_size = batch_size
         check_context_parallel(seq_len, dims.cp, "validation.seq_len")
-        self.shard = sequence_shard(seq_len, dims.cp_mesh, device) if dims.cp_enabled else None
-        if pipeline is not None and (batch_size, seq_len) != (training.local_batch_size, training.seq_len):
+        self.shard = sequence_shard(seq_len, dims.cp_mesh, run.device) if dims.cp_enabled else None
+        if run.pipeline is not None and (batch_size, seq_len) != (training.local_batch_size, training.seq_len):
             raise UserError(
                 f"under pipeline parallelism validation runs the training schedule, so its batch of {batch_size} x {seq_len} "
                 f"tokens must be training's {training.local_batch_size} x {training.seq_len}; set validation.local_batch_size "
                 "and validation.seq_len to -1"
             )
-        # Read in this process (no workers): a pass is short and a worker would be forked for each one.
-        self.loader = build_dataloader(
-            dataset=cfg.dataset, dataset_path=cfg.dataset_path, text_field=training.dataset_text_field,
-            tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size, dp_rank=dims.dp_rank,
-            dp_world=dims.dp_degree, seed=seed, num_workers=0, infinite=False, section="validation",
-            dataset_format=training.dataset_format, train_on=training.train_on, chat_template=training.chat_template,
-        )
+        self.loader = build_dataloader(validation_data(cfg, training), run.tokenizer, dims.dp_rank, dims.dp_degree,
+                                       run.cfg.job.seed)
         self.start = self.loader.state_dict()
         name = f"validation.dataset_path {cfg.dataset_path}" if cfg.dataset_path else cfg.dataset
         reads = (resolve_dataset(cfg.dataset, cfg.dataset_path, "validation"), cfg.dataset_path)

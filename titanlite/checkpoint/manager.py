@@ -1,9 +1,10 @@
 """CheckpointManager: DCP saves into <dump_folder>/<checkpoint.folder>/step-N, and resume.
 
-A full checkpoint holds the model (its FQNs at the top level, sharded DTensors as they are: no
-rank ever gathers the model), the optimizer, the lr schedule, the train state, the data-loader position (one per
-data-parallel rank for raw data, one global count for a token store or mix) and every rank's RNG states. Model-only checkpoints
-(the seed checkpoint, a last_save_model_only export) hold just the model's FQNs.
+A full checkpoint holds the objects of state.py, declared once in `self.objects` (save and load walk the
+same dict): the model (its FQNs at the top level, sharded DTensors as they are: no rank ever gathers the
+model), the optimizer, the lr schedule, the train state and lineage, the data-loader position and every
+rank's RNG states. Model-only checkpoints (the seed checkpoint, a last_save_model_only export) hold just
+the model's FQNs.
 
 Async saves run in the background (async_save.py); a new save first waits for the previous one and
 close() waits for the last. What each save cost the training steps it overlapped is measured by
@@ -11,60 +12,52 @@ close() waits for the last. What each save cost the training steps it overlapped
 """
 
 import functools
-import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, newest_resumable,
-                                     read_metadata, rng_state, set_rng_state)
+                                     read_metadata)
 from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, rewind_to, step_folder
 from titanlite.checkpoint.hf_io import copy_tokenizer, load_model_from_hf, save_model_as_hf
 from titanlite.checkpoint.async_save import AsyncSaver, Save
-from titanlite.parallel.pp import tied_state_as_one_process, tied_state_as_stage, ties_embeddings
 from titanlite.checkpoint.save_errors import stop_if_disk_failure
-from titanlite.config_sections import Checkpoint
+from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SavedKeys, SchedulerState,
+                                        TrainState, TrainStateLineage, load_targets, restore_all, saved_state)
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.lora import check_same_base, has_lora, is_adapter, merge_lora, save_peft_adapter
+from titanlite.lora import has_lora, merge_lora, save_peft_adapter
 from titanlite.dtypes import DTYPES
 from titanlite.profiling import model_state_bytes
 
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps completed
-    tokens_seen: int = 0  # over all data-parallel ranks
-
 
 class CheckpointManager:
-    def __init__(self, cfg: Checkpoint, dump_folder: str, *, model, optimizer, lr_scheduler, dataloader,
-                 dp_rank: int, dp_degree: int, model_name: str, model_args, hf_adapter, cost: SaveCost | None = None,
-                 tokenizer_file: Path | None = None):
-        self.cfg = cfg
-        self.root = Path(dump_folder) / cfg.folder
-        self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        # A token-store loader's position is one global count; any other (StatefulDataLoader) is per rank.
-        self.global_data = getattr(dataloader, "state_is_global", False)
+    def __init__(self, run, optimizer, lr_scheduler, dataloader, cost: SaveCost | None = None):
+        """Checkpoints of build.py's `run` as its [checkpoint] section says, with the training state
+        around it: the optimizer, the lr schedule and the data loader."""
+        self.cfg = cfg = run.cfg.checkpoint
+        self.root = Path(run.cfg.job.dump_folder) / cfg.folder
+        self.model, self.optimizer = run.model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
-        self.tokenizer_file = tokenizer_file  # copied into Hugging Face exports
+        self.model_name, self.model_args, self.hf_adapter = run.label, run.args, run.spec.hf_adapter
+        self.tokenizer_file = run.tokenizer.path  # copied into Hugging Face exports
         # LoRA: checkpoints hold the adapters; the base they were trained on is named in the train state.
-        self.adapters_only, self.base = has_lora(model), cfg.initial_load_path or "initialised from job.seed"
-        self.state = TrainState()
+        self.adapters_only = has_lora(run.model)
+        self.base = (cfg.initial_load_path or "initialised from job.seed") if self.adapters_only else None
+        self.lineage = TrainStateLineage(run.label, run.dims.dp_degree, self.world_size, self.base)
+        self.objects = {  # the checkpoint's keys, in the order a save writes them (the model's first: see _full_state)
+            "model": ModelState(run.model, self.adapters_only),
+            "optimizer": OptimizerState(run.model, optimizer),
+            "lr_scheduler": SchedulerState(lr_scheduler),
+            "train_state": self.lineage,
+            "dataloader": DataState(dataloader, run.dims.dp_rank, run.dims.dp_degree),
+            "rng": RngState(self.rank, self.lineage),
+        }
         self.cost = cost or SaveCost()
         self.saver = None
         if cfg.enable and cfg.async_mode != "disabled":
@@ -76,40 +69,17 @@ class CheckpointManager:
             mode = {"disabled": "synchronous", "async": "async", "async_with_pinned_mem": "async, pinned memory"}[cfg.async_mode]
             logger.info(f"checkpoints every {cfg.interval} steps into {self.root} ({mode} saves, {keep})")
 
-    def _model_state(self, kind: str = "run") -> dict:
-        """The model's tensors: "run" what its checkpoints hold (under LoRA the adapters only), "base" what an
-        initial load fills (under LoRA all but the adapters), "all" both."""
-        if not self.adapters_only or kind == "all":
-            return get_model_state_dict(self.model)
-        if kind == "run":
-            return get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=True))
-        return {fqn: t for fqn, t in get_model_state_dict(self.model).items() if not is_adapter(fqn)}
+    @property
+    def state(self) -> TrainState:
+        return self.lineage.state
 
-    def _train_state(self) -> dict:
-        return {
-            "step": self.state.step, "tokens_seen": self.state.tokens_seen, "model": self.model_name,
-            "dp_degree": self.dp_degree, "world_size": self.world_size, **({"base": self.base} if self.adapters_only else {}),
-        }
+    def _model_state(self, kind: str = "run") -> dict:
+        return ModelState(self.model, self.adapters_only, kind).saved()
 
     def _full_state(self) -> dict:
         # The model's first: FSDP's state_dict hook reshards a root that a validation forward (no
         # backward) left gathered; the optimizer's names are found from the sharded parameters.
-        model = self._model_state()
-        optimizer = get_optimizer_state_dict(self.model, self.optimizer)
-        tied_state_as_one_process(optimizer, ties_embeddings(self.model))
-        return {
-            **model,
-            "optimizer": optimizer,
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "train_state": self._train_state(),
-            "dataloader": {self._data_key(): pickle.dumps(self.dataloader.state_dict())},
-            "rng": {f"rank_{self.rank}": rng_state()},
-        }
-
-    def _data_key(self) -> str:
-        """Pickled, so DCP stores a position as one opaque value: one per data-parallel rank, or a
-        single one (equal on every rank) for a global-order loader, which any layout loads."""
-        return "global" if self.global_data else f"dp_rank_{self.dp_rank}"
+        return saved_state(self.objects)
 
     def _export_state(self) -> dict:
         dtype = DTYPES[self.cfg.export_dtype]
@@ -260,11 +230,30 @@ class CheckpointManager:
     def _load_dcp(self, path: Path, resume: bool, kind: str = "run") -> None:
         started = time.perf_counter()
         metadata = read_metadata(path)
+        keys = SavedKeys(metadata.state_dict_metadata, path)
+        model = ModelState(self.model, self.adapters_only, kind)
+        self._check_fits(path, metadata, model.target(keys), resume)
+        if not holds_training_state(metadata):
+            resume = False  # a seed checkpoint or a model-only export: weights, then step 1
+        elif resume and "train_state.step" not in keys:
+            raise UserError(f"checkpoint {path} holds no titanlite train state; load it with checkpoint.initial_load_model_only true")
+        objects = {**self.objects, "model": model} if resume else {"model": model}
+        targets = load_targets(objects, keys)
+        restore_all(objects, load_in_place(path, targets))
+        if not resume:
+            logger.info(f"loaded the model (weights only) from {path} in {time.perf_counter() - started:.2f}s")
+            return
+        logger.info(
+            f"resumed from {path} at step {self.state.step} ({self.state.tokens_seen:,} tokens seen) "
+            f"in {time.perf_counter() - started:.2f}s"
+        )
+
+    def _check_fits(self, path: Path, metadata, model_state: dict, resume: bool) -> None:
+        """The checkpoint's tensors must fit the model, and a resume must be of the same model."""
         keys = metadata.state_dict_metadata
         saved_from = ""
         if "train_state.model" in keys:
             saved_from = load_in_place(path, {"train_state": {"model": ""}})["train_state"]["model"]
-        model_state = self._model_state(kind)
         # Pipeline stages each hold a share of the model: the checkpoint must fit the union of the ranks' shares.
         shares = [None] * dist.get_world_size()
         dist.all_gather_object(shares, {fqn: tuple(t.shape) for fqn, t in model_state.items()})
@@ -277,70 +266,3 @@ class CheckpointManager:
                     f"{path} and checkpoint.initial_load_model_only true in another job.dump_folder"
                 )
             logger.warning(f"loading the weights of {saved_from} from {path} into {self.model_name} (checkpoint.initial_load_model_only)")
-        if not holds_training_state(metadata):
-            resume = False  # a seed checkpoint or a model-only export: weights, then step 1
-        elif resume and "train_state.step" not in keys:
-            raise UserError(f"checkpoint {path} holds no titanlite train state; load it with checkpoint.initial_load_model_only true")
-
-        if not resume:
-            load_in_place(path, model_state)
-            set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=not self.adapters_only))
-            logger.info(f"loaded the model (weights only) from {path} in {time.perf_counter() - started:.2f}s")
-            return
-
-        own_optimizer = get_optimizer_state_dict(self.model, self.optimizer)
-        own_groups = [group["params"] for group in own_optimizer["param_groups"]]
-        ties = ties_embeddings(self.model)
-        own_names = set(own_optimizer["state"])
-        had_embedding = tied_state_as_one_process(own_optimizer, ties)
-        state = {
-            **model_state,
-            "optimizer": own_optimizer,
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "train_state": {"step": 0, "tokens_seen": 0, "dp_degree": 0, "world_size": 0, **({"base": ""} if self.adapters_only else {})},
-        }
-        data_key = self._data_key()
-        saved_dp = sum(k.startswith("dataloader.dp_rank_") for k in keys)
-        data_kind_changed = ("dataloader.global" in keys) != self.global_data
-        if data_kind_changed:
-            raise UserError(
-                f"checkpoint {path} holds a data position for {'a token store or mix' if 'dataloader.global' in keys else 'raw data'}, "
-                "but this run reads the other kind; resume with the training.dataset_path or dataset_mix it was saved with"
-            )
-        same_data_split = f"dataloader.{data_key}" in keys and (data_key == "global" or saved_dp == self.dp_degree)
-        if same_data_split:
-            state["dataloader"] = {data_key: b""}
-        rng_key, own_rng = f"rng.rank_{self.rank}", rng_state()
-        same_ranks = all(f"{rng_key}.{device}" in keys for device in own_rng)
-        if same_ranks:
-            state["rng"] = {f"rank_{self.rank}": own_rng}
-        load_in_place(path, state)
-
-        if self.adapters_only:
-            check_same_base(state["train_state"]["base"], self.base, path)
-        set_model_state_dict(self.model, {k: state[k] for k in model_state}, options=StateDictOptions(strict=not self.adapters_only))
-        # The saved groups list one rank's parameter names; a pipeline's ranks list different ones, and
-        # torch picks a tied matrix's state by the names listed: keep this layout's own lists.
-        for group, names in zip(state["optimizer"]["param_groups"], own_groups):
-            group["params"] = names
-        tied_state_as_stage(state["optimizer"], ties, own_names, had_embedding)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        train_state = state["train_state"]
-        self.state = TrainState(train_state["step"], train_state["tokens_seen"])
-        if same_data_split:
-            self.dataloader.load_state_dict(pickle.loads(state["dataloader"][data_key]))
-        else:
-            logger.warning(
-                f"the data loader restarts its stream from the beginning: the data-parallel degree changed from "
-                f"{saved_dp} to {self.dp_degree}, and each saved position belongs to the old split of the data "
-                "(a token store from python -m titanlite.data.prepare resumes at any degree)"
-            )
-        if same_ranks:
-            set_rng_state(state["rng"][f"rank_{self.rank}"])
-        else:
-            logger.info(f"RNG states not restored: the checkpoint comes from {train_state['world_size']} ranks, this run has {self.world_size}")
-        logger.info(
-            f"resumed from {path} at step {self.state.step} ({self.state.tokens_seen:,} tokens seen) "
-            f"in {time.perf_counter() - started:.2f}s"
-        )

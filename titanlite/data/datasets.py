@@ -14,6 +14,7 @@ ranks (global_order.py). For the others, each data-parallel rank reads a disjoin
 into windows (packing.py) and gets batches of (inputs, labels), LongTensors [batch, seq_len].
 """
 
+import dataclasses
 import difflib
 import functools
 import warnings
@@ -117,66 +118,77 @@ class DataParallelLoader(StatefulDataLoader):
         super().load_state_dict(state["loader"])
 
 
-def build_dataloader(
-    *, dataset: str, dataset_path: str, text_field: str, tokenizer, seq_len: int, batch_size: int,
-    dp_rank: int, dp_world: int, seed: int, num_workers: int = 0, infinite: bool = True, section: str = "training",
-    dataset_mix: list = (), dataset_format: str = "text", train_on: str = "assistant", chat_template: str = "",
-) -> StatefulDataLoader | GlobalOrderLoader:
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """What a loader reads and how it batches it: training's or validation's data keys (`section` names
+    the config section that error messages point at)."""
+
+    dataset: str
+    dataset_path: str
+    seq_len: int
+    batch_size: int
+    text_field: str = "text"
+    num_workers: int = 0
+    infinite: bool = True  # False: one pass over the data, and every new iter() starts it again from the beginning
+    section: str = "training"
+    dataset_mix: list = ()
+    dataset_format: str = "text"  # chat / prompt_completion: local records rendered with the chat template
+    train_on: str = "assistant"
+    chat_template: str = ""
+
+
+def build_dataloader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int,
+                     seed: int) -> StatefulDataLoader | GlobalOrderLoader:
     """Batches of (inputs, labels) for one data-parallel rank; the same arguments give the same data.
 
     A token store at dataset_path, or a dataset_mix, is read in one global order (global_order.py);
     the other datasets are split between the ranks and packed per rank (documents.py, packing.py).
-    infinite=False: one pass over the data, and every new iter() starts it again from the beginning.
     dataset_format chat / prompt_completion: local records (or a chat store) rendered with the chat template
     (chat.py) and packed whole in one global order, with labels IGNORED outside the trained tokens.
     """
-    if dataset_format != "text":
-        return conversation_loader(dataset_path, dataset_format, train_on, chat_template, tokenizer, seq_len,
-                                   batch_size, dp_rank, dp_world, seed, num_workers, infinite, section)
-    if dataset_mix and (dataset_path or dataset != "sample"):
+    if data.dataset_format != "text":
+        return conversation_loader(data, tokenizer, dp_rank, dp_world, seed)
+    dataset, dataset_path, section = data.dataset, data.dataset_path, data.section
+    if data.dataset_mix and (dataset_path or dataset != "sample"):
         raise UserError(f"training.dataset_mix is set together with training.dataset {dataset!r} / dataset_path {dataset_path!r}; "
                         "a mix names its sources itself, so leave those two at their defaults")
     name = resolve_dataset(dataset, dataset_path, section)
-    if dataset_mix or (name == "local" and is_store(dataset_path)):
-        windows, identity, names = global_windows(dataset_path, dataset_mix, tokenizer, text_field, seq_len, seed, section)
-        return GlobalOrderLoader(windows, batch_size=batch_size, dp_rank=dp_rank, dp_world=dp_world, num_workers=num_workers,
-                                 finite=not infinite, identity=identity, source_names=names, seq_len=seq_len)
+    if data.dataset_mix or (name == "local" and is_store(dataset_path)):
+        windows, identity, names = global_windows(dataset_path, data.dataset_mix, tokenizer, data.text_field, data.seq_len,
+                                                  seed, section)
+        return GlobalOrderLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world,
+                                 num_workers=data.num_workers, finite=not data.infinite, identity=identity,
+                                 source_names=names, seq_len=data.seq_len)
     if name == "synthetic":
-        if not infinite:
+        if not data.infinite:
             raise UserError(f"{section}.dataset synthetic is an endless stream; it cannot serve a finite pass such as validation")
-        windows = SyntheticTokens(tokenizer.vocab_size, seq_len, seed, dp_rank, dp_world)
+        windows = SyntheticTokens(tokenizer.vocab_size, data.seq_len, seed, dp_rank, dp_world)
     else:
-        source = open_documents(name, dataset_path, text_field, dp_rank, dp_world, seed, num_workers, section)
-        windows = PackedTokens(source, tokenizer, seq_len, infinite)
-    return data_parallel_loader(windows, name, batch_size, dp_rank, dp_world, seed, num_workers)
+        source = open_documents(name, dataset_path, data.text_field, dp_rank, dp_world, seed, data.num_workers, section)
+        windows = PackedTokens(source, tokenizer, data.seq_len, data.infinite)
+    layout = {"dataset": name, "seed": seed, "dp_rank": dp_rank, "dp_world": dp_world, "num_workers": data.num_workers}
+    return DataParallelLoader(windows, batch_size=data.batch_size, num_workers=data.num_workers, layout=layout)
 
 
-def data_parallel_loader(windows, name: str, batch_size: int, dp_rank: int, dp_world: int, seed: int, num_workers: int):
-    layout = {
-        "dataset": name, "seed": seed,
-        "dp_rank": dp_rank, "dp_world": dp_world, "num_workers": num_workers,
-    }
-    return DataParallelLoader(windows, batch_size=batch_size, num_workers=num_workers, layout=layout)
-
-
-def conversation_loader(dataset_path: str, dataset_format: str, train_on: str, chat_template: str, tokenizer, seq_len: int,
-                        batch_size: int, dp_rank: int, dp_world: int, seed: int, num_workers: int, infinite: bool, section: str):
+def conversation_loader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int, seed: int) -> GlobalOrderLoader:
     """Chat or prompt/completion records at dataset_path (or a chat store prepared from them), whole conversations
     packed into windows in one global order (conversation_windows.py)."""
-    key = f"{section}.dataset_path"
+    key, dataset_path, dataset_format = f"{data.section}.dataset_path", data.dataset_path, data.dataset_format
     if not dataset_path:
         raise UserError(f"training.dataset_format {dataset_format} reads local records; set {key} to your jsonl/json/parquet data")
-    renderer = ChatRenderer(tokenizer, chat_template)
-    chat = chat_record(renderer, dataset_format, train_on)
+    renderer = ChatRenderer(tokenizer, data.chat_template)
+    chat = chat_record(renderer, dataset_format, data.train_on)
     if is_store(dataset_path):
         store = open_store(dataset_path, tokenizer, key, chat)
     else:
         conversations = Conversations(dataset_path, dataset_format, key)
-        store = conversation_store(conversations, functools.partial(tokenize_conversation, renderer, tokenizer, train_on=train_on),
+        store = conversation_store(conversations,
+                                   functools.partial(tokenize_conversation, renderer, tokenizer, train_on=data.train_on),
                                    dataset_path)
         logger.info(f"{key} {dataset_path}: tokenized its {len(conversations):,} conversations at start (prepare them into a "
                     f"chat store with python -m titanlite.data.prepare --format {dataset_format} to skip this)")
-    windows = ConversationWindows(store, seq_len, seed, tokenizer.eos_id, key)
-    identity = {"sources": [str(Path(dataset_path).resolve())], "seed": seed, "seq_len": seq_len, **chat}
-    return GlobalOrderLoader(windows, batch_size=batch_size, dp_rank=dp_rank, dp_world=dp_world, num_workers=num_workers,
-                             finite=not infinite, identity=identity, source_names=[Path(dataset_path).name], seq_len=seq_len)
+    windows = ConversationWindows(store, data.seq_len, seed, tokenizer.eos_id, key)
+    identity = {"sources": [str(Path(dataset_path).resolve())], "seed": seed, "seq_len": data.seq_len, **chat}
+    return GlobalOrderLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world,
+                             num_workers=data.num_workers, finite=not data.infinite, identity=identity,
+                             source_names=[Path(dataset_path).name], seq_len=data.seq_len)

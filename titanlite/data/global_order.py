@@ -130,7 +130,7 @@ class GlobalOrderLoader:
     state_is_global = True
 
     def __init__(self, windows: Dataset, *, batch_size: int, dp_rank: int, dp_world: int,
-                 num_workers: int, finite: bool, identity: dict, source_names: list[str], seq_len: int):
+                 identity: dict, source_names: list[str], seq_len: int, num_workers: int = 0, finite: bool = False):
         self.windows, self.batch_size, self.dp_rank, self.dp_world = windows, batch_size, dp_rank, dp_world
         self.num_workers, self.identity, self.source_names, self.seq_len = num_workers, identity, source_names, seq_len
         self.limit = windows.windows_per_epoch() if finite else None

@@ -136,7 +136,7 @@ def write_manifest(folder: Path, plan: dict, tokenizer, dtype, chat: dict | None
     return manifest
 
 
-def prepare(source: str, output: str, tokenizer_path: str = "", workers: int = 1, text_field: str = "text",
+def prepare(source: str, output: str, tokenizer_path: str = "", *, workers: int = 1, text_field: str = "text",
             documents_per_shard: int = 20000, hf_config: str = "", split: str = "train", dataset_format: str = "text",
             train_on: str = "assistant", chat_template: str = "") -> dict:
     """Write (or finish) the store for SRC in output; returns its manifest."""
@@ -192,9 +192,9 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--workers ({args.workers}) and --documents_per_shard ({args.documents_per_shard}) must be at least 1")
         if args.format == "text" and (args.train_on != "assistant" or args.chat_template):
             raise UserError("--train_on and --chat_template apply to --format chat or prompt_completion; add --format or drop them")
-        manifest = prepare(args.input, args.output, args.tokenizer, args.workers, args.text_field,
-                           args.documents_per_shard, args.hf_config, args.split, args.format, args.train_on,
-                           args.chat_template)
+        manifest = prepare(args.input, args.output, args.tokenizer, workers=args.workers, text_field=args.text_field,
+                           documents_per_shard=args.documents_per_shard, hf_config=args.hf_config, split=args.split,
+                           dataset_format=args.format, train_on=args.train_on, chat_template=args.chat_template)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -224,7 +224,7 @@ class SigmoidGroupMoE(MoE):
     option (model.moe_aux_loss_coeff), is DeepSeek-V3's sequence-wise one over normalised sigmoids.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, shared_hidden_dim: int = 0, norm_topk_prob: bool = True):
         super().__init__(dim, hidden_dim, num_experts, top_k, norm_topk_prob=norm_topk_prob)
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor

@@ -16,18 +16,13 @@ from titanlite.config_sections import Compile
 from titanlite.log import logger
 
 
-def compiles(cfg: Compile, component: str) -> bool:
-    """compile.components holds only known names: the config checks them against its choices."""
-    return cfg.enable and component in cfg.components
-
-
 def apply_compile(model: nn.Module, cfg: Compile, fullgraph: bool = True) -> None:
     """Compile every block of model.layers (after AC, so the checkpointing is traced too).
 
     fullgraph: a graph break inside a block would silently cost the speed-up, so it fails instead;
     expert parallelism passes False, its token dispatch (variable all-to-all splits read on the
     host) being run eagerly between the block's compiled parts (torch.compiler.disable on it)."""
-    if not compiles(cfg, "model"):
+    if not cfg.compiles("model"):
         return
     for block in model.layers.values():
         block.forward = _with_plain_input(torch.compile(block.forward, backend=cfg.backend, fullgraph=fullgraph))

@@ -20,9 +20,7 @@ from titanlite.config_rules import SINGLE_STAGE_SCHEDULES
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.lora import init_lora
-from titanlite.loss import computed_in_forward, loss_parallel_context, stage_forward, stage_loss, trained_tokens
-from titanlite.parallel.tp import place_grads_like_params
+from titanlite.loss import LossScale, computed_in_forward, loss_parallel_context, stage_forward, stage_loss
 
 SCHEDULE_CLASSES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
                     "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble", "ZBVZeroBubble": "ScheduleZBVZeroBubble"}
@@ -145,17 +143,16 @@ class AuxLossGrad(torch.autograd.Function):
 
 @dataclass
 class Pipeline:
-    """This rank's stages and schedule; the loss on the last stage is scaled by `loss_scale`."""
+    """This rank's stages and schedule; each microbatch's loss on the last stage enters the step by `scale`."""
 
     stages: list  # torch.distributed.pipelining.PipelineStage, one per stage this rank holds
     schedule: object
     group: dist.ProcessGroup
     n_microbatches: int
     loss_parallel: bool
-    loss_scale: float = 1.0
-    per_token: torch.Tensor | None = None  # chat data: the weight of one trained token (train_microstep)
+    scale: LossScale = LossScale(1)  # set each micro-step (train_microstep)
     chunked: bool = False  # training.loss_chunk_tokens: the last stage's forward computes the loss
-    aux_weight: float = 0.0  # the aux loss coefficient over (microbatches x micro-steps), set each step
+    aux_weight: float = 0.0  # the aux loss coefficient's share per microbatch, set each micro-step
     parts: list[nn.Module] = field(default_factory=list)
     # A tied embedding's copies: the first stage's embedding and the last stage's output weight,
     # which sum their gradients over `tied_group` (this pipeline's first and last ranks; None when
@@ -189,22 +186,16 @@ class Pipeline:
         dist.all_reduce(total, group=self.group)  # only the last stage's rank adds a non-zero
         return total
 
-    def train_microstep(self, inputs, labels, accum_steps: int, aux_loss_coeff: float, model_kwargs: dict,
-                        per_token: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward of one micro-step's batch; its loss as a run without PP computes it.
-        `per_token` (chat data): each microbatch mean weighs its trained tokens times this (step.py)."""
-        self.loss_scale = 1.0 / (self.n_microbatches * accum_steps)
-        self.per_token = per_token
-        self.aux_weight = aux_loss_coeff * self.loss_scale
+    def train_microstep(self, inputs, labels, scale: LossScale, aux_loss_coeff: float, model_kwargs: dict) -> torch.Tensor:
+        """Forward and backward of one micro-step's batch; its loss as a run without PP computes it
+        (`scale` counts every microbatch of the step: loss.py)."""
+        self.scale = scale
+        self.aux_weight = scale.aux_weight(aux_loss_coeff)
         return self._run(self.schedule.step, inputs, labels, model_kwargs)
-
-    def weight(self, labels: torch.Tensor) -> torch.Tensor | float:
-        """A microbatch mean's weight in the step's loss."""
-        return self.loss_scale if self.per_token is None else trained_tokens(labels) * self.per_token
 
     def eval_loss_sum(self, inputs, labels, model_kwargs: dict) -> torch.Tensor:
         """Forward only: the sum of the token losses of the batch (each microbatch's mean times its trained tokens)."""
-        self.per_token = torch.ones((), device=labels.device)
+        self.scale = LossScale(1, torch.ones((), device=labels.device))
         return self._run(self.schedule.eval, inputs, labels, model_kwargs)
 
     def sum_tied_grads(self) -> None:
@@ -264,9 +255,11 @@ def tie_copies(pipeline: Pipeline, dims, last_pp_rank: int) -> None:
     pipeline.tied_group, _ = dist.new_subgroups_by_enumeration(ends)
 
 
-def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: int, seed: int,
-                   parallelize: Callable[[nn.Module], nn.Module], device: torch.device, loss_fn) -> tuple[nn.Module, Pipeline]:
-    """Meta model -> this rank's stage parts, each parallelized, allocated and initialised -> schedule.
+def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: int,
+                   parallelize: Callable[[nn.Module], nn.Module], materialize: Callable[[nn.Module], nn.Module],
+                   device: torch.device, loss_fn) -> tuple[nn.Module, Pipeline]:
+    """Meta model -> this rank's stage parts, each parallelized, then allocated and initialised by
+    `materialize` (build.py's, the same as a model without PP) -> schedule.
 
     Returns the rank's model (the one part, or a RankModel of several) and its Pipeline.
     """
@@ -287,12 +280,7 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
     for stage_id, part in parts.items():
         if pipeline.chunked:
             part.forward = functools.partial(stage_forward, part.forward, loss_fn if stage_id == num_stages - 1 else None)
-        part.to_empty(device=device)
-        if dims.tp_enabled:
-            place_grads_like_params(part)
-        part.init_weights(seed=seed)
-        init_lora(part, seed)
-        part.train()
+        materialize(part)
         part.register_forward_hook(pipeline._add_aux_grad)
         pipeline.parts.append(part)
         pipeline.stages.append(PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
@@ -303,33 +291,8 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
         tie_copies(pipeline, dims, last_pp_rank)
     schedule_cls = getattr(schedules, SCHEDULE_CLASSES[par.pipeline_parallel_schedule])
     stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
-    # Gradients are not rescaled by the schedule: the loss is already scaled per microbatch (loss_scale).
+    # Gradients are not rescaled by the schedule: each microbatch's loss is already scaled (pipeline.scale).
     pipeline.schedule = schedule_cls(stages, n_microbatches=n_micro, scale_grads=False,
-                                     loss_fn=lambda output, labels: stage_loss(output, labels, loss_fn) * pipeline.weight(labels))
+                                     loss_fn=lambda output, labels: pipeline.scale.apply(stage_loss(output, labels, loss_fn), labels))
     rank_model = pipeline.parts[0] if len(pipeline.parts) == 1 else RankModel(pipeline.parts)
     return rank_model, pipeline
-
-
-def ties_embeddings(model: nn.Module) -> bool:
-    return getattr(getattr(getattr(model, "parts", [model])[0], "args", None), "tie_embeddings", False)
-
-
-def tied_state_as_one_process(optim_state: dict, ties: bool) -> bool:
-    """A pipeline's last-stage copy of a tied matrix keeps its optimizer state under `output.weight`,
-    a 1-process model (one parameter) under `tok_embeddings.weight`: checkpoints use the latter, which
-    the first stage writes with the same values, so they load under any layout. Returns whether the
-    rank held the embedding itself, for `tied_state_as_stage`."""
-    state = optim_state["state"]
-    had_embedding = "tok_embeddings.weight" in state
-    if ties and "output.weight" in state:
-        state.setdefault("tok_embeddings.weight", state.pop("output.weight"))
-    return had_embedding
-
-
-def tied_state_as_stage(optim_state: dict, ties: bool, own_names: set[str], had_embedding: bool) -> None:
-    """The inverse of tied_state_as_one_process on a loaded state: the output copy takes its own copy of the state."""
-    state = optim_state["state"]
-    if ties and "output.weight" in own_names and "tok_embeddings.weight" in state:
-        state["output.weight"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state["tok_embeddings.weight"].items()}
-        if not had_embedding:
-            del state["tok_embeddings.weight"]

@@ -48,7 +48,6 @@ from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.models.attention import GatheredKeys
 from titanlite.models.init import local_tensor
 from titanlite.parallel.ac import apply_ac, every_nth
-from titanlite.parallel.compile import compiles
 from titanlite.parallel.cp import SequenceShard, shard_of, split_batch
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.pp import cut_to_stage
@@ -168,7 +167,7 @@ def recomputed_by_compile(cfg: JobConfig) -> frozenset:
 
     aten = torch.ops.aten
     softmax = {aten._log_softmax, aten._softmax, aten._log_softmax_backward_data, aten._softmax_backward_data,
-               aten.nll_loss_backward} if compiles(cfg.compile, "loss") else set()
+               aten.nll_loss_backward} if cfg.compile.compiles("loss") else set()
     return frozenset(get_default_op_list().recomputable_ops) | softmax
 
 

@@ -4,7 +4,7 @@ when it does not fit, the change that makes it fit at the best predicted speed."
 import dataclasses
 from dataclasses import dataclass
 
-from titanlite.build import grad_accumulation_steps, meta_model, resolve_model_args
+from titanlite.build import meta_model, resolve_model_args
 from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import JobConfig
 from titanlite.data.tokenizer import build_tokenizer
@@ -18,7 +18,6 @@ from titanlite.plan.moe import gathered_params
 from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
 from titanlite.plan.speed import Shape, Speed, plan_speed
-from titanlite.parallel.compile import compiles
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
 from titanlite.parallel.tp import check_tensor_parallel
@@ -131,7 +130,7 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
     gpu = GPUS[cfg.plan.gpu]
     whole = meta_model(spec, args, cfg.training.param_dtype, cfg.lora)
     block = max(gathered_params(b, dims.ep) for b in whole.layers.values())  # what FSDP gathers of a block
-    tallies = (False, True) if compiles(cfg.compile, "model") else (False,)  # eager; a compiled step's lower bound
+    tallies = (False, True) if cfg.compile.compiles("model") else (False,)  # eager; a compiled step's lower bound
     if dims.pp_enabled:
         # Each in-flight microbatch's activations, measured at the microbatch size and composed per stage.
         microbatch = dataclasses.replace(cfg, training=dataclasses.replace(
@@ -163,8 +162,7 @@ def job_speed(cfg: JobConfig, spec, whole, dims, states: dict[int, dict[str, int
     inter = plan.inter_node_gbps if plan.inter_node_gbps > 0 else FABRIC_GBPS[plan.fabric]
     shape = Shape.of(whole, cfg.training.seq_len, spec.flops_per_token(whole, cfg.training.seq_len))
     state = max(sum(role.values()) for role in states.values())
-    return plan_speed(cfg, gpu, dims, shape, state, grad_accumulation_steps(cfg.training, dims.dp_degree), intra, inter,
-                      plan.gpus_per_node)
+    return plan_speed(cfg, gpu, dims, shape, state, intra, inter, plan.gpus_per_node)
 
 
 def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:

@@ -4,7 +4,6 @@ docs/benchmarks.md "When float8 pays"), and how it counts a compiled step's memo
 """
 
 from titanlite.config_sections import JobConfig
-from titanlite.parallel.compile import compiles
 from titanlite.plan.hardware import Gpu
 from titanlite.plan.memory import COMPILED_KEPT
 
@@ -39,7 +38,7 @@ def float8_note(cfg: JobConfig, dim: int, gpu: Gpu) -> str | None:
 
 def compile_memory_note(cfg: JobConfig) -> str | None:
     """How the memory above counts a compiled step (plan/memory.py): a range, and a point inside it."""
-    if not compiles(cfg.compile, "model"):
+    if not cfg.compile.compiles("model"):
         return None
     return (f"a compiled step's peak lies in the range printed: its lower end counts nothing the compiler can recompute, "
             f"its upper end is the eager count; the peak takes {COMPILED_KEPT:.0%} of the way up, fitted on measured runs "

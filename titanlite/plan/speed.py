@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from titanlite.build import grad_accumulation_steps
 from titanlite.config_sections import JobConfig
 from titanlite.parallel.ac import every_nth
 from titanlite.parallel.dims import ParallelDims
@@ -273,10 +274,11 @@ def cp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, sec
     return passes * seconds(nbytes, intra if cp * dims.tp <= gpus_per_node else inter)
 
 
-def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state_bytes: int, accum: int,
+def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state_bytes: int,
                intra_gbps: float, inter_gbps: float, gpus_per_node: int) -> Speed:
     """`state_bytes`: this rank's parameters, gradients and optimizer state (the optimizer step reads them)."""
     training = cfg.training
+    accum = grad_accumulation_steps(training, dims.dp_degree)
     tokens = training.local_batch_size * training.seq_len * accum / dims.batch_sharing_degree  # per GPU per step
     parts = compute_parts(cfg, gpu, shape, tokens, state_bytes, dims.tp)
     compute = sum(parts.values())

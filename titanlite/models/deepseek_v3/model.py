@@ -28,8 +28,8 @@ class DeepSeekV3(Mixtral):
         attention = MultiHeadLatentAttention(args)
         if layer_id < args.n_dense_layers:
             return TransformerBlock(layer_id, args, attention=attention, feed_forward=FeedForward(args.dim, args.ffn_hidden_dim))
-        moe = SigmoidGroupMoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k, args.n_group, args.topk_group,
-                              args.routed_scaling_factor, shared_hidden_dim=args.num_shared_experts * args.moe_hidden_dim)
+        moe = SigmoidGroupMoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k, n_group=args.n_group,
+                              topk_group=args.topk_group, routed_scaling_factor=args.routed_scaling_factor, shared_hidden_dim=args.num_shared_experts * args.moe_hidden_dim)
         return MixtralBlock(layer_id, args, attention=attention, moe=moe)
 
     def _rope_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
