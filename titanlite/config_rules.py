@@ -136,7 +136,24 @@ def check_lora(cfg: JobConfig) -> None:
                         "adapted layers); set float8.enable false")
 
 
+def check_optimizer(cfg: JobConfig) -> None:
+    """Muon's keys mean nothing to another optimizer; Muon gathers each matrix whole on the device it trains on."""
+    optimizer = cfg.optimizer
+    muon_keys = [k for k in ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype")
+                 if getattr(optimizer, k) != getattr(type(optimizer)(), k)]
+    if optimizer.name != "Muon" and muon_keys:
+        raise UserError(f"optimizer.{muon_keys[0]} applies to optimizer.name Muon only; set the name Muon or leave "
+                        "the muon_ keys at their defaults")
+    if optimizer.name == "Muon" and optimizer.implementation != "auto":
+        raise UserError(f"optimizer.implementation {optimizer.implementation} does not exist for Muon (it steps one "
+                        "parameter at a time); set it to auto")
+    if optimizer.name == "Muon" and cfg.parallelism.fsdp_cpu_offload:
+        raise UserError("optimizer.name Muon gathers each matrix's update across the ranks, which the CPU-offloaded "
+                        "shards of parallelism.fsdp_cpu_offload cannot do; set fsdp_cpu_offload false or use AdamW")
+
+
 def check_rules(cfg: JobConfig) -> None:
+    check_optimizer(cfg)
     check_training(cfg)
     check_model(cfg)
     check_activation_checkpoint(cfg)

@@ -49,12 +49,17 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16)", choices=("AdamW", "Adam", "AdamWBF16Kahan"))
+    name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16); Muon orthogonalizes the momentum of the blocks' matrices (titanlite/muon.py) and runs AdamW on the rest", choices=("AdamW", "Adam", "AdamWBF16Kahan", "Muon"))
     lr: float = opt(8e-4, "peak learning rate; 0 keeps the weights as they are", at_least=0)
     betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI", at_least=0, below=1, length=2)
     eps: float = opt(1e-8, "Adam epsilon", above=0)
     weight_decay: float = opt(0.1, "decoupled weight decay", at_least=0)
-    implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: one compiled fused kernel per parameter on CUDA, the same math op by op on the CPU; auto or fused)", choices=("auto", "fused", "foreach", "for-loop"))
+    implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: one compiled fused kernel per parameter on CUDA, the same math op by op on the CPU; auto or fused; Muon: auto only, one parameter at a time)", choices=("auto", "fused", "foreach", "for-loop"))
+    muon_lr: float = opt(-1.0, "Muon: peak learning rate of the blocks' matrices (their update is scaled to AdamW's RMS, so optimizer.lr usually serves); -1 = optimizer.lr", at_least=0, sentinels=(-1,))
+    muon_momentum: float = opt(0.95, "Muon: momentum of the matrices' update", at_least=0, below=1)
+    muon_nesterov: bool = opt(True, "Muon: Nesterov momentum (the gradient plus momentum times the buffer is orthogonalized)")
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations orthogonalizing each matrix's update", at_least=1, at_most=20)
+    muon_ns_dtype: str = opt("float32", "Muon: dtype of the Newton-Schulz iteration; bfloat16 is faster on GPUs, float32 gives the same result under every layout", choices=("float32", "bfloat16"))
 
 
 @dataclass
