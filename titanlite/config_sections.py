@@ -45,6 +45,8 @@ class Model:
     n_layers: int = opt(0, "train the flavor with this many blocks instead (e.g. to benchmark a big model's shapes on one GPU); 0 = the flavor's; checkpoints of another depth are refused", at_least=0)
     attention_mask: str = opt("block_causal", "block_causal (each token attends only to earlier tokens of its own document, the documents of a packed window told apart by the tokenizer's bos) or causal (to every earlier token of the window)", choices=("block_causal", "causal"))
     reset_position_ids: bool = opt(False, "positions (RoPE, GPT-2's table) restart at 0 at each document's first token instead of counting from the window's start (needs attention_mask block_causal; always on for dataset_format chat and prompt_completion)")
+    mtp_layers: int = opt(0, "deepseek_v3 multi-token prediction: depths after the main blocks, depth k predicting the token k + 1 places ahead with one more block and the shared embedding and output layer (DeepSeek-V3 671B trained with 1); 0 = off; an HF folder must hold that many (config.json num_nextn_predict_layers)", at_least=0, at_most=8)
+    mtp_loss_weight: float = opt(0.3, "weight of the multi-token prediction loss (the mean over the depths) added to the training loss (DeepSeek-V3: 0.3 for its first 10T tokens, then 0.1)", at_least=0)
 
 
 @dataclass

@@ -84,7 +84,9 @@ def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dim
                                     forward_context(settings, dims, device.type, offloaded))
             loss = loss / accum_steps if weights is None else loss * weights[index]
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
-            (loss if aux_loss is None else loss + settings.aux_loss_coeff * aux_loss / accum_steps).backward()
+            mtp_loss = getattr(model, "mtp_loss", None)  # recipes (issue 46): DeepSeek-V3 MTP, already weighted
+            extra = 0 if mtp_loss is None else mtp_loss / accum_steps  # recipes (issue 46)
+            (extra + (loss if aux_loss is None else loss + settings.aux_loss_coeff * aux_loss / accum_steps)).backward()
         total_loss += loss.detach()
     if pipeline is not None:
         pipeline.sum_tied_grads()
