@@ -112,6 +112,10 @@ def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
     if cfg.model.n_layers:
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
     where = model_label(cfg.model)
+    if cfg.model.mtp_layers:  # recipes (issue 46): DeepSeek-V3 multi-token prediction, models/deepseek_v3/mtp.py
+        if not hasattr(args, "mtp_layers"):
+            raise UserError(f"model.mtp_layers {cfg.model.mtp_layers}: {where} has no multi-token prediction; set model.mtp_layers 0")
+        args = dataclasses.replace(args, mtp_layers=cfg.model.mtp_layers, mtp_loss_weight=cfg.model.mtp_loss_weight)
     if args.vocab_size == -1:
         args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
     elif args.vocab_size < tokenizer_vocab:

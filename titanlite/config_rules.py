@@ -136,7 +136,51 @@ def check_lora(cfg: JobConfig) -> None:
                         "adapted layers); set float8.enable false")
 
 
+def check_optimizer(cfg: JobConfig) -> None:
+    """Muon's keys mean nothing to another optimizer; Muon gathers each matrix whole on the device it trains on."""
+    optimizer = cfg.optimizer
+    muon_keys = [k for k in ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype")
+                 if getattr(optimizer, k) != getattr(type(optimizer)(), k)]
+    if optimizer.name != "Muon" and muon_keys:
+        raise UserError(f"optimizer.{muon_keys[0]} applies to optimizer.name Muon only; set the name Muon or leave "
+                        "the muon_ keys at their defaults")
+    if optimizer.name == "Muon" and optimizer.implementation != "auto":
+        raise UserError(f"optimizer.implementation {optimizer.implementation} does not exist for Muon (it steps one "
+                        "parameter at a time); set it to auto")
+    if optimizer.name == "Muon" and cfg.parallelism.fsdp_cpu_offload:
+        raise UserError("optimizer.name Muon gathers each matrix's update across the ranks, which the CPU-offloaded "
+                        "shards of parallelism.fsdp_cpu_offload cannot do; set fsdp_cpu_offload false or use AdamW")
+
+
+def check_multi_token_prediction(cfg: JobConfig) -> None:
+    """MTP (models/deepseek_v3/mtp.py) shifts each whole window's tokens on the rank holding the embedding and the
+    output layer, and trains every label; the layouts and data that break one of those are refused."""
+    model, par = cfg.model, cfg.parallelism
+    if not model.mtp_layers:
+        if model.mtp_loss_weight != 0.3:
+            raise UserError("model.mtp_loss_weight weighs the multi-token prediction loss; set model.mtp_layers above 0 "
+                            "or leave the weight at its default")
+        return
+    if model.name != "deepseek_v3" and not model.hf_assets_path:
+        raise UserError(f"model.mtp_layers {model.mtp_layers}: model {model.name} has no multi-token prediction "
+                        "(deepseek_v3 has); set model.mtp_layers 0")
+    layouts = {"pipeline_parallel_degree": par.pipeline_parallel_degree, "context_parallel_degree": par.context_parallel_degree,
+               "tensor_parallel_degree": par.tensor_parallel_degree, "expert_parallel_degree": par.expert_parallel_degree}
+    for key, degree in layouts.items():
+        if degree > 1:
+            raise UserError(f"model.mtp_layers {model.mtp_layers} with parallelism.{key} {degree} is not supported yet "
+                            f"(the depths run unsharded on whole windows); set {key} 1 or model.mtp_layers 0")
+    if cfg.training.dataset_format != "text" or cfg.training.loss_chunk_tokens:
+        raise UserError(f"model.mtp_layers {model.mtp_layers} trains on every later token of the window, which needs "
+                        "training.dataset_format text and training.loss_chunk_tokens 0; set those or model.mtp_layers 0")
+    if cfg.training.seq_len <= model.mtp_layers + 1:
+        raise UserError(f"training.seq_len {cfg.training.seq_len} leaves no position for multi-token prediction depth "
+                        f"{model.mtp_layers}; set seq_len above {model.mtp_layers + 1}")
+
+
 def check_rules(cfg: JobConfig) -> None:
+    check_optimizer(cfg)
+    check_multi_token_prediction(cfg)
     check_training(cfg)
     check_model(cfg)
     check_activation_checkpoint(cfg)

@@ -45,16 +45,23 @@ class Model:
     n_layers: int = opt(0, "train the flavor with this many blocks instead (e.g. to benchmark a big model's shapes on one GPU); 0 = the flavor's; checkpoints of another depth are refused", at_least=0)
     attention_mask: str = opt("block_causal", "block_causal (each token attends only to earlier tokens of its own document, the documents of a packed window told apart by the tokenizer's bos) or causal (to every earlier token of the window)", choices=("block_causal", "causal"))
     reset_position_ids: bool = opt(False, "positions (RoPE, GPT-2's table) restart at 0 at each document's first token instead of counting from the window's start (needs attention_mask block_causal; always on for dataset_format chat and prompt_completion)")
+    mtp_layers: int = opt(0, "deepseek_v3 multi-token prediction: depths after the main blocks, depth k predicting the token k + 1 places ahead with one more block and the shared embedding and output layer (DeepSeek-V3 671B trained with 1); 0 = off; an HF folder must hold that many (config.json num_nextn_predict_layers)", at_least=0, at_most=8)
+    mtp_loss_weight: float = opt(0.3, "weight of the multi-token prediction loss (the mean over the depths) added to the training loss (DeepSeek-V3: 0.3 for its first 10T tokens, then 0.1)", at_least=0)
 
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16)", choices=("AdamW", "Adam", "AdamWBF16Kahan"))
+    name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16); Muon orthogonalizes the momentum of the blocks' matrices (titanlite/muon.py) and runs AdamW on the rest", choices=("AdamW", "Adam", "AdamWBF16Kahan", "Muon"))
     lr: float = opt(8e-4, "peak learning rate; 0 keeps the weights as they are", at_least=0)
     betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI", at_least=0, below=1, length=2)
     eps: float = opt(1e-8, "Adam epsilon", above=0)
     weight_decay: float = opt(0.1, "decoupled weight decay", at_least=0)
-    implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: one compiled fused kernel per parameter on CUDA, the same math op by op on the CPU; auto or fused)", choices=("auto", "fused", "foreach", "for-loop"))
+    implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: one compiled fused kernel per parameter on CUDA, the same math op by op on the CPU; auto or fused; Muon: auto only, one parameter at a time)", choices=("auto", "fused", "foreach", "for-loop"))
+    muon_lr: float = opt(-1.0, "Muon: peak learning rate of the blocks' matrices (their update is scaled to AdamW's RMS, so optimizer.lr usually serves); -1 = optimizer.lr", at_least=0, sentinels=(-1,))
+    muon_momentum: float = opt(0.95, "Muon: momentum of the matrices' update", at_least=0, below=1)
+    muon_nesterov: bool = opt(True, "Muon: Nesterov momentum (the gradient plus momentum times the buffer is orthogonalized)")
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations orthogonalizing each matrix's update", at_least=1, at_most=20)
+    muon_ns_dtype: str = opt("float32", "Muon: dtype of the Newton-Schulz iteration; bfloat16 is faster on GPUs, float32 gives the same result under every layout", choices=("float32", "bfloat16"))
 
 
 @dataclass

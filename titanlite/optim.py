@@ -10,12 +10,15 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.bf16_adamw import build_adamw_bf16_kahan
 from titanlite.config_sections import LRScheduler, Optimizer
+from titanlite.muon import build_muon
 
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 
 
 def build_optimizer(model: nn.Module, cfg: Optimizer, device_type: str) -> torch.optim.Optimizer:
     """Weight decay applies to matrices only: decaying norm gains pulls them towards zero for nothing."""
+    if cfg.name == "Muon":
+        return build_muon(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},

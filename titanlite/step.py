@@ -88,7 +88,9 @@ def train_step(run, optimizer, scheduler, batches, metrics):
         with loss_parallel_context(run.forward.loss_parallel):
             loss = scale.apply(micro_batch_loss(model, inputs, labels, model_kwargs, run.loss_fn, context()), labels)
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
-            (loss if aux_loss is None else loss + scale.aux_term(aux_loss, settings.aux_loss_coeff)).backward()
+            objective = loss if aux_loss is None else loss + scale.aux_term(aux_loss, settings.aux_loss_coeff)
+            mtp_loss = getattr(model, "mtp_loss", None)  # DeepSeek-V3's multi-token prediction, weighted already
+            (objective if mtp_loss is None else objective + scale.aux_term(mtp_loss, 1.0)).backward()
         total_loss += loss.detach()
     if pipeline is not None:
         pipeline.sum_tied_grads()

@@ -286,8 +286,9 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
             hidden.backward(torch.ones_like(hidden))  # the gradient the next stage sends back
         else:
             loss = micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, context)
+            mtp_loss = getattr(model, "mtp_loss", None)  # DeepSeek-V3's MTP depths, whose backward train_step runs too
             saved = tally.purge()
-            loss.backward()
+            (loss if mtp_loss is None else loss + mtp_loss).backward()
     return Activations(saved // dims.tp, tally.peak)
 
 

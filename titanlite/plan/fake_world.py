@@ -17,13 +17,16 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titanlite.build import meta_model, parallelizer
 from titanlite.config_sections import JobConfig
 from titanlite.models.init import local_tensor
+from titanlite.muon import muon_trains
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import ParallelizeSettings
 from titanlite.parallel.pp import RankModel, stage_parts
 
 # Optimizer states per parameter, each shaped and typed like the parameter (optim.py, bf16_adamw.py),
-# plus one float32 step counter per parameter.
-MOMENTS = {"AdamW": 2, "Adam": 2, "AdamWBF16Kahan": 3}
+# plus one float32 step counter per parameter; Muon's matrices (muon.py) keep one momentum buffer and no
+# counter, its other parameters AdamW's two moments and counter.
+MOMENTS = {"AdamW": 2, "Adam": 2, "AdamWBF16Kahan": 3, "Muon": 2}
+MUON_MOMENTS = 1
 STEP_BYTES = 4
 
 
@@ -64,8 +67,11 @@ def state_bytes(model: nn.Module, optimizer_name: str) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank holds, as profiling.model_state_bytes
     counts them after a step (gradients and moments are like their parameter's local shard)."""
     params = [local_tensor(p) for p in model.parameters()]
-    trained = [local_tensor(p) for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
-    shard = sum(p.numel() * p.element_size() for p in trained)
+    trained = {n: local_tensor(p) for n, p in model.named_parameters() if p.requires_grad}  # LoRA: the adapters only
+    muon = {n for n in trained if optimizer_name == "Muon" and muon_trains(n, trained[n])}
+    shard = sum(p.numel() * p.element_size() for p in trained.values())
+    muon_shard = sum(trained[n].numel() * trained[n].element_size() for n in muon)
+    optimizer = MOMENTS[optimizer_name] * (shard - muon_shard) + MUON_MOMENTS * muon_shard
     return {"params": sum(p.numel() * p.element_size() for p in params), "grads": shard,
-            "optimizer": MOMENTS[optimizer_name] * shard + STEP_BYTES * len(trained)}
+            "optimizer": optimizer + STEP_BYTES * (len(trained) - len(muon))}
 

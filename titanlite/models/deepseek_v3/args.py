@@ -1,8 +1,8 @@
 """DeepSeek-V3's hyper-parameters and the published sizes (flavors).
 
 Names follow DeepSeek's reference code; the Hugging Face config.json key of each is in its comment.
-The multi-token-prediction module (config.json num_nextn_predict_layers) is left out: these models
-are the main decoder only.
+The multi-token-prediction depths (config.json num_nextn_predict_layers; mtp.py) are off in every flavor
+unless model.mtp_layers asks for them (DeepSeek-V3 671B trained with 1).
 """
 
 from dataclasses import dataclass, replace
@@ -52,6 +52,8 @@ class DeepSeekV3Args:
     max_seq_len: int = 4096  # positions the RoPE tables cover; longer sequences are refused
     tie_embeddings: bool = False  # the output projection reuses the token embedding matrix
     reset_position_ids: bool = False  # RoPE positions restart at each document (from model.reset_position_ids)
+    mtp_layers: int = 0  # num_nextn_predict_layers: multi-token prediction depths (from model.mtp_layers)
+    mtp_loss_weight: float = 0.3  # the MTP loss's weight in the training loss, the paper's lambda (model.mtp_loss_weight)
 
     def __post_init__(self):
         """Shapes that cannot build a model are refused with one sentence, naming the args' config.json keys."""
@@ -94,7 +96,7 @@ def first_problem(a: DeepSeekV3Args) -> str | None:
     return None
 
 
-# DeepSeek-V3 (arXiv 2412.19437), huggingface.co/deepseek-ai/DeepSeek-V3 config.json; its MTP layer is left out.
+# DeepSeek-V3 (arXiv 2412.19437), huggingface.co/deepseek-ai/DeepSeek-V3 config.json; its MTP layer only with model.mtp_layers 1.
 _V3 = DeepSeekV3Args(rope_scaling=YarnScaling(), max_seq_len=163840)
 
 DEEPSEEK_V3_FLAVORS = {

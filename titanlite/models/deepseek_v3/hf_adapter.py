@@ -2,11 +2,18 @@
 moonshotai/Moonlight-16B-A3B on the Hub, and of transformers' save_pretrained).
 
 One to one, no permutation: DeepSeek stores RoPE dimensions as adjacent pairs, titanlite's layout
-(config.json rope_interleave true; transformers rotates them the same way). The tensors of the
-multi-token-prediction layer (model.layers.<num_hidden_layers>.*) are never read. The MoE blocks'
+(config.json rope_interleave true; transformers rotates them the same way). Multi-token prediction
+depth k (titanlite's mtp.<k-1>.*, models/deepseek_v3/mtp.py) is HF's model.layers.<num_hidden_layers + k - 1>.*:
+enorm, hnorm, eh_proj, the block's tensors under their usual names, shared_head.norm, and copies of the
+shared matrices, embed_tokens and shared_head.head, which an export writes and an import checks against
+the model's own (one sentence where they differ). They are read only with model.mtp_layers. The MoE blocks'
 router is mlp.gate (its aux-loss-free bias mlp.gate.e_score_correction_bias), the shared experts one
 SwiGLU mlp.shared_experts, the routed experts mlp.experts.E.*, stacked as Mixtral's (models/moe_hf.py).
 """
+
+import re
+
+import torch
 
 from titanlite.errors import UserError
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
@@ -46,6 +53,9 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
            for ours, theirs in _DENSE.items()},
         "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight",
+        # an MTP depth's own tensors, in the layer numbering of _mtp_as_layer
+        **{f"layers.{{}}.{ours}.weight": _LAYER + f"{ours}.weight" for ours in ("enorm", "hnorm", "eh_proj")},
+        "layers.{}.mtp_norm.weight": _LAYER + "shared_head.norm.weight",
     }
     ignored = (r"\.rotary_emb\.inv_freq$",)
     expert_name = _LAYER.replace("{}", "{layer}") + "mlp.experts.{expert}.{projection}.weight"
@@ -53,7 +63,31 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
     shape_keys = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace")
-    free_keys = ("num_nextn_predict_layers",)  # the multi-token-prediction layer is never read
+    free_keys = ("num_nextn_predict_layers",)  # MTP layers beyond model.mtp_layers are not read
+
+    def hf_names(self, name: str, args) -> list[str]:
+        names = super().hf_names(_mtp_as_layer(name, args.n_layers), args)
+        return names + [self._copy_name(name, args, depth) for depth in range(args.mtp_layers) if name in _COPIES]
+
+    def _copy_name(self, name: str, args, depth: int) -> str:
+        return _LAYER.format(args.n_layers + depth) + _COPIES[name]
+
+    def to_hf(self, state_dict, args):
+        out = super().to_hf({_mtp_as_layer(name, args.n_layers): t for name, t in state_dict.items()}, args)
+        for name in _COPIES.keys() & state_dict.keys():  # clones: safetensors refuses tensors sharing memory
+            out.update({self._copy_name(name, args, d): state_dict[name].clone() for d in range(args.mtp_layers)})
+        return out
+
+    def from_hf(self, hf_state_dict, args):
+        copies = {n: hf_state_dict[n] for name in _COPIES for d in range(args.mtp_layers)
+                  if (n := self._copy_name(name, args, d)) in hf_state_dict}
+        out = super().from_hf({n: t for n, t in hf_state_dict.items() if n not in copies}, args)
+        for hf_name, copy in copies.items():
+            shared = next(out[name] for name, suffix in _COPIES.items() if hf_name.endswith(suffix))
+            if not torch.equal(copy, shared):
+                raise UserError(f"the Hugging Face tensor {hf_name} differs from the model's own matrix, which titanlite's "
+                                "multi-token prediction shares; set model.mtp_layers 0 to leave the MTP layers out")
+        return {_layer_as_mtp(name, args.n_layers): t for name, t in out.items()}
 
     def hf_config(self, args, dtype: str = "float32") -> dict:
         yarn = args.rope_scaling
@@ -83,7 +117,7 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
             "norm_topk_prob": True,
             "scoring_func": "sigmoid",
             "topk_method": "noaux_tc",
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": args.mtp_layers,
             "hidden_act": "silu",
             "max_position_embeddings": args.max_seq_len,
             "rms_norm_eps": args.norm_eps,
@@ -128,11 +162,40 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
         mismatch = super().config_mismatch(config, args)
         if mismatch:
             return mismatch
+        if args.mtp_layers > config.get("num_nextn_predict_layers", 0):
+            return (f"its config.json has num_nextn_predict_layers {config.get('num_nextn_predict_layers', 0)}, fewer "
+                    f"than model.mtp_layers {args.mtp_layers}")
         expected = self.hf_config(args)
         for key in _BEHAVIOUR_KEYS:
             if key in config and config[key] != expected[key] and not _same_rope_scaling(key, config[key], expected[key]):
                 return f"its config.json has {key} {config[key]} where this model has {expected[key]}"
         return None
+
+
+# The shared matrices an MTP layer carries a copy of, by their titanlite name: the HF name after its layer prefix.
+_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+_MTP = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.*)$")
+
+
+def _mtp_as_layer(name: str, n_layers: int) -> str:
+    """mtp.<k>.block.X -> layers.<n_layers + k>.X and mtp.<k>.norm.weight -> layers.<n_layers + k>.mtp_norm.weight
+    (enorm, hnorm, eh_proj keep theirs): the numbering of HF's MTP layers; other names as they are."""
+    match = _MTP.match(name)
+    if match is None:
+        return name
+    depth, block, rest = match.groups()
+    return f"layers.{n_layers + int(depth)}.{rest if block or rest != 'norm.weight' else 'mtp_norm.weight'}"
+
+
+def _layer_as_mtp(name: str, n_layers: int) -> str:
+    """The inverse of _mtp_as_layer."""
+    match = _LAYER_NAME.match(name)
+    if match is None or int(match.group(1)) < n_layers:
+        return name
+    depth, rest = int(match.group(1)) - n_layers, match.group(2)
+    own = rest.split(".")[0] in ("enorm", "hnorm", "eh_proj")
+    return f"mtp.{depth}.{'norm.weight' if rest == 'mtp_norm.weight' else rest if own else 'block.' + rest}"
 
 
 def _same_rope_scaling(key: str, theirs, ours) -> bool:

@@ -5,7 +5,7 @@ SwiGLU feed-forward in the first n_dense_layers blocks and routed experts with s
 Mixtral's decoder keeps the balance loss and the router statistics; here only the MoE blocks have
 them. Each training forward also adds every MoE block's tokens per expert to the step's count,
 which the trainer turns into the routing biases' update after the optimizer step (step.py).
-Multi-token prediction is left out (see args.py).
+With args.mtp_layers, multi-token prediction depths follow the main blocks (mtp.py).
 """
 
 import torch
@@ -13,16 +13,18 @@ import torch
 from titanlite.models.attention import Mask
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args
 from titanlite.models.deepseek_v3.attention import MultiHeadLatentAttention
+from titanlite.models.deepseek_v3.mtp import MultiTokenPrediction
 from titanlite.models.deepseek_v3.rope import rope_tables
 from titanlite.models.llama.model import FeedForward, TransformerBlock
 from titanlite.models.mixtral.model import Mixtral, MixtralBlock
 from titanlite.models.moe import SigmoidGroupMoE
 
 
-class DeepSeekV3(Mixtral):
+class DeepSeekV3(MultiTokenPrediction, Mixtral):
     def __init__(self, args: DeepSeekV3Args):
         super().__init__(args)
         self._step_loads: list[dict[str, torch.Tensor]] = []  # per training forward: MoE block id -> tokens per expert
+        self.build_mtp(args)
 
     def build_block(self, layer_id: int, args: DeepSeekV3Args) -> TransformerBlock:
         attention = MultiHeadLatentAttention(args)
@@ -44,6 +46,11 @@ class DeepSeekV3(Mixtral):
         return max(0, self.args.n_layers - self.args.n_dense_layers)
 
     def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
+        h = self.run_main_blocks(h, rope_cos, rope_sin, mask)
+        self.add_mtp_loss(h, rope_cos, rope_sin, mask)
+        return h
+
+    def run_main_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
         aux_losses, loads = [], {}
         for layer_id, block in self.layers.items():
             if self.is_moe(layer_id):
@@ -80,6 +87,6 @@ class DeepSeekV3(Mixtral):
     def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
         """As Llama's; active=True counts what one token uses: top_k of the routed experts in each MoE block."""
         a = self.args
-        moe_blocks = sum(map(self.is_moe, self.layers))
+        moe_blocks = sum(map(self.is_moe, self.layers)) + len(self.mtp or ())  # the MTP blocks are MoE ones
         idle_experts = moe_blocks * (a.num_experts - a.top_k) * 3 * a.dim * a.moe_hidden_dim
         return super().num_params(exclude_embedding) - (idle_experts if active else 0)
