@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.config_sections import LRScheduler, Model, Optimizer
-from titanlite.data.datasets import build_dataloader
+from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer
@@ -24,8 +24,7 @@ SCHEDULE = LRScheduler(warmup_steps=4, decay_type="linear", min_lr_factor=0.1)
 
 
 def batches(tokenizer, dataset: str, count: int) -> list:
-    loader = build_dataloader(dataset=dataset, dataset_path="", text_field="text", tokenizer=tokenizer, seq_len=SEQ,
-                              batch_size=BATCH, dp_rank=0, dp_world=1, seed=0)
+    loader = build_dataloader(DataSpec(dataset, "", SEQ, BATCH), tokenizer, 0, 1, 0)
     it = iter(loader)
     return [next(it) for _ in range(count)]
 
