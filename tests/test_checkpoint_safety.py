@@ -245,3 +245,47 @@ def test_8_a_missing_rank_times_out_naming_the_address_and_torchrun_adds_its_rep
     assert done.returncode == 1
     ours = done.stderr.index("error: ")
     assert ours < done.stderr.index("ChildFailedError") and "exitcode  : 2" in done.stderr
+
+
+def test_a_load_step_left_in_the_command_rewinds_once(capsys, dump):
+    """Issue 42: a requeue with the same command (load_step 2 still in it) resumes the new history, instead of
+    setting aside again the progress made since the rewind."""
+    code, out = train(capsys, dump, 5, "--checkpoint.load_step", 2)
+    assert code == 0 and "belong to the abandoned history" in out, out
+    code, out = train(capsys, dump, 7, "--checkpoint.load_step", 2)
+    assert code == 0, out
+    assert "checkpoint.load_step 2 rewound this run once already" in out and "resumes from the newest checkpoint" in out
+    assert "at step 5" in out and "abandoned history" not in out
+    assert live_steps(dump) == [2, 4, 5, 6, 7]
+
+
+def test_a_damaged_checkpoint_file_is_named_at_load(capsys, dump):
+    """Issue 42: 400 bytes XORed in the middle of a .distcp file load unnoticed by DCP; the checksum each rank
+    records at save names the file before anything is loaded."""
+    shard = dump / "checkpoint" / "step-6" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 400] = bytes(b ^ 0x5A for b in data[middle:middle + 400])
+    shard.write_bytes(bytes(data))
+    code, out = train(capsys, dump, 8)
+    assert code == 2, out
+    assert f"checkpoint file {shard} does not match the checksum recorded when it was saved" in out
+    assert "Traceback" not in out
+
+
+def test_a_second_run_into_a_live_dump_folder_is_refused_and_a_dead_ones_lock_is_taken_over(capsys, dump):
+    """Issue 42: one run per dump folder. A lock held by a live process (this one, as another run would) refuses
+    the second run in one sentence; a lock whose process is gone is stale and taken over."""
+    import json
+
+    from titanlite.checkpoint.lock import LOCK
+
+    lock = dump / LOCK
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "job": "", "started": "earlier"}))
+    code, out = train(capsys, dump, 7)
+    assert code == 2 and f"job.dump_folder {dump} is in use by another run (host {socket.gethostname()}, pid {os.getppid()}" in out
+    assert live_steps(dump) == [2, 4, 6]  # nothing written
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "job": "", "started": "earlier"}))
+    code, out = train(capsys, dump, 7)
+    assert code == 0 and "taking over the lock" in out and not lock.exists(), out

@@ -14,6 +14,7 @@ from pathlib import Path
 from titanlite.build import Run, build_run, training_data
 from titanlite.checkpoint import CheckpointManager, StopFlags, TrainState
 from titanlite.checkpoint.cost import SaveCost
+from titanlite.checkpoint.lock import dump_folder_lock
 from titanlite.checkpoint.stopping import NonfiniteSkips, nothing_to_train
 from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig
@@ -108,8 +109,6 @@ class Loop:
 
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
-    check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
-    init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
     if info.allocator_note:
         logger.info(info.allocator_note)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
@@ -169,7 +168,10 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv)
         info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
         try:
-            train(cfg, info)
+            check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
+            init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
+            with dump_folder_lock(cfg.job.dump_folder, info.rank):  # one run per dump folder
+                train(cfg, info)
         finally:
             close_distributed()
     except UserError as error:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _check_state_dict_similarity, _copy_state_dict, _create_cpu_state_dict
 
+from titanlite.checkpoint.integrity import record_checksums
 from titanlite.errors import UserError
 from titanlite.models.init import local_tensor
 
@@ -125,6 +126,7 @@ class AsyncSaver:
             staged.set()  # on an error too: the optimizer step goes on and the save's future holds the error
         # This thread is the async part: a blocking save here overlaps training as DCP's async_save would.
         dcp.save(host_state, checkpoint_id=str(path), process_group=self.group)
+        record_checksums(path, self.group.rank())
 
     def _wait_for_staging(self, *_hook_args) -> None:
         """Before every optimizer step: the tensors it updates in place must be copied first."""

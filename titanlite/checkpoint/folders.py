@@ -11,6 +11,7 @@ retention's "the newest k" only ever see the history the run continues. Nothing 
 or deleted by titanlite; the user deletes it or moves a step back by hand.
 """
 
+import json
 import re
 import shutil
 import time
@@ -24,6 +25,7 @@ METADATA = ".metadata"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 _ANY_STEP_FOLDER = re.compile(r"^step-(\d+)(-hf)?$")  # checkpoints and their Hugging Face exports
 ABANDONED = "abandoned"
+REWOUND = "rewound.json"  # the step checkpoint.load_step rewound to, and when
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -82,10 +84,22 @@ def set_aside_newer(root: Path, step: int) -> tuple[Path, list[str]] | None:
     return aside, [f.name for f in newer]
 
 
+def rewound_before(root: Path, step: int) -> str | None:
+    """When the run rewound to `step` (checkpoint.load_step) already, or None: a load_step left in a command or
+    config.toml rewinds once, not again at every requeue or restart (each would set aside the progress since)."""
+    try:
+        record = json.loads((root / REWOUND).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return record.get("at") if isinstance(record, dict) and record.get("step") == step else None
+
+
 def rewind_to(root: Path, step: int, rank: int) -> None:
     """Resuming from an older step starts a new history: the newer checkpoints move aside (set_aside_newer)
-    before anything is saved, so neither a later resume nor retention can take them for this run's."""
+    before anything is saved, so neither a later resume nor retention can take them for this run's. The
+    rewind is recorded (rewound_before)."""
     if rank == 0:
+        (root / REWOUND).write_text(json.dumps({"step": step, "at": time.strftime("%Y-%m-%d %H:%M:%S")}))
         moved = set_aside_newer(root, step)
         if moved:
             aside, names = moved

@@ -12,6 +12,7 @@ close() waits for the last. What each save cost the training steps it overlapped
 """
 
 import functools
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +24,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, newest_resumable,
                                      read_metadata)
-from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, rewind_to, step_folder
+from titanlite.checkpoint.folders import (METADATA, REWOUND, is_complete, list_steps, purge_old, rewind_to, rewound_before,
+                                         step_folder)
+from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, verify_checksums
 from titanlite.checkpoint.hf_io import copy_tokenizer, load_model_from_hf, save_model_as_hf
 from titanlite.checkpoint.async_save import AsyncSaver, Save
 from titanlite.checkpoint.save_errors import stop_if_disk_failure
@@ -125,11 +128,13 @@ class CheckpointManager:
             # Rewriting a step (a model-only final export when training goes on past it, a seed
             # checkpoint made again): its old .metadata must not vouch for half-written new files.
             (path / METADATA).unlink(missing_ok=True)
+            shutil.rmtree(path / CHECKSUMS, ignore_errors=True)  # nor old checksums the new files
         save = Save(step, time.perf_counter(), note=f" ({note})" if note else "")
         state = build_state()
         if wait or self.saver is None:
             try:
                 dcp.save(state, checkpoint_id=str(path))
+                record_checksums(path, self.rank)
             except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
                 self._stop_if_disk_failure(step, error)
                 raise
@@ -202,9 +207,10 @@ class CheckpointManager:
             complete, incomplete = list_steps(self.root)
             for folder in incomplete:
                 logger.warning(f"skipping {folder}: it has no {METADATA}, so its save never finished")
-            if cfg.load_step != -1:
-                rewind_to(self.root, choose_load_step(self.root, complete, cfg.load_step), self.rank)
-            chosen = cfg.load_step if cfg.load_step != -1 else newest_resumable(self.root, complete)
+            load_step = self._load_step()
+            if load_step != -1:
+                rewind_to(self.root, choose_load_step(self.root, complete, load_step), self.rank)
+            chosen = load_step if load_step != -1 else newest_resumable(self.root, complete)
             if chosen is not None:
                 if self.adapters_only:  # the frozen base first: the checkpoint holds only the adapters
                     self._load_initial()
@@ -212,6 +218,18 @@ class CheckpointManager:
                 return self.state
         self._load_initial()
         return self.state
+
+    def _load_step(self) -> int:
+        """checkpoint.load_step, once: where this run rewound to that step already, the newest checkpoint."""
+        step, rewound_at = self.cfg.load_step, rewound_before(self.root, self.cfg.load_step)
+        if step == -1 or rewound_at is None:
+            return step
+        logger.warning(
+            f"checkpoint.load_step {step} rewound this run once already ({rewound_at}), so this start resumes from the "
+            f"newest checkpoint; remove load_step from the command or config.toml (or delete {self.root / REWOUND} to "
+            f"rewind to step {step} again)"
+        )
+        return -1
 
     def _load_initial(self) -> None:
         """checkpoint.initial_load_path, if given: a Hugging Face folder or a DCP checkpoint."""
@@ -229,6 +247,7 @@ class CheckpointManager:
 
     def _load_dcp(self, path: Path, resume: bool, kind: str = "run") -> None:
         started = time.perf_counter()
+        verify_checksums(path)
         metadata = read_metadata(path)
         keys = SavedKeys(metadata.state_dict_metadata, path)
         model = ModelState(self.model, self.adapters_only, kind)

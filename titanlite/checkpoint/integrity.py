@@ -1,0 +1,81 @@
+"""A checksum per checkpoint file, so a file damaged on disk (bit rot, a bad copy, a truncated transfer)
+is found at load and named, instead of loading silently wrong weights.
+
+After a save, each rank records the 64-bit XXH3 hash of the `.distcp` files it wrote (rank 0 also the `.metadata`)
+in `<step>/checksums/rank<R>.json`; an async save does it on its own writer thread, after the write, so
+training never waits for it. A load first verifies every recorded file, the ranks sharing the reading, and
+stops in one sentence naming the first damaged file. A checkpoint written before checksums existed (no
+`checksums/` folder) loads as before; one whose save was cut off after its `.metadata` but before a rank's
+record has no record for that rank's files, which are then not verified (their sizes are still DCP's).
+"""
+
+import json
+import mmap
+from pathlib import Path
+
+import torch.distributed as dist
+import xxhash
+
+from titanlite.errors import UserError
+
+CHECKSUMS = "checksums"
+# XXH3 rather than CRC-32: both find any bit rot a disk makes, and XXH3 hashes about 7 GB/s on one core
+# against CRC-32's 2.4 (the 71 MB debug checkpoint in memory, on the 2-core CI machine). The file is mapped,
+# not read: copying it out of the page cache in chunks cost more than hashing it (0.8 GB/s read, 2.3 mapped).
+
+
+def file_hash(path: Path) -> str:
+    if path.stat().st_size == 0:
+        return xxhash.xxh3_64(b"").hexdigest()  # mmap cannot map an empty file
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        return xxhash.xxh3_64(mapped).hexdigest()
+
+
+def record_checksums(folder: Path, rank: int) -> None:
+    """The hash of the files this rank wrote into the step folder, written beside them."""
+    written = sorted(p for p in folder.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        written.append(folder / ".metadata")
+    sums = {p.name: file_hash(p) for p in written if p.is_file()}
+    (folder / CHECKSUMS).mkdir(exist_ok=True)
+    record = folder / CHECKSUMS / f"rank{rank}.json"
+    partial = record.with_suffix(".partial")
+    partial.write_text(json.dumps(sums, indent=0))
+    partial.replace(record)  # whole or absent, never half a record
+
+
+def recorded_checksums(folder: Path) -> dict[str, str]:
+    recorded = {}
+    for record in sorted((folder / CHECKSUMS).glob("rank*.json")):
+        try:
+            sums = json.loads(record.read_text())
+            if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+                raise ValueError("not a table of checksums")
+        except (ValueError, UnicodeDecodeError, OSError) as error:
+            raise UserError(f"checkpoint checksum record {record} is damaged ({type(error).__name__}); the checkpoint "
+                            f"cannot be verified: delete {folder} or set checkpoint.load_step to an earlier step") from None
+        recorded.update(sums)
+    return recorded
+
+
+def damaged_files(folder: Path, names: list[str], recorded: dict[str, str]) -> list[str]:
+    return [name for name in names if not (folder / name).is_file() or file_hash(folder / name) != recorded[name]]
+
+
+def verify_checksums(folder: Path) -> None:
+    """Every file recorded at save must read back with its checksum; each rank reads a share of them."""
+    recorded = recorded_checksums(folder)
+    names = sorted(recorded)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    damaged = damaged_files(folder, names[rank::world], recorded)
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, damaged)
+        damaged = sorted(name for share in found for name in share)
+    if damaged:
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        raise UserError(
+            f"checkpoint file {folder / damaged[0]}{more} does not match the checksum recorded when it was saved: its "
+            f"bytes changed on disk; delete {folder} (an earlier checkpoint then loads) or set checkpoint.load_step to "
+            "an earlier step"
+        )
