@@ -2,17 +2,17 @@
 
 training.dataset_format "chat": records with `messages`, a list of {role, content} (system/user/assistant,
 any number of turns); "prompt_completion": records with `prompt` and `completion`, rendered as one
-user turn and one assistant turn. The template is the Hugging Face folder's (tokenizer_config.json's
-"chat_template") or the file at training.chat_template, rendered as transformers' apply_chat_template
-renders it: a sandboxed jinja2 environment with trim_blocks, lstrip_blocks and the loop-controls
-extension, its tojson filter, raise_exception and strftime_now, and the folder's special tokens
-(bos_token, eos_token...) as variables.
+user turn and one assistant turn. The template is the Hugging Face folder's (chat_template.jinja, or
+tokenizer_config.json's "chat_template") or the file at training.chat_template, rendered as transformers'
+apply_chat_template renders it: a sandboxed jinja2 environment with trim_blocks, lstrip_blocks and the
+loop-controls extension, its tojson filter, raise_exception and strftime_now, {% generation %} blocks, and
+the folder's special tokens (bos_token, eos_token...) as variables.
 
-Which tokens train (training.train_on): an assistant turn is the text between the conversation rendered
-up to the turn before it with the generation prompt, and rendered up to the turn itself, so the turn's
-own end marker (<|im_end|>, <|eot_id|>) is trained and the header before it is not. A token trains
-when it starts inside such a span (offsets from the `tokenizers` library, on the whole rendered text,
-so the ids are exactly apply_chat_template's).
+Each conversation is rendered once; its ids are exactly apply_chat_template's (offsets from the `tokenizers`
+library on the whole rendering), with no bos or eos added: a bos is there only where the template writes one.
+Which tokens train (training.train_on) is found in that one rendering (chat_spans.py): a token trains when
+it overlaps an assistant turn, as transformers' assistant mask marks it. A special token typed inside a
+message ("<|im_end|>") is encoded as text.
 """
 
 import hashlib
@@ -26,12 +26,16 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from titanlite.data.chat_spans import (MARKED, GenerationTracker, assistant_spans, literal_contents, special_pattern,
+                                       track_generation)
 from titanlite.data.hf_tokenizer import HFTokenizer
 from titanlite.data.local_files import find_data_files, read_errors, read_records
 from titanlite.data.store import TokenStore, concatenate
 from titanlite.errors import UserError
 
 ROLES = ("system", "user", "assistant")
+# What fixes the tokens besides the template (a chat store records its hash): 2 = one rendering, no bos or eos added.
+MASK_RULES = "2"
 FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
 
 
@@ -45,7 +49,7 @@ def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=Fa
 
 
 def compile_template(source: str, origin: str) -> jinja2.Template:
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTracker])
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
@@ -68,38 +72,55 @@ class ChatRenderer:
             except (OSError, UnicodeDecodeError) as error:
                 raise UserError(f"cannot read training.chat_template {chat_template_path} ({error}); point it at a jinja template file") from None
         elif tokenizer.chat_template:
-            source, self.origin = tokenizer.chat_template, str(tokenizer.path.parent / "tokenizer_config.json")
+            source, self.origin = tokenizer.chat_template, str(tokenizer.chat_template_path)
         else:
-            raise UserError(f"{tokenizer.path.parent / 'tokenizer_config.json'} has no chat_template; set training.chat_template to a template file")
+            raise UserError(f"{tokenizer.path.parent} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                            "chat_template); set training.chat_template to a template file")
         if not isinstance(source, str):  # a list of named templates: transformers uses "default"
             raise UserError(f"the chat template of {self.origin} is not one string; set training.chat_template to a template file")
+        self.source = source
         self.template = compile_template(source, self.origin)
-        self.template_sha256 = hashlib.sha256(source.encode()).hexdigest()
+        self.marked = bool(MARKED.search(source))
+        self.template_sha256 = hashlib.sha256(f"{MASK_RULES}\n{source}".encode()).hexdigest()
         self.tokens = dict(tokenizer.special_tokens)
+        self.specials = special_pattern(tokenizer.special_texts)
+        self.prompt: str | None = None  # the generation prompt, from the first conversation rendered
+
+    def variables(self, messages: list[dict], add_generation_prompt: bool) -> dict:
+        return dict(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.tokens)
+
+    def failed(self, error: Exception) -> UserError:
+        """A template that raises (raise_exception, or a Python error such as {{ 1/0 }}) as one sentence naming it."""
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return UserError(f"the chat template of {self.origin} failed on a conversation ({reason}); fix the template or the data")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
-            return self.template.render(messages=messages, tools=None, documents=None,
-                                        add_generation_prompt=add_generation_prompt, **self.tokens)
-        except jinja2.TemplateError as error:
-            raise UserError(f"the chat template of {self.origin} failed on a conversation ({error}); fix the template or the data") from None
+            return self.template.render(**self.variables(messages, add_generation_prompt))
+        except Exception as error:  # the template is user code: any error it raises is the template's
+            raise self.failed(error) from None
+
+    def generation_prompt(self, messages: list[dict]) -> str:
+        """What add_generation_prompt appends to the conversation before the first assistant turn ("" if not an append)."""
+        if self.prompt is None:
+            first = next(i for i, message in enumerate(messages) if message["role"] == "assistant")
+            before, prompted = self.render(messages[:first]), self.render(messages[:first], add_generation_prompt=True)
+            self.prompt = prompted[len(before):] if prompted.startswith(before) else ""
+        return self.prompt
 
     def trained_spans(self, messages: list[dict], train_on: str) -> tuple[str, list[tuple[int, int]]]:
-        """(the rendered conversation, the character spans of the text to train on)."""
-        text = self.render(messages)
-        if train_on == "all":
-            return text, [(0, len(text))]
-        turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-        if train_on == "last_assistant":
-            turns = turns[-1:]
-        spans = []
-        for i in turns:
-            before, through = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
-            if not (through.startswith(before) and text.startswith(through)):
-                raise UserError(f"the chat template of {self.origin} renders the first turns of a conversation differently from the whole, "
-                                "so the assistant turns cannot be located; set training.train_on all or use another template")
-            spans.append((len(before), len(through)))
-        return text, spans
+        """(the conversation rendered once, the character spans of the text to train on)."""
+        if self.marked and train_on != "all":
+            try:
+                text, spans = track_generation(self.template, self.variables(messages, False))
+            except Exception as error:
+                raise self.failed(error) from None
+        else:
+            text = self.render(messages)
+            if train_on == "all":
+                return text, [(0, len(text))]
+            spans = assistant_spans(text, messages, self.generation_prompt(messages), self.specials, self.origin)
+        return text, spans[-1:] if train_on == "last_assistant" else spans
 
 
 def conversation(record: dict, dataset_format: str, number: int, where: str) -> list[dict]:
@@ -154,16 +175,10 @@ class Conversations(Sequence):
 
 def tokenize_conversation(renderer: ChatRenderer, tokenizer: HFTokenizer, messages: list[dict],
                           train_on: str) -> tuple[list[int], list[bool]]:
-    """(bos + the rendered conversation's ids + eos, whether each token is trained). bos and eos are added
-    only where the template did not write them, and are never trained: they delimit the documents."""
+    """(the rendered conversation's ids, as apply_chat_template gives them, whether each token is trained)."""
     text, spans = renderer.trained_spans(messages, train_on)
-    ids, offsets = tokenizer.encode_with_offsets(text)
-    trained = [any(start <= begin < end for start, end in spans) for begin, _ in offsets]
-    if not ids or ids[0] != tokenizer.bos_id:
-        ids, trained = [tokenizer.bos_id] + ids, [False] + trained
-    if ids[-1] != tokenizer.eos_id:
-        ids, trained = ids + [tokenizer.eos_id], trained + [False]
-    return ids, trained
+    ids, offsets = tokenizer.encode_with_offsets(text, literal_contents(text, messages, renderer.specials))
+    return ids, [any(begin < end_span and end > start_span for start_span, end_span in spans) for begin, end in offsets]
 
 
 def chat_record(renderer: ChatRenderer, dataset_format: str, train_on: str) -> dict:

@@ -176,7 +176,7 @@ def conversation_loader(dataset_path: str, dataset_format: str, train_on: str, c
                                    dataset_path)
         logger.info(f"{key} {dataset_path}: tokenized its {len(conversations):,} conversations at start (prepare them into a "
                     f"chat store with python -m titanlite.data.prepare --format {dataset_format} to skip this)")
-    windows = ConversationWindows(store, seq_len, seed, tokenizer.eos_id, key)
+    windows = ConversationWindows(store, seq_len, seed, tokenizer.eos_id, key, bos_id=tokenizer.bos_id)
     identity = {"sources": [str(Path(dataset_path).resolve())], "seed": seed, "seq_len": seq_len, **chat}
     return GlobalOrderLoader(windows, batch_size=batch_size, dp_rank=dp_rank, dp_world=dp_world, num_workers=num_workers,
                              finite=not infinite, identity=identity, source_names=[Path(dataset_path).name], seq_len=seq_len)
