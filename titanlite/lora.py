@@ -10,6 +10,7 @@ initialises it again from job.seed) first.
 """
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from titanlite.config_sections import LoRA
 from titanlite.errors import UserError
+from titanlite.log import logger
 from titanlite.models.init import full_tensor, trunc_normal_
 
 
@@ -40,16 +42,61 @@ class LoRALinear(nn.Linear):
             self.lora_b.zero_()
 
 
-def apply_lora(model: nn.Module, cfg: LoRA) -> None:
+FUSED = {"wqkv": ("wq", "wk", "wv")}  # GPT-2's one attention input projection holds q, k and v
+
+
+def naming_targets(name: str, module: nn.Module, targets: list[str]) -> set[str]:
+    """The targets that name this layer: an nn.Linear by its own name, a fused wqkv also by wq, wk or wv."""
+    if type(module) is not nn.Linear:
+        return set()
+    own = name.rsplit(".", 1)[-1]
+    return {own, *FUSED.get(own, ())} & set(targets)
+
+
+def lora_targets(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) of every nn.Linear that cfg.target_modules names (a fused wqkv by any of wq, wk, wv);
+    one sentence where a target names MoE experts' stacked weights or matches nothing."""
+    stacked = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] in targets})
+    if stacked:
+        raise UserError(f"lora.target_modules {','.join(stacked)} names the MoE experts' stacked weights, which take no LoRA "
+                        "adapter; drop them from lora.target_modules (attention and dense layers still can)")
+    found, matched = [], set()
+    for name, module in model.named_modules():
+        names = naming_targets(name, module, targets)
+        if names:
+            found.append((name, module))
+            matched |= names
+    unmatched = [target for target in targets if target not in matched]
+    if unmatched:
+        layers = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+        raise UserError(f"lora.target_modules {','.join(unmatched)} matches no linear layer of the model; name layers it has "
+                        f"({','.join(layers)})")
+    if "output" in matched and getattr(getattr(model, "args", None), "tie_embeddings", False):
+        raise UserError("lora.target_modules output adapts the output layer, which this model ties to its token embeddings "
+                        "(tie_word_embeddings), so no merged export could hold it; drop output from lora.target_modules")
+    return found
+
+
+def adapted_summary(names: list[str]) -> str:
+    """The adapted layers in a few words: "layers.*.attention.wq (2), output (1)"."""
+    counts: dict[str, int] = {}
+    for name in names:
+        pattern = re.sub(r"^layers\.\d+\.", "layers.*.", name)
+        counts[pattern] = counts.get(pattern, 0) + 1
+    return ", ".join(f"{pattern} ({count})" for pattern, count in counts.items())
+
+
+def apply_lora(model: nn.Module, cfg: LoRA, whole: bool = True) -> None:
     """Replace every nn.Linear whose own name is in cfg.target_modules by a LoRALinear (on the meta device)
-    and freeze everything but the adapters. A no-op with rank 0."""
+    and freeze everything but the adapters. A no-op with rank 0. `whole`: the whole model (not a slice the
+    planner measures), so every target must match and the adapted layers are logged."""
     if not cfg.rank:
         return
-    targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is nn.Linear and name.rsplit(".", 1)[-1] in cfg.target_modules]
-    if not targets:
-        raise UserError(f"lora.target_modules {','.join(cfg.target_modules)} matches no linear layer of the model; "
-                        "name layers it has (llama-like: wq,wk,wv,wo,w1,w2,w3,output)")
+    if whole:
+        targets = lora_targets(model, cfg.target_modules)
+        logger.info(f"LoRA rank {cfg.rank} adapters on {len(targets)} linear layers: {adapted_summary([n for n, _ in targets])}")
+    else:
+        targets = [(name, module) for name, module in model.named_modules() if naming_targets(name, module, cfg.target_modules)]
     for param in model.parameters():
         param.requires_grad_(False)
     for name, linear in targets:

@@ -102,6 +102,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         dataloader=dataloader, dp_rank=dims.dp_rank, dp_degree=dims.dp_degree,
         model_name=model_label(cfg.model), model_args=args, hf_adapter=spec.hf_adapter,
         cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps), tokenizer_file=tokenizer.path,
+        chat_template=cfg.training.chat_template,
     )
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()

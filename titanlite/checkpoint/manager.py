@@ -52,7 +52,7 @@ class TrainState:
 class CheckpointManager:
     def __init__(self, cfg: Checkpoint, dump_folder: str, *, model, optimizer, lr_scheduler, dataloader,
                  dp_rank: int, dp_degree: int, model_name: str, model_args, hf_adapter, cost: SaveCost | None = None,
-                 tokenizer_file: Path | None = None):
+                 tokenizer_file: Path | None = None, chat_template: str = ""):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
@@ -61,7 +61,7 @@ class CheckpointManager:
         self.global_data = getattr(dataloader, "state_is_global", False)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_name, self.model_args, self.hf_adapter = model_name, model_args, hf_adapter
-        self.tokenizer_file = tokenizer_file  # copied into Hugging Face exports
+        self.tokenizer_file, self.chat_template = tokenizer_file, chat_template  # copied into Hugging Face exports
         # LoRA: checkpoints hold the adapters; the base they were trained on is named in the train state.
         self.adapters_only, self.base = has_lora(model), cfg.initial_load_path or "initialised from job.seed"
         self.state = TrainState()
@@ -121,16 +121,15 @@ class CheckpointManager:
         and, with last_save_in_hf, also writes the model in Hugging Face format."""
         cfg = self.cfg
         self.poll()
-        if last and cfg.last_save_in_hf:
-            self._save_hf(step)
         if force and not cfg.enable:
             logger.warning(f"stopping at step {step} without saving: checkpoint.enable is false")
-        if not cfg.enable or not (force or last or self.saves_at(step)):
-            return
-        if last and cfg.last_save_model_only and not force:
-            self._save(step, self._export_state, wait=True, note=f"model only, {cfg.export_dtype}")
-        else:
-            self._save(step, self._full_state, wait=force or last)
+        if cfg.enable and (force or last or self.saves_at(step)):
+            if last and cfg.last_save_model_only and not force:
+                self._save(step, self._export_state, wait=True, note=f"model only, {cfg.export_dtype}")
+            else:
+                self._save(step, self._full_state, wait=force or last)
+        if last and cfg.last_save_in_hf:  # after the checkpoint: a failing export never costs the run's state
+            self._save_hf(step)
 
     def saves_at(self, step: int) -> bool:
         """Whether the checkpoint interval saves this step (the last step and preemption save too)."""
@@ -207,10 +206,12 @@ class CheckpointManager:
         save_model_as_hf(self._model_state("all"), path, self.hf_adapter, self.model_args, DTYPES[cfg.export_dtype],
                          writer_rank=self.rank == 0, merge=functools.partial(merge_lora, model=self.model))
         if self.rank == 0 and self.tokenizer_file is not None:
-            copy_tokenizer(self.tokenizer_file, path)
+            copy_tokenizer(self.tokenizer_file, path, self.chat_template)
         if self.adapters_only:
             save_peft_adapter(self._model_state(), self.root / f"step-{step}-peft", self.hf_adapter, self.model_args,
                               self.model, self.base, writer_rank=self.rank == 0)
+            if self.rank == 0 and self.tokenizer_file is not None:
+                copy_tokenizer(self.tokenizer_file, self.root / f"step-{step}-peft", self.chat_template, generation=False)
         logger.info(f"model saved in Hugging Face format ({cfg.export_dtype}) to {path} in {time.perf_counter() - started:.2f}s")
 
     def close(self) -> None:
