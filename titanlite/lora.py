@@ -161,6 +161,21 @@ def check_same_base(saved: str, base: str, path) -> None:
                         f"set checkpoint.initial_load_path to {saved} (or start the adapters in another job.dump_folder)")
 
 
+def base_model_name(base: str) -> str:
+    """The base as PEFT's base_model_name_or_path names it: a folder's hub name where it has one (a hub cache
+    snapshot .../models--org--name/snapshots/<sha>, or config.json's "_name_or_path" when that is no local
+    path), else the base as given."""
+    cached = re.search(r"models--([^/]+)--([^/]+)/snapshots/", base)
+    if cached:
+        return f"{cached.group(1)}/{cached.group(2)}"
+    try:
+        named = json.loads((Path(base) / "config.json").read_text()).get("_name_or_path", "")
+    except (OSError, ValueError, AttributeError):
+        named = ""
+    hub = isinstance(named, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", named) and not Path(named).exists()
+    return named if hub else base
+
+
 @torch.no_grad()
 def save_peft_adapter(adapter_state: dict, folder: Path, hf_adapter, args, model: nn.Module, base: str, writer_rank: bool) -> None:
     """The adapters as a PEFT folder (adapter_config.json + adapter_model.safetensors) that
@@ -183,5 +198,5 @@ def save_peft_adapter(adapter_state: dict, folder: Path, hf_adapter, args, model
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.lora_a.shape[0],
               "lora_alpha": first.scale * first.lora_a.shape[0], "lora_dropout": getattr(first.dropout, "p", 0.0),
               "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-              "base_model_name_or_path": base, "inference_mode": True}
+              "base_model_name_or_path": base_model_name(base), "inference_mode": True}
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))

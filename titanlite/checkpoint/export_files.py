@@ -43,14 +43,14 @@ def as_list(ids) -> list:
 
 
 def write_generation_ids(source: Path, folder: Path, chat_template: str = "") -> None:
-    """config.json's bos_token_id and eos_token_id (the base folder's where it names them), and
+    """config.json's bos_token_id and eos_token_id (the base folder's where it sets them), and
     generation_config.json (the base folder's, if any) stopping at the end of turn and every eos."""
     tokenizer_path = folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else folder / "tokenizer.model"
     tokenizer = load_tokenizer(tokenizer_path)
     has_bos = not isinstance(tokenizer, HFTokenizer) or "bos_token" in tokenizer.special_tokens
     base_config = read_json(source / "config.json")
-    ids = {"bos_token_id": base_config.get("bos_token_id", tokenizer.bos_id if has_bos else None),
-           "eos_token_id": base_config.get("eos_token_id", tokenizer.eos_id)}
+    ours = {"bos_token_id": tokenizer.bos_id if has_bos else None, "eos_token_id": tokenizer.eos_id}
+    ids = {key: value if base_config.get(key) is None else base_config[key] for key, value in ours.items()}
     config = read_json(folder / "config.json")
     config.update({key: value for key, value in ids.items() if value is not None})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -36,6 +36,7 @@ from titanlite.errors import UserError
 ROLES = ("system", "user", "assistant")
 # What fixes the tokens besides the template (a chat store records its hash): 2 = one rendering, no bos or eos added.
 MASK_RULES = "2"
+KEPT = ("role", "content", "reasoning_content")  # what a template reads of a message (Qwen3 renders reasoning_content)
 FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
 
 
@@ -143,7 +144,7 @@ def conversation(record: dict, dataset_format: str, number: int, where: str) -> 
     if not any(message["role"] == "assistant" for message in messages):
         raise UserError(f"{where}: record {number} (counting from 1) has no assistant turn, so nothing of it would be trained; "
                         "add one or remove the record")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{key: m[key] for key in KEPT if m.get(key) is not None} for m in messages]
 
 
 class Conversations(Sequence):

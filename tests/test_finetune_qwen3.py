@@ -1,0 +1,101 @@
+"""Fine-tuning a folder as transformers writes it today: a small random Qwen3 (chat template in chat_template.jinja,
+no bos) on multi-turn chats. Step 1's loss equals transformers' over the tokens apply_chat_template's assistant
+mask marks; the export stops transformers' greedy generate at <|im_end|>; LoRA with the output layer among its
+targets exports a PEFT adapter equal to the merged weights; convert dcp-to-hf exports the run."""
+
+import json
+import stat
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ON_CPU, tensorboard_scalars
+from qwen3_template import QWEN3_TEMPLATE, generation_marked
+from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.train import main
+
+transformers = pytest.importorskip("transformers")
+
+QWEN3 = dict(vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+             initializer_range=0.2)
+
+CHATS = [
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a bee?"},
+     {"role": "assistant", "content": "An insect that makes honey."}, {"role": "user", "content": "And a wasp?"},
+     {"role": "assistant", "content": "An insect that stings.", "reasoning_content": "Wasps sting."}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green."},
+     {"role": "user", "content": "One more?"}, {"role": "assistant", "content": "Red."}],
+    [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": "Yes."}],
+    [{"role": "user", "content": "Is the sky blue?"}, {"role": "assistant", "content": "Yes, by day."}],
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory):
+    """A random Qwen3 written by transformers' save_pretrained, and its tokenizer saved by transformers with
+    Qwen3's template (so in chat_template.jinja), eos <|im_end|> and no bos."""
+    root = tmp_path_factory.mktemp("qwen3")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(write_tokenizer_folder(root / "tokenizer")))
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    torch.manual_seed(0)
+    folder = root / "model"
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).float().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert (folder / "chat_template.jinja").is_file() and tokenizer.bos_token is None
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS))
+    return folder, data
+
+
+def chat_flags(folder, data, dump, steps, *extra) -> list[str]:
+    return [*ON_CPU, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(dump), "--training.dataset_path",
+            str(data), "--training.dataset_format", "chat", "--training.seq_len", "128", "--training.local_batch_size",
+            str(len(CHATS)), "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
+            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+            *map(str, extra)]
+
+
+def transformers_assistant_loss(folder) -> float:
+    """Mean next-token loss of the transformers model over the tokens apply_chat_template marks as the assistant's
+    (with a {% generation %}-marked copy of the template), every conversation as apply_chat_template gives it."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    total, count = 0.0, 0
+    for chat in CHATS:
+        out = tokenizer.apply_chat_template(chat, chat_template=generation_marked(QWEN3_TEMPLATE), tokenize=True,
+                                            return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = torch.tensor([out["input_ids"]]), torch.tensor(out["assistant_masks"], dtype=torch.bool)
+        assert ids[0, 0] != tokenizer.convert_tokens_to_ids("<|im_end|>")  # no bos, nothing before the template's text
+        labels = ids[0, 1:].masked_fill(~mask[1:], -100)
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1].float()
+        total += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").item()
+        count += int(mask[1:].sum())
+    return total / count
+
+
+def test_qwen3_template_trains_multi_turn_and_the_export_stops_at_the_end_of_turn(qwen3_folder, tmp_path):
+    folder, data = qwen3_folder
+    assert main(chat_flags(folder, data, tmp_path / "run", 25, "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1")) == 0
+    ours = tensorboard_scalars(tmp_path / "run" / "tb", "loss/train")
+    assert ours[1] == pytest.approx(transformers_assistant_loss(folder), abs=1e-5)
+
+    export = tmp_path / "run" / "checkpoint" / "step-25-hf"
+    assert (tmp_path / "run" / "checkpoint" / "step-25" / ".metadata").is_file()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(export))
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    generation = json.loads((export / "generation_config.json").read_text())
+    assert end_of_turn in (generation["eos_token_id"] if isinstance(generation["eos_token_id"], list) else [generation["eos_token_id"]])
+    assert json.loads((export / "config.json").read_text())["eos_token_id"] == end_of_turn
+    assert all(stat.S_IMODE(path.stat().st_mode) == 0o644 for path in export.iterdir())
+    assert tokenizer.chat_template == QWEN3_TEMPLATE
+    # transformers' greedy generate on the export stops at the end of turn it learnt to write
+    model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    prompt = tokenizer.apply_chat_template(CHATS[2][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=40, do_sample=False)
+    new = out[0, prompt["input_ids"].shape[1]:].tolist()
+    assert new[-1] == end_of_turn and len(new) < 40, tokenizer.decode(new)
