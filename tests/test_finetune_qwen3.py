@@ -10,8 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from safetensors import safe_open
+
 from conftest import ON_CPU, tensorboard_scalars
 from qwen3_template import QWEN3_TEMPLATE, generation_marked
+from titanlite.convert import main as convert_main
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.train import main
 
@@ -77,14 +80,22 @@ def transformers_assistant_loss(folder) -> float:
     return total / count
 
 
-def test_qwen3_template_trains_multi_turn_and_the_export_stops_at_the_end_of_turn(qwen3_folder, tmp_path):
+@pytest.fixture(scope="module")
+def full_run(qwen3_folder, tmp_path_factory):
+    """25 steps of full fine-tuning: enough for the tiny model to learn to close its turns."""
     folder, data = qwen3_folder
-    assert main(chat_flags(folder, data, tmp_path / "run", 25, "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1")) == 0
-    ours = tensorboard_scalars(tmp_path / "run" / "tb", "loss/train")
+    dump = tmp_path_factory.mktemp("full")
+    assert main(chat_flags(folder, data, dump, 25, "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1")) == 0
+    return dump
+
+
+def test_qwen3_template_trains_multi_turn_and_the_export_stops_at_the_end_of_turn(qwen3_folder, full_run):
+    folder, _ = qwen3_folder
+    ours = tensorboard_scalars(full_run / "tb", "loss/train")
     assert ours[1] == pytest.approx(transformers_assistant_loss(folder), abs=1e-5)
 
-    export = tmp_path / "run" / "checkpoint" / "step-25-hf"
-    assert (tmp_path / "run" / "checkpoint" / "step-25" / ".metadata").is_file()
+    export = full_run / "checkpoint" / "step-25-hf"
+    assert (full_run / "checkpoint" / "step-25" / ".metadata").is_file()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(export))
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     generation = json.loads((export / "generation_config.json").read_text())
@@ -99,3 +110,40 @@ def test_qwen3_template_trains_multi_turn_and_the_export_stops_at_the_end_of_tur
         out = model.generate(**prompt, max_new_tokens=40, do_sample=False)
     new = out[0, prompt["input_ids"].shape[1]:].tolist()
     assert new[-1] == end_of_turn and len(new) < 40, tokenizer.decode(new)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_convert_exports_a_run_started_from_a_folder(full_run, tmp_path, capsys):
+    """The checkpoint records the model (llama3/hf is no registered flavor): no flags needed, the same weights
+    as the run's own export; flags naming another model are refused; no arguments print the usage, exit 2."""
+    step = full_run / "checkpoint" / "step-25"
+    assert convert_main(["dcp-to-hf", str(step), str(tmp_path / "hf")]) == 0
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as ours, \
+            safe_open(str(full_run / "checkpoint" / "step-25-hf" / "model.safetensors"), "pt") as export:
+        assert sorted(ours.keys()) == sorted(export.keys())
+        assert all(torch.equal(ours.get_tensor(name), export.get_tensor(name)) for name in ours.keys())
+    capsys.readouterr()
+    assert convert_main(["dcp-to-hf", str(step), str(tmp_path / "other"), "--model.name", "llama3", "--model.flavor", "debugmodel"]) == 2
+    assert f"{step} was saved from qwen3/hf, but the flags name llama3/debugmodel; drop --model.name" in capsys.readouterr().err
+    assert convert_main([]) == 2 and capsys.readouterr().err.startswith("usage: python -m titanlite.convert")
+
+
+def test_lora_on_the_output_layer_exports_a_peft_adapter_equal_to_the_merged_weights(qwen3_folder, tmp_path, capsys):
+    peft = pytest.importorskip("peft")
+    folder, data = qwen3_folder
+    assert main(chat_flags(folder, data, tmp_path / "lora", 3, "--lora.rank", "4", "--lora.target_modules", "wq,output",
+                           "--optimizer.lr", "1e-2")) == 0
+    assert "LoRA rank 4 adapters on 3 linear layers: layers.*.attention.wq (2), output (1)" in capsys.readouterr().err
+    adapter = tmp_path / "lora" / "checkpoint" / "step-3-peft"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["lm_head", "q_proj"] and config["base_model_name_or_path"] == str(folder)
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {p.name for p in adapter.iterdir()}
+    tokens = torch.randint(0, 600, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        base_logits = base(tokens).logits
+        peft_logits = peft.PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "checkpoint" / "step-3-hf").eval()
+        merged_logits = merged(tokens).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
+    assert (peft_logits - merged_logits).abs().max() < 1e-5

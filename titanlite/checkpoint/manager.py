@@ -11,6 +11,7 @@ close() waits for the last. What each save cost the training steps it overlapped
 """
 
 import functools
+import json
 import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,8 @@ class CheckpointManager:
         return {
             "step": self.state.step, "tokens_seen": self.state.tokens_seen, "model": self.model_name,
             "dp_degree": self.dp_degree, "world_size": self.world_size, **({"base": self.base} if self.adapters_only else {}),
+            # the model's shape as config.json: `convert dcp-to-hf` exports a run whose shape is no registered flavor
+            **({"model_config": json.dumps(self.hf_adapter.hf_config(self.model_args))} if self.hf_adapter else {}),
         }
 
     def _full_state(self) -> dict:
