@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint.cost import SaveCost
-from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, newest_resumable,
-                                     read_metadata, rng_state, set_rng_state)
+from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, model_tensors,
+                                     newest_resumable, read_metadata, rng_state, set_rng_state)
 from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, purge_old, rewind_to, step_folder
 from titanlite.checkpoint.hf_io import copy_tokenizer, load_model_from_hf, save_model_as_hf
 from titanlite.checkpoint.async_save import AsyncSaver, Save
@@ -40,7 +40,7 @@ from titanlite.checkpoint.save_errors import stop_if_disk_failure
 from titanlite.config_sections import Checkpoint
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.lora import check_same_base, has_lora, is_adapter, merge_lora, save_peft_adapter
+from titanlite.lora import base_record, check_adapters_fit, check_same_base, has_lora, is_adapter, merge_lora, save_peft_adapter
 from titanlite.dtypes import DTYPES
 from titanlite.profiling import model_state_bytes
 
@@ -65,6 +65,7 @@ class CheckpointManager:
         self.tokenizer_file, self.chat_template = tokenizer_file, chat_template  # copied into Hugging Face exports
         # LoRA: checkpoints hold the adapters; the base they were trained on is named in the train state.
         self.adapters_only, self.base = has_lora(model), cfg.initial_load_path or "initialised from job.seed"
+        self._base_record: str | None = None
         self.state = TrainState()
         self.cost = cost or SaveCost()
         self.saver = None
@@ -89,10 +90,16 @@ class CheckpointManager:
     def _train_state(self) -> dict:
         return {
             "step": self.state.step, "tokens_seen": self.state.tokens_seen, "model": self.model_name,
-            "dp_degree": self.dp_degree, "world_size": self.world_size, **({"base": self.base} if self.adapters_only else {}),
+            "dp_degree": self.dp_degree, "world_size": self.world_size, **({"base": self.base_record()} if self.adapters_only else {}),
             # the model's shape as config.json: `convert dcp-to-hf` exports a run whose shape is no registered flavor
             **({"model_config": json.dumps(self.hf_adapter.hf_config(self.model_args))} if self.hf_adapter else {}),
         }
+
+    def base_record(self) -> str:
+        """The frozen base by path and content (lora.base_record), computed once: it never changes."""
+        if self._base_record is None:
+            self._base_record = base_record(self.base, self._model_state("base"))
+        return self._base_record
 
     def _full_state(self) -> dict:
         # The model's first: FSDP's state_dict hook reshards a root that a validation forward (no
@@ -272,6 +279,9 @@ class CheckpointManager:
         # Pipeline stages each hold a share of the model: the checkpoint must fit the union of the ranks' shares.
         shares = [None] * dist.get_world_size()
         dist.all_gather_object(shares, {fqn: tuple(t.shape) for fqn, t in model_state.items()})
+        if self.adapters_only and kind == "run":
+            check_adapters_fit({fqn: tuple(m.size) for fqn, m in model_tensors(metadata).items()},
+                               {fqn: shape for share in shares for fqn, shape in share.items()}, path)
         check_model_fits(metadata, {fqn: shape for share in shares for fqn, shape in share.items()}, path, self.model_name, saved_from)
         if saved_from and saved_from != self.model_name:  # the same shapes, another model
             if resume:
@@ -321,7 +331,7 @@ class CheckpointManager:
         load_in_place(path, state)
 
         if self.adapters_only:
-            check_same_base(state["train_state"]["base"], self.base, path)
+            check_same_base(state["train_state"]["base"], self.base_record(), path)
         set_model_state_dict(self.model, {k: state[k] for k in model_state}, options=StateDictOptions(strict=not self.adapters_only))
         # The saved groups list one rank's parameter names; a pipeline's ranks list different ones, and
         # torch picks a tied matrix's state by the names listed: keep this layout's own lists.
