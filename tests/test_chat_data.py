@@ -191,9 +191,9 @@ def test_trains_on_the_generated_chat_example(tiny_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("records, template, message", [
     ([{"messages": [{"role": "user", "content": "hi"}]}], None,
-     "record 1 (counting from 1) has no assistant turn, so nothing of it would be trained; add one or remove the record"),
-    ([{"messages": CONVERSATIONS[0]}, {"messages": [{"role": "tool", "content": "x"}, *CONVERSATIONS[0]]}], None,
-     "record 2 (counting from 1) has a message of unknown role 'tool'; use system, user, assistant"),
+     "record 1 (counting from 1) has no assistant turn to train, so nothing of it would be trained; add one or remove the record"),
+    ([{"messages": CONVERSATIONS[0]}, {"messages": [{"role": "robot", "content": "x"}, *CONVERSATIONS[0]]}], None,
+     "record 2 (counting from 1) has a message of unknown role 'robot'; use system, user, assistant, tool"),
     ([{"messages": CONVERSATIONS[1]}], "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}",
      "failed on a conversation (System role not supported); fix the template or the data"),
     ([{"messages": CONVERSATIONS[0]}], "{% for m in messages %}", "does not compile"),

@@ -147,3 +147,39 @@ def test_lora_on_the_output_layer_exports_a_peft_adapter_equal_to_the_merged_wei
         merged_logits = merged(tokens).logits
     assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
     assert (peft_logits - merged_logits).abs().max() < 1e-5
+
+
+TOOL_CHAT = [
+    {"from": "human", "value": "Read main.py."},
+    {"from": "gpt", "value": None, "tool_calls": [{"type": "function", "function": {"name": "read", "arguments": {"path": "main.py"}}}]},
+    {"from": "tool", "value": "print(1/0)"},
+    {"from": "gpt", "value": "It divides by zero.", "reasoning_content": "Look at the code."},
+    {"from": "human", "value": "Thanks."},
+    {"from": "gpt", "value": "You are welcome.", "train": False},
+]
+
+
+def test_sharegpt_tool_calls_reasoning_and_untrained_turns_as_transformers_marks_them(qwen3_folder, tmp_path):
+    """ShareGPT's conversations/from/value, a tool call and the tool's answer rendered by the template, reasoning_content
+    kept: the trained tokens are the assistant mask of transformers (marked template); "train": false leaves a turn out."""
+    from titanlite.config_sections import Model
+    from titanlite.data.chat import ChatRenderer, Conversations, tokenize_conversation
+    from titanlite.data.tokenizer import build_tokenizer
+
+    folder, _ = qwen3_folder
+    data = tmp_path / "sharegpt.jsonl"
+    data.write_text(json.dumps({"conversations": TOOL_CHAT}) + "\n")
+    (messages,) = Conversations(str(data), "chat", "training.dataset_path")
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+    ours = build_tokenizer(Model(hf_assets_path=str(folder)))
+    ids, trained = tokenize_conversation(ChatRenderer(ours, ""), ours, messages, "assistant")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    plain = [{k: v for k, v in m.items() if k != "train"} for m in messages]
+    out = tokenizer.apply_chat_template(plain, chat_template=generation_marked(QWEN3_TEMPLATE), tokenize=True,
+                                        return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == out["input_ids"]
+    text = tokenizer.decode(ids)
+    assert "<tool_call>\n{\"name\": \"read\"" in text and "<tool_response>\nprint(1/0)" in text
+    last_turn = len(ids) - ids[::-1].index(tokenizer.convert_tokens_to_ids("<|im_start|>"))  # the untrained last turn
+    assert trained == [bool(m) and i < last_turn for i, m in enumerate(out["assistant_masks"])]
+    assert any(out["assistant_masks"][last_turn:]) and not any(trained[last_turn:])

@@ -33,10 +33,12 @@ from titanlite.data.local_files import find_data_files, read_errors, read_record
 from titanlite.data.store import TokenStore, concatenate
 from titanlite.errors import UserError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_response": "tool", "observation": "tool"}
 # What fixes the tokens besides the template (a chat store records its hash): 2 = one rendering, no bos or eos added.
 MASK_RULES = "2"
-KEPT = ("role", "content", "reasoning_content")  # what a template reads of a message (Qwen3 renders reasoning_content)
+# What a template reads of a message (Qwen3 renders reasoning_content and tool_calls), and the turn's own train flag.
+KEPT = ("role", "content", "reasoning_content", "tool_calls", "name", "tool_call_id", "train")
 FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
 
 
@@ -121,30 +123,54 @@ class ChatRenderer:
             if train_on == "all":
                 return text, [(0, len(text))]
             spans = assistant_spans(text, messages, self.generation_prompt(messages), self.specials, self.origin)
+        spans = trained_turns(spans, messages, self.origin)
         return text, spans[-1:] if train_on == "last_assistant" else spans
 
 
+def sharegpt(turns) -> list:
+    """ShareGPT's conversations ({from, value}) as messages ({role, content}); what is not a turn is left for the checks."""
+    if not isinstance(turns, list):
+        return turns
+    return [{**{k: v for k, v in turn.items() if k not in ("from", "value")},
+             "role": SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")), "content": turn.get("value")}
+            if isinstance(turn, dict) else turn for turn in turns]
+
+
+def checked_message(message, number: int, where: str) -> dict:
+    """One message as the template gets it: a known role, text content (an assistant turn of tool calls alone may
+    have none), optional reasoning_content, tool_calls and a train flag."""
+    record = f"{where}: record {number} (counting from 1)"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        role = message.get("role") if isinstance(message, dict) else message
+        raise UserError(f"{record} has a message of unknown role {role!r}; use {', '.join(ROLES)}")
+    role, content = message["role"], message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        content = ""
+    if not isinstance(content, str):
+        raise UserError(f"{record} has a {role} message whose content is not text; fix it")
+    if not isinstance(message.get("reasoning_content") or "", str):
+        raise UserError(f"{record} has a {role} message whose reasoning_content is not text; fix it")
+    if message.get("train") not in (None, True, False):
+        raise UserError(f"{record} has a {role} message whose train is {message['train']!r}; use true or false")
+    return {key: message[key] for key in KEPT if message.get(key) is not None} | {"content": content}
+
+
 def conversation(record: dict, dataset_format: str, number: int, where: str) -> list[dict]:
-    """The messages of one record, checked: roles known, contents text, at least one assistant turn."""
+    """The messages of one record (ShareGPT's conversations mapped to messages), checked: roles known, contents
+    text, at least one assistant turn to train."""
     if dataset_format == "prompt_completion":
         prompt, completion = record["prompt"], record["completion"]
         if not (isinstance(prompt, str) and isinstance(completion, str)):
             raise UserError(f"{where}: record {number} (counting from 1) has a prompt or completion that is not text; fix or remove it")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-    messages = record["messages"]
+    messages = record["messages"] if "messages" in record else sharegpt(record["conversations"])
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: record {number} (counting from 1) has no list of messages; fix or remove it")
-    for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else message
-            raise UserError(f"{where}: record {number} (counting from 1) has a message of unknown role {role!r}; "
-                            f"use {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise UserError(f"{where}: record {number} (counting from 1) has a {message['role']} message whose content is not text; fix it")
-    if not any(message["role"] == "assistant" for message in messages):
-        raise UserError(f"{where}: record {number} (counting from 1) has no assistant turn, so nothing of it would be trained; "
-                        "add one or remove the record")
-    return [{key: m[key] for key in KEPT if m.get(key) is not None} for m in messages]
+    messages = [checked_message(message, number, where) for message in messages]
+    if not any(message["role"] == "assistant" and message.get("train") is not False for message in messages):
+        raise UserError(f"{where}: record {number} (counting from 1) has no assistant turn to train, so nothing of it would be "
+                        "trained; add one or remove the record")
+    return messages
 
 
 class Conversations(Sequence):
@@ -159,6 +185,8 @@ class Conversations(Sequence):
             records = read_records(loader, files)
         except read_errors() as error:
             raise UserError(f"{key} {dataset_path} could not be read as {loader} ({str(error).splitlines()[0]}); fix the files") from None
+        if dataset_format == "chat" and "messages" not in records.column_names and "conversations" in records.column_names:
+            fields = ("conversations",)  # ShareGPT
         missing = [field for field in fields if field not in records.column_names]
         if missing:
             raise UserError(f"{key} {dataset_path} has no field {missing[0]!r} (its fields are {', '.join(records.column_names)}), "
@@ -185,6 +213,17 @@ def tokenize_conversation(renderer: ChatRenderer, tokenizer: HFTokenizer, messag
 def chat_record(renderer: ChatRenderer, dataset_format: str, train_on: str) -> dict:
     """What fixes a conversation's tokens and loss mask; a chat store keeps it, and a run reading the store must match."""
     return {"format": dataset_format, "train_on": train_on, "template_sha256": renderer.template_sha256}
+
+
+def trained_turns(spans: list[tuple[int, int]], messages: list[dict], origin: str) -> list[tuple[int, int]]:
+    """The spans of the assistant turns that train: a message's "train": false leaves its turn out."""
+    trains = [message.get("train") is not False for message in messages if message["role"] == "assistant"]
+    if all(trains):
+        return spans
+    if len(spans) != len(trains):
+        raise UserError(f"the chat template of {origin} marks {len(spans)} generation blocks in a conversation of {len(trains)} "
+                        "assistant turns, so a message's train flag cannot be applied; mark each turn once or drop the flags")
+    return [span for span, train in zip(spans, trains) if train]
 
 
 def conversation_store(conversations, encode, name: str) -> TokenStore:
