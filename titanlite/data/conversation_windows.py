@@ -63,7 +63,8 @@ class ConversationWindows(Dataset):
     def __init__(self, store: TokenStore, seq_len: int, seed: int, pad_id: int, key: str, bos_id: int | None = None):
         self.store, self.window_len, self.seed, self.pad_id = store, seq_len + 1, seed, pad_id
         self.lengths = np.minimum(store.doc_len, self.window_len)
-        self.kept = np.flatnonzero(trained_counts(store, self.lengths) > 0)
+        counts = trained_counts(store, self.lengths)
+        self.kept = np.flatnonzero(counts > 0)
         where = f"{key} {store.name}"
         if not len(self.kept):
             raise UserError(f"{where}: no conversation has a trained token within its first training.seq_len + 1 = "
@@ -82,6 +83,8 @@ class ConversationWindows(Dataset):
                         "the conversations do not start with a bos of their own that would tell packed ones apart")
         self.epoch_windows: list[int] = []  # how many windows each epoch packs, as far as laid out
         self.plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        logger.info(f"{where}: an epoch is {self.windows_per_epoch():,} windows of {self.window_len} tokens, "
+                    f"{len(self.kept):,} conversations with {int(counts[self.kept].sum()):,} trained tokens")
 
     def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(the conversations in this epoch's order, pack's window starts into it); the last two are kept."""
