@@ -61,7 +61,7 @@ def chat_flags(folder, data, dump, steps, *extra) -> list[str]:
             *map(str, extra)]
 
 
-def transformers_assistant_loss(folder) -> float:
+def transformers_assistant_loss(folder) -> tuple[float, int]:
     """Mean next-token loss of the transformers model over the tokens apply_chat_template marks as the assistant's
     (with a {% generation %}-marked copy of the template), every conversation as apply_chat_template gives it."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -77,7 +77,7 @@ def transformers_assistant_loss(folder) -> float:
             logits = model(ids).logits[0, :-1].float()
         total += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").item()
         count += int(mask[1:].sum())
-    return total / count
+    return total / count, count
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +91,9 @@ def full_run(qwen3_folder, tmp_path_factory):
 
 def test_qwen3_template_trains_multi_turn_and_the_export_stops_at_the_end_of_turn(qwen3_folder, full_run):
     folder, _ = qwen3_folder
-    ours = tensorboard_scalars(full_run / "tb", "loss/train")
-    assert ours[1] == pytest.approx(transformers_assistant_loss(folder), abs=1e-5)
+    loss, trained = transformers_assistant_loss(folder)
+    assert tensorboard_scalars(full_run / "tb", "loss/train")[1] == pytest.approx(loss, abs=1e-5)
+    assert tensorboard_scalars(full_run / "tb", "data/trained_tokens")[1] == trained  # on the step line and TensorBoard
 
     export = full_run / "checkpoint" / "step-25-hf"
     assert (full_run / "checkpoint" / "step-25" / ".metadata").is_file()

@@ -121,7 +121,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         metrics.start_tensorboard(cfg, state.step, hyperparameters(cfg, info.world_size, mesh, batch, speed_settings(cfg)))
         # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
         gc.disable()
-        batches = iter(dataloader)
+        batches = metrics.counting_trained(iter(dataloader), dims.batch_sharing_degree)
         summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,
                              predicted=observe("the planner's start-up prediction", predict_on_gpu, cfg, spec, args, dims,
                                                model, info))
