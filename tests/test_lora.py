@@ -176,3 +176,26 @@ def test_targets_each_match_and_the_adapted_layers_are_logged(caplog):
     assert isinstance(gpt2.layers["0"].attention.wqkv, LoRALinear) and isinstance(gpt2.layers["0"].attention.wo, LoRALinear)
     n = len(gpt2.layers)
     assert f"LoRA rank 2 adapters on {2 * n} linear layers: layers.*.attention.wqkv ({n}), layers.*.attention.wo ({n})" in caplog.text
+
+
+def test_gpt2_fused_and_conv1d_adapters_load_in_peft(tmp_path):
+    """GPT-2's fused wqkv (adapted for wq) and its Conv1D layers: the PEFT adapter (fan_in_fan_out) on the transformers
+    base gives the merged export's logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    common = [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--model.name", "gpt2", "--model.flavor", "debugmodel",
+              "--training.seq_len", "32", "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
+    assert main([*common, "--job.dump_folder", str(tmp_path / "base"), "--training.steps", "1"]) == 0
+    base = tmp_path / "base" / "checkpoint" / "step-1-hf"
+    assert main([*common, "--job.dump_folder", str(tmp_path / "lora"), "--training.steps", "2", "--lora.rank", "4",
+                 "--optimizer.lr", "0.01", "--lora.target_modules", "wq,wo,w1,w2", "--checkpoint.initial_load_path", str(base),
+                 "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only"]) == 0
+    tokens = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+        base_logits = plain(tokens).logits
+        peft_logits = peft.PeftModel.from_pretrained(plain, tmp_path / "lora" / "checkpoint" / "step-2-peft").eval()(tokens).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "checkpoint" / "step-2-hf").eval()
+        merged_logits = merged(tokens).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-3
+    assert (peft_logits - merged_logits).abs().max() < 1e-5
