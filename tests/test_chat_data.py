@@ -240,3 +240,17 @@ def test_unsupported_combinations_are_one_sentence_exit_2(tiny_run, folder, tmp_
     assert main(chat_run(tiny_run, folder, data, *flags)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_a_generation_prompt_that_adds_text_and_a_conversation_that_opens_with_the_answer(folder, tmp_path):
+    """R1-style: the generation prompt adds "<think>\\n", which earlier turns do not show; the turn still trains
+    from after its header. A conversation whose first message is the assistant's trains too."""
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
+    r1 = chat_example.CHATML_TEMPLATE.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
+    (tmp_path / "r1.jinja").write_text(r1)
+    renderer = ChatRenderer(tokenizer, str(tmp_path / "r1.jinja"))
+    assert renderer.render(CONVERSATIONS[0][:1], add_generation_prompt=True).endswith("<|im_start|>assistant\n<think>\n")
+    ids, trained = tokenize_conversation(renderer, tokenizer, CONVERSATIONS[1], "assistant")
+    assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>Green.<|im_end|>"
+    ids, trained = tokenize_conversation(ChatRenderer(tokenizer, ""), tokenizer, CONVERSATIONS[1][2:3], "assistant")
+    assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>"

@@ -107,7 +107,10 @@ class ChatRenderer:
         """What add_generation_prompt appends to the conversation before the first assistant turn ("" if not an append)."""
         if self.prompt is None:
             first = next(i for i, message in enumerate(messages) if message["role"] == "assistant")
-            before, prompted = self.render(messages[:first]), self.render(messages[:first], add_generation_prompt=True)
+            try:
+                before, prompted = self.render(messages[:first]), self.render(messages[:first], add_generation_prompt=True)
+            except UserError:  # the turns before the first answer do not render alone (none, say): learn it from another
+                return ""
             self.prompt = prompted[len(before):] if prompted.startswith(before) else ""
         return self.prompt
 
