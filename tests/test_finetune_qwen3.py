@@ -132,13 +132,17 @@ def test_convert_exports_a_run_started_from_a_folder(full_run, tmp_path, capsys)
 def test_lora_on_the_output_layer_exports_a_peft_adapter_equal_to_the_merged_weights(qwen3_folder, tmp_path, capsys):
     peft = pytest.importorskip("peft")
     folder, data = qwen3_folder
+    marked = tmp_path / "marked.jinja"  # a template of the run's own, which the exports must carry
+    marked.write_text(generation_marked(QWEN3_TEMPLATE))
     assert main(chat_flags(folder, data, tmp_path / "lora", 3, "--lora.rank", "4", "--lora.target_modules", "wq,output",
-                           "--optimizer.lr", "1e-2")) == 0
+                           "--optimizer.lr", "1e-2", "--training.chat_template", marked)) == 0
     assert "LoRA rank 4 adapters on 3 linear layers: layers.*.attention.wq (2), output (1)" in capsys.readouterr().err
     adapter = tmp_path / "lora" / "checkpoint" / "step-3-peft"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == ["lm_head", "q_proj"] and config["base_model_name_or_path"] == str(folder)
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {p.name for p in adapter.iterdir()}
+    export = tmp_path / "lora" / "checkpoint" / "step-3-hf"
+    assert transformers.AutoTokenizer.from_pretrained(str(export)).chat_template == marked.read_text()
     tokens = torch.randint(0, 600, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -110,12 +110,12 @@ def assistant_spans(text: str, messages: list[dict], prompt: str, specials: re.P
         else:
             raise UserError(f"the chat template of {origin} does not write assistant message {number}'s content as the data "
                             "has it, so its trained tokens cannot be located; mark the assistant turns in the template with "
-                            "{% generation %} ... {% endgeneration %} or set training.train_on all")
+                            "{% generation %}/{% endgeneration %} or set training.train_on all")
         close = specials.search(text, content_end) if specials else None
         if close is None:
             raise UserError(f"the chat template of {origin} writes no special token after assistant message {number}, so the "
                             "end of its turn cannot be trained; use a template that closes turns with the end-of-turn token "
-                            "or mark the turns with {% generation %} ... {% endgeneration %}")
+                            "or mark the turns with {% generation %}/{% endgeneration %}")
         spans.append((start, close.end()))
         cursor = close.end()
     return spans
