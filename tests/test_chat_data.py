@@ -74,8 +74,8 @@ def test_rendering_and_ids_equal_apply_chat_template(folder):
             assert text == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
         ids, trained = tokenize_conversation(renderer, tokenizer, messages, "assistant")
         expected = theirs(renderer.render(messages), add_special_tokens=False)["input_ids"]
-        # no bos in this folder: eos before and after delimits the conversation
-        assert ids == [tokenizer.eos_id] + expected + [tokenizer.eos_id] and not trained[0] and not trained[-1]
+        # exactly the template's tokens: no bos (this folder has none and the template writes none), no eos added
+        assert ids == expected and not trained[0] and not trained[-1]
 
 
 def test_trained_tokens_per_train_on(folder, tmp_path):
@@ -83,15 +83,20 @@ def test_trained_tokens_per_train_on(folder, tmp_path):
     renderer = ChatRenderer(tokenizer, "")
     messages = CONVERSATIONS[1]
     ids, trained = tokenize_conversation(renderer, tokenizer, messages, "assistant")
-    assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>\nGreen.<|im_end|>\n"
+    # through the end-of-turn token, not the newline after it
+    assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>Green.<|im_end|>"
     ids, trained = tokenize_conversation(renderer, tokenizer, messages, "last_assistant")
-    assert trained_text(tokenizer, ids, trained) == "Green.<|im_end|>\n"
+    assert trained_text(tokenizer, ids, trained) == "Green.<|im_end|>"
     ids, trained = tokenize_conversation(renderer, tokenizer, messages, "all")
     assert trained_text(tokenizer, ids, trained) == renderer.render(messages)
     # a template file instead of the folder's
-    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}<|im_end|>{% endfor %}")
     ids, trained = tokenize_conversation(ChatRenderer(tokenizer, str(tmp_path / "t.jinja")), tokenizer, messages[:3], "assistant")
-    assert trained_text(tokenizer, ids, trained) == "[assistant]Blue."
+    assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>"
+    # a template that writes no end-of-turn token: refused, as nothing would teach the model to stop
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    with pytest.raises(UserError, match="writes no special token after assistant message 3"):
+        tokenize_conversation(ChatRenderer(tokenizer, str(tmp_path / "t.jinja")), tokenizer, messages[:3], "assistant")
 
 
 def loader(folder, data, seq_len, batch_size=2, **overrides):
@@ -126,9 +131,15 @@ def test_masked_loss_by_hand_on_two_conversations(folder, tmp_path):
     # the loss is computed in fp32 (the hand sum in float64): within 1e-6 relative
     assert abs(cross_entropy_loss(logits, labels).item() / (total / count) - 1) < 1e-6
 
-    # a window long enough for both holds both, each starting with its own delimiter
-    (inputs, labels), = list(loader(folder, data, sum(lengths) + 1, batch_size=1))
-    assert inputs[0].tolist()[: sum(lengths)] in ([*encoded[0][0], *encoded[1][0]], [*encoded[1][0], *encoded[0][0]])
+    # without a bos of their own nothing tells packed conversations apart: one per window, however long
+    assert len(list(loader(folder, data, sum(lengths) + 1, batch_size=1))) == 2
+    # a template that writes the folder's bos: a window long enough for both holds both, each starting with its bos
+    bos_folder = write_hf_folder(tmp_path / "bos", bos_token="<|begin_of_text|>", chat_template="{{ bos_token }}" + TEMPLATE)
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(bos_folder)))
+    encoded = [tokenize_conversation(ChatRenderer(tokenizer, ""), tokenizer, m, "assistant")[0] for m in CONVERSATIONS]
+    assert all(ids[0] == tokenizer.bos_id for ids in encoded)
+    (inputs, labels), = list(loader(bos_folder, data, len(encoded[0]) + len(encoded[1]), batch_size=1))
+    assert inputs[0].tolist()[: sum(map(len, encoded))] in ([*encoded[0], *encoded[1]], [*encoded[1], *encoded[0]])
 
 
 def test_long_conversation_truncated_and_counted(folder, tmp_path, caplog):
@@ -159,7 +170,7 @@ def test_prompt_completion(folder, tmp_path):
     tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
     batches = list(loader(folder, data, 64, batch_size=1, dataset_format="prompt_completion"))
     trained = [tokenizer.decode([t for t in labels[0].tolist() if t != IGNORED]) for _, labels in batches]
-    assert sorted(trained) == ["Hi!<|im_end|>\n", "No.<|im_end|>\n"]  # one window each: two do not fit in 65 tokens
+    assert sorted(trained) == ["Hi!<|im_end|>", "No.<|im_end|>"]  # one window each: two do not fit in 65 tokens
 
 
 def chat_run(tiny_run, folder, data, *flags):
@@ -180,12 +191,16 @@ def test_trains_on_the_generated_chat_example(tiny_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("records, template, message", [
     ([{"messages": [{"role": "user", "content": "hi"}]}], None,
-     "record 1 (counting from 1) has no assistant turn, so nothing of it would be trained; add one or remove the record"),
-    ([{"messages": CONVERSATIONS[0]}, {"messages": [{"role": "tool", "content": "x"}, *CONVERSATIONS[0]]}], None,
-     "record 2 (counting from 1) has a message of unknown role 'tool'; use system, user, assistant"),
+     "record 1 (counting from 1) has no assistant turn to train, so nothing of it would be trained; add one or remove the record"),
+    ([{"messages": CONVERSATIONS[0]}, {"messages": [{"role": "robot", "content": "x"}, *CONVERSATIONS[0]]}], None,
+     "record 2 (counting from 1) has a message of unknown role 'robot'; use system, user, assistant, tool"),
     ([{"messages": CONVERSATIONS[1]}], "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}",
      "failed on a conversation (System role not supported); fix the template or the data"),
     ([{"messages": CONVERSATIONS[0]}], "{% for m in messages %}", "does not compile"),
+    ([{"messages": CONVERSATIONS[0]}], "{{ 1/0 }}", "failed on a conversation (division by zero); fix the template or the data"),
+    ([{"messages": CONVERSATIONS[0]}], "{{ 'a' + 1 }}", "failed on a conversation (can only concatenate str"),
+    ([{"messages": CONVERSATIONS[0]}], "<|im_start|>Hello<|im_end|>",  # a template that ignores the messages
+     "does not write assistant message 2's content as the data has it, so its trained tokens cannot be located"),
 ])
 def test_bad_data_is_one_sentence_exit_2(tiny_run, folder, tmp_path, capsys, records, template, message):
     data = write_records(tmp_path / "chat.jsonl", records)
@@ -225,3 +240,17 @@ def test_unsupported_combinations_are_one_sentence_exit_2(tiny_run, folder, tmp_
     assert main(chat_run(tiny_run, folder, data, *flags)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_a_generation_prompt_that_adds_text_and_a_conversation_that_opens_with_the_answer(folder, tmp_path):
+    """R1-style: the generation prompt adds "<think>\\n", which earlier turns do not show; the turn still trains
+    from after its header. A conversation whose first message is the assistant's trains too."""
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
+    r1 = chat_example.CHATML_TEMPLATE.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
+    (tmp_path / "r1.jinja").write_text(r1)
+    renderer = ChatRenderer(tokenizer, str(tmp_path / "r1.jinja"))
+    assert renderer.render(CONVERSATIONS[0][:1], add_generation_prompt=True).endswith("<|im_start|>assistant\n<think>\n")
+    ids, trained = tokenize_conversation(renderer, tokenizer, CONVERSATIONS[1], "assistant")
+    assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>Green.<|im_end|>"
+    ids, trained = tokenize_conversation(ChatRenderer(tokenizer, ""), tokenizer, CONVERSATIONS[1][2:3], "assistant")
+    assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>"

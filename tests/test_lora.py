@@ -62,14 +62,24 @@ def test_lora_trains_saves_only_the_adapters_and_resumes_exactly(tmp_path, capsy
                       "--checkpoint.last_save_model_only", "false")) == 0
     resumed = capsys.readouterr().err.split("resumed from")[1]
     assert logged_losses(resumed) == {s: v for s, v in whole.items() if s > 3}
-    # Adapters trained on another base are refused in one sentence.
-    assert main(flags(tmp_path / "seed", 1, "--lora.rank", "0", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")) == 0
+    # Adapters trained on another base are refused in one sentence: the base is known by its weights, not its path.
+    assert main(flags(tmp_path / "seed", 1, "--lora.rank", "0", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                      "--job.seed", "7")) == 0
     shutil.rmtree(tmp_path / "resumed" / "checkpoint" / "step-6")
     capsys.readouterr()
     assert main(flags(tmp_path / "resumed", 6, "--checkpoint.enable", "--checkpoint.interval", "3",
                       "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
                       "--checkpoint.initial_load_model_only")) == 2
-    assert "holds LoRA adapters trained on the base initialised from job.seed, but this run's base is" in capsys.readouterr().err
+    assert (f"holds LoRA adapters trained on another base than this run's ({tmp_path / 'seed' / 'checkpoint' / 'step-0'}: its weights "
+            "differ); set checkpoint.initial_load_path to the base they were trained on (initialised from job.seed)") in capsys.readouterr().err
+    # another rank or other targets name the key, and say the checkpoint holds adapters only
+    capsys.readouterr()
+    assert main(flags(tmp_path / "resumed", 6, "--checkpoint.enable", "--lora.rank", "8")) == 2
+    assert "holds LoRA adapters only, of rank 4, but lora.rank is 8; resume with lora.rank 4" in capsys.readouterr().err
+    assert main(flags(tmp_path / "resumed", 6, "--checkpoint.enable", "--lora.target_modules", "wq,wk")) == 2
+    err = capsys.readouterr().err
+    assert "holds LoRA adapters only, on other layers than this run's lora.target_modules (layers.0." in err
+    assert "is adapted in the checkpoint alone); resume with the lora.target_modules it was trained with" in err
 
 
 def test_lora_under_fsdp2_equals_one_process(tmp_path):
@@ -138,3 +148,54 @@ def test_bf16_base_changes_no_result_and_resumes(tmp_path, capsys):
     assert losses("fsdp_bf16") == losses("fsdp_fp32")
     assert main(flags(tmp_path / "bad", 1, "--lora.base_dtype", "bfloat16", "--training.mixed_precision_param", "float32")) == 2
     assert "lora.base_dtype bfloat16 keeps LoRA's frozen weights in the dtype they compute in" in capsys.readouterr().err
+
+
+def meta_model(family: str, **overrides):
+    import dataclasses
+
+    from titanlite.models import get_model_args, get_model_spec
+
+    spec = get_model_spec(family)
+    args = dataclasses.replace(get_model_args(spec, "debugmodel"), vocab_size=64, **overrides)
+    with torch.device("meta"):
+        return spec.model_cls(args)
+
+
+def test_targets_each_match_and_the_adapted_layers_are_logged(caplog):
+    """A typo among targets that match, MoE experts' stacked weights and a tied output are refused in one sentence;
+    GPT-2's fused wqkv takes an adapter under the default targets; the log line lists the adapted layers."""
+    with pytest.raises(UserError, match=r"lora.target_modules w_1 matches no linear layer of the model; name layers it has \(.*w1"):
+        apply_lora(meta_model("llama3"), LoRA(rank=2, target_modules=["wq", "w_1"]))
+    with pytest.raises(UserError, match="lora.target_modules w1,w2 names the MoE experts' stacked weights, which take no LoRA adapter"):
+        apply_lora(meta_model("qwen3_moe"), LoRA(rank=2, target_modules=["wq", "w1", "w2"]))
+    with pytest.raises(UserError, match="lora.target_modules output adapts the output layer, which this model ties to its token embeddings"):
+        apply_lora(meta_model("qwen3", tie_embeddings=True), LoRA(rank=2, target_modules=["wq", "output"]))
+    gpt2 = meta_model("gpt2")
+    with caplog.at_level("INFO", logger="titanlite"):
+        apply_lora(gpt2, LoRA(rank=2))
+    assert isinstance(gpt2.layers["0"].attention.wqkv, LoRALinear) and isinstance(gpt2.layers["0"].attention.wo, LoRALinear)
+    n = len(gpt2.layers)
+    assert f"LoRA rank 2 adapters on {2 * n} linear layers: layers.*.attention.wqkv ({n}), layers.*.attention.wo ({n})" in caplog.text
+
+
+def test_gpt2_fused_and_conv1d_adapters_load_in_peft(tmp_path):
+    """GPT-2's fused wqkv (adapted for wq) and its Conv1D layers: the PEFT adapter (fan_in_fan_out) on the transformers
+    base gives the merged export's logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    common = [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--model.name", "gpt2", "--model.flavor", "debugmodel",
+              "--training.seq_len", "32", "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
+    assert main([*common, "--job.dump_folder", str(tmp_path / "base"), "--training.steps", "1"]) == 0
+    base = tmp_path / "base" / "checkpoint" / "step-1-hf"
+    assert main([*common, "--job.dump_folder", str(tmp_path / "lora"), "--training.steps", "2", "--lora.rank", "4",
+                 "--optimizer.lr", "0.01", "--lora.target_modules", "wq,wo,w1,w2", "--checkpoint.initial_load_path", str(base),
+                 "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only"]) == 0
+    tokens = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+        base_logits = plain(tokens).logits
+        peft_logits = peft.PeftModel.from_pretrained(plain, tmp_path / "lora" / "checkpoint" / "step-2-peft").eval()(tokens).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "checkpoint" / "step-2-hf").eval()
+        merged_logits = merged(tokens).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-3
+    assert (peft_logits - merged_logits).abs().max() < 1e-5

@@ -94,7 +94,7 @@ def test_two_rank_dashboard_read_over_http(tmp_path):
         assert set(tags) == runs
         expected = {"loss/train", "loss/validation", "perplexity/validation", "throughput/tps", "throughput/tflops",
                     "memory/reserved_gib", "memory/share", "memory/capacity_gib", "optim/lr", "optim/grad_norm",
-                    "data/wait_share", "checkpoint/save_seconds", "checkpoint/blocked_seconds",
+                    "data/wait_share", "data/trained_tokens", "checkpoint/save_seconds", "checkpoint/blocked_seconds",
                     "checkpoint/training_lost_seconds"}  # no throughput/mfu: a CPU has no known peak
         assert set(tags[f"{job.name}/rank0"]) == expected
         assert set(tags[f"{job.name}/rank1"]) == expected  # every rank measures its own tps and memory

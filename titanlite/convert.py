@@ -6,6 +6,9 @@
 
 The model flags (or --job.config_file) name the family and flavor, which fix every shape; a
 flavor whose vocabulary comes from the tokenizer (debugmodel) takes it from the source instead.
+dcp-to-hf reads the model from the checkpoint where the run recorded it (its family, flavor and shape
+as config.json, so a run started from a Hugging Face folder exports too): flags are then not needed,
+and flags naming another model are refused.
 dcp-to-hf reads any titanlite checkpoint (full or model-only; only the model is converted) a
 layer at a time and writes safetensors shards of at most --max_shard_mb, with
 model.safetensors.index.json when there is more than one, plus config.json. hf-to-dcp writes a
@@ -15,6 +18,8 @@ all) is written over only with --overwrite.
 """
 
 import dataclasses
+import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -60,15 +65,52 @@ def check_destination(destination: Path, overwrite: bool) -> None:
         raise UserError(f"the destination {destination} already holds {what}; choose a new folder, or add --overwrite to replace them")
 
 
-def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: str, max_shard_bytes: int, overwrite: bool) -> None:
+def recorded_model(source: Path, metadata) -> tuple[str, str]:
+    """(the model label the run saved this checkpoint from, its config.json as text); "" for what is not recorded
+    (a model-only export, or a checkpoint saved before the config was recorded)."""
+    keys = metadata.state_dict_metadata
+    wanted = {key: "" for key in ("model", "model_config") if f"train_state.{key}" in keys}
+    recorded = load_in_place(source, {"train_state": wanted})["train_state"] if wanted else {}
+    return recorded.get("model", ""), recorded.get("model_config", "")
+
+
+def model_from_checkpoint(source: Path, metadata, named: str | None):
+    """(spec, args, label) of the model the checkpoint was saved from, or None where it is not recorded;
+    `named` ("family/flavor" when flags name a model) must agree."""
+    label, config = recorded_model(source, metadata)
+    if not label:
+        return None
+    if named is not None and named != label.split(" with ")[0]:
+        raise UserError(f"{source} was saved from {label}, but the flags name {named}; drop --model.name and --model.flavor "
+                        "(dcp-to-hf reads the model from the checkpoint)")
+    family, flavor = label.split(" with ")[0].split("/", 1)
+    spec = get_model_spec(family)
+    if config:
+        return spec, spec.hf_adapter.args_from_hf_config(json.loads(config)), label
+    if flavor == "hf":
+        raise UserError(f"{source} was saved from a run started from a Hugging Face folder before checkpoints recorded the "
+                        "model's config; export it with the run's checkpoint.last_save_in_hf, or resume the run once and save again")
+    args = get_model_args(spec, flavor)
+    layers = re.search(r"with model.n_layers (\d+)", label)
+    return spec, dataclasses.replace(args, n_layers=int(layers.group(1))) if layers else args, label
+
+
+def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: str, max_shard_bytes: int, overwrite: bool,
+              named: bool = False) -> None:
+    """`named`: the flags name the model (else the checkpoint's record alone does)."""
     if not is_complete(source):
         raise UserError(f"{source} is not a complete DCP checkpoint: it has no {METADATA}")
     metadata = read_metadata(source)
     saved = model_tensors(metadata)
     embedding = saved.get("tok_embeddings.weight")
-    args = resolve_args(spec, flavor, embedding.size[0] if embedding else None, source)
+    recorded = model_from_checkpoint(source, metadata, f"{spec.name}/{flavor}" if named else None)
+    if recorded:
+        spec, args, model_name = recorded
+        if args.vocab_size == -1 and embedding:
+            args = dataclasses.replace(args, vocab_size=embedding.size[0])
+    else:
+        args, model_name = resolve_args(spec, flavor, embedding.size[0] if embedding else None, source), f"{spec.name}/{flavor}"
     shapes = model_shapes(spec, args)
-    model_name = f"{spec.name}/{flavor}"
     check_model_fits(metadata, shapes, source, model_name)
     check_destination(destination, overwrite)
 
@@ -106,7 +148,7 @@ def _pop_option(argv: list[str], name: str, default: str) -> tuple[list[str], st
 
 
 def run(argv: list[str]) -> None:
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv[0] in ("-h", "--help"):
         print(USAGE)
         return
     if len(argv) < 3 or argv[0] not in COMMANDS or argv[1].startswith("--") or argv[2].startswith("--"):
@@ -125,7 +167,8 @@ def run(argv: list[str]) -> None:
         raise UserError(f"model family {spec.name} has no Hugging Face adapter yet")
     get_model_args(spec, cfg.model.flavor)  # an unknown flavor fails here, before any file is touched
     if command == "dcp-to-hf":
-        dcp_to_hf(source, destination, spec, cfg.model.flavor, cfg.checkpoint.export_dtype, max_shard_bytes, overwrite)
+        named = any(flag.split("=")[0] in ("--model.name", "--model.flavor", "--job.config_file") for flag in flags)
+        dcp_to_hf(source, destination, spec, cfg.model.flavor, cfg.checkpoint.export_dtype, max_shard_bytes, overwrite, named)
     else:
         hf_to_dcp(source, destination, spec, cfg.model.flavor, overwrite)
     print(f"wrote {destination}")
@@ -134,6 +177,9 @@ def run(argv: list[str]) -> None:
 def main(argv: list[str]) -> int:
     # Conversion runs in one process on purpose; DCP would warn about that on every load.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
     try:
         run(argv)
     except UserError as error:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config_sections import JobConfig, Metrics
+from titanlite.data.conversation_windows import IGNORED
 from titanlite.log import logger
 from titanlite.observers import observer
 from titanlite.tensorboard import describe_run, open_writer
@@ -51,6 +52,7 @@ TB_TAGS = {
     "loss": "loss/train", "tps": "throughput/tps", "tflops": "throughput/tflops", "mfu_pct": "throughput/mfu",
     "memory_gib": "memory/reserved_gib", "memory_share": "memory/share", "memory_capacity_gib": "memory/capacity_gib",
     "lr": "optim/lr", "grad_norm": "optim/grad_norm", "data_loading_share": "data/wait_share",
+    "trained_tokens": "data/trained_tokens",
 }
 
 
@@ -78,12 +80,14 @@ class MetricsLogger:
         self.flops_per_token = flops_per_token
         self.peak = peak_tflops(device, cfg.peak_tflops)
         self.writer = None
+        self.last_step = 0  # the step of the last line (or the one resumed from): lines cover the steps since
         self.reset()
 
     @observer("TensorBoard")
     def start_tensorboard(self, folder: Path | None, job: JobConfig, resumed_step: int, hparams: dict) -> None:
         """Open this rank's run in `folder` (tensorboard.run_folder: continuing the job's after a resume; None
         writes nothing); rank 0 describes the run."""
+        self.last_step = resumed_step
         if folder is None:
             return
         self.writer = open_writer(folder, self.rank, resumed_step)
@@ -98,7 +102,24 @@ class MetricsLogger:
             if flush:
                 self.writer.flush()  # a killed run keeps what it has drawn (SummaryWriter flushes every 2 minutes)
 
+    def counting_trained(self, batches, sharing_degree: int):
+        """The batches, each one's trained labels (not IGNORED) counted as it is drawn: the labels are still on
+        the host, so counting waits for no device. `sharing_degree` ranks (a TP/PP group) share one batch."""
+        for inputs, labels in batches:
+            self.trained += int((labels != IGNORED).sum()) / sharing_degree
+            yield inputs, labels
+
+    def trained_per_step(self, step: int) -> float:
+        """The trained tokens of the whole global batch, per step since the last line: an all-reduce every rank
+        runs, outside the observer `log`."""
+        total = torch.tensor([self.trained], dtype=torch.float64)
+        if dist.is_initialized():
+            total = total.to(self.device)
+            dist.all_reduce(total)
+        return float(total.item()) / max(step - self.last_step, 1)
+
     def reset(self) -> None:
+        self.trained = 0.0
         self.tokens = 0
         self.data_seconds = 0.0
         self.started = time.perf_counter()
@@ -113,14 +134,16 @@ class MetricsLogger:
         return tps, tflops, (100.0 * tflops / self.peak if self.peak else None)
 
     @observer("metrics")
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None) -> dict:
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None,
+            trained: float = 0.0) -> dict:
+        """The step line and its scalars; `trained` is trained_per_step's count."""
         elapsed = time.perf_counter() - self.started
         tps, tflops, mfu_pct = self.throughput(self.tokens, elapsed)
         mem_gib, capacity_gib = memory_usage(self.device)
         values = {
             "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, "tflops": tflops, "memory_gib": mem_gib,
             "memory_share": mem_gib / capacity_gib, "memory_capacity_gib": capacity_gib,
-            "data_loading_share": self.data_seconds / elapsed,
+            "data_loading_share": self.data_seconds / elapsed, "trained_tokens": trained,
         }
         mfu = "mfu: unknown"
         if mfu_pct is not None:
@@ -128,10 +151,11 @@ class MetricsLogger:
             mfu = f"mfu: {mfu_pct:.2f}%"
         logger.info(
             f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({100 * values['memory_share']:.2f}%)  "
-            f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%"
+            f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%  trained: {trained:,.0f}"
         )
         # A model's own figures (MoE: moe/*) arrive under their tags already.
         self.write_scalars(step, {TB_TAGS[name]: value for name, value in values.items()} | (extra or {}), flush=True)
+        self.last_step = step
         self.reset()
         return values
 

@@ -69,7 +69,7 @@ class Loop:
 
     def run_steps(self, state: TrainState, summary: RunSummary) -> None:
         skips = NonfiniteSkips(self.run.cfg.training.max_nonfinite_skips, self.metrics.write_scalars)
-        batches = iter(self.dataloader)
+        batches = self.metrics.counting_trained(iter(self.dataloader), self.run.dims.batch_sharing_degree)
         for step in range(state.step + 1, self.run.cfg.training.steps + 1):
             self.watchdog.step_began(step)
             preempted = self.one_step(step, state, batches, skips, summary)
@@ -96,7 +96,8 @@ class Loop:
         preempted = self.stop.should_stop(step, loss, grad_norm, settle)
         if logged:
             metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
-                        extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader))
+                        extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader),
+                        trained=metrics.trained_per_step(step))
         if validating and not preempted:
             validation_seconds = time.perf_counter()
             self.validator.validate(run.model, step)

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from titanlite.checkpoint.export_files import write_generation_ids
 from titanlite.errors import UserError
 from titanlite.models.init import full_tensor, local_view  # (local shard, its offset in the full tensor)
 
@@ -25,11 +26,12 @@ TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "cha
 
 
 def layer_groups(names: Iterable[str]) -> Iterator[list[str]]:
-    """Names grouped by transformer block ("layers.N." prefix), others one per group, in order."""
+    """Names grouped by transformer block ("layers.N." prefix), others by module (output.weight with its LoRA
+    adapters), in order."""
     groups: dict[str, list[str]] = {}
     for name in names:
         match = re.match(r"layers\.(\d+)\.", name)
-        groups.setdefault(match.group(0) if match else name, []).append(name)
+        groups.setdefault(match.group(0) if match else name.rpartition(".")[0], []).append(name)
     yield from groups.values()
 
 
@@ -83,6 +85,7 @@ class HFWriter:
             index_json = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             (self.folder / INDEX).write_text(json.dumps(index_json, indent=2) + "\n")
         (self.folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        make_readable(self.folder)
 
 
 class HFReader:
@@ -132,15 +135,30 @@ def write_hf_folder(layers: Iterable[dict[str, torch.Tensor]], folder: Path, ada
         writer.finish(adapter.hf_config(args, str(dtype).removeprefix("torch.")))
 
 
-def copy_tokenizer(tokenizer_file: Path, folder: Path) -> None:
+def make_readable(folder: Path) -> None:
+    """Every file of an exported folder readable by all (0644): an inference server runs as another user."""
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
+
+
+def copy_tokenizer(tokenizer_file: Path, folder: Path, chat_template: str = "", generation: bool = True) -> None:
     """The run's tokenizer into an exported folder, which is then a whole model: transformers and vLLM load it,
-    and a titanlite run starts from it (model.hf_assets_path). A tokenizer.json brings the files beside it."""
+    and a titanlite run starts from it (model.hf_assets_path). A tokenizer.json brings the files beside it, and
+    the run's own training.chat_template (as chat_template.jinja) replaces the folder's; then config.json gets
+    the bos and eos ids and generation_config.json the ids generation stops at (export_files.py; not in a PEFT
+    adapter's folder, whose model is the base's)."""
     tokenizer_file = Path(tokenizer_file)
     is_json = tokenizer_file.suffix == ".json"
     shutil.copyfile(tokenizer_file, folder / ("tokenizer.json" if is_json else "tokenizer.model"))
     for name in TOKENIZER_SIDE_FILES if is_json else ():
         if (tokenizer_file.parent / name).is_file():
             shutil.copyfile(tokenizer_file.parent / name, folder / name)
+    if is_json and chat_template:
+        shutil.copyfile(chat_template, folder / "chat_template.jinja")
+    if generation:
+        write_generation_ids(tokenizer_file.parent, folder, chat_template)
+    make_readable(folder)
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ close() waits for the last. What each save cost the training steps it overlapped
 """
 
 import functools
+import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlite.checkpoint.cost import SaveCost
-from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, newest_resumable,
-                                     read_metadata)
+from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, model_tensors,
+                                     newest_resumable, read_metadata)
 from titanlite.checkpoint.folders import (METADATA, REWOUND, is_complete, list_steps, purge_old, rewind_to, rewound_before,
                                          step_folder)
 from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, verify_checksums
@@ -34,7 +35,7 @@ from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, R
                                         TrainState, TrainStateLineage, load_targets, restore_all, saved_state)
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.lora import has_lora, merge_lora, save_peft_adapter
+from titanlite.lora import base_record, check_adapters_fit, has_lora, merge_lora, save_peft_adapter
 from titanlite.dtypes import DTYPES
 from titanlite.profiling import model_state_bytes
 
@@ -48,11 +49,16 @@ class CheckpointManager:
         self.model, self.optimizer = run.model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_name, self.model_args, self.hf_adapter = run.label, run.args, run.spec.hf_adapter
-        self.tokenizer_file = run.tokenizer.path  # copied into Hugging Face exports
+        # copied into Hugging Face exports
+        self.tokenizer_file, self.chat_template = run.tokenizer.path, run.cfg.training.chat_template
         # LoRA: checkpoints hold the adapters; the base they were trained on is named in the train state.
         self.adapters_only = has_lora(run.model)
         self.base = (cfg.initial_load_path or "initialised from job.seed") if self.adapters_only else None
-        self.lineage = TrainStateLineage(run.label, run.dims.dp_degree, self.world_size, self.base)
+        self._base_record: str | None = None
+        # the model's shape as config.json: `convert dcp-to-hf` exports a run whose shape is no registered flavor
+        model_config = json.dumps(self.hf_adapter.hf_config(self.model_args)) if self.hf_adapter else None
+        self.lineage = TrainStateLineage(run.label, run.dims.dp_degree, self.world_size,
+                                         self.base_record if self.adapters_only else None, model_config)
         self.objects = {  # the checkpoint's keys, in the order a save writes them (the model's first: see _full_state)
             "model": ModelState(run.model, self.adapters_only),
             "optimizer": OptimizerState(run.model, optimizer),
@@ -79,6 +85,12 @@ class CheckpointManager:
     def _model_state(self, kind: str = "run") -> dict:
         return ModelState(self.model, self.adapters_only, kind).saved()
 
+    def base_record(self) -> str:
+        """The frozen base by path and content (lora.base_record), computed once: it never changes."""
+        if self._base_record is None:
+            self._base_record = base_record(self.base, self._model_state("base"))
+        return self._base_record
+
     def _full_state(self) -> dict:
         # The model's first: FSDP's state_dict hook reshards a root that a validation forward (no
         # backward) left gathered; the optimizer's names are found from the sharded parameters.
@@ -94,16 +106,15 @@ class CheckpointManager:
         and, with last_save_in_hf, also writes the model in Hugging Face format."""
         cfg = self.cfg
         self.poll()
-        if last and cfg.last_save_in_hf:
-            self._save_hf(step)
         if force and not cfg.enable:
             logger.warning(f"stopping at step {step} without saving: checkpoint.enable is false")
-        if not cfg.enable or not (force or last or self.saves_at(step)):
-            return
-        if last and cfg.last_save_model_only and not force:
-            self._save(step, self._export_state, wait=True, note=f"model only, {cfg.export_dtype}")
-        else:
-            self._save(step, self._full_state, wait=force or last)
+        if cfg.enable and (force or last or self.saves_at(step)):
+            if last and cfg.last_save_model_only and not force:
+                self._save(step, self._export_state, wait=True, note=f"model only, {cfg.export_dtype}")
+            else:
+                self._save(step, self._full_state, wait=force or last)
+        if last and cfg.last_save_in_hf:  # after the checkpoint: a failing export never costs the run's state
+            self._save_hf(step)
 
     def saves_at(self, step: int) -> bool:
         """Whether the checkpoint interval saves this step (the last step and preemption save too)."""
@@ -182,10 +193,12 @@ class CheckpointManager:
         save_model_as_hf(self._model_state("all"), path, self.hf_adapter, self.model_args, DTYPES[cfg.export_dtype],
                          writer_rank=self.rank == 0, merge=functools.partial(merge_lora, model=self.model))
         if self.rank == 0 and self.tokenizer_file is not None:
-            copy_tokenizer(self.tokenizer_file, path)
+            copy_tokenizer(self.tokenizer_file, path, self.chat_template)
         if self.adapters_only:
             save_peft_adapter(self._model_state(), self.root / f"step-{step}-peft", self.hf_adapter, self.model_args,
                               self.model, self.base, writer_rank=self.rank == 0)
+            if self.rank == 0 and self.tokenizer_file is not None:
+                copy_tokenizer(self.tokenizer_file, self.root / f"step-{step}-peft", self.chat_template, generation=False)
         logger.info(f"model saved in Hugging Face format ({cfg.export_dtype}) to {path} in {time.perf_counter() - started:.2f}s")
 
     def close(self) -> None:
@@ -251,7 +264,7 @@ class CheckpointManager:
         metadata = read_metadata(path)
         keys = SavedKeys(metadata.state_dict_metadata, path)
         model = ModelState(self.model, self.adapters_only, kind)
-        self._check_fits(path, metadata, model.target(keys), resume)
+        self._check_fits(path, metadata, model, resume)
         if not holds_training_state(metadata):
             resume = False  # a seed checkpoint or a model-only export: weights, then step 1
         elif resume and "train_state.step" not in keys:
@@ -267,7 +280,7 @@ class CheckpointManager:
             f"in {time.perf_counter() - started:.2f}s"
         )
 
-    def _check_fits(self, path: Path, metadata, model_state: dict, resume: bool) -> None:
+    def _check_fits(self, path: Path, metadata, model: ModelState, resume: bool) -> None:
         """The checkpoint's tensors must fit the model, and a resume must be of the same model."""
         keys = metadata.state_dict_metadata
         saved_from = ""
@@ -275,8 +288,11 @@ class CheckpointManager:
             saved_from = load_in_place(path, {"train_state": {"model": ""}})["train_state"]["model"]
         # Pipeline stages each hold a share of the model: the checkpoint must fit the union of the ranks' shares.
         shares = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, {fqn: tuple(t.shape) for fqn, t in model_state.items()})
-        check_model_fits(metadata, {fqn: shape for share in shares for fqn, shape in share.items()}, path, self.model_name, saved_from)
+        dist.all_gather_object(shares, {fqn: tuple(t.shape) for fqn, t in model.target(None).items()})
+        shapes = {fqn: shape for share in shares for fqn, shape in share.items()}
+        if self.adapters_only and model.kind == "run":
+            check_adapters_fit({fqn: tuple(m.size) for fqn, m in model_tensors(metadata).items()}, shapes, path)
+        check_model_fits(metadata, shapes, path, self.model_name, saved_from)
         if saved_from and saved_from != self.model_name:  # the same shapes, another model
             if resume:
                 raise UserError(

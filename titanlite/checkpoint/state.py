@@ -16,6 +16,7 @@ place, and a save and a load can never disagree about it.
 
 import pickle
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -136,15 +137,20 @@ class TrainStateLineage:
 
     top_level = False
 
-    def __init__(self, model_name: str, dp_degree: int, world_size: int, base: str | None):
+    def __init__(self, model_name: str, dp_degree: int, world_size: int, base: Callable[[], str] | None,
+                 model_config: str | None = None):
+        """`base`: the LoRA base's record (lora.base_record: path and content), None without LoRA; `model_config`:
+        the model's shape as HF config.json text, which `convert dcp-to-hf` exports by."""
         self.model_name, self.dp_degree, self.world_size, self.base = model_name, dp_degree, world_size, base
+        self.model_config = model_config
         self.state = TrainState()
         self.saved_world_size = world_size
 
     def saved(self) -> dict:
         return {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "model": self.model_name,
                 "dp_degree": self.dp_degree, "world_size": self.world_size,
-                **({"base": self.base} if self.base is not None else {})}
+                **({"base": self.base()} if self.base is not None else {}),
+                **({"model_config": self.model_config} if self.model_config is not None else {})}
 
     def target(self, keys) -> dict:
         self.path = keys.path
@@ -153,7 +159,7 @@ class TrainStateLineage:
     def restore(self, state: dict) -> None:
         loaded = state["train_state"]
         if self.base is not None:
-            check_same_base(loaded["base"], self.base, self.path)
+            check_same_base(loaded["base"], self.base(), self.path)
         self.state = TrainState(loaded["step"], loaded["tokens_seen"])
         self.saved_world_size = loaded["world_size"]
 

@@ -2,17 +2,17 @@
 
 training.dataset_format "chat": records with `messages`, a list of {role, content} (system/user/assistant,
 any number of turns); "prompt_completion": records with `prompt` and `completion`, rendered as one
-user turn and one assistant turn. The template is the Hugging Face folder's (tokenizer_config.json's
-"chat_template") or the file at training.chat_template, rendered as transformers' apply_chat_template
-renders it: a sandboxed jinja2 environment with trim_blocks, lstrip_blocks and the loop-controls
-extension, its tojson filter, raise_exception and strftime_now, and the folder's special tokens
-(bos_token, eos_token...) as variables.
+user turn and one assistant turn. The template is the Hugging Face folder's (chat_template.jinja, or
+tokenizer_config.json's "chat_template") or the file at training.chat_template, rendered as transformers'
+apply_chat_template renders it: a sandboxed jinja2 environment with trim_blocks, lstrip_blocks and the
+loop-controls extension, its tojson filter, raise_exception and strftime_now, {% generation %} blocks, and
+the folder's special tokens (bos_token, eos_token...) as variables.
 
-Which tokens train (training.train_on): an assistant turn is the text between the conversation rendered
-up to the turn before it with the generation prompt, and rendered up to the turn itself, so the turn's
-own end marker (<|im_end|>, <|eot_id|>) is trained and the header before it is not. A token trains
-when it starts inside such a span (offsets from the `tokenizers` library, on the whole rendered text,
-so the ids are exactly apply_chat_template's).
+Each conversation is rendered once; its ids are exactly apply_chat_template's (offsets from the `tokenizers`
+library on the whole rendering), with no bos or eos added: a bos is there only where the template writes one.
+Which tokens train (training.train_on) is found in that one rendering (chat_spans.py): a token trains when
+it overlaps an assistant turn, as transformers' assistant mask marks it. A special token typed inside a
+message ("<|im_end|>") is encoded as text.
 """
 
 import hashlib
@@ -26,12 +26,19 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from titanlite.data.chat_spans import (MARKED, GenerationTracker, assistant_spans, literal_contents, special_pattern,
+                                       track_generation)
 from titanlite.data.hf_tokenizer import HFTokenizer
 from titanlite.data.local_files import find_data_files, read_errors, read_records
 from titanlite.data.store import TokenStore, concatenate
 from titanlite.errors import UserError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_response": "tool", "observation": "tool"}
+# What fixes the tokens besides the template (a chat store records its hash): 2 = one rendering, no bos or eos added.
+MASK_RULES = "2"
+# What a template reads of a message (Qwen3 renders reasoning_content and tool_calls), and the turn's own train flag.
+KEPT = ("role", "content", "reasoning_content", "tool_calls", "name", "tool_call_id", "train")
 FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
 
 
@@ -45,7 +52,7 @@ def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=Fa
 
 
 def compile_template(source: str, origin: str) -> jinja2.Template:
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTracker])
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
@@ -68,61 +75,105 @@ class ChatRenderer:
             except (OSError, UnicodeDecodeError) as error:
                 raise UserError(f"cannot read training.chat_template {chat_template_path} ({error}); point it at a jinja template file") from None
         elif tokenizer.chat_template:
-            source, self.origin = tokenizer.chat_template, str(tokenizer.path.parent / "tokenizer_config.json")
+            source, self.origin = tokenizer.chat_template, str(tokenizer.chat_template_path)
         else:
-            raise UserError(f"{tokenizer.path.parent / 'tokenizer_config.json'} has no chat_template; set training.chat_template to a template file")
+            raise UserError(f"{tokenizer.path.parent} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                            "chat_template); set training.chat_template to a template file")
         if not isinstance(source, str):  # a list of named templates: transformers uses "default"
             raise UserError(f"the chat template of {self.origin} is not one string; set training.chat_template to a template file")
+        self.source = source
         self.template = compile_template(source, self.origin)
-        self.template_sha256 = hashlib.sha256(source.encode()).hexdigest()
+        self.marked = bool(MARKED.search(source))
+        self.template_sha256 = hashlib.sha256(f"{MASK_RULES}\n{source}".encode()).hexdigest()
         self.tokens = dict(tokenizer.special_tokens)
+        self.specials = special_pattern(tokenizer.special_texts)
+        self.prompt: str | None = None  # the generation prompt, from the first conversation rendered
+
+    def variables(self, messages: list[dict], add_generation_prompt: bool) -> dict:
+        return dict(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.tokens)
+
+    def failed(self, error: Exception) -> UserError:
+        """A template that raises (raise_exception, or a Python error such as {{ 1/0 }}) as one sentence naming it."""
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return UserError(f"the chat template of {self.origin} failed on a conversation ({reason}); fix the template or the data")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
-            return self.template.render(messages=messages, tools=None, documents=None,
-                                        add_generation_prompt=add_generation_prompt, **self.tokens)
-        except jinja2.TemplateError as error:
-            raise UserError(f"the chat template of {self.origin} failed on a conversation ({error}); fix the template or the data") from None
+            return self.template.render(**self.variables(messages, add_generation_prompt))
+        except Exception as error:  # the template is user code: any error it raises is the template's
+            raise self.failed(error) from None
+
+    def generation_prompt(self, messages: list[dict]) -> str:
+        """What add_generation_prompt appends to the conversation before the first assistant turn ("" if not an append)."""
+        if self.prompt is None:
+            first = next(i for i, message in enumerate(messages) if message["role"] == "assistant")
+            try:
+                before, prompted = self.render(messages[:first]), self.render(messages[:first], add_generation_prompt=True)
+            except UserError:  # the turns before the first answer do not render alone (none, say): learn it from another
+                return ""
+            self.prompt = prompted[len(before):] if prompted.startswith(before) else ""
+        return self.prompt
 
     def trained_spans(self, messages: list[dict], train_on: str) -> tuple[str, list[tuple[int, int]]]:
-        """(the rendered conversation, the character spans of the text to train on)."""
-        text = self.render(messages)
-        if train_on == "all":
-            return text, [(0, len(text))]
-        turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-        if train_on == "last_assistant":
-            turns = turns[-1:]
-        spans = []
-        for i in turns:
-            before, through = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
-            if not (through.startswith(before) and text.startswith(through)):
-                raise UserError(f"the chat template of {self.origin} renders the first turns of a conversation differently from the whole, "
-                                "so the assistant turns cannot be located; set training.train_on all or use another template")
-            spans.append((len(before), len(through)))
-        return text, spans
+        """(the conversation rendered once, the character spans of the text to train on)."""
+        if self.marked and train_on != "all":
+            try:
+                text, spans = track_generation(self.template, self.variables(messages, False))
+            except Exception as error:
+                raise self.failed(error) from None
+        else:
+            text = self.render(messages)
+            if train_on == "all":
+                return text, [(0, len(text))]
+            spans = assistant_spans(text, messages, self.generation_prompt(messages), self.specials, self.origin)
+        spans = trained_turns(spans, messages, self.origin)
+        return text, spans[-1:] if train_on == "last_assistant" else spans
+
+
+def sharegpt(turns) -> list:
+    """ShareGPT's conversations ({from, value}) as messages ({role, content}); what is not a turn is left for the checks."""
+    if not isinstance(turns, list):
+        return turns
+    return [{**{k: v for k, v in turn.items() if k not in ("from", "value")},
+             "role": SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")), "content": turn.get("value")}
+            if isinstance(turn, dict) else turn for turn in turns]
+
+
+def checked_message(message, number: int, where: str) -> dict:
+    """One message as the template gets it: a known role, text content (an assistant turn of tool calls alone may
+    have none), optional reasoning_content, tool_calls and a train flag."""
+    record = f"{where}: record {number} (counting from 1)"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        role = message.get("role") if isinstance(message, dict) else message
+        raise UserError(f"{record} has a message of unknown role {role!r}; use {', '.join(ROLES)}")
+    role, content = message["role"], message.get("content")
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        content = ""
+    if not isinstance(content, str):
+        raise UserError(f"{record} has a {role} message whose content is not text; fix it")
+    if not isinstance(message.get("reasoning_content") or "", str):
+        raise UserError(f"{record} has a {role} message whose reasoning_content is not text; fix it")
+    if message.get("train") not in (None, True, False):
+        raise UserError(f"{record} has a {role} message whose train is {message['train']!r}; use true or false")
+    return {key: message[key] for key in KEPT if message.get(key) is not None} | {"content": content}
 
 
 def conversation(record: dict, dataset_format: str, number: int, where: str) -> list[dict]:
-    """The messages of one record, checked: roles known, contents text, at least one assistant turn."""
+    """The messages of one record (ShareGPT's conversations mapped to messages), checked: roles known, contents
+    text, at least one assistant turn to train."""
     if dataset_format == "prompt_completion":
         prompt, completion = record["prompt"], record["completion"]
         if not (isinstance(prompt, str) and isinstance(completion, str)):
             raise UserError(f"{where}: record {number} (counting from 1) has a prompt or completion that is not text; fix or remove it")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-    messages = record["messages"]
+    messages = record["messages"] if "messages" in record else sharegpt(record["conversations"])
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: record {number} (counting from 1) has no list of messages; fix or remove it")
-    for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else message
-            raise UserError(f"{where}: record {number} (counting from 1) has a message of unknown role {role!r}; "
-                            f"use {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise UserError(f"{where}: record {number} (counting from 1) has a {message['role']} message whose content is not text; fix it")
-    if not any(message["role"] == "assistant" for message in messages):
-        raise UserError(f"{where}: record {number} (counting from 1) has no assistant turn, so nothing of it would be trained; "
-                        "add one or remove the record")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    messages = [checked_message(message, number, where) for message in messages]
+    if not any(message["role"] == "assistant" and message.get("train") is not False for message in messages):
+        raise UserError(f"{where}: record {number} (counting from 1) has no assistant turn to train, so nothing of it would be "
+                        "trained; add one or remove the record")
+    return messages
 
 
 class Conversations(Sequence):
@@ -137,6 +188,8 @@ class Conversations(Sequence):
             records = read_records(loader, files)
         except read_errors() as error:
             raise UserError(f"{key} {dataset_path} could not be read as {loader} ({str(error).splitlines()[0]}); fix the files") from None
+        if dataset_format == "chat" and "messages" not in records.column_names and "conversations" in records.column_names:
+            fields = ("conversations",)  # ShareGPT
         missing = [field for field in fields if field not in records.column_names]
         if missing:
             raise UserError(f"{key} {dataset_path} has no field {missing[0]!r} (its fields are {', '.join(records.column_names)}), "
@@ -154,21 +207,26 @@ class Conversations(Sequence):
 
 def tokenize_conversation(renderer: ChatRenderer, tokenizer: HFTokenizer, messages: list[dict],
                           train_on: str) -> tuple[list[int], list[bool]]:
-    """(bos + the rendered conversation's ids + eos, whether each token is trained). bos and eos are added
-    only where the template did not write them, and are never trained: they delimit the documents."""
+    """(the rendered conversation's ids, as apply_chat_template gives them, whether each token is trained)."""
     text, spans = renderer.trained_spans(messages, train_on)
-    ids, offsets = tokenizer.encode_with_offsets(text)
-    trained = [any(start <= begin < end for start, end in spans) for begin, _ in offsets]
-    if not ids or ids[0] != tokenizer.bos_id:
-        ids, trained = [tokenizer.bos_id] + ids, [False] + trained
-    if ids[-1] != tokenizer.eos_id:
-        ids, trained = ids + [tokenizer.eos_id], trained + [False]
-    return ids, trained
+    ids, offsets = tokenizer.encode_with_offsets(text, literal_contents(text, messages, renderer.specials))
+    return ids, [any(begin < end_span and end > start_span for start_span, end_span in spans) for begin, end in offsets]
 
 
 def chat_record(renderer: ChatRenderer, dataset_format: str, train_on: str) -> dict:
     """What fixes a conversation's tokens and loss mask; a chat store keeps it, and a run reading the store must match."""
     return {"format": dataset_format, "train_on": train_on, "template_sha256": renderer.template_sha256}
+
+
+def trained_turns(spans: list[tuple[int, int]], messages: list[dict], origin: str) -> list[tuple[int, int]]:
+    """The spans of the assistant turns that train: a message's "train": false leaves its turn out."""
+    trains = [message.get("train") is not False for message in messages if message["role"] == "assistant"]
+    if all(trains):
+        return spans
+    if len(spans) != len(trains):
+        raise UserError(f"the chat template of {origin} marks {len(spans)} generation blocks in a conversation of {len(trains)} "
+                        "assistant turns, so a message's train flag cannot be applied; mark each turn once or drop the flags")
+    return [span for span, train in zip(spans, trains) if train]
 
 
 def conversation_store(conversations, encode, name: str) -> TokenStore:

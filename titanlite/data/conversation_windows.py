@@ -3,7 +3,9 @@
 Epoch e lays the conversations out in the order of a permutation drawn from (seed, e) and packs
 them greedily and whole into windows of seq_len + 1 tokens: a conversation that does not fit in
 what is left of a window starts the next one, and the rest of the window is eos padding outside
-the loss. One longer than a window is truncated to it (never split over two); one with no trained
+the loss. Packed conversations are told apart by the bos each starts with (models/attention.py's
+document_ids); a conversation is tokenized exactly as the template renders it, so where the template
+writes no bos of its own (Qwen's ChatML) nothing tells two apart, and each window holds one conversation. One longer than a window is truncated to it (never split over two); one with no trained
 label in its first window is left out. Window g of the stream is window g - (the windows of the
 earlier epochs) of its epoch, so it depends on (seed, g) alone, and global_order.py's loader deals
 the windows to the ranks exactly as it deals a token store's: any split of the global batch into
@@ -34,6 +36,14 @@ def trained_counts(store: TokenStore, lengths: np.ndarray) -> np.ndarray:
     return counts
 
 
+def starts_with(store: TokenStore, token: int | None) -> bool:
+    """Whether every document of the store starts with this token."""
+    if token is None:
+        return False
+    return all(bool((shard[store.doc_start[(store.doc_shard == i) & (store.doc_len > 0)]] == token).all())
+               for i, shard in enumerate(store.shards))
+
+
 def pack(lengths: np.ndarray, window: int) -> np.ndarray:
     """Greedy whole packing of documents of these lengths (each at most `window`), in order: the index
     of each window's first document, then len(lengths)."""
@@ -50,10 +60,11 @@ def pack(lengths: np.ndarray, window: int) -> np.ndarray:
 class ConversationWindows(Dataset):
     """Window g of a chat store (tokens with a loss mask) as (inputs, labels), labels IGNORED where not trained."""
 
-    def __init__(self, store: TokenStore, seq_len: int, seed: int, pad_id: int, key: str):
+    def __init__(self, store: TokenStore, seq_len: int, seed: int, pad_id: int, key: str, bos_id: int | None = None):
         self.store, self.window_len, self.seed, self.pad_id = store, seq_len + 1, seed, pad_id
         self.lengths = np.minimum(store.doc_len, self.window_len)
-        self.kept = np.flatnonzero(trained_counts(store, self.lengths) > 0)
+        counts = trained_counts(store, self.lengths)
+        self.kept = np.flatnonzero(counts > 0)
         where = f"{key} {store.name}"
         if not len(self.kept):
             raise UserError(f"{where}: no conversation has a trained token within its first training.seq_len + 1 = "
@@ -65,15 +76,22 @@ class ConversationWindows(Dataset):
         if len(self.kept) < len(store.doc_len):
             logger.info(f"{where}: {len(store.doc_len) - len(self.kept):,} conversations hold no trained token within one "
                         "window (truncated before any) and are left out")
+        self.packed = starts_with(store, bos_id) and bos_id != pad_id
+        if not self.packed:
+            fill = self.lengths[self.kept].sum() / (len(self.kept) * self.window_len)
+            logger.info(f"{where}: one conversation per window ({fill:.0%} of the tokens are conversation, the rest padding): "
+                        "the conversations do not start with a bos of their own that would tell packed ones apart")
         self.epoch_windows: list[int] = []  # how many windows each epoch packs, as far as laid out
         self.plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        logger.info(f"{where}: an epoch is {self.windows_per_epoch():,} windows of {self.window_len} tokens, "
+                    f"{len(self.kept):,} conversations with {int(counts[self.kept].sum()):,} trained tokens")
 
     def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(the conversations in this epoch's order, pack's window starts into it); the last two are kept."""
         if epoch not in self.plans:
             order = self.kept[seeded_rng(self.seed, epoch).permutation(len(self.kept))]
             self.plans = {e: v for e, v in self.plans.items() if e == epoch - 1}
-            self.plans[epoch] = order, pack(self.lengths[order], self.window_len)
+            self.plans[epoch] = order, pack(self.lengths[order], self.window_len) if self.packed else np.arange(len(order) + 1)
         return self.plans[epoch]
 
     def locate(self, g: int) -> tuple[int, int]:

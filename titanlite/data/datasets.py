@@ -187,7 +187,7 @@ def conversation_loader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int, 
                                    dataset_path)
         logger.info(f"{key} {dataset_path}: tokenized its {len(conversations):,} conversations at start (prepare them into a "
                     f"chat store with python -m titanlite.data.prepare --format {dataset_format} to skip this)")
-    windows = ConversationWindows(store, data.seq_len, seed, tokenizer.eos_id, key)
+    windows = ConversationWindows(store, data.seq_len, seed, tokenizer.eos_id, key, bos_id=tokenizer.bos_id)
     identity = {"sources": [str(Path(dataset_path).resolve())], "seed": seed, "seq_len": data.seq_len, **chat}
     return GlobalOrderLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world,
                              num_workers=data.num_workers, finite=not data.infinite, identity=identity,

@@ -42,6 +42,18 @@ def read_config(path: Path, origin: str) -> dict:
     return config
 
 
+def read_chat_template(folder: Path, config: dict, origin: str) -> tuple[str | None, Path]:
+    """(the folder's chat template, the file it came from): chat_template.jinja, where transformers 5 saves it,
+    else tokenizer_config.json's "chat_template"; (None, tokenizer_config.json) where there is none."""
+    path = folder / "chat_template.jinja"
+    if not path.is_file():
+        return config.get("chat_template"), folder / "tokenizer_config.json"
+    try:
+        return path.read_text(), path
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read {path}: {error}; fix the file or remove it from {origin}") from None
+
+
 class HFTokenizer:
     """tokenizer.json + tokenizer_config.json: encodes text to ids and back, and carries the chat template."""
 
@@ -56,7 +68,7 @@ class HFTokenizer:
             raise UserError(f"cannot use the tokenizer file {self.path}: {reason}; set {origin} to a Hugging Face "
                             "folder holding a valid tokenizer.json") from None
         config = read_config(folder / "tokenizer_config.json", origin)
-        self.chat_template = config.get("chat_template")
+        self.chat_template, self.chat_template_path = read_chat_template(folder, config, origin)
         # What transformers hands a chat template as variables (its special_tokens_map): the named ones set.
         self.special_tokens = {name: token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES
                                if token_text(config.get(name)) is not None}
@@ -68,6 +80,8 @@ class HFTokenizer:
         bos = self.special_tokens.get("bos_token")
         self.bos_id = self.eos_id if bos is None else self.token_id(bos, folder)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        # The turn markers a chat template writes (<|im_end|>...); added tokens that are not special (<think>) are text.
+        self.special_texts = [token.content for token in self._tokenizer.get_added_tokens_decoder().values() if token.special]
 
     def token_id(self, token: str, folder: Path) -> int:
         token_id = self._tokenizer.token_to_id(token)
@@ -81,10 +95,20 @@ class HFTokenizer:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Ids of `text` as encode gives them (no bos, no eos) and each token's (start, end) character offsets."""
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        return encoding.ids, encoding.offsets
+    def encode_with_offsets(self, text: str, literal: list[tuple[int, int]] = ()) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` as encode gives them (no bos, no eos) and each token's (start, end) character offsets;
+        within the `literal` character spans (in order) special tokens are not recognised: they are text there."""
+        ids, offsets, begin = [], [], 0
+        for start, end in [*literal, (len(text), len(text))]:
+            for piece_start, piece_end, as_text in ((begin, start, False), (start, end, True)):
+                if piece_end > piece_start:
+                    self._tokenizer.encode_special_tokens = as_text
+                    encoding = self._tokenizer.encode(text[piece_start:piece_end], add_special_tokens=False)
+                    ids += encoding.ids
+                    offsets += [(piece_start + a, piece_start + b) for a, b in encoding.offsets]
+            begin = end
+        self._tokenizer.encode_special_tokens = False
+        return ids, offsets
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)

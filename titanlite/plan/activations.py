@@ -237,7 +237,7 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
         model = spec.model_cls(dataclasses.replace(args, n_layers=n_layers))
         if middle:
             cut_to_stage(model, range(n_layers), first=False, last=False)
-        apply_lora(model, cfg.lora)  # a frozen weight's input is not saved for its (never computed) gradient
+        apply_lora(model, cfg.lora, whole=False)  # a frozen weight's input is not saved for its (never computed) gradient
         route_evenly(model)  # fake tensors hold no router values: each expert takes an equal share (plan/moe.py)
         # FSDP gathers the parameters in the compute dtype; without it autocast casts them, as in train_step.
         dtype = compute if dims.fsdp_enabled else DTYPES[training.param_dtype]
