@@ -48,7 +48,6 @@ def test_float8_alias_section(tmp_path):
         (["--training.steps", "many"], "training.steps expects an integer, got 'many' in the command line"),
         (["--training.deterministic", "maybe"], "training.deterministic expects a boolean"),
         (["--training.mixed_precision_param", "fp16"], "training.mixed_precision_param must be one of bfloat16, float32; got 'fp16'"),
-        (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"], "training.seq_len 30 does not split into 2 x parallelism.context_parallel_degree 2 = 4 equal chunks"),
         (["--job.config_file", "/no/such.toml"], "config file /no/such.toml does not exist"),
         (["steps"], "unexpected command-line argument 'steps'"),
         (["--optimizer.betas", "0.9"], "optimizer.betas must hold 2 items; got [0.9] in the command line"),

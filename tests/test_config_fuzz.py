@@ -109,9 +109,39 @@ def test_every_default_is_in_its_range():
         (["--optimizer.eps", "-1e-8"], "optimizer.eps must be above 0; got -1e-08"),
         (["--training.num_workers", "-1"], "training.num_workers must be at least 0; got -1"),
         (["--metrics.log_freq", "0"], "metrics.log_freq must be at least 1; got 0"),
+        # issue 42: keys that conflicted quietly
+        (["--training.max_nonfinite_skips", "3"], "training.max_nonfinite_skips 3 counts skipped steps, but "
+                                                   "training.on_nonfinite stop never skips one"),
     ],
 )
 def test_issue_commands_end_in_one_sentence(flags, sentence, capsys, monkeypatch):
     """The config mistakes listed at the top of issue 13, with the debug config as a user types them."""
     code, lines = run_main(["--job.config_file", DEBUG_CONFIG, *flags], capsys, monkeypatch)
     assert_one_sentence(code, lines, sentence)
+
+
+def test_a_config_file_naming_another_config_file_is_refused(tmp_path, capsys, monkeypatch):
+    """Issue 42: job.config_file inside a TOML read as an include that never happened."""
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'[job]\nconfig_file = "{DEBUG_CONFIG}"\n')
+    code, lines = run_main(["--job.config_file", str(toml)], capsys, monkeypatch)
+    assert_one_sentence(code, lines, f"{toml} sets job.config_file, which only the command line can set")
+
+
+def test_prepare_names_its_own_flags(tmp_path, capsys):
+    """Issue 42: `prepare --output` naming a file, and `--format chat` with no template, name prepare's flags."""
+    from titanlite.data.prepare import main as prepare_main
+
+    taken = tmp_path / "a_file"
+    taken.write_text("x")
+    assert prepare_main(["--input", "sample", "--output", str(taken / "store")]) == 2
+    assert f"--output {taken / 'store'} cannot be a folder because {taken} is a file" in capsys.readouterr().err
+    assert prepare_main(["--input", "chats.jsonl", "--output", str(tmp_path / "s"), "--format", "chat"]) == 2
+    assert "add --tokenizer" in capsys.readouterr().err
+
+
+def test_a_config_json_number_written_as_text_is_one_sentence(tmp_path, capsys, monkeypatch):
+    """Issue 42: "hidden_size": "256" raised TypeError deep in the model args, in train and in plan."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": "256"}')
+    code, lines = run_main(["--job.config_file", DEBUG_CONFIG, "--model.hf_assets_path", str(tmp_path)], capsys, monkeypatch)
+    assert_one_sentence(code, lines, f'{tmp_path / "config.json"}: "hidden_size" is "256", which is not a number')

@@ -136,9 +136,11 @@ def test_sharded_attention_equals_whole_attention(window, documents):
 
 
 def test_cp_errors_are_one_sentence(tmp_path):
-    """A seq_len that does not cut into 2 x cp chunks, and CP with expert parallelism, are refused before any work."""
+    """A seq_len that does not cut into 2 x cp chunks, and CP with expert parallelism, are refused before any work;
+    the seq_len is judged once the degrees are known to fit the world (issue 42: a CP degree the world cannot hold
+    was reported as a seq_len problem first)."""
     out = run_titanlite(["--job.config_file", "train_configs/debug_model.toml", *CP2, "--training.seq_len", "66",
-                         "--job.dump_folder", str(tmp_path)])
+                         "--job.dump_folder", str(tmp_path)], nproc=2)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "training.seq_len 66 does not split into 2 x parallelism.context_parallel_degree 2 = 4 equal chunks" in out.stderr
     both = Parallelism(context_parallel_degree=2, expert_parallel_degree=2)

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import JobConfig, LoRA, Model, Training
 from titanlite.data.datasets import DataSpec
 from titanlite.data.tokenizer import build_tokenizer
@@ -68,7 +69,8 @@ class Run:
 def build_run(cfg: JobConfig, info: DistInfo) -> Run:
     """config -> mesh -> tokenizer -> model args -> the model, parallelized, allocated and initialised
     (weights are loaded afterwards, by the checkpoint manager) -> the step's and forward's settings."""
-    dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
+    dims = ParallelDims.from_config(cfg.parallelism, info.world_size)  # degrees the world cannot hold: said first
+    check_context_parallel(cfg.training.seq_len, dims.cp)
     dims.build_mesh(info.device.type)
     seed_everything(cfg.job.seed, cfg.training.deterministic)
     tokenizer = build_tokenizer(cfg.model)

@@ -222,6 +222,9 @@ def load_config(argv: list[str]) -> JobConfig:
     config_file = next((v for k, v in cli if k == "job.config_file"), "")
     if config_file:
         for dotted, value in _flatten_toml(_read_toml(config_file), "", config_file):
+            if dotted == "job.config_file":  # it would read as an include that never happens
+                raise UserError(f"{config_file} sets job.config_file, which only the command line can set (a config file "
+                                "includes no other); remove that line and pass --job.config_file on the command line")
             _set(cfg, dotted, value, config_file, from_cli=False, origins=origins)
     for dotted, value in cli:
         _set(cfg, dotted, value, "the command line", from_cli=True, origins=origins)

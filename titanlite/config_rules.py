@@ -10,6 +10,12 @@ from titanlite.errors import UserError
 
 def check_training(cfg: JobConfig) -> None:
     training = cfg.training
+    if training.on_nonfinite == "stop" and training.max_nonfinite_skips != type(training)().max_nonfinite_skips:
+        raise UserError(
+            f"training.max_nonfinite_skips {training.max_nonfinite_skips} counts skipped steps, but training.on_nonfinite "
+            "stop never skips one (the first NaN or inf stops the run); set training.on_nonfinite skip, or leave "
+            "max_nonfinite_skips at its default"
+        )
     if training.on_nonfinite == "skip" and training.skip_nan_check:
         raise UserError(
             "training.on_nonfinite skip checks every step for NaN or inf, but training.skip_nan_check true turns the "
@@ -94,7 +100,6 @@ def check_context_parallel(seq_len: int, cp: int, key: str = "training.seq_len")
 
 def check_parallelism(cfg: JobConfig) -> None:
     par = cfg.parallelism
-    check_context_parallel(cfg.training.seq_len, par.context_parallel_degree)
     schedule, per_rank = par.pipeline_parallel_schedule, par.pipeline_parallel_stages_per_rank
     if schedule in SINGLE_STAGE_SCHEDULES and per_rank > 1:
         raise UserError(

@@ -109,7 +109,8 @@ class HangWatchdog:
         logger.error(f"step {step} has run {waited:.0f}s, over the hang timeout of {self.timeout():.0f}s; this rank is in "
                      f"{doing}; its stacks are in {self.stack_file}")
         if self.store is not None:
-            self.store.set(f"{KEY}/hung/{self.rank}", f"step {step}: {doing}")
+            # The last finished step travels with the report: the periodic publication may lag it by an interval.
+            self.store.set(f"{KEY}/hung/{self.rank}", f"{self.finished}|step {step}: {doing}")
             if self.rank == 0:
                 logger.error(self._who_did_not_finish(step))
             else:
@@ -130,13 +131,15 @@ class HangWatchdog:
         deadline = time.monotonic() + self._grace()
         while time.monotonic() < deadline and any(self._read("hung", r) is None for r in range(self.world_size)):
             time.sleep(0.5)
-        finished = {r: int(self._read("finished", r) or 0) for r in range(self.world_size)}
+        reports = {r: self._read("hung", r) for r in range(self.world_size)}
+        finished = {r: int(report.split("|", 1)[0]) if report else int(self._read("finished", r) or 0)
+                    for r, report in reports.items()}
         finished[0] = self.finished
         stuck_step = min(finished.values()) + 1
         behind = [r for r, done in finished.items() if done < stuck_step]
         parts = []
         for r in range(self.world_size):
-            report = self._read("hung", r)
+            report = reports[r].split("|", 1)[1] if reports[r] else None
             parts.append(f"rank {r} finished step {finished[r]}, " + (f"now in {report}" if report else "sent no report (it may have died)"))
         return (f"hang: rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))} did not finish step {stuck_step}; "
                 f"{'; '.join(parts)}; every rank's stacks are in its logs/rank<N>.log; exiting with code {HANG_EXIT_CODE} "

@@ -65,13 +65,13 @@ class ConversationWindows(Dataset):
         self.lengths = np.minimum(store.doc_len, self.window_len)
         counts = trained_counts(store, self.lengths)
         self.kept = np.flatnonzero(counts > 0)
-        where = f"{key} {store.name}"
+        where, seq_key = f"{key} {store.name}", f"{key.split('.')[0]}.seq_len"  # training's or validation's
         if not len(self.kept):
-            raise UserError(f"{where}: no conversation has a trained token within its first training.seq_len + 1 = "
-                            f"{self.window_len} tokens; raise training.seq_len or check training.train_on")
+            raise UserError(f"{where}: no conversation has a trained token within its first {seq_key} + 1 = "
+                            f"{self.window_len} tokens; raise {seq_key} or check training.train_on")
         truncated = int((store.doc_len > self.window_len).sum())
         if truncated:
-            logger.info(f"{where}: {truncated:,} of {len(store.doc_len):,} conversations are longer than training.seq_len + 1 = "
+            logger.info(f"{where}: {truncated:,} of {len(store.doc_len):,} conversations are longer than {seq_key} + 1 = "
                         f"{self.window_len} tokens and are truncated to one window")
         if len(self.kept) < len(store.doc_len):
             logger.info(f"{where}: {len(store.doc_len) - len(self.kept):,} conversations hold no trained token within one "

@@ -192,6 +192,12 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--workers ({args.workers}) and --documents_per_shard ({args.documents_per_shard}) must be at least 1")
         if args.format == "text" and (args.train_on != "assistant" or args.chat_template):
             raise UserError("--train_on and --chat_template apply to --format chat or prompt_completion; add --format or drop them")
+        if args.format != "text" and not args.tokenizer and not args.chat_template:
+            raise UserError(f"--format {args.format} renders each record with a chat template, which the shipped tokenizer "
+                            "lacks; add --tokenizer <a Hugging Face tokenizer folder with its chat template> (or --chat_template)")
+        blocker = next((p for p in (Path(args.output), *Path(args.output).parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise UserError(f"--output {args.output} cannot be a folder because {blocker} is a file; choose another path")
         manifest = prepare(args.input, args.output, args.tokenizer, workers=args.workers, text_field=args.text_field,
                            documents_per_shard=args.documents_per_shard, hf_config=args.hf_config, split=args.split,
                            dataset_format=args.format, train_on=args.train_on, chat_template=args.chat_template)

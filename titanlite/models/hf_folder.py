@@ -43,7 +43,29 @@ def read_config(path: Path) -> dict:
         raise UserError(f"cannot read {path / 'config.json'} ({error}); fix the file or set model.hf_assets_path to another folder") from None
     if not isinstance(config, dict):
         raise UserError(f"{path / 'config.json'} is not a JSON object; set model.hf_assets_path to a Hugging Face model folder")
+    check_value_types(config, path / "config.json")
     return config
+
+
+# config.json's keys that hold a number, of every family titanlite reads (null is allowed: "not set").
+NUMBER_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "head_dim", "sliding_window",
+               "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_embd", "n_layer",
+               "n_head", "n_inner", "n_positions", "layer_norm_epsilon", "n_group", "topk_group", "n_shared_experts",
+               "first_k_dense_replace", "routed_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+               "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers", "router_aux_loss_coef",
+               "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def check_value_types(config: dict, path: Path) -> None:
+    """A number written as text ("hidden_size": "256") is one sentence naming the key, before anything reads it."""
+    for key in NUMBER_KEYS:
+        value = config.get(key)
+        ids = isinstance(value, list) and key.endswith("_token_id")  # eos may be a list of ids
+        numbers = value if ids else [value]
+        if value is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            raise UserError(f"{path}: \"{key}\" is {json.dumps(value)}, which is not a number; write it as a JSON number "
+                            f"(without quotes) or fix the file")
 
 
 def families_of(config: dict, path: Path) -> list[ModelSpec]:
@@ -140,7 +162,7 @@ def check_files(model: Model, checkpoint: Checkpoint, path: Path) -> None:
 
 def start_from_folder(model: Model, checkpoint: Checkpoint, explicit: set[str]) -> None:
     """When model.hf_assets_path is a model folder: the job's model.name and model.flavor become the folder's,
-    and checkpoint.initial_load_path (when the job left it empty) the folder, read in Hugging Face format.
+    model.moe_aux_loss_coeff its config.json's router_aux_loss_coef (MoE folders), and checkpoint.initial_load_path (when the job left it empty) the folder, read in Hugging Face format.
     `explicit` holds the keys the job set (TOML or command line): those must agree with config.json."""
     if not is_model_folder(model.hf_assets_path):
         if model.hf_assets_path and any(Path(model.hf_assets_path).glob("*.safetensors")):
@@ -152,5 +174,8 @@ def start_from_folder(model: Model, checkpoint: Checkpoint, explicit: set[str]) 
     check_explicit_keys(model, folder, explicit)
     check_files(model, checkpoint, path)
     model.name, model.flavor = folder.spec.name, folder.flavor
+    coef = read_config(path).get("router_aux_loss_coef")
+    if "model.moe_aux_loss_coeff" not in explicit and isinstance(coef, (int, float)) and not isinstance(coef, bool):
+        model.moe_aux_loss_coeff = float(coef)  # the balance weight the model was trained with, unless the job sets one
     if not checkpoint.initial_load_path:
         checkpoint.initial_load_path, checkpoint.initial_load_in_hf = str(path), True
