@@ -265,10 +265,12 @@ def _toml_value(value: Any) -> str:
 
 
 def to_toml(cfg: JobConfig) -> str:
-    """The whole resolved config as TOML; loading it back gives the same config."""
+    """The whole resolved config as TOML; loading it back gives the same config. The file it was read from is a
+    comment: only the command line names a config file."""
     blocks = []
     for section in _sections():
-        body = [f"{k} = {_toml_value(getattr(getattr(cfg, section), k))}" for k in _fields(section)]
+        body = [("# " if (section, k) == ("job", "config_file") else "") + f"{k} = {_toml_value(getattr(getattr(cfg, section), k))}"
+                for k in _fields(section)]
         blocks.append(f"[{section}]\n" + "\n".join(body))
     return "\n\n".join(blocks) + "\n"
 
