@@ -49,7 +49,7 @@ def forward_context(settings: StepSettings, dims: ParallelDims, device_type: str
 
 def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dims: ParallelDims, device, metrics, loss_fn,
                pipeline=None, delimiters: tuple[int, int] | None = None, offloaded: HeldBytes | None = None,
-               shard: SequenceShard | None = None):
+               shard: SequenceShard | None = None, replicas=None):
     """One optimizer step over settings.accum_steps micro-batches; returns (loss, grad_norm, lr used, skipped).
     With settings.skip_nonfinite a step whose loss or gradient norm is NaN or inf on any rank is skipped:
     its gradients are dropped and neither the optimizer nor the lr schedule steps (skipped True).
@@ -64,6 +64,8 @@ def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dim
     degree that FSDP's gradient average divides by, so the loss and the gradients are those of one
     process holding the whole batch, whatever the layout.
     Under pipeline parallelism the pipeline's schedule runs each micro-batch's forward and backward.
+    `replicas` (fault_tolerance.py): the gradients and loss are averaged with the other replica groups before
+    clipping, and the update is applied only if the quorum commits the step.
     """
     accum_steps = settings.accum_steps
     optimizer.zero_grad(set_to_none=True)
@@ -88,6 +90,8 @@ def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dim
         total_loss += loss.detach()
     if pipeline is not None:
         pipeline.sum_tied_grads()
+    if replicas is not None:  # [fault_tolerance]
+        replicas.average(model, total_loss)
     grad_norm = clip_grad_norm_(model.parameters(), settings.max_norm, pipeline.group if pipeline else None,
                                 uncounted=pipeline.uncounted if pipeline else ())
     lr = scheduler.get_last_lr()[0]
@@ -95,6 +99,9 @@ def train_step(model, optimizer, scheduler, batches, settings: StepSettings, dim
         optimizer.zero_grad(set_to_none=True)
         balance_experts(model, pipeline, 0.0, device, accum_steps)  # the skipped step's counts are dropped
         return total_loss, grad_norm, lr, True
+    if replicas is not None and not replicas.should_commit():  # [fault_tolerance]: nothing applied
+        optimizer.zero_grad(set_to_none=True)
+        return total_loss, grad_norm, lr, False
     optimizer.step()
     scheduler.step()
     balance_experts(model, pipeline, settings.bias_update_rate, device, accum_steps)

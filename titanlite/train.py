@@ -19,6 +19,7 @@ from titanlite.config_sections import JobConfig
 from titanlite.data.datasets import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
+from titanlite.fault_tolerance import join_replica_groups
 from titanlite.log import init_logger, logger
 from titanlite.loss import build_loss
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
@@ -49,6 +50,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     dims.build_mesh(info.device.type)
+    replicas = join_replica_groups(cfg.fault_tolerance, info, cfg.job.init_timeout_seconds)  # [fault_tolerance]
     seed_everything(cfg.job.seed, cfg.training.deterministic)
     if info.rank == 0:
         write_resolved_config(cfg, Path(cfg.job.dump_folder))
@@ -73,7 +75,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     dataloader = build_dataloader(
         dataset=training.dataset, dataset_path=training.dataset_path, text_field=training.dataset_text_field,
         tokenizer=tokenizer, seq_len=training.seq_len, batch_size=training.local_batch_size,
-        dp_rank=dims.dp_rank, dp_world=dims.dp_degree, seed=cfg.job.seed, num_workers=training.num_workers,
+        dp_rank=replicas.data_rank(dims), dp_world=replicas.data_world(dims), seed=cfg.job.seed, num_workers=training.num_workers,
         dataset_mix=training.dataset_mix, dataset_format=training.dataset_format, train_on=training.train_on,
         chat_template=training.chat_template,
     )
@@ -103,6 +105,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         model_name=model_label(cfg.model), model_args=args, hf_adapter=spec.hf_adapter,
         cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps), tokenizer_file=tokenizer.path,
     )
+    checkpointer.writer = replicas.claims_save  # [fault_tolerance]: one replica group writes each checkpoint
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
         checkpointer.close()
@@ -113,6 +116,8 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     watchdog = HangWatchdog(cfg.job.hang_timeout_seconds, info.rank, info.world_size, cfg.job.dump_folder)
     try:
         state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
+        replicas.track(state, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader,
+                       write_scalars=metrics.write_scalars)  # [fault_tolerance]: what a recovering peer receives
         if nothing_to_train(stop, state.step, training.steps):
             metrics.close()
             return
@@ -120,20 +125,21 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         metrics.start_tensorboard(cfg, state.step, hyperparameters(cfg, info.world_size, mesh, batch, speed_settings(cfg)))
         # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
         gc.disable()
-        batches = iter(dataloader)
+        batches = replicas.batches(dataloader)  # [fault_tolerance]: a recovery restarts it at the peer's position
         summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,
                              predicted=observe("the planner's start-up prediction", predict_on_gpu, cfg, spec, args, dims,
                                                model, info))
         watchdog.start(state.step)
         with profiler:
-            for step in range(state.step + 1, training.steps + 1):
+            for step in replicas.steps(state, training.steps):  # [fault_tolerance]: a quorum before each step
                 watchdog.step_began(step)
                 began, validation_seconds = time.perf_counter(), 0.0
                 if step % training.gc_freq == 0:
                     gc.collect(1)
                 summary.step_began(metrics)
                 loss, grad_norm, lr, skipped = train_step(model, optimizer, scheduler, batches, step_settings, dims,
-                                                          info.device, metrics, loss_fn, pipeline, delimiters, offloaded, shard)
+                                                          info.device, metrics, loss_fn, pipeline, delimiters, offloaded, shard,
+                                                          replicas=replicas)
                 summary.step_ended(metrics)
                 skips.record(step, skipped)
                 state.step, state.tokens_seen = step, state.tokens_seen + tokens_per_step
@@ -159,6 +165,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
                     break
     finally:
         watchdog.stop()
+        replicas.close()  # [fault_tolerance]
         checkpointer.close()  # waits for the last async save
         stop.close()
     summary.log(model, optimizer, tokens_per_step // info.world_size, metrics, checkpointer.cost, offloaded)

@@ -67,6 +67,7 @@ class CheckpointManager:
         self.state = TrainState()
         self.cost = cost or SaveCost()
         self.saver = None
+        self.writer = None  # [fault_tolerance]: path -> whether this replica group writes that checkpoint
         if cfg.enable and cfg.async_mode != "disabled":
             self.saver = AsyncSaver(pinned=cfg.async_mode == "async_with_pinned_mem", optimizer=optimizer)
         # Old checkpoints are deleted by rank 0 in the background, after a newer one completed.
@@ -151,6 +152,8 @@ class CheckpointManager:
             self.cost.waited_for_previous(step, previous.step, previous.started, previous.done_at, entered,
                                           self.cfg.interval)
         path = step_folder(self.root, step)
+        if self.writer is not None and not self.writer(path):  # [fault_tolerance]: another replica group writes it
+            return
         if self.rank == 0:
             # Rewriting a step (a model-only final export when training goes on past it, a seed
             # checkpoint made again): its old .metadata must not vouch for half-written new files.
