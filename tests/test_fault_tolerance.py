@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import DEBUG_CONFIG, ON_CPU, ROOT, run_titanlite
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.data.prepare import prepare
 from titanlite.errors import UserError
@@ -100,21 +100,25 @@ def model_weights(dump: Path, step: int, tmp_path: Path) -> dict:
 
 
 def test_two_groups_equal_one_process_holding_both_batches(store, tmp_path):
-    steps = 4
+    """Losses and gradient norms (TensorBoard's float32 scalars) of each group, every step, against one process
+    reading both groups' windows (local batch 4 = 2 groups x 2): within 1e-5."""
+    steps, tb = 4, ["--metrics.enable_tensorboard", "true"]
     with lighthouse(min_replicas=2) as address:
-        groups = [start_group(group_command(store, r, tmp_path / f"r{r}", steps, "--fault_tolerance.min_replica_size", "2"),
+        groups = [start_group(group_command(store, r, tmp_path / f"r{r}", steps, "--fault_tolerance.min_replica_size", "2", *tb),
                               tmp_path / f"r{r}.log", address) for r in (0, 1)]
-        texts = [finish(group, tmp_path / f"r{r}.log") for r, group in enumerate(groups)]
-    one = run_titanlite([*TINY, "--training.dataset_path", store, "--training.local_batch_size", "4",
+        for r, group in enumerate(groups):
+            finish(group, tmp_path / f"r{r}.log")
+    one = run_titanlite([*TINY, "--training.dataset_path", store, "--training.local_batch_size", "4", *tb,
                          "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-3000:]
-    expected = losses(one.stdout + one.stderr)
-    assert sorted(expected) == list(range(1, steps + 1))
-    for text in texts:
-        got = losses(text)
-        assert sorted(got) == sorted(expected)
-        for step, loss in expected.items():
-            assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
+    for tag in ("loss/train", "optim/grad_norm"):
+        expected = tensorboard_scalars(tmp_path / "one" / "tb", tag)
+        assert sorted(expected) == list(range(1, steps + 1))
+        for r in (0, 1):
+            got = tensorboard_scalars(tmp_path / f"r{r}" / "tb", tag)
+            assert sorted(got) == sorted(expected)
+            for step, value in expected.items():
+                assert got[step] == pytest.approx(value, abs=1e-5), (tag, r, step, got[step], value)
 
 
 def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_path):
