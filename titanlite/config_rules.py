@@ -183,6 +183,28 @@ def check_multi_token_prediction(cfg: JobConfig) -> None:
                         f"{model.mtp_layers}; set seq_len above {model.mtp_layers + 1}")
 
 
+FT_UNTESTED_DEGREES = ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree")
+
+
+def check_fault_tolerance(cfg: JobConfig) -> None:
+    """Replica groups are numbered 0..group_size-1; inside a group only FSDP (and HSDP) has been checked
+    against the one-process run, so the other layouts are refused rather than trusted."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    if ft.replica_id >= ft.group_size:
+        raise UserError(f"fault_tolerance.replica_id {ft.replica_id} must be below fault_tolerance.group_size {ft.group_size} "
+                        "(groups are numbered from 0); give each group its own id from 0 to group_size - 1")
+    if ft.min_replica_size > ft.group_size:
+        raise UserError(f"fault_tolerance.min_replica_size {ft.min_replica_size} exceeds fault_tolerance.group_size "
+                        f"{ft.group_size}, so no step could ever commit; set it to at most {ft.group_size}")
+    for key in FT_UNTESTED_DEGREES:
+        degree = getattr(cfg.parallelism, key)
+        if degree > 1:
+            raise UserError(f"fault_tolerance.enable with parallelism.{key} {degree} is not supported yet (only FSDP/HSDP "
+                            "replica groups are checked against the one-process run); set it to 1 or disable fault tolerance")
+
+
 def check_rules(cfg: JobConfig) -> None:
     check_optimizer(cfg)
     check_multi_token_prediction(cfg)
@@ -194,3 +216,4 @@ def check_rules(cfg: JobConfig) -> None:
     check_dataset_format(cfg)
     check_checkpoint(cfg)
     check_lora(cfg)
+    check_fault_tolerance(cfg)

@@ -219,6 +219,18 @@ class LoRA:
 
 
 @dataclass
+class FaultTolerance:
+    """Replica groups that survive one another's loss (torchft); the lighthouse address is TORCHFT_LIGHTHOUSE."""
+
+    enable: bool = opt(False, "this job is one replica group of a fault-tolerant run: gradients are averaged with the other groups through torchft's lighthouse (TORCHFT_LIGHTHOUSE=http://host:port, from torchft_lighthouse), a lost group is left behind and a restarted one recovers from a live peer (docs/launching.md)")
+    replica_id: int = opt(0, "this replica group's index, 0 to group_size - 1; a restarted group keeps its id", at_least=0)
+    group_size: int = opt(1, "the number of replica groups; each reads its own share of every step's global batch", at_least=1)
+    min_replica_size: int = opt(1, "a step commits only when at least this many groups took part in it; fewer and the step is not applied", at_least=1)
+    process_group: str = opt("auto", "the collective library between groups: auto (nccl on CUDA, gloo on the CPU), gloo or nccl", choices=("auto", "gloo", "nccl"))
+    process_group_timeout_ms: int = opt(10000, "a collective between groups, a quorum or a state transfer that takes longer than this is a failure: the step is not applied and the next quorum leaves the slow group out", at_least=1)
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -235,3 +247,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     plan: Plan = field(default_factory=Plan)
     lora: LoRA = field(default_factory=LoRA)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

@@ -63,10 +63,12 @@ def forward_context(settings: ForwardSettings, dims: ParallelDims, device_type: 
         yield
 
 
-def train_step(run, optimizer, scheduler, batches, metrics):
+def train_step(run, optimizer, scheduler, batches, metrics, replicas=None):
     """One optimizer step over run.step.accum_steps micro-batches of `batches`; returns (loss, grad_norm,
     lr used, skipped). With skip_nonfinite a step whose loss or gradient norm is NaN or inf on any rank is
     skipped: its gradients are dropped and neither the optimizer nor the lr schedule steps (skipped True).
+    `replicas` (fault_tolerance.py): the gradients and loss are averaged with the other replica groups before
+    clipping, and the update is applied only if the quorum commits the step.
     Each micro-batch's mean loss enters the step as loss.py's LossScale says, so the loss and the gradients
     are those of one process holding the whole batch, whatever the layout (`run` is build.py's Run).
     Under pipeline parallelism the pipeline's schedule runs each micro-batch's forward and backward.
@@ -94,6 +96,8 @@ def train_step(run, optimizer, scheduler, batches, metrics):
         total_loss += loss.detach()
     if pipeline is not None:
         pipeline.sum_tied_grads()
+    if replicas is not None:
+        replicas.average(model, total_loss)
     grad_norm = clip_grad_norm_(model.parameters(), settings.max_norm, pipeline.group if pipeline else None,
                                 uncounted=pipeline.uncounted if pipeline else ())
     lr = scheduler.get_last_lr()[0]
@@ -101,6 +105,9 @@ def train_step(run, optimizer, scheduler, batches, metrics):
         optimizer.zero_grad(set_to_none=True)
         balance_experts(model, pipeline, 0.0, device, settings.accum_steps)  # the skipped step's counts are dropped
         return total_loss, grad_norm, lr, True
+    if replicas is not None and not replicas.should_commit():  # the quorum failed: nothing applied
+        optimizer.zero_grad(set_to_none=True)
+        return total_loss, grad_norm, lr, False
     optimizer.step()
     scheduler.step()
     balance_experts(model, pipeline, settings.bias_update_rate, device, settings.accum_steps)

@@ -20,6 +20,7 @@ from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig
 from titanlite.data.datasets import build_dataloader
 from titanlite.errors import UserError
+from titanlite.fault_tolerance import ReplicaGroups, join_replica_groups
 from titanlite.log import init_logger, logger
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
                                speed_features, speed_settings)
@@ -66,11 +67,13 @@ class Loop:
     profiler: StepProfiler
     stop: StopFlags
     watchdog: HangWatchdog
+    replicas: ReplicaGroups  # the other replica groups under fault tolerance (alone: every call a no-op)
 
     def run_steps(self, state: TrainState, summary: RunSummary) -> None:
         skips = NonfiniteSkips(self.run.cfg.training.max_nonfinite_skips, self.metrics.write_scalars)
-        batches = self.metrics.counting_trained(iter(self.dataloader), self.run.dims.batch_sharing_degree)
-        for step in range(state.step + 1, self.run.cfg.training.steps + 1):
+        # A recovery from a peer restarts the batches at the peer's position (fault_tolerance.py).
+        batches = self.metrics.counting_trained(self.replicas.batches(self.dataloader), self.run.dims.batch_sharing_degree)
+        for step in self.replicas.steps(state, self.run.cfg.training.steps):  # a quorum before each step
             self.watchdog.step_began(step)
             preempted = self.one_step(step, state, batches, skips, summary)
             self.watchdog.step_ended(step)
@@ -84,7 +87,8 @@ class Loop:
         if step % run.cfg.training.gc_freq == 0:
             gc.collect(1)
         summary.step_began(metrics)
-        loss, grad_norm, lr, skipped = train_step(run, self.optimizer, self.scheduler, batches, metrics)
+        loss, grad_norm, lr, skipped = train_step(run, self.optimizer, self.scheduler, batches, metrics,
+                                                  replicas=self.replicas)
         summary.step_ended(metrics)
         skips.record(step, skipped)
         state.step, state.tokens_seen = step, state.tokens_seen + run.tokens_per_step
@@ -114,17 +118,21 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         logger.info(info.allocator_note)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     run = build_run(cfg, info)
+    replicas = join_replica_groups(cfg.fault_tolerance, info, cfg.job.init_timeout_seconds)
     if info.rank == 0:
         write_resolved_config(cfg, Path(cfg.job.dump_folder))
     optimizer = build_optimizer(run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
     register_float8_scale_precompute(optimizer, run.model, cfg.float8)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
-    dataloader = build_dataloader(training_data(cfg.training), run.tokenizer, run.dims.dp_rank, run.dims.dp_degree, cfg.job.seed)
+    # Under fault tolerance each replica group reads its own share of the global order.
+    dataloader = build_dataloader(training_data(cfg.training), run.tokenizer, replicas.data_rank(run.dims),
+                                  replicas.data_world(run.dims), cfg.job.seed)
     metrics = MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token)
     log_start(run, metrics)
     validator = Validator(run, metrics) if cfg.validation.enable else None  # its own loader: never moves training's
     checkpointer = CheckpointManager(run, optimizer, scheduler, dataloader,
-                                     cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps))
+                                     cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps),
+                                     claims_save=replicas.claims_save)  # one replica group writes each checkpoint
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
         checkpointer.close()
@@ -132,12 +140,15 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
     stop = StopFlags(info.device, check_finite=cfg.training.on_nonfinite == "stop" and not cfg.training.skip_nan_check)
     watchdog = HangWatchdog(cfg.job.hang_timeout_seconds, info.rank, info.world_size, cfg.job.dump_folder)
-    loop = Loop(run, optimizer, scheduler, dataloader, metrics, validator, checkpointer, profiler, stop, watchdog)
+    loop = Loop(run, optimizer, scheduler, dataloader, metrics, validator, checkpointer, profiler, stop, watchdog, replicas)
     try:
         state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
         if nothing_to_train(stop, state.step, cfg.training.steps):
             metrics.close()
             return
+        # What a recovering peer receives from this group, and what it takes from one.
+        replicas.track(state, model=run.model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader,
+                       write_scalars=metrics.write_scalars)
         hparams = hyperparameters(cfg, info.world_size, run.dims.layout, run.tokens_per_step // cfg.training.seq_len,
                                   speed_settings(cfg))
         metrics.start_tensorboard(run_folder(cfg, info.rank, state.step), cfg, state.step, hparams)
@@ -149,6 +160,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
         with profiler:
             loop.run_steps(state, summary)
     finally:
+        replicas.close()
         watchdog.stop()
         checkpointer.close()  # waits for the last async save
         stop.close()

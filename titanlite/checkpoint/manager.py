@@ -17,6 +17,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -41,9 +42,11 @@ from titanlite.profiling import model_state_bytes
 
 
 class CheckpointManager:
-    def __init__(self, run, optimizer, lr_scheduler, dataloader, cost: SaveCost | None = None):
+    def __init__(self, run, optimizer, lr_scheduler, dataloader, cost: SaveCost | None = None,
+                 claims_save: Callable[[Path], bool] | None = None):
         """Checkpoints of build.py's `run` as its [checkpoint] section says, with the training state
-        around it: the optimizer, the lr schedule and the data loader."""
+        around it: the optimizer, the lr schedule and the data loader. `claims_save` (fault tolerance's): whether
+        this replica group writes the checkpoint at a path; None = it writes every one."""
         self.cfg = cfg = run.cfg.checkpoint
         self.root = Path(run.cfg.job.dump_folder) / cfg.folder
         self.model, self.optimizer = run.model, optimizer
@@ -69,6 +72,7 @@ class CheckpointManager:
         }
         self.cost = cost or SaveCost()
         self.saver = None
+        self.claims_save = claims_save
         if cfg.enable and cfg.async_mode != "disabled":
             self.saver = AsyncSaver(pinned=cfg.async_mode == "async_with_pinned_mem", optimizer=optimizer)
         # Old checkpoints are deleted by rank 0 in the background, after a newer one completed.
@@ -135,6 +139,8 @@ class CheckpointManager:
             self.cost.waited_for_previous(step, previous.step, previous.started, previous.done_at, entered,
                                           self.cfg.interval)
         path = step_folder(self.root, step)
+        if self.claims_save is not None and not self.claims_save(path):  # another replica group writes it
+            return
         if self.rank == 0:
             # Rewriting a step (a model-only final export when training goes on past it, a seed
             # checkpoint made again): its old .metadata must not vouch for half-written new files.

@@ -1,0 +1,165 @@
+"""Fault tolerance on torchft (titanlite/fault_tolerance.py), on the CPU with gloo and the real torchft_lighthouse
+started here on 127.0.0.1: replica groups of one rank each, run as a user would (python -m titanlite.train)."""
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, run_titanlite, tensorboard_scalars
+from titanlite.config import load_config
+from titanlite.data.prepare import prepare
+from titanlite.errors import UserError
+from titanlite.fault_tolerance import join_replica_groups
+from titanlite.parallel.dist import DistInfo
+
+LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+TINY = ["--job.config_file", DEBUG_CONFIG, "--model.n_layers", "1", "--training.seq_len", "32", "--metrics.log_freq", "1",
+        "--lr_scheduler.warmup_steps", "2"]
+STEP_LINE = re.compile(r"step: (\d+)  loss: ([\d.]+)")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("ft") / "store"
+    prepare("sample", str(path))  # one global order, whose position a peer can hand over
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def lighthouse(min_replicas: int):
+    """torchft_lighthouse on a free port; yields its address (TORCHFT_LIGHTHOUSE)."""
+    port = free_port()
+    process = subprocess.Popen([str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
+                                "--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "30000"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"http://127.0.0.1:{port}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        for _ in range(100):
+            with contextlib.suppress(OSError):
+                opener.open(address, timeout=1).close()
+                break
+            time.sleep(0.1)
+        yield address
+    finally:
+        process.kill()
+        process.wait()
+
+
+def group_command(store: str, replica: int, dump: Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "titanlite.train", *ON_CPU, *TINY, "--training.dataset_path", store,
+            "--training.local_batch_size", "2", "--training.steps", str(steps), "--job.dump_folder", str(dump),
+            "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+            "--fault_tolerance.replica_id", str(replica), *extra]
+
+
+def start_group(command: list[str], log: Path, address: str) -> subprocess.Popen:
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": address, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def losses(text: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in STEP_LINE.findall(text)}
+
+
+def wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, log.read_text()):
+        assert process.poll() is None, f"exited {process.returncode} before {pattern!r}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {pattern!r} in {timeout}s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def finish(process: subprocess.Popen, log: Path) -> str:
+    assert process.wait(timeout=300) == 0, log.read_text()[-4000:]
+    return log.read_text()
+
+
+def model_weights(dump: Path, step: int, tmp_path: Path) -> dict:
+    out = tmp_path / f"{dump.name}.pt"
+    dcp_to_torch_save(str(dump / "checkpoint" / f"step-{step}"), str(out))
+    state = torch.load(out, weights_only=False)
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def test_two_groups_equal_one_process_holding_both_batches(store, tmp_path):
+    """Losses and gradient norms (TensorBoard's float32 scalars) of each group, every step, against one process
+    reading both groups' windows (local batch 4 = 2 groups x 2): within 1e-5."""
+    steps, tb = 4, ["--metrics.enable_tensorboard", "true"]
+    with lighthouse(min_replicas=2) as address:
+        groups = [start_group(group_command(store, r, tmp_path / f"r{r}", steps, "--fault_tolerance.min_replica_size", "2", *tb),
+                              tmp_path / f"r{r}.log", address) for r in (0, 1)]
+        for r, group in enumerate(groups):
+            finish(group, tmp_path / f"r{r}.log")
+    one = run_titanlite([*TINY, "--training.dataset_path", store, "--training.local_batch_size", "4", *tb,
+                         "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    for tag in ("loss/train", "optim/grad_norm"):
+        expected = tensorboard_scalars(tmp_path / "one" / "tb", tag)
+        assert sorted(expected) == list(range(1, steps + 1))
+        for r in (0, 1):
+            got = tensorboard_scalars(tmp_path / f"r{r}" / "tb", tag)
+            assert sorted(got) == sorted(expected)
+            for step, value in expected.items():
+                assert got[step] == pytest.approx(value, abs=1e-5), (tag, r, step, got[step], value)
+
+
+def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_path):
+    steps = 200  # replica 0 trains on alone while replica 1 restarts (about 30 s on 2 busy cores)
+    save = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    with lighthouse(min_replicas=1) as address:
+        commands = [group_command(store, r, tmp_path / f"r{r}", steps, *save) for r in (0, 1)]
+        logs = [tmp_path / "r0.log", tmp_path / "r1.log"]
+        first = start_group(commands[0], logs[0], address)
+        second = start_group(commands[1], logs[1], address)
+        wait_for(logs[0], r"2 of 2 replica groups training", first)
+        wait_for(logs[1], r"step: 5  loss", second)
+        second.send_signal(signal.SIGKILL)
+        second.wait()
+        wait_for(logs[0], r"1 of 2 replica groups training", first)  # replica 0 trains on alone
+        alone_from = max(losses(logs[0].read_text()))
+        restarted = start_group(commands[1], tmp_path / "r1-again.log", address)  # the same command
+        again = finish(restarted, tmp_path / "r1-again.log")
+        text = finish(first, logs[0])
+    recovered = re.search(r"step: (\d+)  recovered from a live peer in ([\d.]+)s", again)
+    assert recovered, again[-3000:]
+    assert int(recovered.group(1)) > alone_from + 1  # replica 0 trained steps alone before replica 1 came back
+    assert "not committed" in text or "1 of 2" in text
+    left, right = model_weights(tmp_path / "r0", steps, tmp_path), model_weights(tmp_path / "r1", steps, tmp_path)
+    assert left.keys() == right.keys() and left
+    for key in left:
+        assert torch.equal(left[key], right[key]), key
+
+
+def test_bad_input_is_one_sentence(monkeypatch):
+    """In-process: the config rules at load, the lighthouse checks where the group joins (before any model is built)."""
+    base = [*ON_CPU, *TINY, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
+    with pytest.raises(UserError, match="fault_tolerance.replica_id 2 must be below fault_tolerance.group_size 2"):
+        load_config([*base, "--fault_tolerance.replica_id", "2"])
+    with pytest.raises(UserError, match="parallelism.tensor_parallel_degree 2 is not supported yet"):
+        load_config([*base, "--parallelism.tensor_parallel_degree", "2"])
+    cfg = load_config(base)
+    info = DistInfo(0, 1, torch.device("cpu"))
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(UserError, match="needs the lighthouse's address in TORCHFT_LIGHTHOUSE"):
+        join_replica_groups(cfg.fault_tolerance, info, 1)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    with pytest.raises(UserError, match="did not answer within job.init_timeout_seconds 1"):
+        join_replica_groups(cfg.fault_tolerance, info, 1)
