@@ -19,7 +19,9 @@ from titanlite.models import get_model_args, get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer
 
 STEPS, BATCH, SEQ, EVAL_EVERY, EVAL_BATCHES = 40, 4, 128, 5, 4
-LRS = {"AdamW": (1e-3, 3e-3, 1e-2), "Muon": (3e-3, 1e-2, 3e-2)}
+# (optimizer, lr, muon_lr): Muon's AdamW half (embedding, norms, output) keeps AdamW's best lr; its matrices' lr is swept.
+RUNS = [("AdamW", 3e-4, -1.0), ("AdamW", 1e-3, -1.0), ("AdamW", 3e-3, -1.0), ("AdamW", 1e-2, -1.0),
+        ("Muon", 1e-3, 3e-3), ("Muon", 1e-3, 1e-2), ("Muon", 1e-3, 3e-2), ("Muon", 1e-3, 1e-1)]
 SCHEDULE = LRScheduler(warmup_steps=4, decay_type="linear", min_lr_factor=0.1)
 
 
@@ -34,7 +36,7 @@ def held_out_loss(model, held_out: list) -> float:
     return sum(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item() for x, y, *_ in held_out) / len(held_out)
 
 
-def train(name: str, lr: float, data: list, held_out: list, vocab: int) -> list[float]:
+def train(name: str, lr: float, muon_lr: float, data: list, held_out: list, vocab: int) -> list[float]:
     """The held-out loss at step 0 and every EVAL_EVERY steps."""
     spec = get_model_spec("llama3")
     args = replace(get_model_args(spec, "debugmodel"), n_layers=2, vocab_size=vocab)
@@ -42,7 +44,7 @@ def train(name: str, lr: float, data: list, held_out: list, vocab: int) -> list[
         model = spec.model_cls(args)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
-    optimizer = build_optimizer(model, Optimizer(name=name, lr=lr), "cpu")
+    optimizer = build_optimizer(model, Optimizer(name=name, lr=lr, muon_lr=muon_lr), "cpu")
     scheduler = build_lr_scheduler(optimizer, SCHEDULE, STEPS)
     losses = [held_out_loss(model, held_out)]
     for step, (inputs, labels, *_) in enumerate(data, start=1):
@@ -61,13 +63,13 @@ def main() -> None:
     tokenizer = build_tokenizer(Model())
     data, held_out = batches(tokenizer, "sample", STEPS), batches(tokenizer, "sample_val", EVAL_BATCHES)
     best = {}
-    for name, lrs in LRS.items():
-        for lr in lrs:
-            losses = train(name, lr, data, held_out, tokenizer.vocab_size)
-            print(f"{name} lr {lr:g}: held-out loss " + " ".join(f"{x:.3f}" for x in losses), flush=True)
-            if name not in best or losses[-1] < best[name][1][-1]:
-                best[name] = (lr, losses)
-    print("step | " + " | ".join(f"{n} (lr {lr:g})" for n, (lr, _) in best.items()))
+    for name, lr, muon_lr in RUNS:
+        losses = train(name, lr, muon_lr, data, held_out, tokenizer.vocab_size)
+        label = f"{name} lr {lr:g}" + (f" muon_lr {muon_lr:g}" if muon_lr >= 0 else "")
+        print(f"{label}: held-out loss " + " ".join(f"{x:.3f}" for x in losses), flush=True)
+        if name not in best or losses[-1] < best[name][1][-1]:
+            best[name] = (label, losses)
+    print("step | " + " | ".join(label for label, _ in best.values()))
     for index in range(STEPS // EVAL_EVERY + 1):
         print(f"{index * EVAL_EVERY} | " + " | ".join(f"{losses[index]:.3f}" for _, losses in best.values()))
 

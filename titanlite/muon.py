@@ -134,8 +134,10 @@ class Muon(torch.optim.Optimizer):
 
 
 def muon_trains(name: str, param: torch.Tensor) -> bool:
-    """Muon trains the matrices (and batches of matrices) of model.layers, the transformer blocks, by their FQN."""
-    return param.dim() >= 2 and "layers" in name.split(".")
+    """Muon trains the matrices (and batches of matrices) of the transformer blocks, model.layers, and of
+    DeepSeek-V3's multi-token-prediction depths, model.mtp (a block and a projection each), by their FQN."""
+    parts = name.split(".")
+    return param.dim() >= 2 and ("layers" in parts or "mtp" in parts)
 
 
 def build_muon(model: torch.nn.Module, cfg) -> Muon:

@@ -1,5 +1,5 @@
 """The DeepSeek-V3 family: multi-head latent attention, dense then mixture-of-experts blocks (DeepSeek-V3
-671B, and Moonlight-16B-A3B's shapes as 16B); multi-token prediction is left out."""
+671B, and Moonlight-16B-A3B's shapes as 16B); multi-token prediction with model.mtp_layers (mtp.py)."""
 
 from titanlite.models import ModelSpec
 from titanlite.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
