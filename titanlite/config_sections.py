@@ -208,6 +208,21 @@ class LoRA:
 
 
 @dataclass
+class Generate:
+    prompt: str = opt("", "text to continue (python -m titanlite.generate); empty = the prompts of prompts_file")
+    prompts_file: str = opt("", "JSON-lines file of prompts, one per line: {\"prompt\": text}, {\"messages\": [...]} (the chat template applied with the generation prompt) or {\"token_ids\": [...]}")
+    checkpoint: str = opt("", "a DCP step folder (<dump_folder>/checkpoint/step-N) to take the weights from; empty = as training finds them (the newest or checkpoint.load_step checkpoint of job.dump_folder when checkpoint.enable, else checkpoint.initial_load_path or the model.hf_assets_path folder)")
+    max_new_tokens: int = opt(128, "tokens generated at most per prompt", at_least=1)
+    temperature: float = opt(0.0, "sampling temperature; 0 = greedy (the most likely token each time)", at_least=0)
+    top_p: float = opt(1.0, "sample from the smallest set of most likely tokens whose probabilities reach top_p; 1 = all", above=0, at_most=1)
+    top_k: int = opt(0, "sample from the k most likely tokens only; 0 = all", at_least=0)
+    seed: int = opt(0, "seed of the sampling; the same seed, prompts and weights give the same completions", at_least=0, at_most=2**32 - 1)
+    stop: list[str] = opt([], "strings that end a completion (cut off before them); generation also ends at the tokenizer's eos and end-of-turn tokens")
+    batch_size: int = opt(8, "prompts generated together (left-padded to the longest of them)", at_least=1)
+    output: str = opt("", "JSON-lines file written with one {\"prompt\", \"completion\", \"token_ids\"} per prompt (token_ids: the new tokens only); empty = stdout")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -224,3 +239,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     plan: Plan = field(default_factory=Plan)
     lora: LoRA = field(default_factory=LoRA)
+    generate: Generate = field(default_factory=Generate)
