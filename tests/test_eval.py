@@ -4,6 +4,7 @@ multiple choice gives the same acc and acc_norm, generate_until the same outputs
 the same log-likelihoods within 1e-6 (relative); bad input is one sentence, exit 2."""
 
 import json
+import shutil
 
 import pytest
 
@@ -104,3 +105,74 @@ def test_cli_writes_lm_evals_results_json(setup, tmp_path, capsys):
     written = list((tmp_path / "out").rglob("results_*.json"))
     assert len(written) == 1
     assert "acc,none" in json.loads(written[0].read_text())["results"]["tiny_mc"]
+
+
+def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_path):
+    """The evaluator the trainer calls, on the live model: every interval and the last step, the values of
+    python -m titanlite.eval as eval/<task>/<metric> scalars, a sample completion in the text tab, the model
+    back in training mode and the time left out of the next tps."""
+    import torch
+
+    from conftest import ON_CPU, tensorboard_scalars
+    from titanlite.config import load_config
+    from titanlite.eval_loop import InLoopEvaluator
+    from titanlite.inference import build_inference_model
+    from titanlite.metrics import MetricsLogger
+
+    folder, tasks = setup
+    prompts = tmp_path / "samples.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the list module"}) + "\n")
+    cfg = load_config([*ON_CPU, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(tmp_path),
+                       "--metrics.enable_tensorboard", "true", "--eval.tasks", "tiny_mc", "--eval.include_path", str(tasks),
+                       "--eval.interval", "3", "--eval.at_end", "true", "--eval.batch_size", "4",
+                       "--eval.sample_prompts", str(prompts), "--eval.max_new_tokens", "4"])
+    built = build_inference_model(cfg, torch.device("cpu"))
+    metrics = MetricsLogger(cfg.metrics, 0, torch.device("cpu"), 0.0)
+    metrics.start_tensorboard(cfg, 0, {})
+    evaluator = InLoopEvaluator(cfg.eval, built.tokenizer, built.args, metrics, last_step=7)
+    assert [step for step in range(1, 8) if evaluator.should_evaluate(step)] == [3, 6, 7]
+    built.model.train()
+    started = metrics.started
+    scalars = evaluator.evaluate(built.model, 3)
+    metrics.close()
+    assert built.model.training and metrics.started > started
+    expected = both[1]["results"]["tiny_mc"]
+    assert scalars == {"tiny_mc/acc": expected["acc,none"], "tiny_mc/acc_norm": expected["acc_norm,none"]}
+    assert tensorboard_scalars(tmp_path / "tb", "eval/tiny_mc/acc") == {3: pytest.approx(expected["acc,none"])}
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def error_of(argv: list[str], capsys, entry=main) -> str:
+    assert entry(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("error: "), err
+    return err.splitlines()[-1]
+
+
+def test_bad_tasks_and_weights_are_one_sentence(setup, tmp_path, capsys):
+    folder, tasks = setup
+    flags = ["--model_args", f"hf_assets_path={folder},job.device=cpu"]
+    assert "unknown task 'tiny_nothing'" in error_of(["--tasks", "tiny_nothing", "--include_path", str(tasks), *flags], capsys)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "bad.yaml").write_text("task: bad\ndoc_to_text: [unclosed\n")
+    assert f"the task file {broken / 'bad.yaml'} does not parse" in error_of(["--tasks", "bad", "--include_path", str(broken), *flags], capsys)
+    # A folder of another shape: the same family, twice as many kv heads.
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, num_key_value_heads=4)))
+    assert "does not fit" in error_of(["--tasks", "tiny_mc", "--include_path", str(tasks), "--model_args",
+                                        f"hf_assets_path={other},job.device=cpu"], capsys)
+
+
+def test_bad_generation_input_is_one_sentence(setup, tmp_path, capsys):
+    from titanlite.generate import main as generate
+
+    folder, _ = setup
+    flags = ["--job.device", "cpu", "--model.hf_assets_path", str(folder)]
+    assert "generate.temperature" in error_of([*flags, "--generate.prompt", "x", "--generate.temperature", "-1"], capsys, generate)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"token_ids": [5] * 256}) + "\n")
+    assert "the model's context is 256" in error_of([*flags, "--generate.prompts_file", str(long)], capsys, generate)
+    assert "eval.interval" in error_of([*flags, "--generate.prompt", "x", "--eval.interval", "10"], capsys, generate)

@@ -223,6 +223,19 @@ class Generate:
 
 
 @dataclass
+class Eval:
+    tasks: list[str] = opt([], "lm-eval task or group names to evaluate the model on while it trains (e.g. hellaswag,arc_easy); scalars eval/<task>/<metric> go to TensorBoard and the console")
+    include_path: str = opt("", "folder of extra lm-eval task YAML files (local tasks); empty = lm-eval's own tasks only")
+    limit: int = opt(-1, "at most this many examples per task; -1 = all", at_least=1, sentinels=(-1,))
+    num_fewshot: int = opt(-1, "few-shot examples in each prompt; -1 = each task's own default", at_least=0, sentinels=(-1,))
+    batch_size: int = opt(8, "sequences per forward while evaluating", at_least=1)
+    interval: int = opt(0, "evaluate every this many steps; 0 = never during the run", at_least=0)
+    at_end: bool = opt(False, "also evaluate after the last step")
+    sample_prompts: str = opt("", "JSON-lines prompts file (as generate.prompts_file) whose greedy completions go to TensorBoard's text tab at each evaluation")
+    max_new_tokens: int = opt(64, "tokens generated at most for each of sample_prompts", at_least=1)
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -240,3 +253,4 @@ class JobConfig:
     plan: Plan = field(default_factory=Plan)
     lora: LoRA = field(default_factory=LoRA)
     generate: Generate = field(default_factory=Generate)
+    eval: Eval = field(default_factory=Eval)

@@ -70,9 +70,10 @@ def main(argv: list[str]) -> int:
         from lm_eval.utils import simple_parse_args_string
 
         from titanlite.eval_model import TitanliteLM
-        from titanlite.eval_tasks import evaluate_tasks, write_results
+        from titanlite.eval_tasks import evaluate_tasks, task_manager, write_results
 
         tasks = [task for task in args.tasks.split(",") if task]
+        task_manager(tuple(tasks), args.include_path)  # a bad task stops the run before the model is built
         lm = TitanliteLM.create_from_arg_obj(simple_parse_args_string(args.model_args), {"batch_size": args.batch_size})
         results = evaluate_tasks(lm, tasks, args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
                                  log_samples=args.log_samples)

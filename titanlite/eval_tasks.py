@@ -37,23 +37,41 @@ def check_task_files(include_path: str | None) -> None:
                             "fix the YAML") from None
 
 
+def unknown_task(task: str, include_path: str | None) -> UserError:
+    where = f" or in --include_path {include_path}" if include_path else "; add --include_path for a local task"
+    return UserError(f"unknown task {task!r}: lm-eval has no task or group of that name{where} "
+                     "(python -m lm_eval ls tasks lists them)")
+
+
+def lm_eval_task_texts() -> list[str]:
+    """The text of every task file lm-eval ships: a name in none of them is no task of lm-eval's, which is
+    found in seconds, where lm-eval's TaskManager takes about a minute to index them all."""
+    import lm_eval.tasks
+
+    return [path.read_text(errors="replace") for path in Path(lm_eval.tasks.__file__).parent.rglob("*.yaml")]
+
+
 @functools.cache
 def task_manager(tasks: tuple[str, ...], include_path: str | None):
-    """lm-eval's TaskManager for `tasks`, once every name is known to it: include_path's alone where it holds them
-    all (indexing lm-eval's own thousands of task files takes about a minute on a CPU), else both."""
+    """lm-eval's TaskManager for `tasks`, once every name is known to it: include_path's alone where it holds
+    them all, else with lm-eval's own tasks."""
     from lm_eval.tasks import TaskManager
 
     check_task_files(include_path)
+    local = set()
     if include_path:
-        local = TaskManager(include_path=include_path, include_defaults=False)
-        if set(tasks) <= set(local.all_tasks):
-            return local
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if set(tasks) <= set(manager.all_tasks):
+            return manager
+        local = set(manager.all_tasks)
+    texts = lm_eval_task_texts()
+    for task in tasks:
+        if task not in local and not any(task in text for text in texts):
+            raise unknown_task(task, include_path)
     manager = TaskManager(include_path=include_path)
     for task in tasks:
         if task not in manager.all_tasks:
-            where = f" or in --include_path {include_path}" if include_path else "; add --include_path for a local task"
-            raise UserError(f"unknown task {task!r}: lm-eval has no task or group of that name{where} "
-                            "(python -m lm_eval ls tasks lists them)")
+            raise unknown_task(task, include_path)
     return manager
 
 
@@ -86,7 +104,7 @@ def metric_scalars(results: dict) -> dict[str, float]:
     for task, metrics in results["results"].items():
         for key, value in metrics.items():
             metric, _, filter_name = key.partition(",")
-            if metric == "alias" or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+            if metric in ("alias", "sample_len") or metric.endswith("_stderr") or not isinstance(value, (int, float)):
                 continue
             name = metric if filter_name in ("", "none") else f"{metric}/{filter_name}"
             if not math.isnan(value):

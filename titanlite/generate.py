@@ -21,12 +21,12 @@ from titanlite.log import init_logger
 from titanlite.parallel.dist import choose_device_type
 
 
-def read_prompt_lines(path: str) -> list[dict]:
-    """generate.prompts_file's records, each {"prompt"}, {"messages"} or {"token_ids"}."""
+def read_prompt_lines(path: str, key: str = "generate.prompts_file") -> list[dict]:
+    """The records of the prompts file `path` (the config key `key`), each {"prompt"}, {"messages"} or {"token_ids"}."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read generate.prompts_file {path} ({error}); point it at a JSON-lines file") from None
+        raise UserError(f"cannot read {key} {path} ({error}); point it at a JSON-lines file") from None
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -34,9 +34,9 @@ def read_prompt_lines(path: str) -> list[dict]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise UserError(f"generate.prompts_file {path} line {number} is not JSON ({error.msg}); fix that line") from None
+            raise UserError(f"{key} {path} line {number} is not JSON ({error.msg}); fix that line") from None
         if not isinstance(record, dict) or len({"prompt", "messages", "token_ids"} & set(record)) != 1:
-            raise UserError(f"generate.prompts_file {path} line {number} must hold exactly one of \"prompt\", \"messages\" "
+            raise UserError(f"{key} {path} line {number} must hold exactly one of \"prompt\", \"messages\" "
                             "or \"token_ids\"; fix that line")
         records.append(record)
     return records
@@ -48,7 +48,7 @@ def prompt_ids(record: dict, tokenizer, renderer) -> tuple[str, list[int]]:
     if "token_ids" in record:
         ids = record["token_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise UserError("a prompt's \"token_ids\" must be a list of integers; fix generate.prompts_file")
+            raise UserError("a prompt's \"token_ids\" must be a list of integers; fix the prompts file")
         return tokenizer.decode(ids), ids
     if "messages" in record:
         text = renderer().render(record["messages"], add_generation_prompt=True)
@@ -65,11 +65,18 @@ def completion_text(new_ids: list[int], tokenizer, stop: list[str]) -> str:
     return text[:min(cuts)] if cuts else text
 
 
-def generate_records(built: InferenceModel, settings: Generate, chat_template: str = "") -> list[dict]:
-    """One {"prompt", "completion", "token_ids"} per prompt of `settings`, in order."""
-    records = [{"prompt": settings.prompt}] if settings.prompt else read_prompt_lines(settings.prompts_file)
+def prompt_records(settings: Generate) -> list[dict]:
+    """generate.prompt, else the records of generate.prompts_file."""
+    records = [{"prompt": settings.prompt}] if settings.prompt else []
+    if not records and settings.prompts_file:
+        records = read_prompt_lines(settings.prompts_file)
     if not records:
         raise UserError("there is nothing to generate from: set generate.prompt or generate.prompts_file")
+    return records
+
+
+def generate_records(built: InferenceModel, records: list[dict], settings: Generate, chat_template: str = "") -> list[dict]:
+    """One {"prompt", "completion", "token_ids"} per prompt record, in order."""
 
     def renderer() -> ChatRenderer:
         return ChatRenderer(built.tokenizer, chat_template)
@@ -102,11 +109,10 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
         init_logger(0)
-        if not cfg.generate.prompt and not cfg.generate.prompts_file:
-            raise UserError("there is nothing to generate from: set generate.prompt or generate.prompts_file")
+        records = prompt_records(cfg.generate)
         device = torch.device(choose_device_type(cfg.job.device, torch.cuda.device_count() if cfg.job.device != "cpu" else 0, 0, 1))
         built = build_inference_model(cfg, device)
-        write_records(generate_records(built, cfg.generate, cfg.training.chat_template), cfg.generate.output)
+        write_records(generate_records(built, records, cfg.generate, cfg.training.chat_template), cfg.generate.output)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
