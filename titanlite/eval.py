@@ -9,43 +9,9 @@ samples) is lm-eval's own, written under --output_path by its EvaluationTracker.
 import argparse
 import json
 import sys
-from pathlib import Path
 
-import torch
-
-from titanlite.config import load_config
 from titanlite.errors import UserError
-from titanlite.inference import build_inference_model
-from titanlite.log import init_logger, logger
-from titanlite.parallel.dist import choose_device_type
-
-# --model_args keys that are not section.key overrides, and the config key each one sets.
-MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file", "checkpoint": "generate.checkpoint"}
-
-
-def config_argv(arg_dict: dict) -> list[str]:
-    """--model_args as titanlite.config command-line flags."""
-    argv = []
-    for key, value in arg_dict.items():
-        dotted = MODEL_ARG_KEYS.get(key, key)
-        if "." not in dotted:
-            raise UserError(f"--model_args {key}={value}: titanlite takes {', '.join(MODEL_ARG_KEYS)} or section.key=value "
-                            "overrides of its config (e.g. training.param_dtype=bfloat16)")
-        argv += [f"--{dotted}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return argv
-
-
-def model_from_args(cls, arg_dict: dict, additional: dict):
-    """A TitanliteLM (cls) for lm-eval's model_args, built as generate builds its model, on the job's device."""
-    cfg = load_config(config_argv(arg_dict))
-    gpus = torch.cuda.device_count() if cfg.job.device != "cpu" else 0
-    device = torch.device(choose_device_type(cfg.job.device, gpus, 0, 1))
-    built = build_inference_model(cfg, device)
-    batch_size = additional.get("batch_size") or 1
-    if not str(batch_size).isdigit():
-        raise UserError(f"--batch_size {batch_size}: titanlite takes a number of sequences per forward")
-    return cls(built.model, built.tokenizer, built.args, batch_size=int(batch_size))
-
+from titanlite.log import init_logger
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m titanlite.eval", description=__doc__.split("\n\n")[1])

@@ -16,9 +16,37 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from titanlite.config import load_config
+from titanlite.errors import UserError
 from titanlite.generation import Sampling, generate_ids
+from titanlite.inference import build_inference_model, inference_device
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's default where a task sets no max_gen_toks
+
+# --model_args keys that are not section.key overrides, and the config key each one sets.
+MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file", "checkpoint": "generate.checkpoint"}
+
+
+def config_argv(arg_dict: dict) -> list[str]:
+    """--model_args as titanlite.config command-line flags."""
+    argv = []
+    for key, value in arg_dict.items():
+        dotted = MODEL_ARG_KEYS.get(key, key)
+        if "." not in dotted:
+            raise UserError(f"--model_args {key}={value}: titanlite takes {', '.join(MODEL_ARG_KEYS)} or section.key=value "
+                            "overrides of its config (e.g. training.param_dtype=bfloat16)")
+        argv += [f"--{dotted}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
+
+
+def model_from_args(cls, arg_dict: dict, additional: dict):
+    """A TitanliteLM (cls) for lm-eval's model_args, built as generate builds its model, on the job's device."""
+    cfg = load_config(config_argv(arg_dict))
+    built = build_inference_model(cfg, inference_device(cfg))
+    batch_size = additional.get("batch_size") or 1
+    if not str(batch_size).isdigit():
+        raise UserError(f"--batch_size {batch_size}: titanlite takes a number of sequences per forward")
+    return cls(built.model, built.tokenizer, built.args, batch_size=int(batch_size))
 
 
 @register_model("titanlite")
@@ -32,9 +60,7 @@ class TitanliteLM(TemplateLM):
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "TitanliteLM":
-        """lm-eval's --model_args (eval.py reads them): the weights and config of a titanlite job."""
-        from titanlite.eval import model_from_args  # the job's build path: only where lm-eval asks for it
-
+        """lm-eval's --model_args: the weights and config of a titanlite job (model_from_args)."""
         return model_from_args(cls, arg_dict, additional_config or {})
 
     @property

@@ -9,16 +9,13 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from titanlite.config import load_config
 from titanlite.config_sections import Generate
 from titanlite.data.chat import ChatRenderer
 from titanlite.errors import UserError
 from titanlite.generation import Sampling, generate_ids
-from titanlite.inference import InferenceModel, build_inference_model
+from titanlite.inference import InferenceModel, build_inference_model, inference_device
 from titanlite.log import init_logger
-from titanlite.parallel.dist import choose_device_type
 
 
 def read_prompt_lines(path: str, key: str = "generate.prompts_file") -> list[dict]:
@@ -110,8 +107,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv)
         init_logger(0)
         records = prompt_records(cfg.generate)
-        device = torch.device(choose_device_type(cfg.job.device, torch.cuda.device_count() if cfg.job.device != "cpu" else 0, 0, 1))
-        built = build_inference_model(cfg, device)
+        built = build_inference_model(cfg, inference_device(cfg))
         write_records(generate_records(built, records, cfg.generate, cfg.training.chat_template), cfg.generate.output)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

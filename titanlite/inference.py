@@ -24,6 +24,7 @@ from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.lora import has_lora, init_lora
 from titanlite.models import get_model_spec
+from titanlite.parallel.dist import choose_device_type
 
 SHARDING_KEYS = ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
                  "context_parallel_degree", "expert_parallel_degree")
@@ -51,6 +52,12 @@ def check_one_process(cfg: JobConfig) -> None:
     if par.data_parallel_shard_degree not in (-1, 1):
         raise UserError(f"parallelism.data_parallel_shard_degree is {par.data_parallel_shard_degree}, but generation and "
                         "lm-eval run the whole model in one process; set it to 1")
+
+
+def inference_device(cfg: JobConfig) -> torch.device:
+    """job.device for one process: the first GPU where CUDA is chosen."""
+    gpus = torch.cuda.device_count() if cfg.job.device != "cpu" else 0
+    return torch.device(choose_device_type(cfg.job.device, gpus, 0, 1))
 
 
 def build_inference_model(cfg: JobConfig, device: torch.device) -> InferenceModel:
