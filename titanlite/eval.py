@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
         results = evaluate_tasks(lm, tasks, args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
                                  log_samples=args.log_samples)
         if args.output_path:
-            write_results(results, args.output_path, args.log_samples)
+            write_results(results, args.output_path, args.log_samples, args.model_args)
         print(json.dumps(results["results"], indent=2, default=str))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

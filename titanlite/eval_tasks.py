@@ -86,12 +86,19 @@ def evaluate_tasks(lm, tasks: list[str], include_path: str | None, *, limit: flo
                            log_samples=log_samples, batch_size=lm.batch_size)
 
 
-def write_results(results: dict, output_path: str, log_samples: bool) -> None:
-    """lm-eval's results JSON (and each task's samples) under output_path, as lm_eval run writes them."""
+def write_results(results: dict, output_path: str, log_samples: bool, model_args: str) -> None:
+    """lm-eval's results JSON (and each task's samples) under output_path/<the weights' path, sanitized>, as
+    lm_eval run writes them; `model_args` the --model_args string."""
     from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import simple_parse_args_string
 
     samples = results.pop("samples", None) if log_samples else None
+    results["config"].update(model="titanlite", model_args=model_args)
+    named = simple_parse_args_string(model_args)
+    weights = named.get("checkpoint") or named.get("hf_assets_path") or named.get("config_file") or "titanlite"
     tracker = EvaluationTracker(output_path=output_path)
+    tracker.general_config_tracker.log_experiment_args(model_source="titanlite", model_args={"model": weights},
+                                                       system_instruction=None, chat_template=None, fewshot_as_multiturn=False)
     tracker.save_results_aggregated(results=results, samples=samples)
     for task in results["configs"] if samples else ():
         tracker.save_results_samples(task_name=task, samples=samples[task])
