@@ -176,3 +176,22 @@ def test_bad_generation_input_is_one_sentence(setup, tmp_path, capsys):
     long.write_text(json.dumps({"token_ids": [5] * 256}) + "\n")
     assert "the model's context is 256" in error_of([*flags, "--generate.prompts_file", str(long)], capsys, generate)
     assert "eval.interval" in error_of([*flags, "--generate.prompt", "x", "--eval.interval", "10"], capsys, generate)
+
+
+def test_two_fsdp_ranks_evaluate_and_generate_as_one_process(setup, both, tmp_path):
+    """The evaluator and the generator on the model sharded over 2 FSDP ranks (every rank taking part) give the
+    values and greedy tokens of one process."""
+    import torch
+
+    from conftest import torchrun_json
+    from eval_fsdp_run import PROMPTS
+    from titanlite.config import load_config
+    from titanlite.generation import Sampling, generate_ids
+    from titanlite.inference import build_inference_model
+
+    folder, tasks = setup
+    sharded = torchrun_json("eval_fsdp_run.py", tmp_path, str(folder), str(tasks))
+    expected = both[1]["results"]["tiny_mc"]
+    assert sharded["scalars"] == {"tiny_mc/acc": expected["acc,none"], "tiny_mc/acc_norm": expected["acc_norm,none"]}
+    built = build_inference_model(load_config(["--job.device", "cpu", "--model.hf_assets_path", str(folder)]), torch.device("cpu"))
+    assert sharded["generated"] == generate_ids(built.model, built.args, built.tokenizer, PROMPTS, Sampling(8, stop_ids=()))

@@ -35,8 +35,8 @@ class InLoopEvaluator:
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        """{task/metric: value} of eval.tasks on `model` (back in training mode after), also written as
-        eval/<task>/<metric> scalars; the sample prompts' completions to the text tab."""
+        """{task/metric: value} of eval.tasks on `model` (back in training mode after; {} on the ranks other than
+        each node's first), also written as eval/<task>/<metric> scalars; the sample prompts' completions to the text tab."""
         started, was_training = time.perf_counter(), model.training
         model.eval()
         try:
@@ -46,7 +46,8 @@ class InLoopEvaluator:
                 results = evaluate_tasks(lm, self.cfg.tasks, self.cfg.include_path or None,
                                          limit=None if self.cfg.limit == -1 else self.cfg.limit,
                                          num_fewshot=None if self.cfg.num_fewshot == -1 else self.cfg.num_fewshot)
-                scalars = metric_scalars(results)
+                # lm-eval hands the results to the process of LOCAL_RANK 0 only (the one that logs); None elsewhere.
+                scalars = metric_scalars(results) if results is not None else {}
             self.metrics.write_scalars(step, {f"eval/{name}": value for name, value in scalars.items()}, flush=True)
             if self.samples:
                 self.write_samples(model, step)

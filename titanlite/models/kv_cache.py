@@ -9,7 +9,7 @@ a padded value would reach real queries through 0 * NaN.
 
 Training never passes a cache; with one, the model's forward hands a `CacheStep` down to the blocks
 in place of the mask (`attend` and DeepSeek's latent attention recognise it), so the blocks and their
-signatures are the training ones. A step counts the attention calls of one forward: the n-th call is
+signatures are the training ones. The cache counts the attention calls of one forward: the n-th call is
 block n, since every decoder runs its blocks in order.
 
 Each layer keeps tensors whose sequence dimension is -2: keys and values [B, kv_heads, S, head_dim],
@@ -17,8 +17,6 @@ or DeepSeek's normalised latent [B, S, kv_lora_rank] and its shared RoPE key [B,
 is what DeepSeek's inference caches. Under a sliding window (Mistral) only the last window - 1 slots are
 kept after each forward: a later query, window or more positions on, never reads the older ones.
 """
-
-from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +28,7 @@ class KVCache:
         self.layers: list[tuple[torch.Tensor, ...]] = []
         self.key_positions: torch.Tensor | None = None  # [B, S] each slot's position in its row, -1 = padding
         self.next_positions: torch.Tensor | None = None  # [B] the position of each row's next token
+        self.next_layer = 0  # the block the next attention call of this forward belongs to
 
     def step(self, valid: torch.Tensor) -> "CacheStep":
         """The step for a forward of new tokens [B, T], `valid` [B, T] False at left padding: their
@@ -48,6 +47,7 @@ class KVCache:
         own_slot = slots[None, :] == slots[-new:, None]  # [T, S]: query i's own slot
         allowed |= own_slot & ~valid[:, :, None]
         self.key_positions = self.kept(keys, dim=-1)
+        self.next_layer = 0
         return CacheStep(self, positions.clamp(min=0), allowed[:, None])
 
     def kept(self, full: torch.Tensor, dim: int = -2) -> torch.Tensor:
@@ -68,18 +68,16 @@ class KVCache:
         return full
 
 
-@dataclass(eq=False)
 class CacheStep:
-    """One forward's view of the cache: positions [B, T] of the new tokens (0 at padding), the mask
-    [B, 1, T, S] (True = attend) over the cached slots and the new ones, and the next block's index."""
+    """One forward's view of the cache: positions [B, T] of the new tokens (0 at padding) and the mask
+    [B, 1, T, S] (True = attend) over the cached slots and the new ones. The count of blocks served lives
+    in the cache: wrappers (FSDP's input casts) may hand each block a copy of the step."""
 
-    cache: KVCache
-    positions: torch.Tensor
-    mask: torch.Tensor
-    layer: int = field(default=0)
+    def __init__(self, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor):
+        self.cache, self.positions, self.mask = cache, positions, mask
 
     def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The calling block's cached tensors with `new` appended (each sequence dimension -2)."""
-        full = self.cache.extend(self.layer, new)
-        self.layer += 1
+        full = self.cache.extend(self.cache.next_layer, new)
+        self.cache.next_layer += 1
         return full
