@@ -205,6 +205,21 @@ def check_fault_tolerance(cfg: JobConfig) -> None:
                             "replica groups are checked against the one-process run); set it to 1 or disable fault tolerance")
 
 
+def check_eval(cfg: JobConfig) -> None:
+    ev, par = cfg.eval, cfg.parallelism
+    if (ev.interval or ev.at_end) and not ev.tasks and not ev.sample_prompts:
+        key = "eval.interval" if ev.interval else "eval.at_end"
+        raise UserError(f"{key} is set but eval.tasks and eval.sample_prompts are empty; name the lm-eval tasks in eval.tasks "
+                        "(e.g. hellaswag) or set eval.interval 0")
+    if ev.interval or ev.at_end:
+        # The evaluator reads whole logits of whole sequences from one forward of the model.
+        for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
+            if getattr(par, key) > 1:
+                raise UserError(f"in-loop evaluation ([eval]) runs on data-parallel layouts only, but parallelism.{key} is "
+                                f"{getattr(par, key)}; set eval.interval 0 and eval.at_end false, and evaluate the checkpoint "
+                                "with python -m titanlite.eval")
+
+
 def check_rules(cfg: JobConfig) -> None:
     check_optimizer(cfg)
     check_multi_token_prediction(cfg)
@@ -217,3 +232,4 @@ def check_rules(cfg: JobConfig) -> None:
     check_checkpoint(cfg)
     check_lora(cfg)
     check_fault_tolerance(cfg)
+    check_eval(cfg)

@@ -231,6 +231,34 @@ class FaultTolerance:
 
 
 @dataclass
+class Generate:
+    prompt: str = opt("", "text to continue (python -m titanlite.generate); empty = the prompts of prompts_file")
+    prompts_file: str = opt("", "JSON-lines file of prompts, one per line: {\"prompt\": text}, {\"messages\": [...]} (the chat template applied with the generation prompt) or {\"token_ids\": [...]}")
+    checkpoint: str = opt("", "a DCP step folder (<dump_folder>/checkpoint/step-N) to take the weights from; empty = as training finds them (the newest or checkpoint.load_step checkpoint of job.dump_folder when checkpoint.enable, else checkpoint.initial_load_path or the model.hf_assets_path folder)")
+    max_new_tokens: int = opt(128, "tokens generated at most per prompt", at_least=1)
+    temperature: float = opt(0.0, "sampling temperature; 0 = greedy (the most likely token each time)", at_least=0)
+    top_p: float = opt(1.0, "sample from the smallest set of most likely tokens whose probabilities reach top_p; 1 = all", above=0, at_most=1)
+    top_k: int = opt(0, "sample from the k most likely tokens only; 0 = all", at_least=0)
+    seed: int = opt(0, "seed of the sampling; the same seed, prompts and weights give the same completions", at_least=0, at_most=2**32 - 1)
+    stop: list[str] = opt([], "strings that end a completion (cut off before them); generation also ends at the tokenizer's eos and end-of-turn tokens")
+    batch_size: int = opt(8, "prompts generated together (left-padded to the longest of them)", at_least=1)
+    output: str = opt("", "JSON-lines file written with one {\"prompt\", \"completion\", \"token_ids\"} per prompt (token_ids: the new tokens only); empty = stdout")
+
+
+@dataclass
+class Eval:
+    tasks: list[str] = opt([], "lm-eval task or group names to evaluate the model on while it trains (e.g. hellaswag,arc_easy); scalars eval/<task>/<metric> go to TensorBoard and the console")
+    include_path: str = opt("", "folder of extra lm-eval task YAML files (local tasks); empty = lm-eval's own tasks only")
+    limit: int = opt(-1, "at most this many examples per task; -1 = all", at_least=1, sentinels=(-1,))
+    num_fewshot: int = opt(-1, "few-shot examples in each prompt; -1 = each task's own default", at_least=0, sentinels=(-1,))
+    batch_size: int = opt(8, "sequences per forward while evaluating", at_least=1)
+    interval: int = opt(0, "evaluate every this many steps; 0 = never during the run", at_least=0)
+    at_end: bool = opt(False, "also evaluate after the last step")
+    sample_prompts: str = opt("", "JSON-lines prompts file (as generate.prompts_file) whose greedy completions go to TensorBoard's text tab at each evaluation")
+    max_new_tokens: int = opt(64, "tokens generated at most for each of sample_prompts", at_least=1)
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -248,3 +276,5 @@ class JobConfig:
     plan: Plan = field(default_factory=Plan)
     lora: LoRA = field(default_factory=LoRA)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    generate: Generate = field(default_factory=Generate)
+    eval: Eval = field(default_factory=Eval)

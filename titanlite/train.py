@@ -20,6 +20,7 @@ from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig
 from titanlite.data.datasets import build_dataloader
 from titanlite.errors import UserError
+from titanlite.eval_loop import InLoopEvaluator
 from titanlite.fault_tolerance import ReplicaGroups, join_replica_groups
 from titanlite.log import init_logger, logger
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
@@ -63,6 +64,7 @@ class Loop:
     dataloader: object
     metrics: MetricsLogger
     validator: Validator | None
+    evaluator: InLoopEvaluator | None  # [eval]: lm-eval tasks on the live model
     checkpointer: CheckpointManager
     profiler: StepProfiler
     stop: StopFlags
@@ -106,8 +108,12 @@ class Loop:
             validation_seconds = time.perf_counter()
             self.validator.validate(run.model, step)
             validation_seconds = time.perf_counter() - validation_seconds
+        if self.evaluator is not None and self.evaluator.should_evaluate(step) and not preempted:
+            evaluation_began = time.perf_counter()
+            self.evaluator.evaluate(run.model, step)
+            validation_seconds += time.perf_counter() - evaluation_began
         checkpointer.maybe_save(step, last=last, force=preempted)
-        # The step's time as a save may have slowed it (validation is not training time).
+        # The step's time as a save may have slowed it (validation and evaluation are not training time).
         checkpointer.cost.step_done(began, time.perf_counter(), left_out=validation_seconds)
         self.profiler.step(step)
         return preempted
@@ -130,6 +136,7 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     metrics = MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token)
     log_start(run, metrics)
     validator = Validator(run, metrics) if cfg.validation.enable else None  # its own loader: never moves training's
+    evaluator = InLoopEvaluator(run, metrics) if cfg.eval.interval or cfg.eval.at_end else None
     checkpointer = CheckpointManager(run, optimizer, scheduler, dataloader,
                                      cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps),
                                      claims_save=replicas.claims_save)  # one replica group writes each checkpoint
@@ -140,7 +147,8 @@ def train(cfg: JobConfig, info: DistInfo) -> None:
     # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
     stop = StopFlags(info.device, check_finite=cfg.training.on_nonfinite == "stop" and not cfg.training.skip_nan_check)
     watchdog = HangWatchdog(cfg.job.hang_timeout_seconds, info.rank, info.world_size, cfg.job.dump_folder)
-    loop = Loop(run, optimizer, scheduler, dataloader, metrics, validator, checkpointer, profiler, stop, watchdog, replicas)
+    loop = Loop(run, optimizer, scheduler, dataloader, metrics, validator, evaluator, checkpointer, profiler, stop, watchdog,
+                replicas)
     try:
         state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
         if nothing_to_train(stop, state.step, cfg.training.steps):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanlite.log import logger
+from titanlite.models.kv_cache import CacheStep
 from titanlite.parallel.cp import SequenceShard
 
 
@@ -43,7 +44,8 @@ class GatheredKeys:
     gather: Callable[[torch.Tensor], torch.Tensor]
 
 
-Mask = torch.Tensor | BlockMask | GatheredKeys | int | None  # int: Mistral's window alone (window_mask)
+# int: Mistral's window alone (window_mask); CacheStep: generation's cache (models/kv_cache.py)
+Mask = torch.Tensor | BlockMask | GatheredKeys | CacheStep | int | None
 
 
 def document_delimiters(attention_mask: str, tokenizer, dataset: str) -> tuple[int, int] | None:
@@ -155,6 +157,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
     are scaled by `scale`, 1 / sqrt(qk_dim) when None (DeepSeek's YaRN changes it)."""
     if isinstance(mask, GatheredKeys):  # context parallelism: only the key/value heads travel
         k, v, mask = mask.gather(k), mask.gather(v), mask.mask
+    elif isinstance(mask, CacheStep):  # generation: the earlier tokens' keys and values come first
+        (k, v), mask = mask.extend(k, v), mask.mask
+        # Every query row has a key (kv_cache.py), and enable_gqa spares copying the growing cache per query head.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] < q.shape[1])
     if k.shape[1] < q.shape[1]:
         # An explicit repeat works on every SDPA backend, unlike enable_gqa, which some kernels do not support.
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)

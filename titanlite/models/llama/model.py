@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from titanlite.errors import UserError
 from titanlite.models.attention import Mask, attend, attention_mask, document_positions
+from titanlite.models.kv_cache import CacheStep
 from titanlite.parallel.cp import SequenceShard
 from titanlite.models.init import trunc_normal_
 from titanlite.models.llama.args import ModelArgs, RopeScaling
@@ -216,9 +217,10 @@ class Transformer(KeepsTiedEmbeddings):
         return rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None,
-                sequence_shard: SequenceShard | None = None) -> torch.Tensor:
+                sequence_shard: SequenceShard | None = None, cache: CacheStep | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
-        given (head()). With `document_ids` [B, T]
+        given (head()). With a `cache` step (generation, models/kv_cache.py) the tokens follow the cached
+        ones at its positions, and only the last position's logits [B, 1, vocab] are computed. With `document_ids` [B, T]
         (models/attention.py) each token attends only within its document, and with
         args.reset_position_ids its RoPE position counts from its document's first token.
         Under context parallelism `sequence_shard` says which positions of the window `tokens` are
@@ -227,6 +229,9 @@ class Transformer(KeepsTiedEmbeddings):
         A pipeline stage lacks the modules of the other stages (None): a stage after the first takes
         the previous stage's hidden states as `tokens`, one before the last returns its hidden states.
         """
+        if cache is not None:
+            h = self.run_blocks(self.tok_embeddings(tokens), self.rope_cos[cache.positions], self.rope_sin[cache.positions], cache)
+            return self.head(h[:, -1:])
         h = tokens
         if self.tok_embeddings is not None:
             check_seq_len(tokens, self.args.max_seq_len, sequence_shard)

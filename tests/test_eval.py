@@ -1,0 +1,200 @@
+"""python -m titanlite.eval (lm-eval with titanlite as its model) against lm-eval's own hf model on the same
+random fp32 folder written by transformers, on local tasks (dataset_path json, data files made here):
+multiple choice gives the same acc and acc_norm, generate_until the same outputs, loglikelihood_rolling
+the same log-likelihoods within 1e-6 (relative); bad input is one sentence, exit 2."""
+
+from types import SimpleNamespace
+import json
+import shutil
+
+import pytest
+
+from test_generate import transformers_folder
+from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.eval import main
+from titanlite.eval_tasks import evaluate_tasks, metric_scalars
+
+lm_eval = pytest.importorskip("lm_eval")
+
+WORDS = ["the", "list", "module", "returns", "a", "value", "when", "called", "with", "an", "object", "string", "file"]
+
+
+def records(count: int, seed: int) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"question": " ".join(rng.choices(WORDS, k=6)), "choices": [" ".join(rng.choices(WORDS, k=rng.randint(1, 3)))
+                                                                       for _ in range(4)],
+             "answer": rng.randrange(4), "text": " ".join(rng.choices(WORDS, k=rng.choice([20, 400])))}
+            for _ in range(count)]
+
+
+TASKS = {
+    "tiny_mc": "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+               "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+    "tiny_gen": "output_type: generate_until\ndoc_to_text: 'Q: {{question}}\\nA:'\ndoc_to_target: '{{choices[0]}}'\n"
+                "generation_kwargs:\n  until: ['\\n\\n', 'Q:']\n  max_gen_toks: 10\n  do_sample: false\n"
+                "metric_list:\n  - metric: exact_match\n",
+    "tiny_rolling": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+                    "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(the model folder, the task folder)."""
+    root = tmp_path_factory.mktemp("eval")
+    transformers_folder("llama3", root / "model", write_tokenizer_folder(root / "tokenizer"))
+    tasks = root / "tasks"
+    tasks.mkdir()
+    data = tasks / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records(12, seed=0)))
+    for name, body in TASKS.items():
+        (tasks / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                            f"    test: {data}\ntest_split: test\n{body}")
+    return root / "model", tasks
+
+
+@pytest.fixture(scope="module")
+def both(setup):
+    """(lm-eval's hf model's results, titanlite's), with the samples."""
+    folder, tasks = setup
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from titanlite.eval_model import TitanliteLM
+
+    theirs = simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=list(TASKS),
+                             task_manager=TaskManager(include_path=str(tasks), include_defaults=False), log_samples=True, batch_size=4,
+                             device="cpu")
+    lm = TitanliteLM.create_from_arg_obj({"hf_assets_path": str(folder), "job.device": "cpu"}, {"batch_size": 4})
+    ours = evaluate_tasks(lm, list(TASKS), str(tasks), log_samples=True)
+    return theirs, ours
+
+
+def responses(results: dict, task: str) -> list:
+    return [sample["filtered_resps"] for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def test_multiple_choice_accuracy_is_lm_evals_hf_models(both):
+    theirs, ours = both
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["tiny_mc"][metric] == theirs["results"]["tiny_mc"][metric]
+    ours_ll = [float(choice[0]) for r in responses(ours, "tiny_mc") for choice in r]
+    theirs_ll = [float(choice[0]) for r in responses(theirs, "tiny_mc") for choice in r]
+    assert ours_ll == pytest.approx(theirs_ll, rel=1e-5)
+    assert 0 < metric_scalars(ours)["tiny_mc/acc"] < 1
+
+
+def test_generate_until_outputs_are_lm_evals_hf_models(both):
+    theirs, ours = both
+    assert responses(ours, "tiny_gen") == responses(theirs, "tiny_gen")
+    assert any(r[0].strip() for r in responses(ours, "tiny_gen"))
+
+
+def test_rolling_loglikelihoods_are_lm_evals_hf_models_within_1e_6(both):
+    theirs, ours = both
+    got = [r[0] if isinstance(r, list) else r for r in responses(ours, "tiny_rolling")]
+    expected = [r[0] if isinstance(r, list) else r for r in responses(theirs, "tiny_rolling")]
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_cli_writes_lm_evals_results_json(setup, tmp_path, capsys):
+    folder, tasks = setup
+    assert main(["--tasks", "tiny_mc", "--include_path", str(tasks), "--limit", "4", "--output_path", str(tmp_path / "out"),
+                 "--model_args", f"hf_assets_path={folder},job.device=cpu"]) == 0
+    written = list((tmp_path / "out").rglob("results_*.json"))
+    assert len(written) == 1
+    assert "acc,none" in json.loads(written[0].read_text())["results"]["tiny_mc"]
+
+
+def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_path):
+    """The evaluator the trainer calls, on the live model: every interval and the last step, the values of
+    python -m titanlite.eval as eval/<task>/<metric> scalars, a sample completion in the text tab, the model
+    back in training mode and the time left out of the next tps."""
+    import torch
+
+    from conftest import ON_CPU, tensorboard_scalars
+    from titanlite.config import load_config
+    from titanlite.eval_loop import InLoopEvaluator
+    from titanlite.inference import build_inference_model
+    from titanlite.metrics import MetricsLogger
+    from titanlite.tensorboard import run_folder
+
+    folder, tasks = setup
+    prompts = tmp_path / "samples.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the list module"}) + "\n")
+    cfg = load_config([*ON_CPU, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(tmp_path),
+                       "--metrics.enable_tensorboard", "true", "--eval.tasks", "tiny_mc", "--eval.include_path", str(tasks),
+                       "--eval.interval", "3", "--eval.at_end", "true", "--eval.batch_size", "4",
+                       "--eval.sample_prompts", str(prompts), "--eval.max_new_tokens", "4"])
+    built = build_inference_model(cfg, torch.device("cpu"))
+    metrics = MetricsLogger(cfg.metrics, 0, torch.device("cpu"), 0.0)
+    metrics.start_tensorboard(run_folder(cfg, 0, 0), cfg, 0, {})
+    cfg.training.steps = 7
+    evaluator = InLoopEvaluator(SimpleNamespace(cfg=cfg, tokenizer=built.tokenizer, args=built.args), metrics)
+    assert [step for step in range(1, 8) if evaluator.should_evaluate(step)] == [3, 6, 7]
+    built.model.train()
+    started = metrics.started
+    scalars = evaluator.evaluate(built.model, 3)
+    metrics.close()
+    assert built.model.training and metrics.started > started
+    expected = both[1]["results"]["tiny_mc"]
+    assert scalars == {"tiny_mc/acc": expected["acc,none"], "tiny_mc/acc_norm": expected["acc_norm,none"]}
+    assert tensorboard_scalars(tmp_path / "tb", "eval/tiny_mc/acc") == {3: pytest.approx(expected["acc,none"])}
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def error_of(argv: list[str], capsys, entry=main) -> str:
+    assert entry(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("error: "), err
+    return err.splitlines()[-1]
+
+
+def test_bad_tasks_and_weights_are_one_sentence(setup, tmp_path, capsys):
+    folder, tasks = setup
+    flags = ["--model_args", f"hf_assets_path={folder},job.device=cpu"]
+    assert "unknown task 'tiny_nothing'" in error_of(["--tasks", "tiny_nothing", "--include_path", str(tasks), *flags], capsys)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "bad.yaml").write_text("task: bad\ndoc_to_text: [unclosed\n")
+    assert f"the task file {broken / 'bad.yaml'} does not parse" in error_of(["--tasks", "bad", "--include_path", str(broken), *flags], capsys)
+    # A folder of another shape: the same family, twice as many kv heads.
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, num_key_value_heads=4)))
+    assert "does not fit" in error_of(["--tasks", "tiny_mc", "--include_path", str(tasks), "--model_args",
+                                        f"hf_assets_path={other},job.device=cpu"], capsys)
+
+
+def test_bad_generation_input_is_one_sentence(setup, tmp_path, capsys):
+    from titanlite.generate import main as generate
+
+    folder, _ = setup
+    flags = ["--job.device", "cpu", "--model.hf_assets_path", str(folder)]
+    assert "generate.temperature" in error_of([*flags, "--generate.prompt", "x", "--generate.temperature", "-1"], capsys, generate)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"token_ids": [5] * 256}) + "\n")
+    assert "the model's context is 256" in error_of([*flags, "--generate.prompts_file", str(long)], capsys, generate)
+    assert "eval.interval" in error_of([*flags, "--generate.prompt", "x", "--eval.interval", "10"], capsys, generate)
+
+
+def test_two_fsdp_ranks_evaluate_and_generate_as_one_process(setup, both, tmp_path):
+    """The evaluator and the generator on the model sharded over 2 FSDP ranks (every rank taking part) give the
+    values and greedy tokens of one process."""
+    import torch
+
+    from conftest import torchrun_json
+    from eval_fsdp_run import PROMPTS
+    from titanlite.config import load_config
+    from titanlite.generation import Sampling, generate_ids
+    from titanlite.inference import build_inference_model
+
+    folder, tasks = setup
+    sharded = torchrun_json("eval_fsdp_run.py", tmp_path, str(folder), str(tasks))
+    expected = both[1]["results"]["tiny_mc"]
+    assert sharded["scalars"] == {"tiny_mc/acc": expected["acc,none"], "tiny_mc/acc_norm": expected["acc_norm,none"]}
+    built = build_inference_model(load_config(["--job.device", "cpu", "--model.hf_assets_path", str(folder)]), torch.device("cpu"))
+    assert sharded["generated"] == generate_ids(built.model, built.args, built.tokenizer, PROMPTS, Sampling(8, stop_ids=()))

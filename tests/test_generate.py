@@ -1,0 +1,77 @@
+"""python -m titanlite.generate against transformers' generate: random fp32 folders written by transformers
+(llama3 with Llama 3.1's RoPE scaling, mistral with a window shorter than the prompt, qwen3, qwen3_moe,
+deepseek_v3 with YaRN), two prompts of different lengths in one batch (left-padded), greedy: the new tokens
+are transformers' own. Sampling is reproducible from its seed; bad input is one sentence, exit 2."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import ON_CPU
+from test_deepseek_v3 import ADAPTER as DEEPSEEK_ADAPTER, randomized, small_args as deepseek_args, transformers_model as deepseek_model
+from test_hf_folder import LLAMA, MISTRAL, SMALL
+from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.generate import main
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 17, 300, 42, 8, 99, 120, 7, 64, 33, 250], [400, 12, 77, 3, 560]]  # 11 and 5 tokens
+NEW_TOKENS = 12
+STOP_IDS = [0, 2]  # the tokenizer folder's <|endoftext|> and its eos <|im_end|>
+
+
+def transformers_folder(family: str, folder, tokenizer_folder):
+    """A random fp32 model of `family` written by save_pretrained, with the tokenizer files beside it."""
+    torch.manual_seed(0)
+    if family == "deepseek_v3":
+        model = randomized(deepseek_model(deepseek_args(vocab_size=640)), seed=0)
+    else:
+        config = {
+            "llama3": lambda: transformers.LlamaConfig(**LLAMA),
+            "mistral": lambda: transformers.MistralConfig(**dict(MISTRAL, sliding_window=8)),  # < 11 + 12 and < 11
+            "qwen3": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=96, head_dim=32),
+            "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, moe_intermediate_size=48, num_experts=4,
+                                                             num_experts_per_tok=2, head_dim=32),
+        }[family]()
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model = model.float().eval()
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_folder / name, folder / name)
+    return model
+
+
+def transformers_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' generate(do_sample=False) on the left-padded batch, each row cut before its first stop token."""
+    width = max(map(len, prompts))
+    tokens = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=tokens, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=STOP_IDS, pad_token_id=0)[:, width:].tolist()
+    return [row[:next((i for i, t in enumerate(row) if t in STOP_IDS), len(row))] for row in out]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory):
+    return write_tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+
+
+def run_generate(tmp_path, folder, *extra) -> list[dict]:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in PROMPTS))
+    output = tmp_path / "out.jsonl"
+    assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
+                 "--generate.max_new_tokens", str(NEW_TOKENS), "--generate.output", str(output), *extra]) == 0
+    return [json.loads(line) for line in output.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "qwen3_moe", "deepseek_v3"])
+def test_greedy_tokens_are_transformers_generate(tmp_path, tokenizer_folder, family):
+    folder = tmp_path / family
+    theirs = transformers_greedy(transformers_folder(family, folder, tokenizer_folder), PROMPTS)
+    ours = run_generate(tmp_path, folder)
+    assert [record["token_ids"] for record in ours] == theirs
+    assert any(len(row) > 3 for row in theirs)  # not stopped at once: the comparison covers the cached steps

@@ -1,0 +1,56 @@
+"""Entry point: python -m titanlite.eval --tasks T [--include_path DIR] [--limit N] [--num_fewshot K]
+    [--output_path DIR] [--log_samples] [--batch_size B] --model_args hf_assets_path=F | config_file=X.toml,checkpoint=STEP[,section.key=value...]
+
+lm-eval 0.4's run flags (the ones of `lm_eval run` that apply to one local model) with titanlite as its model
+(eval_model.py): the tasks run as lm-eval runs them, and the results JSON (and with --log_samples each task's
+samples) is lm-eval's own, written under --output_path by its EvaluationTracker.
+"""
+
+import argparse
+import json
+import sys
+
+from titanlite.errors import UserError
+from titanlite.log import init_logger
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m titanlite.eval", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
+    parser.add_argument("--model_args", default="", help="hf_assets_path=F, or config_file=X.toml,checkpoint=STEP, plus section.key=value overrides")
+    parser.add_argument("--include_path", default=None, help="folder of extra task YAML files")
+    parser.add_argument("--limit", type=float, default=None, help="at most this many examples per task (a fraction below 1)")
+    parser.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples in each prompt")
+    parser.add_argument("--output_path", default=None, help="folder for lm-eval's results JSON (and samples)")
+    parser.add_argument("--log_samples", action="store_true", help="also write every example's inputs and outputs")
+    parser.add_argument("--batch_size", default="1", help="sequences per forward")
+    args = parser.parse_args(argv)
+    if args.log_samples and not args.output_path:
+        raise UserError("--log_samples writes the samples under --output_path; set --output_path")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse_args(argv)
+        init_logger(0)
+        from lm_eval.utils import simple_parse_args_string
+
+        from titanlite.eval_model import TitanliteLM
+        from titanlite.eval_tasks import evaluate_tasks, task_manager, write_results
+
+        tasks = [task for task in args.tasks.split(",") if task]
+        task_manager(tuple(tasks), args.include_path)  # a bad task stops the run before the model is built
+        lm = TitanliteLM.create_from_arg_obj(simple_parse_args_string(args.model_args), {"batch_size": args.batch_size})
+        results = evaluate_tasks(lm, tasks, args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
+                                 log_samples=args.log_samples)
+        if args.output_path:
+            write_results(results, args.output_path, args.log_samples, args.model_args)
+        print(json.dumps(results["results"], indent=2, default=str))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,71 @@
+"""In-loop evaluation ([eval]): lm-eval tasks and sample prompts on the live model every eval.interval steps
+and after the last (eval.at_end).
+
+Every rank takes part and scores every request: lm-eval sees a world of one process on each rank, so the
+ranks run the same forwards in the same order, which a sharded (FSDP) model's collectives need, and every
+rank gets the same values as one process would. Scalars go to TensorBoard as eval/<task>/<metric> and to
+the console; sample prompts' greedy completions to TensorBoard's text tab. The seconds spent are printed and
+left out of the next tps and MFU.
+"""
+
+import time
+
+import torch
+
+from titanlite.config_sections import Eval
+from titanlite.data.chat import ChatRenderer
+from titanlite.eval_model import TitanliteLM
+from titanlite.eval_tasks import evaluate_tasks, metric_scalars
+from titanlite.generate import completion_text, prompt_ids, read_prompt_lines
+from titanlite.generation import Sampling, generate_ids
+from titanlite.log import logger
+
+
+class InLoopEvaluator:
+    def __init__(self, run, metrics):
+        """The [eval] section of build.py's `run`, on its tokenizer and model args (max_seq_len, sliding_window);
+        metrics: the run's MetricsLogger. Sample prompts given as messages take training.chat_template."""
+        self.cfg, self.tokenizer, self.args, self.metrics = run.cfg.eval, run.tokenizer, run.args, metrics
+        self.last_step, self.chat_template = run.cfg.training.steps, run.cfg.training.chat_template
+        cfg = self.cfg
+        # Read now: a bad file stops the run before its first step, not at the first evaluation.
+        self.samples = read_prompt_lines(cfg.sample_prompts, key="eval.sample_prompts") if cfg.sample_prompts else []
+
+    def should_evaluate(self, step: int) -> bool:
+        return bool(self.cfg.interval and step % self.cfg.interval == 0) or (self.cfg.at_end and step == self.last_step)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
+        """{task/metric: value} of eval.tasks on `model` (back in training mode after; {} on the ranks other than
+        each node's first), also written as eval/<task>/<metric> scalars; the sample prompts' completions to the text tab."""
+        started, was_training = time.perf_counter(), model.training
+        model.eval()
+        try:
+            scalars = {}
+            if self.cfg.tasks:
+                lm = TitanliteLM(model, self.tokenizer, self.args, batch_size=self.cfg.batch_size)
+                results = evaluate_tasks(lm, self.cfg.tasks, self.cfg.include_path or None,
+                                         limit=None if self.cfg.limit == -1 else self.cfg.limit,
+                                         num_fewshot=None if self.cfg.num_fewshot == -1 else self.cfg.num_fewshot)
+                # lm-eval hands the results to the process of LOCAL_RANK 0 only (the one that logs); None elsewhere.
+                scalars = metric_scalars(results) if results is not None else {}
+            self.metrics.write_scalars(step, {f"eval/{name}": value for name, value in scalars.items()}, flush=True)
+            if self.samples:
+                self.write_samples(model, step)
+        finally:
+            model.train(was_training)
+        seconds = time.perf_counter() - started
+        values = "  ".join(f"{name}: {value:.4f}" for name, value in scalars.items())
+        logger.info(f"eval step: {step}  {values}  time: {seconds:.2f}s")
+        self.metrics.started += seconds  # evaluation is not training time: the next tps and MFU leave it out
+        return scalars
+
+    def write_samples(self, model: torch.nn.Module, step: int) -> None:
+        prompts = [prompt_ids(record, self.tokenizer, lambda: ChatRenderer(self.tokenizer, self.chat_template))
+                   for record in self.samples]
+        new = generate_ids(model, self.args, self.tokenizer, [ids for _, ids in prompts], Sampling(self.cfg.max_new_tokens))
+        if self.metrics.writer is None:
+            return
+        for number, ((text, _), ids) in enumerate(zip(prompts, new)):
+            completion = completion_text(ids, self.tokenizer, [])
+            self.metrics.writer.add_text(f"eval/sample/{number}", f"{text}\n\n---\n\n{completion}", step)

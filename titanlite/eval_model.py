@@ -1,0 +1,136 @@
+"""titanlite as an lm-eval 0.4 model ("titanlite" in lm-eval's registry): loglikelihood, loglikelihood_rolling
+and generate_until on a titanlite model, the text split into tokens as lm-eval's own hf model splits it (no bos
+or eos added; an empty context is the tokenizer's bos, which is its eos where it has none), so the two score
+the same tokens.
+
+`TitanliteLM(model, tokenizer, args)` wraps a live model: the one a job's config builds (eval.py, through
+create_from_arg_obj) or the trainer's own (eval_loop.py). lm-eval's world is this process alone, so under
+data parallelism every rank scores every request: the forwards of a sharded model are collectives
+every rank must join in the same order.
+"""
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from titanlite.config import load_config
+from titanlite.errors import UserError
+from titanlite.generation import Sampling, generate_ids
+from titanlite.inference import build_inference_model, inference_device
+
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's default where a task sets no max_gen_toks
+
+# --model_args keys that are not section.key overrides, and the config key each one sets.
+MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file", "checkpoint": "generate.checkpoint"}
+
+
+def config_argv(arg_dict: dict) -> list[str]:
+    """--model_args as titanlite.config command-line flags."""
+    argv = []
+    for key, value in arg_dict.items():
+        dotted = MODEL_ARG_KEYS.get(key, key)
+        if "." not in dotted:
+            raise UserError(f"--model_args {key}={value}: titanlite takes {', '.join(MODEL_ARG_KEYS)} or section.key=value "
+                            "overrides of its config (e.g. training.param_dtype=bfloat16)")
+        argv += [f"--{dotted}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
+
+
+def model_from_args(cls, arg_dict: dict, additional: dict):
+    """A TitanliteLM (cls) for lm-eval's model_args, built as generate builds its model, on the job's device."""
+    cfg = load_config(config_argv(arg_dict))
+    built = build_inference_model(cfg, inference_device(cfg))
+    batch_size = additional.get("batch_size") or 1
+    if not str(batch_size).isdigit():
+        raise UserError(f"--batch_size {batch_size}: titanlite takes a number of sequences per forward")
+    return cls(built.model, built.tokenizer, built.args, batch_size=int(batch_size))
+
+
+@register_model("titanlite")
+class TitanliteLM(TemplateLM):
+    def __init__(self, model: torch.nn.Module, tokenizer, args, batch_size: int = 1):
+        """model: in eval mode, taking tokens [B, T] to logits [B, T, vocab]; args: its max_seq_len."""
+        super().__init__()
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.batch_size = batch_size
+        self.max_length = args.max_seq_len
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "TitanliteLM":
+        """lm-eval's --model_args: the weights and config of a titanlite job (model_from_args)."""
+        return model_from_args(cls, arg_dict, additional_config or {})
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer.encode(string, bos=bool(add_special_tokens), eos=False)
+
+    @torch.no_grad()
+    def logprobs(self, windows: list[list[int]]) -> list[torch.Tensor]:
+        """Each token sequence's [T, vocab] float32 log-probabilities of the next token, batch_size sequences per
+        forward (right-padded: a causal model's earlier positions never see the padding)."""
+        device = next(self.model.parameters()).device
+        order = sorted(range(len(windows)), key=lambda i: -len(windows[i]))
+        out: list[torch.Tensor | None] = [None] * len(windows)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            width = len(windows[chunk[0]])
+            tokens = torch.zeros(len(chunk), width, dtype=torch.long)
+            for row, i in enumerate(chunk):
+                tokens[row, :len(windows[i])] = torch.tensor(windows[i])
+            logits = self.model(tokens.to(device))
+            for row, i in enumerate(chunk):
+                out[i] = F.log_softmax(logits[row, :len(windows[i])].float(), dim=-1).cpu()
+        return out
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(sum of the continuation's log-probabilities, whether each of its tokens is the most likely one), with
+        the context cut from the left to fit max_length as lm-eval's hf model cuts it."""
+        windows, continuations = [], []
+        for _, context, continuation in requests:
+            windows.append((context + continuation)[-(self.max_length + 1):][:-1])
+            continuations.append(continuation)
+        results = []
+        for logprobs, continuation in zip(self.logprobs(windows), continuations):
+            scored = logprobs[-len(continuation):]
+            target = torch.tensor(continuation)
+            total = scored.gather(-1, target[:, None]).sum().item()
+            results.append((total, bool((scored.argmax(dim=-1) == target).all())))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text's whole log-likelihood over max_length windows, as lm-eval's hf model computes it."""
+        totals = []
+        for (text,) in (request.args for request in requests):
+            windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                context_len=1)]
+            scores = self._loglikelihood_tokens([(None, context, target) for context, target in windows])
+            totals.append(sum(score for score, _ in scores))
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Each context's continuation (generation.py), ended by the task's `until` strings or the eos token and cut
+        before them; contexts left-truncated to leave room for max_gen_toks, as lm-eval's hf model does."""
+        eos = self.tokenizer.decode([self.eot_token_id])
+        results = []
+        for context, gen_kwargs in (request.args for request in requests):
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_new = kwargs.pop("max_gen_toks")
+            ids = self.tok_encode(context)[-(self.max_length - max_new):]
+            sampling = Sampling(max_new, float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
+                                float(kwargs.get("top_p", 1.0)), int(kwargs.get("top_k", 0) or 0), stop=tuple(until),
+                                stop_ids=(self.eot_token_id,))
+            new = generate_ids(self.model, self.args, self.tokenizer, [ids], sampling)[0]
+            results.append(postprocess_generated_text(self.tokenizer.decode(new), until, None))
+        return results
