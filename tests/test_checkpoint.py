@@ -196,6 +196,7 @@ def test_a_checkpoint_that_does_not_fit_stops_with_one_sentence(tmp_path, small_
     shutil.copytree(small_checkpoint, tmp_path / "checkpoint")
     folder = tmp_path / "checkpoint" / "step-2"
     if damage:
+        shutil.rmtree(folder / "checksums")  # DCP's own errors, as for a folder saved before checksums existed
         data = (folder / damage).read_bytes()
         (folder / damage).write_bytes(data[: len(data) // 2] + b"garbage")
     # In this process (main() is what the command exits with), sparing the suite a Python start-up.
