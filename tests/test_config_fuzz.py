@@ -145,3 +145,16 @@ def test_a_config_json_number_written_as_text_is_one_sentence(tmp_path, capsys, 
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": "256"}')
     code, lines = run_main(["--job.config_file", DEBUG_CONFIG, "--model.hf_assets_path", str(tmp_path)], capsys, monkeypatch)
     assert_one_sentence(code, lines, f'{tmp_path / "config.json"}: "hidden_size" is "256", which is not a number')
+
+
+def test_chat_records_that_are_not_utf8_name_the_file_and_line(tmp_path):
+    """Issue 42: pyarrow kept the bytes and a UnicodeDecodeError surfaced when a record was read (training,
+    validation and prepare all read chat records through Conversations)."""
+    from titanlite.data.chat import Conversations
+    from titanlite.errors import UserError
+
+    data = tmp_path / "chats.jsonl"
+    good = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}\n'
+    data.write_bytes(good + good.replace(b"hi", b"caf\xe9"))
+    with pytest.raises(UserError, match=f"training.dataset_path: {data} is not UTF-8 text \\(byte 0xe9 on line 2\\)"):
+        Conversations(str(data), "chat", "training.dataset_path")

@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from titanlite.data.chat_spans import (MARKED, GenerationTracker, assistant_spans, literal_contents, special_pattern,
                                        track_generation)
 from titanlite.data.hf_tokenizer import HFTokenizer
-from titanlite.data.local_files import find_data_files, read_errors, read_records
+from titanlite.data.local_files import find_data_files, read_errors, read_records, utf8_fault
 from titanlite.data.store import TokenStore, concatenate
 from titanlite.errors import UserError
 
@@ -184,6 +184,10 @@ class Conversations(Sequence):
         fields = FIELDS[dataset_format]
         if loader not in ("json", "parquet"):
             raise UserError(f"{key} {dataset_path} holds {loader} files; training.dataset_format {dataset_format} reads jsonl/json/parquet records")
+        # pyarrow's json reader keeps bytes that are not UTF-8 and fails only when a record is read: name the line now.
+        for path in files if loader == "json" else ():
+            if fault := utf8_fault(path):
+                raise UserError(f"{key}: {path} {fault}")
         try:
             records = read_records(loader, files)
         except read_errors() as error:
