@@ -389,3 +389,17 @@ def test_a_window_too_long_for_one_rank_is_advised_more_context_parallel_ranks(c
                                  parallelism=dataclasses.replace(cfg.parallelism, context_parallel_degree=8))
     with pytest.raises(UserError, match="does not split into 2 x parallelism.context_parallel_degree 8"):
         plan_job(uneven)
+
+
+def test_a_tp_group_wider_than_a_node_is_said_and_counted_at_the_fabric_speed():
+    """Issue 42: TP 8 with 4 GPUs per node was planned as if inside one node, with no word."""
+    from titanlite.plan.hardware import GPUS
+    from titanlite.plan.notes import plan_notes
+
+    base = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), "--parallelism.tensor_parallel_degree", "8",
+            "--plan.nodes", "2"]
+    inside, across = (load_config([*base, "--plan.gpus_per_node", str(n)]) for n in (8, 4))
+    assert not any("spans nodes" in note for note in plan_notes(inside, 4096, GPUS[inside.plan.gpu]))
+    assert any(note.startswith("parallelism.tensor_parallel_degree 8 spans nodes of plan.gpus_per_node 4")
+               for note in plan_notes(across, 4096, GPUS[across.plan.gpu]))
+    assert plan_job(across).speed.tp_s > plan_job(inside).speed.tp_s

@@ -45,5 +45,13 @@ def compile_memory_note(cfg: JobConfig) -> str | None:
             "(titanlite's Llama 3.2 1B, seq 8192, batch 2, one H100 80GB, November 2026: 45.8 GiB compiled, 72.8 eager)")
 
 
+def tp_span_note(cfg: JobConfig) -> str | None:
+    tp, per_node = cfg.parallelism.tensor_parallel_degree, cfg.plan.gpus_per_node
+    if tp <= per_node:
+        return None
+    return (f"parallelism.tensor_parallel_degree {tp} spans nodes of plan.gpus_per_node {per_node}: every block's TP "
+            f"collectives cross the inter-node fabric (counted at its speed); keep TP within a node (at most {per_node})")
+
+
 def plan_notes(cfg: JobConfig, dim: int, gpu: Gpu) -> list[str]:
-    return [note for note in (float8_note(cfg, dim, gpu), compile_memory_note(cfg)) if note]
+    return [note for note in (float8_note(cfg, dim, gpu), compile_memory_note(cfg), tp_span_note(cfg)) if note]

@@ -287,7 +287,8 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
         return nbytes / (gbps * 1e9 * hardware.COLLECTIVE_EFFICIENCY)
 
     fsdp_forward, fsdp_backward = fsdp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
-    tp_bytes, tp_sync = tp_seconds(cfg, dims, shape, accum, intra_gbps)
+    # A TP group wider than a node crosses the fabric at every block (plan_notes says so).
+    tp_bytes, tp_sync = tp_seconds(cfg, dims, shape, accum, intra_gbps if dims.tp <= gpus_per_node else inter_gbps)
     ep = ep_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
     cp = cp_seconds(cfg, dims, shape, accum, seconds, intra_gbps, inter_gbps, gpus_per_node)
     hidden = hardware.ASYNC_TP_HIDDEN if cfg.parallelism.enable_async_tensor_parallel else 0.0
