@@ -159,8 +159,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
         k, v, mask = mask.gather(k), mask.gather(v), mask.mask
     elif isinstance(mask, CacheStep):  # generation: the earlier tokens' keys and values come first
         (k, v), mask = mask.extend(k, v), mask.mask
-        # Every query row has a key (kv_cache.py), and enable_gqa spares copying the growing cache per query head.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] < q.shape[1])
     if k.shape[1] < q.shape[1]:
         # An explicit repeat works on every SDPA backend, unlike enable_gqa, which some kernels do not support.
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
