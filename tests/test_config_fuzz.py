@@ -69,7 +69,7 @@ def assert_one_sentence(code: int, lines: list[str], *needles: str) -> None:
         assert needle in lines[0], (needle, lines)
 
 
-@pytest.mark.parametrize("key", KEYS)
+@pytest.mark.parametrize("key", [key for key in KEYS if key != "job.config_file"])  # refused in a TOML whatever its type
 def test_wrong_type_in_toml_names_the_key(key, tmp_path, capsys, monkeypatch):
     section, name = key.split(".")
     f = KEYS[key]

@@ -4,11 +4,14 @@ the attention variants (block-causal documents with reset positions, Mistral's w
 positions, DeepSeek-V3's latent attention with its MoE balance loss), composes with FSDP, TP and PP,
 validates to the same loss, and checkpoints move between CP and non-CP layouts."""
 
+import re
+
 import pytest
 import torch
 
 from conftest import run_test_script, run_titanlite, tensorboard_scalars
 from test_pipeline_parallel import launch, losses, run
+from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import Parallelism
 from titanlite.data.prepare import prepare
 from titanlite.errors import UserError
@@ -140,9 +143,13 @@ def test_cp_errors_are_one_sentence(tmp_path):
     the seq_len is judged once the degrees are known to fit the world (issue 42: a CP degree the world cannot hold
     was reported as a seq_len problem first)."""
     out = run_titanlite(["--job.config_file", "train_configs/debug_model.toml", *CP2, "--training.seq_len", "66",
-                         "--job.dump_folder", str(tmp_path)], nproc=2)
+                         "--job.dump_folder", str(tmp_path)])
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "training.seq_len 66 does not split into 2 x parallelism.context_parallel_degree 2 = 4 equal chunks" in out.stderr
+    assert "context_parallel_degree 2" in out.stderr and "do not divide the world size 1" in out.stderr
+    assert "seq_len" not in out.stderr.strip().splitlines()[-1]
+    with pytest.raises(UserError, match=re.escape("training.seq_len 66 does not split into 2 x "
+                                                  "parallelism.context_parallel_degree 2 = 4 equal chunks")):
+        check_context_parallel(66, 2)
     both = Parallelism(context_parallel_degree=2, expert_parallel_degree=2)
     with pytest.raises(UserError, match="expert_parallel_degree and context_parallel_degree cannot both be above 1"):
         ParallelDims.from_config(both, 4)

@@ -120,6 +120,14 @@ class Loop:
 
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
+    check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
+    init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
+    with dump_folder_lock(cfg.job.dump_folder, info.rank):  # one run per dump folder
+        train_in_folder(cfg, info)
+
+
+def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
+    """The run, its dump folder checked and held."""
     if info.allocator_note:
         logger.info(info.allocator_note)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
@@ -189,10 +197,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv)
         info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
         try:
-            check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
-            init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
-            with dump_folder_lock(cfg.job.dump_folder, info.rank):  # one run per dump folder
-                train(cfg, info)
+            train(cfg, info)
         finally:
             close_distributed()
     except UserError as error:
