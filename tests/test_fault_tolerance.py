@@ -130,7 +130,7 @@ def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_pa
         first = start_group(commands[0], logs[0], address)
         second = start_group(commands[1], logs[1], address)
         wait_for(logs[0], r"2 of 2 replica groups training", first)
-        wait_for(logs[1], r"step: 5  loss", second)
+        wait_for(logs[1], r"step: \d+  loss", second)  # a late start recovers past step 5 and never logs it
         second.send_signal(signal.SIGKILL)
         second.wait()
         wait_for(logs[0], r"1 of 2 replica groups training", first)  # replica 0 trains on alone
