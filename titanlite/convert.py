@@ -31,7 +31,7 @@ from titanlite.checkpoint.fit import check_model_fits, load_in_place, model_tens
 from titanlite.checkpoint.folders import METADATA, is_complete
 from titanlite.checkpoint.hf_io import DEFAULT_MAX_SHARD_BYTES, HFReader, layer_groups, read_hf_tensors, write_hf_folder
 from titanlite.config import load_config
-from titanlite.errors import UserError
+from titanlite.errors import UserError, exit_code
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.dtypes import DTYPES
 
@@ -180,12 +180,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
-    try:
-        run(argv)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code(run, argv)
 
 
 if __name__ == "__main__":

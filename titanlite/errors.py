@@ -4,6 +4,19 @@ The entry points catch it, print its message as a single line and exit with code
 user never sees a traceback for a bad config, a missing file or impossible degrees.
 """
 
+import sys
+from typing import Callable
+
 
 class UserError(Exception):
     """A problem in the user's input; the message names the key or path and the fix."""
+
+
+def exit_code(command: Callable[..., None], *args) -> int:
+    """A command-line entry point's exit code: 0, or 2 after printing a UserError as its one line."""
+    try:
+        command(*args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from titanlite.errors import UserError
+from titanlite.errors import UserError, exit_code
 from titanlite.log import init_logger
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -29,27 +29,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def evaluate(argv: list[str]) -> None:
+    args = parse_args(argv)
+    init_logger(0)
+    from lm_eval.utils import simple_parse_args_string
+
+    from titanlite.eval_model import TitanliteLM
+    from titanlite.eval_tasks import evaluate_tasks, task_manager, write_results
+
+    tasks = [task for task in args.tasks.split(",") if task]
+    task_manager(tuple(tasks), args.include_path)  # a bad task stops the run before the model is built
+    lm = TitanliteLM.create_from_arg_obj(simple_parse_args_string(args.model_args), {"batch_size": args.batch_size})
+    results = evaluate_tasks(lm, tasks, args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
+                             log_samples=args.log_samples)
+    if args.output_path:
+        write_results(results, args.output_path, args.log_samples, args.model_args)
+    print(json.dumps(results["results"], indent=2, default=str))
+
+
 def main(argv: list[str]) -> int:
-    try:
-        args = parse_args(argv)
-        init_logger(0)
-        from lm_eval.utils import simple_parse_args_string
-
-        from titanlite.eval_model import TitanliteLM
-        from titanlite.eval_tasks import evaluate_tasks, task_manager, write_results
-
-        tasks = [task for task in args.tasks.split(",") if task]
-        task_manager(tuple(tasks), args.include_path)  # a bad task stops the run before the model is built
-        lm = TitanliteLM.create_from_arg_obj(simple_parse_args_string(args.model_args), {"batch_size": args.batch_size})
-        results = evaluate_tasks(lm, tasks, args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
-                                 log_samples=args.log_samples)
-        if args.output_path:
-            write_results(results, args.output_path, args.log_samples, args.model_args)
-        print(json.dumps(results["results"], indent=2, default=str))
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code(evaluate, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 from titanlite.config import load_config
 from titanlite.config_sections import Generate
 from titanlite.data.chat import ChatRenderer
-from titanlite.errors import UserError
+from titanlite.errors import UserError, exit_code
 from titanlite.generation import Sampling, generate_ids
 from titanlite.inference import InferenceModel, build_inference_model, inference_device
 from titanlite.log import init_logger
@@ -102,17 +102,16 @@ def write_records(records: list[dict], output: str) -> None:
         raise UserError(f"cannot write generate.output {output} ({error.strerror}); pick a writable path") from None
 
 
+def generate(argv: list[str]) -> None:
+    cfg = load_config(argv)
+    init_logger(0)
+    records = prompt_records(cfg.generate)
+    built = build_inference_model(cfg, inference_device(cfg))
+    write_records(generate_records(built, records, cfg.generate, cfg.training.chat_template), cfg.generate.output)
+
+
 def main(argv: list[str]) -> int:
-    try:
-        cfg = load_config(argv)
-        init_logger(0)
-        records = prompt_records(cfg.generate)
-        built = build_inference_model(cfg, inference_device(cfg))
-        write_records(generate_records(built, records, cfg.generate, cfg.training.chat_template), cfg.generate.output)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code(generate, argv)
 
 
 if __name__ == "__main__":
