@@ -101,8 +101,12 @@ def join_replica_groups(cfg: FaultTolerance, info, init_timeout_s: int) -> "Repl
     alone when fault tolerance is off)."""
     if not cfg.enable:
         return ReplicaGroups(cfg, None)
-    from torchft import Manager
-    from torchft.checkpointing import HTTPTransport
+    try:
+        from torchft import Manager
+        from torchft.checkpointing import HTTPTransport
+    except ImportError:
+        raise UserError("fault_tolerance.enable needs torchft, which is not installed; pip install 'titanlite[ft]' "
+                        "(torchft==0.2.0) or set fault_tolerance.enable false") from None
 
     address = lighthouse_address()
     wait_for_lighthouse(address, init_timeout_s)
