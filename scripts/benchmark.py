@@ -333,7 +333,7 @@ def loader_throughput(args) -> None:
     from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 
     store = Path(args.work_dir) / "sample_store"
-    if not is_store(store):
+    if not is_store(store, "--work_dir"):
         prepare("sample", str(store), workers=1)
     tokenizer = load_tokenizer(SHIPPED_TOKENIZER)
     print(f"# token-store loader, {datetime.datetime.now():%Y-%m-%d %H:%M}; device: {device_name()}; {load()}")

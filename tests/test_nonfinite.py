@@ -94,3 +94,12 @@ def test_stop_is_the_default_and_catches_a_nan_gradient_behind_a_finite_loss(tin
     inject(monkeypatch, {2}, "gradient")
     assert main([*tiny_run, "--job.dump_folder", str(tmp_path)]) == 2
     assert "the loss or the gradient norm became NaN or inf at step 2" in capsys.readouterr().err
+
+
+def test_a_nan_at_the_first_step_blames_the_weights_not_the_learning_rate(tiny_run, tmp_path, monkeypatch, capsys):
+    """No update has happened before step 1: lowering optimizer.lr could not help, so the sentence says so."""
+    inject(monkeypatch, {1}, "loss")
+    assert main([*tiny_run, "--job.dump_folder", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is NaN or inf at step 1, the first of this run, before any update: the weights it started from" in err
+    assert "optimizer.lr" not in err and "Traceback" not in err

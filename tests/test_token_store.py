@@ -289,3 +289,46 @@ def test_validation_reads_a_store_in_one_finite_pass(sample_store, tokenizer):
 
     batches = len(pass_of(0)) + len(pass_of(1))
     assert batches == (tokens_in_store(sample_store) // (SEQ + 1)) // 4
+
+
+def edit_manifest(folder: Path, edit) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    edit(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, fault", [
+    (lambda f: edit_manifest(f, lambda m: m["shards"][0].update(tokens=m["shards"][0]["tokens"] + 5)),
+     r"shard-00000.bin holds \d+ bytes but .*manifest.json says \d+ tokens"),
+    (lambda f: edit_manifest(f, lambda m: m.update(dtype="uint32")), "its dtype uint32 is not the one prepare writes"),
+    (lambda f: edit_manifest(f, lambda m: m.update(dtype="float16")), "its dtype 'float16' is not uint16 or uint32"),
+    (lambda f: edit_manifest(f, lambda m: m.pop("tokenizer")), r"its tokenizer record .* is missing or damaged"),
+    (lambda f: edit_manifest(f, lambda m: m["shards"][1].update(documents="20")), "its shards list"),
+    (lambda f: edit_manifest(f, lambda m: m["shards"][1].update(documents=19)), r"shard-00001.idx.npy holds int64 offsets of shape \(21,\)"),
+    (lambda f: edit_manifest(f, lambda m: m["shards"][0].update(max_id=70000)), "holds token id 70000 but its tokenizer has"),
+    (lambda f: (f / "shard-00001.bin").write_bytes((f / "shard-00001.bin").read_bytes()[:-6]), "shard-00001.bin holds"),
+    (lambda f: (f / "shard-00002.idx.npy").write_bytes(b"\x93NUMPY garbled"), "cannot be read as document offsets"),
+    (lambda f: np.save(f / "shard-00000.idx.npy", np.load(f / "shard-00000.idx.npy")[::-1].copy()), "out of order"),
+    (lambda f: (f / "manifest.json").unlink(), "holds token-store shards but no manifest.json"),
+    (lambda f: (f / "manifest.json").write_text("[1, 2]"), "is not a titanlite-token-store-1 manifest"),
+])
+def test_a_damaged_store_is_one_sentence_when_it_is_opened(sample_store, tokenizer, tmp_path, damage, fault):
+    """Manifest and shards are checked against each other when the store opens (before step 1): sizes, dtype, index
+    bounds, the tokenizer record and the largest id."""
+    folder = tmp_path / "store"
+    shutil.copytree(sample_store, folder)
+    damage(folder)
+    with pytest.raises(UserError, match=fault):
+        loader(folder, tokenizer)
+
+
+def test_a_store_prepared_before_max_id_was_recorded_is_scanned(sample_store, tokenizer, tmp_path):
+    folder = tmp_path / "store"
+    shutil.copytree(sample_store, folder)
+    edit_manifest(folder, lambda m: [entry.pop("max_id") for entry in m["shards"]])
+    assert next(iter(loader(folder, tokenizer)))[0].shape == (2, SEQ)
+    tokens = np.fromfile(folder / "shard-00003.bin", dtype=np.uint16)
+    tokens[7] = tokenizer.vocab_size
+    tokens.tofile(folder / "shard-00003.bin")
+    with pytest.raises(UserError, match=f"shard-00003.bin holds token id {tokenizer.vocab_size} but its tokenizer has"):
+        loader(folder, tokenizer)

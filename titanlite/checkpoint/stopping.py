@@ -37,6 +37,7 @@ class StopFlags:
         self.device = device
         self.check_finite = check_finite
         self.signal: str | None = None
+        self.first_step: int | None = None  # this run's first step: its loss comes from weights no update touched yet
         self.interrupted = False  # a first Ctrl-C came
         self.unread: list[tuple[int, torch.Tensor]] = []  # (step, its reduced flags) not yet looked at
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in (*SIGNALS, signal.SIGINT)}
@@ -55,6 +56,7 @@ class StopFlags:
         """True on every rank when any rank was signalled; a non-finite loss or gradient norm
         stops the run, naming its step, before anything of that state is saved. With `settle`,
         this step's flags are read now; without, they wait for the next call."""
+        self.first_step = step if self.first_step is None else self.first_step
         flags = torch.zeros(2, device=self.device)
         flags[0] = self.signal is not None
         if self.check_finite:
@@ -66,9 +68,7 @@ class StopFlags:
             flagged_step, flags = self.unread.pop(0)
             stop, nonfinite = flags.tolist()
             if nonfinite:
-                raise UserError(
-                    f"the loss or the gradient norm became NaN or inf at step {flagged_step}; stopped without saving this state: lower optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nan_check true to go on"
-                )
+                raise UserError(nonfinite_sentence(flagged_step, flagged_step == self.first_step))
             if stop:  # a save of this step follows, so it must be known good too
                 signalled, keep = True, 0
         if signalled and self.signal is None:
@@ -86,6 +86,17 @@ class StopFlags:
     def close(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def nonfinite_sentence(step: int, before_any_update: bool) -> str:
+    """Why a step's loss or gradient norm was NaN or inf: at a run's first step no learning rate has acted yet, so
+    the weights it started from (or its data) hold them."""
+    if before_any_update:
+        return (f"the loss or the gradient norm is NaN or inf at step {step}, the first of this run, before any update: "
+                "the weights it started from (model.hf_assets_path or the checkpoint loaded) hold NaN or inf values, "
+                "or the model overflows in its dtype; check those weights (no learning rate is involved yet)")
+    return (f"the loss or the gradient norm became NaN or inf at step {step}; stopped without saving this state: lower "
+            "optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nan_check true to go on")
 
 
 def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:

@@ -153,7 +153,7 @@ def build_dataloader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int,
         raise UserError(f"training.dataset_mix is set together with training.dataset {dataset!r} / dataset_path {dataset_path!r}; "
                         "a mix names its sources itself, so leave those two at their defaults")
     name = resolve_dataset(dataset, dataset_path, section)
-    if data.dataset_mix or (name == "local" and is_store(dataset_path)):
+    if data.dataset_mix or (name == "local" and is_store(dataset_path, f"{section}.dataset_path")):
         windows, identity, names = global_windows(dataset_path, data.dataset_mix, tokenizer, data.text_field, data.seq_len,
                                                   seed, section)
         return GlobalOrderLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world,
@@ -178,7 +178,7 @@ def conversation_loader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int, 
         raise UserError(f"training.dataset_format {dataset_format} reads local records; set {key} to your jsonl/json/parquet data")
     renderer = ChatRenderer(tokenizer, data.chat_template)
     chat = chat_record(renderer, dataset_format, data.train_on)
-    if is_store(dataset_path):
+    if is_store(dataset_path, key):
         store = open_store(dataset_path, tokenizer, key, chat)
     else:
         conversations = Conversations(dataset_path, dataset_format, key)

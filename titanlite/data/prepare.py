@@ -29,7 +29,8 @@ from tqdm import tqdm
 from titanlite.data.chat import ChatRenderer, Conversations, chat_record, tokenize_conversation
 from titanlite.data.local_files import LOADER_BY_SUFFIX, load_local_documents
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
-from titanlite.data.store import FORMAT, MANIFEST, concatenate, mask_path, shard_paths, token_dtype, tokenizer_record
+from titanlite.data.store import (FORMAT, MANIFEST, concatenate, mask_path, shard_max_id, shard_paths, token_dtype,
+                                  tokenizer_record)
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from titanlite.errors import UserError
 
@@ -125,7 +126,8 @@ def write_manifest(folder: Path, plan: dict, tokenizer, dtype, chat: dict | None
         if not index_path.is_file():
             break
         offsets = np.load(index_path)
-        shards.append({"documents": len(offsets) - 1, "tokens": int(offsets[-1])})
+        tokens = np.memmap(shard_paths(folder, shard)[0], dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype)
+        shards.append({"documents": len(offsets) - 1, "tokens": int(offsets[-1]), "max_id": shard_max_id(tokens)})
     if not shards:
         raise UserError(f"--input {plan['input']} holds no documents; point it at data that has some")
     manifest = {"format": FORMAT, "input": plan["input"], "tokenizer": tokenizer_record(tokenizer), "dtype": dtype.name,

@@ -15,7 +15,7 @@ from titanlite.log import logger
 
 
 def open_source(path: str, tokenizer, text_field: str, key: str) -> TokenStore:
-    if is_store(path):
+    if is_store(path, key):
         return open_store(path, tokenizer, key)
     texts = load_local_documents(path, text_field, key)
     logger.info(f"{key} {path} holds raw documents: tokenizing its {len(texts):,} documents now (prepare it into a "

@@ -56,8 +56,17 @@ def tokenizer_record(tokenizer) -> dict:
             "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
 
 
-def is_store(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
+def is_store(path: str | Path, key: str) -> bool:
+    """A folder with a manifest is a store; one with a store's shards or plan but no manifest is refused, not read as
+    raw documents (a prepare that did not finish, or a manifest deleted)."""
+    folder = Path(path)
+    if (folder / MANIFEST).is_file():
+        return True
+    if folder.is_dir() and ((folder / "prepare.json").is_file() or any(folder.glob("shard-*.bin"))):
+        raise UserError(f"{key} {folder} holds token-store shards but no {MANIFEST} (its prepare did not finish, or the "
+                        "manifest was deleted); run python -m titanlite.data.prepare again with the same arguments to "
+                        "finish it")
+    return False
 
 
 @dataclass
@@ -128,9 +137,34 @@ def read_manifest(folder: Path, key: str) -> dict:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError) as error:
         raise UserError(f"{key} {folder}: its {MANIFEST} cannot be read ({error}); prepare the store again") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise UserError(f"{key} {folder}: {MANIFEST} is not a {FORMAT} manifest; prepare the store again with python -m titanlite.data.prepare")
+    check_manifest_fields(manifest, folder, key)
     return manifest
+
+
+def check_manifest_fields(manifest: dict, folder: Path, key: str) -> None:
+    """Every field open_store reads, of the type it reads: an edited manifest is one sentence, not a KeyError."""
+    tokenizer, shards = manifest.get("tokenizer"), manifest.get("shards")
+    problem = None
+    if not isinstance(tokenizer, dict) or not all(isinstance(tokenizer.get(k), t) for k, t in
+                                                   (("file", str), ("sha256", str), ("vocab_size", int))):
+        problem = "its tokenizer record (file, sha256, vocab_size) is missing or damaged"
+    elif manifest.get("dtype") not in ("uint16", "uint32"):
+        problem = f"its dtype {manifest.get('dtype')!r} is not uint16 or uint32"
+    elif np.dtype(manifest["dtype"]) != token_dtype(tokenizer["vocab_size"]):
+        problem = f"its dtype {manifest['dtype']} is not the one prepare writes for a vocabulary of {tokenizer['vocab_size']}"
+    elif not isinstance(shards, list) or not all(
+            isinstance(entry, dict) and all(isinstance(entry.get(k), int) and entry[k] >= 0 for k in ("documents", "tokens"))
+            for entry in shards):
+        problem = "its shards list (documents and tokens per shard) is missing or damaged"
+    if problem:
+        raise UserError(f"{key} {folder}: {MANIFEST} does not describe a store ({problem}); prepare the store again")
+
+
+def shard_max_id(tokens: np.ndarray) -> int:
+    """The largest token id of a shard (-1 when empty): the manifest records it so that opening checks it unread."""
+    return int(tokens.max()) if len(tokens) else -1
 
 
 def check_tokenizer(manifest: dict, tokenizer, folder: Path, key: str) -> None:
@@ -172,10 +206,49 @@ def open_store(folder: str | Path, tokenizer, key: str = "training.dataset_path"
         missing = next((path for path in paths if not path.is_file()), None)
         if missing:
             raise UserError(f"{key} {folder}: shard {shard} is missing ({missing.name}); prepare the store again")
-        shards.append(np.memmap(paths[0], dtype=manifest["dtype"], mode="r", shape=(entry["tokens"],)))
-        offsets.append(np.load(paths[1]))
+        dtype = np.dtype(manifest["dtype"])
+        for path, itemsize in zip(paths[::2], (dtype.itemsize, 1)):  # the tokens, and a chat store's mask
+            check_size(path, entry["tokens"] * itemsize, f"{entry['tokens']} tokens of {itemsize} byte(s)", folder, key)
+        shards.append(np.memmap(paths[0], dtype=dtype, mode="r", shape=(entry["tokens"],)))
+        offsets.append(checked_offsets(paths[1], entry, folder, key))
+        check_ids(shards[-1], entry, manifest["tokenizer"]["vocab_size"], paths[0], key)
         if chat is not None:
             masks.append(np.memmap(paths[2], dtype=np.uint8, mode="r", shape=(entry["tokens"],)))
     if not shards or sum(entry["documents"] for entry in manifest["shards"]) == 0:
         raise UserError(f"{key} {folder} holds no documents; prepare it from a source that has some")
     return TokenStore.from_offsets(shards, offsets, str(folder), masks if chat is not None else None)
+
+
+def damaged(path: Path, key: str, what: str) -> UserError:
+    return UserError(f"{key}: {path} {what}; the store is damaged, prepare it again with python -m titanlite.data.prepare")
+
+
+def check_size(path: Path, expected: int, described: str, folder: Path, key: str) -> None:
+    size = path.stat().st_size
+    if size != expected:
+        raise damaged(path, key, f"holds {size} bytes but {folder / MANIFEST} says {described} ({expected} bytes)")
+
+
+def checked_offsets(path: Path, entry: dict, folder: Path, key: str) -> np.ndarray:
+    """A shard's document offsets, checked against its manifest entry: documents + 1 int64 offsets from 0 to its
+    token count, never decreasing (so that no document reads outside the shard)."""
+    try:
+        offsets = np.load(path)  # allow_pickle is off: a garbled file is a ValueError, never unpickled
+    except (OSError, ValueError, EOFError) as error:
+        raise damaged(path, key, f"cannot be read as document offsets ({error})") from None
+    if offsets.dtype != np.int64 or offsets.shape != (entry["documents"] + 1,):
+        raise damaged(path, key, f"holds {offsets.dtype} offsets of shape {offsets.shape}, not the {entry['documents'] + 1} "
+                                 f"int64 offsets of the {entry['documents']} documents {folder / MANIFEST} lists")
+    if offsets[0] != 0 or offsets[-1] != entry["tokens"] or (np.diff(offsets) < 0).any():
+        raise damaged(path, key, f"has document offsets outside 0..{entry['tokens']} or out of order")
+    return offsets
+
+
+def check_ids(tokens: np.ndarray, entry: dict, vocab_size: int, path: Path, key: str) -> None:
+    """Every id is below the tokenizer's vocabulary (which the model's holds): the manifest's max_id, or for a store
+    prepared before it was recorded, the shard's own maximum. An id past the embedding would be a CUDA device assert
+    mid-run."""
+    max_id = entry.get("max_id")
+    max_id = shard_max_id(tokens) if not isinstance(max_id, int) else max_id
+    if max_id >= vocab_size:
+        raise damaged(path, key, f"holds token id {max_id} but its tokenizer has {vocab_size} ids")
