@@ -3,7 +3,7 @@ random fp32 folder written by transformers, on local tasks (dataset_path json, d
 multiple choice gives the same acc and acc_norm, generate_until the same outputs, loglikelihood_rolling
 the same log-likelihoods within 1e-6 (relative); bad input is one sentence, exit 2."""
 
-from types import SimpleNamespace
+import contextlib
 import json
 import shutil
 
@@ -13,6 +13,8 @@ from test_generate import transformers_folder
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.eval import main
 from titanlite.eval_tasks import evaluate_tasks, metric_scalars
+from titanlite.inference import build_inference_run
+from titanlite.parallel.dist import close_distributed, init_distributed
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -67,9 +69,21 @@ def both(setup):
     theirs = simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=list(TASKS),
                              task_manager=TaskManager(include_path=str(tasks), include_defaults=False), log_samples=True, batch_size=4,
                              device="cpu")
-    lm = TitanliteLM.create_from_arg_obj({"hf_assets_path": str(folder), "job.device": "cpu"}, {"batch_size": 4})
-    ours = evaluate_tasks(lm, list(TASKS), str(tasks), log_samples=True)
+    try:
+        lm = TitanliteLM.create_from_arg_obj({"hf_assets_path": str(folder), "job.device": "cpu"}, {"batch_size": 4})
+        ours = evaluate_tasks(lm, list(TASKS), str(tasks), log_samples=True)
+    finally:
+        close_distributed()
     return theirs, ours
+
+
+@contextlib.contextmanager
+def one_process_run(cfg):
+    """The generate/eval Run of `cfg` in this process (a world of one)."""
+    try:
+        yield build_inference_run(cfg, init_distributed("cpu", 60))
+    finally:
+        close_distributed()
 
 
 def responses(results: dict, task: str) -> list:
@@ -117,7 +131,6 @@ def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_pat
     from conftest import ON_CPU, tensorboard_scalars
     from titanlite.config import load_config
     from titanlite.eval_loop import InLoopEvaluator
-    from titanlite.inference import build_inference_model
     from titanlite.metrics import MetricsLogger
     from titanlite.tensorboard import run_folder
 
@@ -127,18 +140,17 @@ def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_pat
     cfg = load_config([*ON_CPU, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(tmp_path),
                        "--metrics.enable_tensorboard", "true", "--eval.tasks", "tiny_mc", "--eval.include_path", str(tasks),
                        "--eval.interval", "3", "--eval.at_end", "true", "--eval.batch_size", "4",
-                       "--eval.sample_prompts", str(prompts), "--eval.max_new_tokens", "4"])
-    built = build_inference_model(cfg, torch.device("cpu"))
-    metrics = MetricsLogger(cfg.metrics, 0, torch.device("cpu"), 0.0)
-    metrics.start_tensorboard(run_folder(cfg, 0, 0), cfg, 0, {})
-    cfg.training.steps = 7
-    evaluator = InLoopEvaluator(SimpleNamespace(cfg=cfg, tokenizer=built.tokenizer, args=built.args), metrics)
-    assert [step for step in range(1, 8) if evaluator.should_evaluate(step)] == [3, 6, 7]
-    built.model.train()
-    started = metrics.started
-    scalars = evaluator.evaluate(built.model, 3)
-    metrics.close()
-    assert built.model.training and metrics.started > started
+                       "--eval.sample_prompts", str(prompts), "--eval.max_new_tokens", "4", "--training.steps", "7"])
+    with one_process_run(cfg) as run:
+        metrics = MetricsLogger(cfg.metrics, 0, torch.device("cpu"), 0.0)
+        metrics.start_tensorboard(run_folder(cfg, 0, 0), cfg, 0, {})
+        evaluator = InLoopEvaluator(run, metrics)
+        assert [step for step in range(1, 8) if evaluator.should_evaluate(step)] == [3, 6, 7]
+        run.model.train()
+        started = metrics.started
+        scalars = evaluator.evaluate(3)
+        metrics.close()
+        assert run.model.training and metrics.started > started
     expected = both[1]["results"]["tiny_mc"]
     assert scalars == {"tiny_mc/acc": expected["acc,none"], "tiny_mc/acc_norm": expected["acc_norm,none"]}
     assert tensorboard_scalars(tmp_path / "tb", "eval/tiny_mc/acc") == {3: pytest.approx(expected["acc,none"])}
@@ -181,20 +193,20 @@ def test_bad_generation_input_is_one_sentence(setup, tmp_path, capsys):
     assert "eval.interval" in error_of([*flags, "--generate.prompt", "x", "--eval.interval", "10"], capsys, generate)
 
 
-def test_two_fsdp_ranks_evaluate_and_generate_as_one_process(setup, both, tmp_path):
-    """The evaluator and the generator on the model sharded over 2 FSDP ranks (every rank taking part) give the
-    values and greedy tokens of one process."""
-    import torch
-
+def test_two_fsdp_ranks_share_the_requests_and_generate_as_one_process(setup, both, tmp_path):
+    """The generate/eval Run sharded over 2 FSDP ranks: the in-loop evaluator with the ranks sharing the requests of
+    all three kinds gives one process's values, and each rank generating for its own prompt and length, in
+    lockstep, gives the greedy tokens one process gives for that prompt."""
     from conftest import torchrun_json
-    from eval_fsdp_run import PROMPTS
-    from titanlite.config import load_config
+    from eval_fsdp_run import NEW_TOKENS, PROMPTS, inference_config
     from titanlite.generation import Sampling, generate_ids
-    from titanlite.inference import build_inference_model
 
     folder, tasks = setup
     sharded = torchrun_json("eval_fsdp_run.py", tmp_path, str(folder), str(tasks))
-    expected = both[1]["results"]["tiny_mc"]
-    assert sharded["scalars"] == {"tiny_mc/acc": expected["acc,none"], "tiny_mc/acc_norm": expected["acc_norm,none"]}
-    built = build_inference_model(load_config(["--job.device", "cpu", "--model.hf_assets_path", str(folder)]), torch.device("cpu"))
-    assert sharded["generated"] == generate_ids(built.model, built.args, built.tokenizer, PROMPTS, Sampling(8, stop_ids=()))
+    expected = metric_scalars(both[1])
+    assert sharded["scalars"].keys() == expected.keys()
+    assert sharded["scalars"] == pytest.approx(expected, rel=1e-9)
+    with one_process_run(inference_config(str(folder))) as run:
+        alone = [generate_ids(run.model, run.args, run.tokenizer, [prompt], Sampling(count, stop_ids=()))[0]
+                 for prompt, count in zip(PROMPTS, NEW_TOKENS)]
+    assert sharded["generated"] == alone and [len(ids) for ids in alone] == NEW_TOKENS

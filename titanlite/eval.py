@@ -3,15 +3,18 @@
 
 lm-eval 0.4's run flags (the ones of `lm_eval run` that apply to one local model) with titanlite as its model
 (eval_model.py): the tasks run as lm-eval runs them, and the results JSON (and with --log_samples each task's
-samples) is lm-eval's own, written under --output_path by its EvaluationTracker.
+samples) is lm-eval's own, written under --output_path by its EvaluationTracker. Under torchrun the ranks share
+the requests (the weights sharded by FSDP where parallelism says so); rank 0 prints and writes the results.
 """
 
 import argparse
 import json
+import os
 import sys
 
 from titanlite.errors import UserError, exit_code
 from titanlite.log import init_logger
+from titanlite.parallel.dist import close_distributed
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m titanlite.eval", description=__doc__.split("\n\n")[1])
@@ -31,7 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def evaluate(argv: list[str]) -> None:
     args = parse_args(argv)
-    init_logger(0)
+    init_logger(int(os.environ.get("RANK", 0)))  # under torchrun, rank 0's log alone says more than warnings
     from lm_eval.utils import simple_parse_args_string
 
     from titanlite.eval_model import TitanliteLM
@@ -39,9 +42,14 @@ def evaluate(argv: list[str]) -> None:
 
     tasks = [task for task in args.tasks.split(",") if task]
     task_manager(tuple(tasks), args.include_path)  # a bad task stops the run before the model is built
-    lm = TitanliteLM.create_from_arg_obj(simple_parse_args_string(args.model_args), {"batch_size": args.batch_size})
-    results = evaluate_tasks(lm, tasks, args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
-                             log_samples=args.log_samples)
+    try:
+        lm = TitanliteLM.create_from_arg_obj(simple_parse_args_string(args.model_args), {"batch_size": args.batch_size})
+        results = evaluate_tasks(lm, tasks, args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
+                                 log_samples=args.log_samples)
+    finally:
+        close_distributed()
+    if results is None:  # lm-eval hands the results to rank 0 only
+        return
     if args.output_path:
         write_results(results, args.output_path, args.log_samples, args.model_args)
     print(json.dumps(results["results"], indent=2, default=str))

@@ -1,9 +1,9 @@
 """In-loop evaluation ([eval]): lm-eval tasks and sample prompts on the live model every eval.interval steps
 and after the last (eval.at_end).
 
-Every rank takes part and scores every request: lm-eval sees a world of one process on each rank, so the
-ranks run the same forwards in the same order, which a sharded (FSDP) model's collectives need, and every
-rank gets the same values as one process would. Scalars go to TensorBoard as eval/<task>/<metric> and to
+Every rank takes part: the data-parallel ranks share the requests as lm-eval shares them (eval_model.py, in
+lockstep, as a sharded model's collectives need), and lm-eval gathers the values to rank 0, the same values one
+process gets. Scalars go to TensorBoard as eval/<task>/<metric> and to
 the console; sample prompts' greedy completions to TensorBoard's text tab. The seconds spent are printed and
 left out of the next tps and MFU.
 """
@@ -25,7 +25,7 @@ class InLoopEvaluator:
     def __init__(self, run, metrics):
         """The [eval] section of build.py's `run`, on its tokenizer and model args (max_seq_len, sliding_window);
         metrics: the run's MetricsLogger. Sample prompts given as messages take training.chat_template."""
-        self.cfg, self.tokenizer, self.args, self.metrics = run.cfg.eval, run.tokenizer, run.args, metrics
+        self.run, self.cfg, self.tokenizer, self.args, self.metrics = run, run.cfg.eval, run.tokenizer, run.args, metrics
         self.last_step, self.chat_template = run.cfg.training.steps, run.cfg.training.chat_template
         cfg = self.cfg
         # Read now: a bad file stops the run before its first step, not at the first evaluation.
@@ -35,19 +35,20 @@ class InLoopEvaluator:
         return bool(self.cfg.interval and step % self.cfg.interval == 0) or (self.cfg.at_end and step == self.last_step)
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, step: int) -> dict[str, float]:
-        """{task/metric: value} of eval.tasks on `model` (back in training mode after; {} on the ranks other than
-        each node's first), also written as eval/<task>/<metric> scalars; the sample prompts' completions to the text tab."""
+    def evaluate(self, step: int) -> dict[str, float]:
+        """{task/metric: value} of eval.tasks on the run's model (back in training mode after; {} on ranks other than
+        0), also written as eval/<task>/<metric> scalars; the sample prompts' completions to the text tab."""
+        model = self.run.model
         started, was_training = time.perf_counter(), model.training
         model.eval()
         try:
             scalars = {}
             if self.cfg.tasks:
-                lm = TitanliteLM(model, self.tokenizer, self.args, batch_size=self.cfg.batch_size)
+                lm = TitanliteLM(self.run, batch_size=self.cfg.batch_size)
                 results = evaluate_tasks(lm, self.cfg.tasks, self.cfg.include_path or None,
                                          limit=None if self.cfg.limit == -1 else self.cfg.limit,
                                          num_fewshot=None if self.cfg.num_fewshot == -1 else self.cfg.num_fewshot)
-                # lm-eval hands the results to the process of LOCAL_RANK 0 only (the one that logs); None elsewhere.
+                # lm-eval hands the results to rank 0 only (the one that logs); None elsewhere.
                 scalars = metric_scalars(results) if results is not None else {}
             self.metrics.write_scalars(step, {f"eval/{name}": value for name, value in scalars.items()}, flush=True)
             if self.samples:

@@ -3,13 +3,16 @@ and generate_until on a titanlite model, the text split into tokens as lm-eval's
 or eos added; an empty context is the tokenizer's bos, which is its eos where it has none), so the two score
 the same tokens.
 
-`TitanliteLM(model, tokenizer, args)` wraps a live model: the one a job's config builds (eval.py, through
-create_from_arg_obj) or the trainer's own (eval_loop.py). lm-eval's world is this process alone, so under
-data parallelism every rank scores every request: the forwards of a sharded model are collectives
-every rank must join in the same order.
+`TitanliteLM(run)` wraps the live model of build.py's Run: the one a job's config builds (inference.py, through
+create_from_arg_obj) or the trainer's own (eval_loop.py). Under data parallelism (the only layouts either allows)
+the ranks share the requests as lm-eval shares them among its ranks (its rank and world size are the run's), and
+lm-eval gathers the per-document metrics to rank 0. The forwards of a sharded model are collectives every rank
+must join: each rank pads its forwards to the most any rank runs (idle one-token forwards), and generates in
+lockstep (generation.py).
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -18,8 +21,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from titanlite.config import load_config
 from titanlite.errors import UserError
-from titanlite.generation import Sampling, generate_ids
-from titanlite.inference import build_inference_model, inference_device
+from titanlite.generation import Sampling, generate_ids, idle_forward
+from titanlite.inference import build_inference_run
+from titanlite.parallel.dist import init_distributed
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's default where a task sets no max_gen_toks
 
@@ -40,23 +44,39 @@ def config_argv(arg_dict: dict) -> list[str]:
 
 
 def model_from_args(cls, arg_dict: dict, additional: dict):
-    """A TitanliteLM (cls) for lm-eval's model_args, built as generate builds its model, on the job's device."""
-    cfg = load_config(config_argv(arg_dict))
-    built = build_inference_model(cfg, inference_device(cfg))
+    """A TitanliteLM (cls) for lm-eval's model_args: the job's Run with its weights (inference.py), on this process
+    or, under torchrun, on every rank (the process group is started here unless the caller started it)."""
     batch_size = additional.get("batch_size") or 1
     if not str(batch_size).isdigit():
         raise UserError(f"--batch_size {batch_size}: titanlite takes a number of sequences per forward")
-    return cls(built.model, built.tokenizer, built.args, batch_size=int(batch_size))
+    cfg = load_config(config_argv(arg_dict))
+    return cls(build_inference_run(cfg, init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)),
+               batch_size=int(batch_size))
 
 
 @register_model("titanlite")
 class TitanliteLM(TemplateLM):
-    def __init__(self, model: torch.nn.Module, tokenizer, args, batch_size: int = 1):
-        """model: in eval mode, taking tokens [B, T] to logits [B, T, vocab]; args: its max_seq_len."""
+    def __init__(self, run, batch_size: int = 1):
+        """run: build.py's Run, its model in eval mode taking tokens [B, T] to logits [B, T, vocab]."""
         super().__init__()
-        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.model, self.tokenizer, self.args = run.model, run.tokenizer, run.args
         self.batch_size = batch_size
-        self.max_length = args.max_seq_len
+        self.max_length = run.args.max_seq_len
+        self._rank, self._world_size, self._device = run.info.rank, run.info.world_size, run.device
+        self.lockstep = run.info.world_size > 1
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        gathered = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(gathered, tensor)
+        return torch.stack(gathered) if tensor.dim() == 0 else torch.cat(gathered)
+
+    def gather_object(self, obj, dst: int = 0):
+        gathered = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def barrier(self) -> None:
+        dist.barrier()
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "TitanliteLM":
@@ -78,10 +98,11 @@ class TitanliteLM(TemplateLM):
     def logprobs(self, windows: list[list[int]]) -> list[torch.Tensor]:
         """Each token sequence's [T, vocab] float32 log-probabilities of the next token, batch_size sequences per
         forward (right-padded: a causal model's earlier positions never see the padding)."""
-        device = next(self.model.parameters()).device
+        device = self._device
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i]))
         out: list[torch.Tensor | None] = [None] * len(windows)
-        for start in range(0, len(order), self.batch_size):
+        starts = range(0, len(order), self.batch_size)
+        for start in starts:
             chunk = order[start:start + self.batch_size]
             width = len(windows[chunk[0]])
             tokens = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -90,7 +111,17 @@ class TitanliteLM(TemplateLM):
             logits = self.model(tokens.to(device))
             for row, i in enumerate(chunk):
                 out[i] = F.log_softmax(logits[row, :len(windows[i])].float(), dim=-1).cpu()
+        self.pad_forwards(len(starts))
         return out
+
+    def pad_forwards(self, ran: int) -> None:
+        """In lockstep, idle forwards until every rank has run as many as the rank that ran the most."""
+        if not self.lockstep:
+            return
+        most = torch.tensor([ran], device=self._device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        for _ in range(int(most.item()) - ran):
+            idle_forward(self.model, self._device)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether each of its tokens is the most likely one), with
@@ -131,6 +162,6 @@ class TitanliteLM(TemplateLM):
             sampling = Sampling(max_new, float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
                                 float(kwargs.get("top_p", 1.0)), int(kwargs.get("top_k", 0) or 0), stop=tuple(until),
                                 stop_ids=(self.eot_token_id,))
-            new = generate_ids(self.model, self.args, self.tokenizer, [ids], sampling)[0]
+            new = generate_ids(self.model, self.args, self.tokenizer, [ids], sampling, lockstep=self.lockstep)[0]
             results.append(postprocess_generated_text(self.tokenizer.decode(new), until, None))
         return results

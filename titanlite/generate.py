@@ -1,8 +1,9 @@
 """Entry point: python -m titanlite.generate --job.config_file X.toml [--generate.prompt TEXT] [--section.key value ...]
 
-The job's model (inference.py: a run's checkpoint or a Hugging Face folder, found as training finds them)
-continues each prompt of [generate] (generation.py); one JSON line per prompt goes to generate.output or
-stdout: {"prompt", "completion", "token_ids"}, token_ids holding only the new tokens.
+The job's Run (inference.py: its weights from a run's checkpoint or a Hugging Face folder, found as training
+finds them) continues each prompt of [generate] (generation.py); one JSON line per prompt goes to generate.output
+or stdout: {"prompt", "completion", "token_ids"}, token_ids holding only the new tokens. Under torchrun the ranks
+shard the weights (FSDP) and each generates every prompt; rank 0 writes them.
 """
 
 import json
@@ -14,8 +15,9 @@ from titanlite.config_sections import Generate
 from titanlite.data.chat import ChatRenderer
 from titanlite.errors import UserError, exit_code
 from titanlite.generation import Sampling, generate_ids
-from titanlite.inference import InferenceModel, build_inference_model, inference_device
+from titanlite.inference import build_inference_run
 from titanlite.log import init_logger
+from titanlite.parallel.dist import close_distributed, init_distributed
 
 
 def read_prompt_lines(path: str, key: str = "generate.prompts_file") -> list[dict]:
@@ -72,20 +74,21 @@ def prompt_records(settings: Generate) -> list[dict]:
     return records
 
 
-def generate_records(built: InferenceModel, records: list[dict], settings: Generate, chat_template: str = "") -> list[dict]:
-    """One {"prompt", "completion", "token_ids"} per prompt record, in order."""
+def generate_records(run, records: list[dict], settings: Generate) -> list[dict]:
+    """One {"prompt", "completion", "token_ids"} per prompt record of build.py's `run`, in order."""
+    tokenizer = run.tokenizer
 
     def renderer() -> ChatRenderer:
-        return ChatRenderer(built.tokenizer, chat_template)
+        return ChatRenderer(tokenizer, run.cfg.training.chat_template)
 
-    prompts = [prompt_ids(record, built.tokenizer, renderer) for record in records]
+    prompts = [prompt_ids(record, tokenizer, renderer) for record in records]
     sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.seed,
                         tuple(settings.stop))
     results = []
     for start in range(0, len(prompts), settings.batch_size):
         batch = prompts[start:start + settings.batch_size]
-        new = generate_ids(built.model, built.args, built.tokenizer, [ids for _, ids in batch], sampling)
-        results += [{"prompt": text, "completion": completion_text(ids, built.tokenizer, settings.stop), "token_ids": ids}
+        new = generate_ids(run.model, run.args, tokenizer, [ids for _, ids in batch], sampling)
+        results += [{"prompt": text, "completion": completion_text(ids, tokenizer, settings.stop), "token_ids": ids}
                     for (text, _), ids in zip(batch, new)]
     return results
 
@@ -104,10 +107,15 @@ def write_records(records: list[dict], output: str) -> None:
 
 def generate(argv: list[str]) -> None:
     cfg = load_config(argv)
-    init_logger(0)
     records = prompt_records(cfg.generate)
-    built = build_inference_model(cfg, inference_device(cfg))
-    write_records(generate_records(built, records, cfg.generate, cfg.training.chat_template), cfg.generate.output)
+    try:
+        info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
+        init_logger(info.rank)
+        results = generate_records(build_inference_run(cfg, info), records, cfg.generate)
+    finally:
+        close_distributed()
+    if info.rank == 0:
+        write_records(results, cfg.generate.output)
 
 
 def main(argv: list[str]) -> int:

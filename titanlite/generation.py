@@ -2,11 +2,16 @@
 one batch, one prefill forward, then one forward per new token, greedy or sampled (temperature, top-k,
 top-p), each row ending at the tokenizer's eos or an end-of-turn token, at a stop string, or at
 max_new_tokens. python -m titanlite.generate and the lm-eval model (eval.py) both call `generate_ids`.
+
+Ranks that each generate for their own prompts on a sharded (FSDP) model run in lockstep (`lockstep`): every
+forward gathers weights from all ranks, so a rank whose rows are finished runs idle one-token forwards (without
+its cache) until every rank is finished.
 """
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titanlite.errors import UserError
@@ -87,10 +92,11 @@ def stopped_by_text(new_ids: list[int], tokenizer, stop: tuple[str, ...]) -> boo
 
 
 @torch.no_grad()
-def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling,
+                 lockstep: bool = False) -> list[list[int]]:
     """The new tokens of each prompt, one batch: up to (excluding) the first stop token, or up to and
     including the token that completed a stop string (the caller cuts the text), or max_new_tokens,
-    or the model's context (said once)."""
+    or the model's context (said once). With `lockstep`, every rank of the world calls this together."""
     check_prompts(prompts, args.max_seq_len, args.vocab_size)
     device = next(model.parameters()).device
     budget = min(sampling.max_new_tokens, args.max_seq_len - max(map(len, prompts)))
@@ -106,15 +112,35 @@ def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sa
     logits = model(tokens, cache=cache.step(valid))[:, -1]
     new: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for _ in range(budget):
-        picked = pick_tokens(logits, sampling, generator)
-        for row, (token, stopping) in enumerate(zip(picked.tolist(), torch.isin(picked, stops).tolist())):
-            if done[row] or stopping:
-                done[row] = True
-                continue
-            new[row].append(token)
-            done[row] = bool(sampling.stop) and stopped_by_text(new[row], tokenizer, sampling.stop)
-        if all(done):
-            break
-        logits = model(picked[:, None], cache=cache.step(torch.ones_like(picked[:, None], dtype=torch.bool)))[:, -1]
-    return new
+    while True:
+        if budget and not all(done):
+            budget -= 1
+            picked = pick_tokens(logits, sampling, generator)
+            for row, (token, stopping) in enumerate(zip(picked.tolist(), torch.isin(picked, stops).tolist())):
+                if done[row] or stopping:
+                    done[row] = True
+                    continue
+                new[row].append(token)
+                done[row] = bool(sampling.stop) and stopped_by_text(new[row], tokenizer, sampling.stop)
+        finished = all(done) or not budget
+        if all_finished(finished, lockstep, device):
+            return new
+        if finished:
+            idle_forward(model, device)
+        else:
+            logits = model(picked[:, None], cache=cache.step(torch.ones_like(picked[:, None], dtype=torch.bool)))[:, -1]
+
+
+def all_finished(finished: bool, lockstep: bool, device: torch.device) -> bool:
+    """Whether this rank (alone) or, in lockstep, every rank is finished."""
+    if not lockstep:
+        return finished
+    flag = torch.tensor([float(finished)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def idle_forward(model: nn.Module, device: torch.device) -> None:
+    """One forward of one token, without a cache, whose output is dropped: a finished rank's share of the sharded
+    model's collectives while other ranks still need them."""
+    model(torch.zeros(1, 1, dtype=torch.long, device=device))

@@ -110,7 +110,7 @@ class Loop:
             validation_seconds = time.perf_counter() - validation_seconds
         if self.evaluator is not None and self.evaluator.should_evaluate(step) and not preempted:
             evaluation_began = time.perf_counter()
-            self.evaluator.evaluate(run.model, step)
+            self.evaluator.evaluate(step)
             validation_seconds += time.perf_counter() - evaluation_began
         checkpointer.maybe_save(step, last=last, force=preempted)
         # The step's time as a save may have slowed it (validation and evaluation are not training time).

@@ -46,7 +46,8 @@ class CheckpointManager:
                  claims_save: Callable[[Path], bool] | None = None):
         """Checkpoints of build.py's `run` as its [checkpoint] section says, with the training state
         around it: the optimizer, the lr schedule and the data loader. `claims_save` (fault tolerance's): whether
-        this replica group writes the checkpoint at a path; None = it writes every one."""
+        this replica group writes the checkpoint at a path; None = it writes every one. Generation and evaluation
+        pass no optimizer, schedule or loader: such a manager only loads the model (load_model) and never saves."""
         self.cfg = cfg = run.cfg.checkpoint
         self.root = Path(run.cfg.job.dump_folder) / cfg.folder
         self.model, self.optimizer = run.model, optimizer
@@ -73,11 +74,12 @@ class CheckpointManager:
         self.cost = cost or SaveCost()
         self.saver = None
         self.claims_save = claims_save
-        if cfg.enable and cfg.async_mode != "disabled":
+        saves = cfg.enable and optimizer is not None
+        if saves and cfg.async_mode != "disabled":
             self.saver = AsyncSaver(pinned=cfg.async_mode == "async_with_pinned_mem", optimizer=optimizer)
         # Old checkpoints are deleted by rank 0 in the background, after a newer one completed.
-        self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if self.rank == 0 else None
-        if cfg.enable:
+        self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if self.rank == 0 and saves else None
+        if saves:
             keep = f"keeping the newest {cfg.keep_latest_k}" if cfg.keep_latest_k else "keeping all"
             mode = {"disabled": "synchronous", "async": "async", "async_with_pinned_mem": "async, pinned memory"}[cfg.async_mode]
             logger.info(f"checkpoints every {cfg.interval} steps into {self.root} ({mode} saves, {keep})")
@@ -238,6 +240,27 @@ class CheckpointManager:
         self._load_initial()
         return self.state
 
+    def load_model(self, folder: Path | None) -> str:
+        """Only the model's weights (generation, evaluation): from the step folder `folder`, else from the checkpoint a
+        run's checkpoint folder holds (checkpoint.load_step, else the newest complete step, a final model-only export
+        too; rewinding nothing), else from those a new run starts from (checkpoint.initial_load_path). Returns where
+        they came from."""
+        cfg = self.cfg
+        if folder is None and cfg.enable and self.root.is_dir():
+            complete, _ = list_steps(self.root)
+            if cfg.load_step != -1:
+                folder = step_folder(self.root, choose_load_step(self.root, complete, cfg.load_step))
+            elif complete:
+                folder = step_folder(self.root, complete[-1])
+        if folder is None and not cfg.initial_load_path:
+            raise UserError("there are no weights to load: set generate.checkpoint to a step folder, model.hf_assets_path to "
+                            "a Hugging Face model folder, or checkpoint.enable true with the run's job.dump_folder")
+        if folder is None or self.adapters_only:  # LoRA: the frozen base first, the checkpoint holds only the adapters
+            self._load_initial(resume=False)
+        if folder is not None:
+            self._load_dcp(folder, resume=False)
+        return str(folder or cfg.initial_load_path)
+
     def _load_step(self) -> int:
         """checkpoint.load_step, once: where this run rewound to that step already, the newest checkpoint."""
         step, rewound_at = self.cfg.load_step, rewound_before(self.root, self.cfg.load_step)
@@ -250,8 +273,9 @@ class CheckpointManager:
         )
         return -1
 
-    def _load_initial(self) -> None:
-        """checkpoint.initial_load_path, if given: a Hugging Face folder or a DCP checkpoint."""
+    def _load_initial(self, resume: bool = True) -> None:
+        """checkpoint.initial_load_path, if given: a Hugging Face folder or a DCP checkpoint (its training state too
+        where resume and not checkpoint.initial_load_model_only)."""
         cfg = self.cfg
         if not cfg.initial_load_path:
             return
@@ -262,7 +286,7 @@ class CheckpointManager:
         else:
             if not is_complete(path):
                 raise UserError(f"checkpoint.initial_load_path {path} is not a complete DCP checkpoint (no {METADATA} in it)")
-            self._load_dcp(path, resume=not cfg.initial_load_model_only, kind="base")
+            self._load_dcp(path, resume=resume and not cfg.initial_load_model_only, kind="base")
 
     def _load_dcp(self, path: Path, resume: bool, kind: str = "run") -> None:
         started = time.perf_counter()
