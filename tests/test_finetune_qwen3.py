@@ -113,6 +113,28 @@ def test_qwen3_template_trains_multi_turn_and_the_export_stops_at_the_end_of_tur
     assert new[-1] == end_of_turn and len(new) < 40, tokenizer.decode(new)
 
 
+def test_generate_finds_the_run_checkpoint_as_training_does_and_equals_its_export(qwen3_folder, full_run, tmp_path, capsys):
+    """titanlite.generate from the run's checkpoint folder (checkpoint.enable: the newest step, here the last one),
+    from generate.checkpoint, and from the Hugging Face export of the same step: the same greedy tokens, which end
+    at the end of turn the run learnt to write."""
+    from titanlite.generate import main as generate
+
+    folder, _ = qwen3_folder
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": CHATS[2][:1]}) + "\n")
+    flags = [*ON_CPU, "--generate.prompts_file", str(prompts), "--generate.max_new_tokens", "40"]
+    outputs, logs = [], []
+    for source in (["--model.hf_assets_path", str(folder), "--checkpoint.enable", "--job.dump_folder", str(full_run)],
+                   ["--model.hf_assets_path", str(folder), "--generate.checkpoint", str(full_run / "checkpoint" / "step-25")],
+                   ["--model.hf_assets_path", str(full_run / "checkpoint" / "step-25-hf")]):
+        assert generate([*flags, *source]) == 0
+        captured = capsys.readouterr()
+        outputs.append(json.loads(captured.out)["token_ids"])
+        logs.append(captured.err)
+    assert "from " + str(full_run / "checkpoint" / "step-25") + "\n" in logs[0], logs[0]
+    assert outputs[0] == outputs[1] == outputs[2] and 0 < len(outputs[0]) < 40
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_convert_exports_a_run_started_from_a_folder(full_run, tmp_path, capsys):
     """The checkpoint records the model (llama3/hf is no registered flavor): no flags needed, the same weights
