@@ -3,6 +3,7 @@ masked as asked, packed whole, the masked loss by hand, and bad data as one-sent
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -254,3 +255,21 @@ def test_a_generation_prompt_that_adds_text_and_a_conversation_that_opens_with_t
     assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>Green.<|im_end|>"
     ids, trained = tokenize_conversation(ChatRenderer(tokenizer, ""), tokenizer, CONVERSATIONS[1][2:3], "assistant")
     assert trained_text(tokenizer, ids, trained) == "Blue.<|im_end|>"
+
+
+def test_epochs_set_the_steps_and_the_step_line_says_the_epoch(tiny_run, folder, tmp_path, capsys):
+    """training.epochs 1.5 trains the windows of one and a half passes (each epoch packs its own order, so counts
+    its own windows); every step line says the passes made so far."""
+    data = write_records(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS * 5])
+    assert main(chat_run(tiny_run, folder, data, "--training.epochs", "1.5")) == 0
+    err = capsys.readouterr().err
+    per_epoch = int(re.search(r"an epoch is (\d+) windows", err).group(1))
+    found = re.search(r"training.epochs 1.5: (\d+) windows at 2 per step, (\d+) steps \(in place of training.steps 4\)", err)
+    windows, steps = map(int, found.groups())
+    assert abs(windows - 1.5 * per_epoch) <= 1 and steps == -(-windows // 2) and sorted(logged_losses(err))[-1] == steps
+    epochs = {int(s): float(e) for s, e in re.findall(r"step: (\d+) .*epoch: ([\d.]+)", err)}
+    assert epochs[1] == pytest.approx(2 / per_epoch, abs=1e-3)
+    assert 1.5 - 1e-3 <= epochs[steps] <= 1.5 + 2 / per_epoch + 1e-3
+    # The sample corpus is packed per rank as it is read: its epoch length is not known at start.
+    assert main([*tiny_run, "--training.epochs", "1"]) == 2
+    assert "training.epochs 1 counts passes over data whose epoch length is known at start" in capsys.readouterr().err

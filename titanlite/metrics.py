@@ -52,7 +52,7 @@ TB_TAGS = {
     "loss": "loss/train", "tps": "throughput/tps", "tflops": "throughput/tflops", "mfu_pct": "throughput/mfu",
     "memory_gib": "memory/reserved_gib", "memory_share": "memory/share", "memory_capacity_gib": "memory/capacity_gib",
     "lr": "optim/lr", "grad_norm": "optim/grad_norm", "data_loading_share": "data/wait_share",
-    "trained_tokens": "data/trained_tokens",
+    "trained_tokens": "data/trained_tokens", "epoch": "data/epoch",
 }
 
 
@@ -135,8 +135,9 @@ class MetricsLogger:
 
     @observer("metrics")
     def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None,
-            trained: float = 0.0) -> dict:
-        """The step line and its scalars; `trained` is trained_per_step's count."""
+            trained: float = 0.0, epoch: float | None = None) -> dict:
+        """The step line and its scalars; `trained` is trained_per_step's count, `epoch` the passes over the data
+        so far where the data has epochs."""
         elapsed = time.perf_counter() - self.started
         tps, tflops, mfu_pct = self.throughput(self.tokens, elapsed)
         mem_gib, capacity_gib = memory_usage(self.device)
@@ -145,6 +146,8 @@ class MetricsLogger:
             "memory_share": mem_gib / capacity_gib, "memory_capacity_gib": capacity_gib,
             "data_loading_share": self.data_seconds / elapsed, "trained_tokens": trained,
         }
+        if epoch is not None:
+            values["epoch"] = epoch
         mfu = "mfu: unknown"
         if mfu_pct is not None:
             values["mfu_pct"] = mfu_pct
@@ -152,6 +155,7 @@ class MetricsLogger:
         logger.info(
             f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({100 * values['memory_share']:.2f}%)  "
             f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%  trained: {trained:,.0f}"
+            + ("" if epoch is None else f"  epoch: {epoch:.3f}")
         )
         # A model's own figures (MoE: moe/*) arrive under their tags already.
         self.write_scalars(step, {TB_TAGS[name]: value for name, value in values.items()} | (extra or {}), flush=True)

@@ -19,6 +19,7 @@ from titanlite.checkpoint.stopping import NonfiniteSkips, nothing_to_train
 from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig
 from titanlite.data.datasets import build_dataloader
+from titanlite.data.global_order import epochs_done, steps_for_epochs
 from titanlite.errors import UserError
 from titanlite.eval_loop import InLoopEvaluator
 from titanlite.fault_tolerance import ReplicaGroups, join_replica_groups
@@ -103,7 +104,7 @@ class Loop:
         if logged:
             metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
                         extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader),
-                        trained=metrics.trained_per_step(step))
+                        trained=metrics.trained_per_step(step), epoch=epochs_done(self.dataloader))
         if validating and not preempted:
             validation_seconds = time.perf_counter()
             self.validator.validate(run.model, step)
@@ -137,10 +138,13 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
         write_resolved_config(cfg, Path(cfg.job.dump_folder))
     optimizer = build_optimizer(run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
     register_float8_scale_precompute(optimizer, run.model, cfg.float8)
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     # Under fault tolerance each replica group reads its own share of the global order.
     dataloader = build_dataloader(training_data(cfg.training), run.tokenizer, replicas.data_rank(run.dims),
                                   replicas.data_world(run.dims), cfg.job.seed)
+    if cfg.training.epochs:  # the steps every reader of training.steps (schedule, loop, evaluation) then sees
+        cfg.training.steps = steps_for_epochs(cfg.training.epochs, dataloader, run.step.accum_steps,
+                                              cfg.training.steps)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     metrics = MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token)
     log_start(run, metrics)
     validator = Validator(run, metrics) if cfg.validation.enable else None  # its own loader: never moves training's

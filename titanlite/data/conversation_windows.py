@@ -108,6 +108,18 @@ class ConversationWindows(Dataset):
         self.locate(0)  # lays out epoch 0
         return self.epoch_windows[0]
 
+    def windows_in(self, epochs: float) -> int:
+        """The windows of the first `epochs` passes: every epoch packs its own order, so each counts its own."""
+        whole = int(epochs)
+        while len(self.epoch_windows) <= whole:
+            self.locate(sum(self.epoch_windows))  # lays out the next epoch
+        return sum(self.epoch_windows[:whole]) + round((epochs - whole) * self.epoch_windows[whole])
+
+    def epochs_at(self, windows: int) -> float:
+        """Passes over the conversations that the first `windows` windows make."""
+        epoch, within = self.locate(windows)
+        return epoch + within / self.epoch_windows[epoch]
+
     def __getitem__(self, g: int):
         epoch, w = self.locate(g)
         order, starts = self.plan(epoch)

@@ -24,6 +24,7 @@ from titanlite.data.documents import seeded_rng
 from titanlite.data.packing import split_window
 from titanlite.data.store import TokenStore
 from titanlite.errors import UserError
+from titanlite.log import logger
 
 MIX_BLOCK = 1000  # a mix's weights are kept exactly in every block of this many windows
 
@@ -38,6 +39,14 @@ class StoreWindows(Dataset):
 
     def windows_per_epoch(self) -> int:
         return self.total // self.window_len
+
+    def windows_in(self, epochs: float) -> int:
+        """The whole windows in the first `epochs` passes (the stream runs on across epochs)."""
+        return int(epochs * self.total) // self.window_len
+
+    def epochs_at(self, windows: int) -> float:
+        """Passes over the data that the first `windows` windows make."""
+        return windows * self.window_len / self.total
 
     def epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(documents in this epoch's order, the stream offset where each ends); the last two are kept."""
@@ -169,3 +178,26 @@ class GlobalOrderLoader:
             self.consumed += per_micro_batch
             yield batch
         self.consumed = 0  # a finite pass ended: the next starts over
+
+
+def steps_for_epochs(epochs: float, loader, accum_steps: int, steps: int) -> int:
+    """training.epochs as optimizer steps (the last one may reach into the next epoch): the windows of that many
+    passes over a store or chat data, divided by the global batch's windows."""
+    windows = getattr(loader, "windows", None)
+    if not hasattr(windows, "windows_in"):
+        raise UserError(f"training.epochs {epochs:g} counts passes over data whose epoch length is known at start, a token "
+                        "store (python -m titanlite.data.prepare) or chat data, which this run's data is not; set "
+                        "training.steps instead")
+    per_step = loader.batch_size * loader.dp_world * accum_steps
+    total = windows.windows_in(epochs)
+    epoch_steps = max(1, -(-total // per_step))
+    logger.info(f"training.epochs {epochs:g}: {total:,} windows at {per_step} per step, {epoch_steps:,} steps (in place of "
+                f"training.steps {steps})")
+    return epoch_steps
+
+
+def epochs_done(loader) -> float | None:
+    """Passes over the data that a loader's batches so far make, where its data has epochs: a token store or chat
+    data (a mix, and the streams each rank packs for itself, have none)."""
+    windows = getattr(loader, "windows", None)
+    return windows.epochs_at(loader.consumed) if hasattr(windows, "epochs_at") else None
