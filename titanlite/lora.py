@@ -9,6 +9,7 @@ adapters and their optimizer state; a resume reloads the base from checkpoint.in
 initialises it again from job.seed) first.
 """
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -33,7 +34,11 @@ class LoRALinear(nn.Linear):
         self.lora_a = nn.Parameter(torch.empty(cfg.rank, in_features, dtype=dtype))
         self.lora_b = nn.Parameter(torch.empty(out_features, cfg.rank, dtype=dtype))
 
+    adapters_on = True  # adapters_off() clears it: the layer is then its frozen base (DPO's reference)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapters_on:
+            return super().forward(x)
         return super().forward(x) + F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
 
     def init_lora(self, key: str, seed: int) -> None:
@@ -137,6 +142,19 @@ def is_adapter(name: str) -> bool:
 
 def has_lora(model: nn.Module) -> bool:
     return any(isinstance(module, LoRALinear) for module in model.modules())
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The model as its frozen base while inside: every adapted layer skips its adapter (no second copy of the base)."""
+    layers = [module for module in model.modules() if isinstance(module, LoRALinear)]
+    for layer in layers:
+        layer.adapters_on = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_on = True
 
 
 def adapted_layers(model: nn.Module) -> dict[str, LoRALinear]:
