@@ -187,3 +187,19 @@ def test_errors_are_one_sentence_exit_2(folders, tmp_path, capsys, case, message
     assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
     if case == "other_shapes":
         assert "does not fit llama3/hf: its config.json has hidden_size 32 where this model has 64); point dpo.reference" in err
+
+
+def test_the_planner_counts_the_reference_and_both_sequences_of_a_pair():
+    from conftest import DEBUG_CONFIG
+    from titanlite.config import load_config
+    from titanlite.plan.job import plan_job
+
+    base = ["--job.config_file", DEBUG_CONFIG, "--training.local_batch_size", "2", "--training.seq_len", "256"]
+    preference = ["--training.dataset_format", "preference", "--training.dataset_path", "pairs.jsonl"]
+    sft = plan_job(load_config([*base, "--training.local_batch_size", "4"])).memory
+    full = plan_job(load_config([*base, *preference])).memory
+    lora = plan_job(load_config([*base, *preference, "--lora.rank", "8"])).memory
+    assert full.reference == full.params and sft.reference == 0  # a copy sharded like the parameters
+    assert lora.reference == 0  # the LoRA base with its adapters off: no copy
+    assert full.activations == sft.activations  # 2 pairs are 4 sequences
+    assert full.peak - sft.peak == full.reference

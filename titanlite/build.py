@@ -65,7 +65,8 @@ class Run:
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over all data-parallel ranks."""
         training = self.cfg.training
-        return training.local_batch_size * training.seq_len * self.dims.dp_degree * self.step.accum_steps
+        rows = training.local_batch_size * (2 if self.dpo else 1)  # a preference pair is two sequences
+        return rows * training.seq_len * self.dims.dp_degree * self.step.accum_steps
 
 
 def build_run(cfg: JobConfig, info: DistInfo) -> Run:
@@ -87,7 +88,7 @@ def build_run(cfg: JobConfig, info: DistInfo) -> Run:
     dpo = None
     if cfg.training.dataset_format == "preference":  # DPO (dpo.py): a reference built and sharded like the policy
         copy = functools.partial(build_model, dataclasses.replace(cfg, lora=LoRA()), spec, args, dims, info.device, loss_fn)
-        dpo = build_preference(cfg, model, lambda: copy()[0], spec.hf_adapter, args, model_label(cfg.model), info.device)
+        dpo = build_preference(cfg, lambda: copy()[0], spec.hf_adapter, args, model_label(cfg.model), info.device)
     return Run(cfg, info, dims, spec, args, tokenizer, model, pipeline, loss_fn,
                ForwardSettings.of(cfg, dims, info.device, tokenizer), StepSettings.of(cfg, accum_steps),
                num_params, flops_per_token, dpo)

@@ -19,6 +19,7 @@ like the policy), or from the Hugging Face folder or DCP step folder dpo.referen
 """
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +37,7 @@ from titanlite.config_sections import DPO, JobConfig
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.lora import adapters_off, has_lora
+from titanlite.lora import adapters_off
 from titanlite.models.init import local_tensor
 
 SCALARS = ("dpo/reward_accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward")
@@ -105,6 +106,21 @@ class PreferenceObjective:
         return values
 
 
+def holds_reference_copy(cfg: JobConfig) -> bool:
+    """Whether DPO keeps a second, frozen model (every reference but the LoRA base's own, which is the policy)."""
+    return cfg.training.dataset_format == "preference" and not (cfg.dpo.reference == "initial" and cfg.lora.rank > 0)
+
+
+def as_sequences(cfg: JobConfig) -> JobConfig:
+    """The job with its batch keys counting sequences: preference data holds two per pair (the planner's view)."""
+    if cfg.training.dataset_format != "preference":
+        return cfg
+    training = cfg.training
+    doubled = dataclasses.replace(training, local_batch_size=2 * training.local_batch_size,
+                                  global_batch_size=2 * training.global_batch_size if training.global_batch_size > 0 else -1)
+    return dataclasses.replace(cfg, training=doubled)
+
+
 def local_bytes(model: nn.Module) -> int:
     return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
@@ -126,12 +142,12 @@ def load_reference(reference: nn.Module, path: Path, in_hf: bool, key: str, hf_a
                         "folder or a DCP step folder of this model, or set dpo.reference initial") from None
 
 
-def build_preference(cfg: JobConfig, policy: nn.Module, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
+def build_preference(cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
                      device: torch.device) -> PreferenceObjective:
     """The DPO objective with its reference: the policy's base under LoRA with dpo.reference initial, else `copy()`,
     a model built and sharded like the policy (no adapters, initialised from job.seed), frozen and loaded."""
     dpo = cfg.dpo
-    if dpo.reference == "initial" and has_lora(policy):
+    if not holds_reference_copy(cfg):
         logger.info("DPO reference: the LoRA base with its adapters switched off (no second copy)")
         return PreferenceObjective(dpo, None, device)
     reference = copy().requires_grad_(False)
