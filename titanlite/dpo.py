@@ -83,12 +83,27 @@ class PreferenceObjective:
         with forward_context():
             return model(inputs, **model_kwargs)
 
+    @contextlib.contextmanager
+    def reference_of(self, policy: nn.Module):
+        """The reference model for one forward without gradients, in eval mode, so that MoE's routing statistics and
+        expert balancing count the policy's training forwards only; under LoRA the policy with its adapters off."""
+        if self.reference is not None:
+            with torch.no_grad():
+                yield self.reference
+            return
+        policy.eval()
+        try:
+            with torch.no_grad(), adapters_off(policy):
+                yield policy
+        finally:
+            policy.train()
+
     def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict,
              forward_context: Callable) -> torch.Tensor:
-        """The mean DPO loss of the micro-batch's pairs (the reference's forward first, without gradients, so that
-        what a forward leaves on the model, such as MoE's aux_loss, is the policy's)."""
-        with torch.no_grad(), adapters_off(model) if self.reference is None else contextlib.nullcontext():
-            reference, _ = completion_logps(self.logits(self.reference or model, inputs, model_kwargs, forward_context), labels)
+        """The mean DPO loss of the micro-batch's pairs (the reference's forward first, so that what a forward
+        leaves on the model, such as MoE's aux_loss, is the policy's)."""
+        with self.reference_of(model) as reference_model:
+            reference, _ = completion_logps(self.logits(reference_model, inputs, model_kwargs, forward_context), labels)
         policy, counts = completion_logps(self.logits(model, inputs, model_kwargs, forward_context), labels)
         loss, stats = preference_loss(policy, reference, counts, self.cfg)
         self.totals += stats
@@ -150,7 +165,7 @@ def build_preference(cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, 
     if not holds_reference_copy(cfg):
         logger.info("DPO reference: the LoRA base with its adapters switched off (no second copy)")
         return PreferenceObjective(dpo, None, device)
-    reference = copy().requires_grad_(False)
+    reference = copy().requires_grad_(False).eval()  # eval: its forwards stay out of MoE's training statistics
     if dpo.reference == "initial":
         source, key = cfg.checkpoint.initial_load_path, "checkpoint.initial_load_path"
         in_hf = cfg.checkpoint.initial_load_in_hf

@@ -26,6 +26,8 @@ from titanlite.models.init import full_tensor, trunc_normal_
 
 
 class LoRALinear(nn.Linear):
+    adapters_on = True  # adapters_off() clears it: the layer is then its frozen base (DPO's reference)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, cfg: LoRA, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.scale = cfg.alpha / cfg.rank
@@ -33,8 +35,6 @@ class LoRALinear(nn.Linear):
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
         self.lora_a = nn.Parameter(torch.empty(cfg.rank, in_features, dtype=dtype))
         self.lora_b = nn.Parameter(torch.empty(out_features, cfg.rank, dtype=dtype))
-
-    adapters_on = True  # adapters_off() clears it: the layer is then its frozen base (DPO's reference)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.adapters_on:
