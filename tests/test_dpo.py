@@ -203,3 +203,33 @@ def test_the_planner_counts_the_reference_and_both_sequences_of_a_pair():
     assert lora.reference == 0  # the LoRA base with its adapters off: no copy
     assert full.activations == sft.activations  # 2 pairs are 4 sequences
     assert full.peak - sft.peak == full.reference
+
+
+def test_a_resume_continues_the_losses_of_an_uninterrupted_run(folders, tmp_path):
+    """The reference is rebuilt from its source and the pairs continue from the checkpoint's position."""
+    flags = ["--dpo.reference", folders["reference"], "--training.local_batch_size", "2", "--checkpoint.enable",
+             "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+    assert main(dpo_flags(folders, tmp_path / "whole", 4, *flags)) == 0
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    assert main(dpo_flags(folders, tmp_path / "resumed", 4, *flags)) == 0
+    whole, resumed = (tensorboard_scalars(tmp_path / run / "tb", "loss/train") for run in ("whole", "resumed"))
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == pytest.approx(whole[s], abs=1e-6) for s in (3, 4))
+
+
+def test_ipo_and_label_smoothing_follow_their_formulas():
+    from titanlite.config_sections import DPO
+    from titanlite.dpo import preference_loss
+
+    policy, reference = torch.tensor([-4.0, -9.0, -6.0, -5.0]), torch.tensor([-5.0, -8.0, -6.5, -4.0])
+    counts = torch.tensor([2, 3, 4, 5])
+    ratio = policy - reference  # chosen, rejected of pair 0, then of pair 1
+    loss, stats = preference_loss(policy, reference, counts, DPO(beta=0.5, label_smoothing=0.2))
+    margin = 0.5 * torch.stack([ratio[0] - ratio[1], ratio[2] - ratio[3]])
+    expected = -(0.8 * F.logsigmoid(margin) + 0.2 * F.logsigmoid(-margin)).mean()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    assert stats.tolist() == pytest.approx([2, 2, margin.sum().item(), 0.5 * (ratio[0] + ratio[2]).item(),
+                                            0.5 * (ratio[1] + ratio[3]).item()])
+    averaged = policy / counts - reference / counts  # TRL's IPO: log-probabilities averaged over the completion
+    loss, _ = preference_loss(policy, reference, counts, DPO(beta=0.5, loss_type="ipo"))
+    differences = torch.stack([averaged[0] - averaged[1], averaged[2] - averaged[3]])
+    assert loss.item() == pytest.approx(((differences - 1.0) ** 2).mean().item(), abs=1e-6)
