@@ -114,11 +114,10 @@ class PreferenceObjective:
         totals = self.totals.clone()
         dist.all_reduce(totals)  # TP ranks count their shared pairs alike: the means are unchanged
         self.totals.zero_()
-        pairs, correct, margin, chosen, rejected = (totals / totals[0].clamp(min=1)).tolist()
-        values = dict(zip(SCALARS, (correct, margin, chosen, rejected)))
+        correct, margin, chosen, rejected = (totals[1:] / totals[0].clamp(min=1)).tolist()
         logger.info(f"dpo: reward accuracy {correct:.3f}  margin {margin:.4f}  chosen reward {chosen:.4f}  "
-                    f"rejected reward {rejected:.4f}  ({int(totals[0])} pairs)")
-        return values
+                    f"rejected reward {rejected:.4f}")
+        return dict(zip(SCALARS, (correct, margin, chosen, rejected)))
 
 
 def holds_reference_copy(cfg: JobConfig) -> bool:
