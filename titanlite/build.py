@@ -15,6 +15,7 @@ from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import JobConfig, LoRA, Model, Training
 from titanlite.data.datasets import DataSpec
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.dpo import PreferenceObjective, build_preference
 from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
 from titanlite.loss import build_loss
@@ -50,6 +51,7 @@ class Run:
     step: StepSettings
     num_params: int  # the whole model's
     flops_per_token: float  # training FLOPs per token (metrics.py's MFU)
+    dpo: PreferenceObjective | None = None  # training.dataset_format preference: the DPO loss and its reference
 
     @property
     def device(self) -> torch.device:
@@ -63,7 +65,8 @@ class Run:
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over all data-parallel ranks."""
         training = self.cfg.training
-        return training.local_batch_size * training.seq_len * self.dims.dp_degree * self.step.accum_steps
+        rows = training.local_batch_size * (2 if self.dpo else 1)  # a preference pair is two sequences
+        return rows * training.seq_len * self.dims.dp_degree * self.step.accum_steps
 
 
 def build_run(cfg: JobConfig, info: DistInfo) -> Run:
@@ -82,9 +85,13 @@ def build_run(cfg: JobConfig, info: DistInfo) -> Run:
     model, num_params, flops_per_token, pipeline = build_model(cfg, spec, args, dims, info.device, loss_fn)
     note_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
+    dpo = None
+    if cfg.training.dataset_format == "preference":  # DPO (dpo.py): a reference built and sharded like the policy
+        copy = functools.partial(build_model, dataclasses.replace(cfg, lora=LoRA()), spec, args, dims, info.device, loss_fn)
+        dpo = build_preference(cfg, lambda: copy()[0], spec.hf_adapter, args, model_label(cfg.model), info.device)
     return Run(cfg, info, dims, spec, args, tokenizer, model, pipeline, loss_fn,
                ForwardSettings.of(cfg, dims, info.device, tokenizer), StepSettings.of(cfg, accum_steps),
-               num_params, flops_per_token)
+               num_params, flops_per_token, dpo)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

@@ -4,6 +4,8 @@ Only pure config rules live here; checks that need facts of the run (the world s
 tokenizer's vocabulary, the model's context) stay where those facts are known.
 """
 
+import dataclasses
+
 from titanlite.config_sections import JobConfig
 from titanlite.errors import UserError
 
@@ -38,6 +40,9 @@ def check_dataset_format(cfg: JobConfig) -> None:
             raise UserError("training.train_on and training.chat_template apply to training.dataset_format chat or "
                             "prompt_completion; set the format or leave them at their defaults")
         return
+    if fmt == "preference" and training.train_on != "assistant":
+        raise UserError(f"training.train_on {training.train_on} does not apply to training.dataset_format preference, which "
+                        "trains each pair's completion; leave training.train_on at assistant")
     if cfg.model.attention_mask != "block_causal":
         raise UserError(f"training.dataset_format {fmt} packs several conversations into a window, which must not attend "
                         "to each other; set model.attention_mask block_causal")
@@ -220,6 +225,33 @@ def check_eval(cfg: JobConfig) -> None:
                                 "with python -m titanlite.eval")
 
 
+DPO_UNSUPPORTED_DEGREES = ("pipeline_parallel_degree", "context_parallel_degree")
+
+
+def check_dpo(cfg: JobConfig) -> None:
+    """[dpo] trains on preference data only; its step runs the reference and the policy on whole sequences of one
+    model (no pipeline stages, no sequence shards), and validation measures the plain next-token loss."""
+    dpo, fmt = cfg.dpo, cfg.training.dataset_format
+    if fmt != "preference":
+        changed = [f.name for f in dataclasses.fields(dpo) if getattr(dpo, f.name) != getattr(type(dpo)(), f.name)]
+        if changed:
+            raise UserError(f"dpo.{changed[0]} applies to training.dataset_format preference only; set that format or leave "
+                            "the [dpo] keys at their defaults")
+        return
+    for key in DPO_UNSUPPORTED_DEGREES:
+        degree = getattr(cfg.parallelism, key)
+        if degree > 1:
+            raise UserError(f"training.dataset_format preference (DPO) with parallelism.{key} {degree} is not supported yet "
+                            "(a pair's log-probabilities are summed over whole sequences on one model); set it to 1 and use "
+                            "FSDP or tensor parallelism")
+    if dpo.loss_type == "ipo" and dpo.label_smoothing:
+        raise UserError(f"dpo.label_smoothing {dpo.label_smoothing} applies to dpo.loss_type sigmoid only; set it to 0 or "
+                        "use loss_type sigmoid")
+    if cfg.validation.enable:
+        raise UserError("validation.enable measures the next-token loss, which means nothing for training.dataset_format "
+                        "preference (DPO) yet; set validation.enable false")
+
+
 def check_rules(cfg: JobConfig) -> None:
     check_optimizer(cfg)
     check_multi_token_prediction(cfg)
@@ -233,3 +265,4 @@ def check_rules(cfg: JobConfig) -> None:
     check_lora(cfg)
     check_fault_tolerance(cfg)
     check_eval(cfg)
+    check_dpo(cfg)

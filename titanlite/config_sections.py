@@ -82,8 +82,8 @@ class DataSource:
 
 @dataclass
 class Training:
-    local_batch_size: int = opt(8, "sequences per rank per micro-step", at_least=1)
-    global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks; above local x dp means gradient accumulation; -1 = local x dp", at_least=1, sentinels=(-1,))
+    local_batch_size: int = opt(8, "sequences per rank per micro-step (dataset_format preference: pairs, two sequences each)", at_least=1)
+    global_batch_size: int = opt(-1, "sequences (preference pairs) per optimizer step over all ranks; above local x dp means gradient accumulation; -1 = local x dp", at_least=1, sentinels=(-1,))
     seq_len: int = opt(2048, "tokens per sequence", at_least=1)
     steps: int = opt(10000, "optimizer steps to train for", at_least=1)
     epochs: float = opt(0.0, "train this many passes over the data; above 0 it sets training.steps (said at start), for a token store or chat data, whose epoch length is known at start; 0 = train training.steps", at_least=0)
@@ -92,9 +92,9 @@ class Training:
     dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files) or a token store (python -m titanlite.data.prepare, read in one order at any scale); setting it means dataset = local")
     dataset_mix: list[DataSource] = opt([], "weighted sources instead of dataset/dataset_path, a TOML array of tables [{ path = \"a\", weight = 0.7 }, ...] (stores or raw files); read in one order at any scale")
     dataset_text_field: str = opt("text", "field holding the text in json/parquet/arrow records")
-    dataset_format: str = opt("text", "text (documents in dataset_text_field), chat (records with messages, a list of {role, content}: system/user/assistant) or prompt_completion (records with prompt and completion); the last two are rendered with the chat template and packed whole, in one order at any scale; dataset_path may also be a chat store (python -m titanlite.data.prepare --format chat)", choices=("text", "chat", "prompt_completion"))
+    dataset_format: str = opt("text", "text (documents in dataset_text_field), chat (records with messages, a list of {role, content}: system/user/assistant), prompt_completion (records with prompt and completion) or preference (records with prompt, chosen and rejected, trained with DPO: the [dpo] section); chat and prompt_completion are rendered with the chat template and packed whole, in one order at any scale, and dataset_path may also be a chat store (python -m titanlite.data.prepare --format chat); preference pairs are rendered with the chat template, one sequence per row", choices=("text", "chat", "prompt_completion", "preference"))
     train_on: str = opt("assistant", "with dataset_format chat or prompt_completion, the tokens in the loss: every assistant turn, the last_assistant turn only, or all of the conversation", choices=("assistant", "last_assistant", "all"))
-    chat_template: str = opt("", "jinja chat template file for dataset_format chat or prompt_completion; empty = the chat_template of the tokenizer_config.json in model.hf_assets_path")
+    chat_template: str = opt("", "jinja chat template file for dataset_format chat, prompt_completion or preference; empty = the chat_template of the tokenizer_config.json in model.hf_assets_path")
     num_workers: int = opt(0, "data-loading worker processes per rank", at_least=0)
     mixed_precision_param: str = opt("bfloat16", "dtype FSDP computes in (autocast dtype without FSDP)", choices=("bfloat16", "float32"))
     mixed_precision_reduce: str = opt("float32", "dtype of FSDP gradient reduction", choices=("float32", "bfloat16"))
@@ -220,6 +220,16 @@ class LoRA:
 
 
 @dataclass
+class DPO:
+    """Direct preference optimization, for training.dataset_format preference (titanlite/dpo.py)."""
+
+    beta: float = opt(0.1, "a completion's reward is beta x (its log-probability under the policy - under the reference), log-probabilities summed over its trained tokens; a higher beta keeps the policy nearer the reference", above=0)
+    loss_type: str = opt("sigmoid", "sigmoid (the DPO paper: -log sigmoid of the chosen reward minus the rejected one) or ipo (IPO: the squared distance of the log-ratio margin, with log-probabilities averaged over the completion's tokens as TRL does, from 1 / (2 beta))", choices=("sigmoid", "ipo"))
+    label_smoothing: float = opt(0.0, "loss_type sigmoid: the assumed share of pairs whose chosen and rejected are swapped (conservative DPO); 0 = none", at_least=0, below=0.5)
+    reference: str = opt("initial", "the frozen reference model: initial (the weights training starts from, checkpoint.initial_load_path or job.seed's; under LoRA the base with the adapters switched off, no second copy) or the path of a Hugging Face folder or a DCP step folder of the same model (a frozen copy, sharded like the policy)")
+
+
+@dataclass
 class FaultTolerance:
     """Replica groups that survive one another's loss (torchft); the lighthouse address is TORCHFT_LIGHTHOUSE."""
 
@@ -276,6 +286,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     plan: Plan = field(default_factory=Plan)
     lora: LoRA = field(default_factory=LoRA)
+    dpo: DPO = field(default_factory=DPO)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     generate: Generate = field(default_factory=Generate)
     eval: Eval = field(default_factory=Eval)

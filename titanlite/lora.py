@@ -9,6 +9,7 @@ adapters and their optimizer state; a resume reloads the base from checkpoint.in
 initialises it again from job.seed) first.
 """
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -25,6 +26,8 @@ from titanlite.models.init import full_tensor, trunc_normal_
 
 
 class LoRALinear(nn.Linear):
+    adapters_on = True  # adapters_off() clears it: the layer is then its frozen base (DPO's reference)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, cfg: LoRA, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.scale = cfg.alpha / cfg.rank
@@ -34,6 +37,8 @@ class LoRALinear(nn.Linear):
         self.lora_b = nn.Parameter(torch.empty(out_features, cfg.rank, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapters_on:
+            return super().forward(x)
         return super().forward(x) + F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
 
     def init_lora(self, key: str, seed: int) -> None:
@@ -137,6 +142,19 @@ def is_adapter(name: str) -> bool:
 
 def has_lora(model: nn.Module) -> bool:
     return any(isinstance(module, LoRALinear) for module in model.modules())
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The model as its frozen base while inside: every adapted layer skips its adapter (no second copy of the base)."""
+    layers = [module for module in model.modules() if isinstance(module, LoRALinear)]
+    for layer in layers:
+        layer.adapters_on = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_on = True
 
 
 def adapted_layers(model: nn.Module) -> dict[str, LoRALinear]:

@@ -27,13 +27,13 @@ class StepSettings:
     max_norm: float  # training.max_norm: gradient clipping
     aux_loss_coeff: float  # model.moe_aux_loss_coeff: the weight of a model's balance loss
     skip_nonfinite: bool = False  # training.on_nonfinite skip: a step with NaN or inf applies no update
-    per_trained_token: bool = False  # chat data: the loss is over the trained tokens of the whole global batch
+    per_trained_token: bool = False  # chat data: the loss is over the trained tokens of the whole global batch (DPO: over pairs)
     bias_update_rate: float = 0.0  # model.moe_bias_update_rate: aux-loss-free balancing (balance_experts)
 
     @classmethod
     def of(cls, cfg: JobConfig, accum_steps: int) -> "StepSettings":
         return cls(accum_steps, cfg.training.max_norm, cfg.model.moe_aux_loss_coeff, cfg.training.on_nonfinite == "skip",
-                   cfg.training.dataset_format != "text", cfg.model.moe_bias_update_rate)
+                   cfg.training.dataset_format not in ("text", "preference"), cfg.model.moe_bias_update_rate)
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ def train_step(run, optimizer, scheduler, batches, metrics, replicas=None):
                 total_loss += pipeline.train_microstep(inputs, labels, scale, settings.aux_loss_coeff, model_kwargs)
             continue
         with loss_parallel_context(run.forward.loss_parallel):
-            loss = scale.apply(micro_batch_loss(model, inputs, labels, model_kwargs, run.loss_fn, context()), labels)
+            loss = scale.apply(micro_batch_loss(model, inputs, labels, model_kwargs, run.loss_fn, context()) if run.dpo is None
+                               else run.dpo.loss(model, inputs, labels, model_kwargs, context), labels)
             aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
             objective = loss if aux_loss is None else loss + scale.aux_term(aux_loss, settings.aux_loss_coeff)
             mtp_loss = getattr(model, "mtp_loss", None)  # DeepSeek-V3's multi-token prediction, weighted already

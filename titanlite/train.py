@@ -103,7 +103,8 @@ class Loop:
         preempted = self.stop.should_stop(step, loss, grad_norm, settle)
         if logged:
             metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
-                        extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader),
+                        extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader)
+                        | (run.dpo.scalars() if run.dpo else {}),
                         trained=metrics.trained_per_step(step), epoch=epochs_done(self.dataloader))
         if validating and not preempted:
             validation_seconds = time.perf_counter()

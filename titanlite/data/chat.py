@@ -39,7 +39,7 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_response": "too
 MASK_RULES = "2"
 # What a template reads of a message (Qwen3 renders reasoning_content and tool_calls), and the turn's own train flag.
 KEPT = ("role", "content", "reasoning_content", "tool_calls", "name", "tool_call_id", "train")
-FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"), "preference": ("prompt", "chosen", "rejected")}
 
 
 def raise_exception(message):
@@ -67,7 +67,7 @@ class ChatRenderer:
 
     def __init__(self, tokenizer, chat_template_path: str):
         if not isinstance(tokenizer, HFTokenizer):
-            raise UserError("training.dataset_format chat and prompt_completion need a Hugging Face tokenizer (tokenizer.json) "
+            raise UserError("training.dataset_format chat, prompt_completion and preference need a Hugging Face tokenizer (tokenizer.json) "
                             "that reads the template's special tokens; set model.hf_assets_path to the model's folder")
         if chat_template_path:
             try:
@@ -177,9 +177,10 @@ def conversation(record: dict, dataset_format: str, number: int, where: str) -> 
 
 
 class Conversations(Sequence):
-    """The checked conversations of local data files, as message lists."""
+    """The checked conversations of local data files, as message lists (`parse`: a record -> what it holds, checked;
+    preference.py's gives a pair of them)."""
 
-    def __init__(self, dataset_path: str, dataset_format: str, key: str):
+    def __init__(self, dataset_path: str, dataset_format: str, key: str, parse=None):
         loader, files = find_data_files(Path(dataset_path), key)
         fields = FIELDS[dataset_format]
         if loader not in ("json", "parquet"):
@@ -199,7 +200,7 @@ class Conversations(Sequence):
             raise UserError(f"{key} {dataset_path} has no field {missing[0]!r} (its fields are {', '.join(records.column_names)}), "
                             f"which training.dataset_format {dataset_format} reads; fix the data or the format")
         self.records = records.select_columns(list(fields))
-        self.messages = [conversation(record, dataset_format, number, f"{key} {dataset_path}")
+        self.messages = [(parse or conversation)(record, dataset_format, number, f"{key} {dataset_path}")
                          for number, record in enumerate(self.records, start=1)]
 
     def __len__(self) -> int:

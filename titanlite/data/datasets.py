@@ -28,6 +28,7 @@ from titanlite.data.documents import IndexedDocuments, StreamedDocuments
 from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.local_files import load_local_documents
 from titanlite.data.packing import PackedTokens, SyntheticTokens
+from titanlite.data.preference import preference_loader
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
 from titanlite.data.sources import global_windows
 from titanlite.data.store import is_store, open_store
@@ -132,7 +133,7 @@ class DataSpec:
     infinite: bool = True  # False: one pass over the data, and every new iter() starts it again from the beginning
     section: str = "training"
     dataset_mix: list = ()
-    dataset_format: str = "text"  # chat / prompt_completion: local records rendered with the chat template
+    dataset_format: str = "text"  # chat / prompt_completion / preference: local records rendered with the chat template
     train_on: str = "assistant"
     chat_template: str = ""
 
@@ -146,6 +147,8 @@ def build_dataloader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int,
     dataset_format chat / prompt_completion: local records (or a chat store) rendered with the chat template
     (chat.py) and packed whole in one global order, with labels IGNORED outside the trained tokens.
     """
+    if data.dataset_format == "preference":
+        return preference_loader(data, tokenizer, dp_rank, dp_world, seed)
     if data.dataset_format != "text":
         return conversation_loader(data, tokenizer, dp_rank, dp_world, seed)
     dataset, dataset_path, section = data.dataset, data.dataset_path, data.section

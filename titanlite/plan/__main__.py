@@ -17,9 +17,11 @@ def memory_table(role: str, m: Memory) -> str:
     rows = [("params", m.params), ("grads", m.grads), ("optimizer", m.optimizer), ("activations", m.activations),
             ("fsdp buffers", m.buffers), ("peak (allocated)", m.peak), ("needs (+margin, context)", m.needs),
             ("GPU memory", m.capacity)]
+    if m.reference:  # DPO's frozen reference model
+        rows.insert(1, ("reference model", m.reference))
     lines = [f"memory of {role} (GiB):"] + [f"  {name:<26}{value / GIB:>10.2f}" for name, value in rows]
     if m.peak_range:  # compiled: between the lower bound and the eager count (plan/memory.py)
-        lines.insert(7, f"  {'compiled, lower - eager':<26}{m.peak_range[0] / GIB:>10.2f} - {m.peak_range[1] / GIB:.2f}")
+        lines.insert(len(lines) - 2, f"  {'compiled, lower - eager':<26}{m.peak_range[0] / GIB:>10.2f} - {m.peak_range[1] / GIB:.2f}")
     lines.append(f"  {'share of the GPU':<26}{100 * m.share:>9.1f}%")
     return "\n".join(lines)
 

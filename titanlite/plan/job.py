@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from titanlite.build import meta_model, resolve_model_args
 from titanlite.config_rules import check_context_parallel
-from titanlite.config_sections import JobConfig
+from titanlite.config_sections import JobConfig, LoRA
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.dpo import as_sequences, holds_reference_copy
 from titanlite.errors import UserError
 from titanlite.models import get_model_spec
 from titanlite.plan.activations import activations, middle_stage_transient, per_block_and_ends
@@ -85,7 +86,7 @@ def plan_states(cfg: JobConfig, world: int) -> dict[int, dict[str, int]]:
     other holding more blocks than the first (ZBV's V over uneven stages). The others hold no more than
     the first (no embedding) and no more microbatches in flight (plan/pipeline.py): they are bounded.
     Memoized on everything the build reads."""
-    key = repr((cfg.model, cfg.training, cfg.lora, cfg.optimizer.name, buildable(cfg), world))
+    key = repr((cfg.model, cfg.training, cfg.lora, cfg.dpo, cfg.optimizer.name, buildable(cfg), world))
     if key not in STATES:
         STATES[key] = build_states(cfg, world)
     return STATES[key]
@@ -103,6 +104,9 @@ def build_states(cfg: JobConfig, world: int) -> dict[int, dict[str, int]]:
         with fake_world(world, rank=pp_rank * world // pp):  # pp is the mesh's outermost dimension
             dims.build_mesh("cpu")
             states[pp_rank] = state_bytes(sharded_model(cfg, spec, args, dims), cfg.optimizer.name)
+            if holds_reference_copy(cfg):  # DPO's frozen reference: built and sharded like the policy, without adapters
+                reference = sharded_model(dataclasses.replace(cfg, lora=LoRA()), spec, args, dims)
+                states[pp_rank]["reference"] = state_bytes(reference, cfg.optimizer.name)["params"]
     return states
 
 
@@ -126,7 +130,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
 
 def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]]) -> JobPlan:
     """Memory and speed of a job whose per-rank state is known (planned, or counted by the trainer),
-    for each pp rank in `states`."""
+    for each pp rank in `states`. DPO's batch keys count pairs: its activations and speed are those of the sequences."""
+    cfg = as_sequences(cfg)
     gpu = GPUS[cfg.plan.gpu]
     whole = meta_model(spec, args, cfg.training.param_dtype, cfg.lora)
     block = max(gathered_params(b, dims.ep) for b in whole.layers.values())  # what FSDP gathers of a block

@@ -37,6 +37,7 @@ class Memory:
     peak_range: tuple[int, int] | None  # compiled: the peak at the lower and the upper (eager) bound
     needs: int  # peak with the allocator margin and the CUDA context
     capacity: int
+    reference: int = 0  # DPO's frozen reference model (dpo.py), sharded like the parameters; 0 without one
 
     @property
     def share(self) -> float:
@@ -86,10 +87,11 @@ def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffer
     """`acts`: the eager tally; `lower`: a compiled step's lower bound (None when the blocks are not compiled)."""
     on_gpu = {k: 0 for k in state} if cfg.parallelism.fsdp_cpu_offload else state  # offload keeps them in CPU memory
     params, grads, optimizer = on_gpu["params"], on_gpu["grads"], on_gpu["optimizer"]
+    reference = on_gpu.get("reference", 0)  # DPO's reference: offloaded like the parameters it copies
 
     def peak_with(activations: int) -> int:
-        backward = params + optimizer + activations + buffers
-        step = params + optimizer + grads + optimizer_temporaries(cfg, params)
+        backward = params + reference + optimizer + activations + buffers
+        step = params + reference + optimizer + grads + optimizer_temporaries(cfg, params)
         return max(backward, step)
 
     # Under PP the bounds are composed from per-block tallies (plan/pipeline.py), which can put the lower one
@@ -99,4 +101,4 @@ def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffer
     peak = peak_with(kept)
     needs = int(peak * (1 + ALLOCATOR_MARGIN) + CONTEXT_GIB * GIB)
     bounds = None if lower is None else (peak_with(least), peak_with(acts.peak))
-    return Memory(params, grads, optimizer, kept, buffers, peak, bounds, needs, int(capacity_gib * GIB))
+    return Memory(params, grads, optimizer, kept, buffers, peak, bounds, needs, int(capacity_gib * GIB), reference)

@@ -124,7 +124,7 @@ class Speed:
 
 @dataclass(frozen=True)
 class Recompute:
-    """Extra work of AC's recompute, as a share of the step's work of each kind."""
+    """Extra work of AC's recompute (and of DPO's reference forward), as a share of the step's work of each kind."""
 
     matmul: float
     attention: float
@@ -132,15 +132,18 @@ class Recompute:
 
 
 def recompute(cfg: JobConfig) -> Recompute:
+    """AC's recompute; DPO adds the reference model's forward on every sequence, a third more of each kind (counted
+    with the recompute, though it runs before the policy's forward)."""
     ac = cfg.activation_checkpoint
+    reference = 1 / 3 if cfg.training.dataset_format == "preference" else 0.0
     if ac.mode == "full":
-        return Recompute(1 / 3, 1 / 3, 1 / 3)
+        return Recompute(1 / 3 + reference, 1 / 3 + reference, 1 / 3 + reference)
     if ac.mode == "selective":
         every = every_nth(ac.selective_ac_option)
         if every is not None:
-            return Recompute(1 / (3 * every), 1 / (3 * every), 1 / (3 * every))
-        return Recompute(1 / 6, 0.0, 0.0 if cfg.compile.enable else 1 / 3)
-    return Recompute(0.0, 0.0, 0.0)
+            return Recompute(*[1 / (3 * every) + reference] * 3)
+        return Recompute(1 / 6 + reference, reference, (0.0 if cfg.compile.enable else 1 / 3) + reference)
+    return Recompute(reference, reference, reference)
 
 
 def compute_parts(cfg: JobConfig, gpu: Gpu, shape: Shape, tokens: float, state_bytes: int, tp: int) -> dict[str, float]:

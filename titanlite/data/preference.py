@@ -1,0 +1,133 @@
+"""Preference pairs for DPO (training.dataset_format preference), in one global order at any scale.
+
+A record is TRL's preference form: conversational, {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
+(the completions usually one assistant message each), or plain text, {"prompt": str, "chosen": str, "rejected": str},
+which is read as one user turn answered by one assistant turn. Each completion is rendered after its prompt with the
+chat template, exactly as SFT renders a conversation (chat.py), and trains the tokens SFT would train of its assistant
+turns, through the end-of-turn token; assistant turns inside the prompt are context, never trained.
+
+Layout: pair g of the stream is two rows, chosen then rejected, each one whole sequence padded with eos to
+seq_len + 1 tokens (labels IGNORED outside the completion). A pair is never packed with another: the DPO loss needs
+each sequence's log-probability on its own, and one sequence per row gives it from the plain causal forward with
+no document bookkeeping; the two rows of a pair sit in the same micro-batch, so the loss of every pair is computed
+where both its halves are. Epoch e visits the pairs in the order of a permutation drawn from (seed, e), and
+global_order.py deals pair g to the ranks as it deals window g: any split of the global batch reads the same pairs.
+training.local_batch_size counts pairs, so a micro-batch holds 2 x local_batch_size rows.
+"""
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from titanlite.data.chat import ChatRenderer, Conversations, chat_record, checked_message, tokenize_conversation
+from titanlite.data.conversation_windows import IGNORED
+from titanlite.data.documents import seeded_rng
+from titanlite.data.global_order import GlobalOrderLoader
+from titanlite.data.packing import split_window
+from titanlite.errors import UserError
+from titanlite.log import logger
+
+HALVES = ("chosen", "rejected")
+
+
+def messages_of(value, field: str, number: int, where: str) -> list[dict]:
+    """A conversational record's prompt or completion: a non-empty list of messages, each checked as SFT checks it."""
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where}: record {number} (counting from 1) has a {field} that is neither text nor a non-empty "
+                        "list of messages; fix or remove it")
+    return [checked_message(message, number, where) for message in value]
+
+
+def preference_pair(record: dict, dataset_format: str, number: int, where: str) -> tuple[list[dict], list[dict]]:
+    """(chosen conversation, rejected conversation) of one record: the prompt's messages (its assistant turns left
+    out of the loss) followed by each completion's."""
+    at = f"{where}: record {number} (counting from 1)"
+    for field in ("prompt", *HALVES):
+        if record[field] is None:
+            raise UserError(f"{at} has no {field}; give every record a prompt, a chosen and a rejected completion")
+    if all(isinstance(record[field], str) for field in ("prompt", *HALVES)):
+        prompt = [{"role": "user", "content": record["prompt"]}]
+        completions = [[{"role": "assistant", "content": record[half]}] for half in HALVES]
+    elif any(isinstance(record[field], str) for field in ("prompt", *HALVES)):
+        raise UserError(f"{at} mixes text and message lists among prompt, chosen and rejected; use one form for all three")
+    else:
+        prompt = [{**message, "train": False} if message["role"] == "assistant" else message
+                  for message in messages_of(record["prompt"], "prompt", number, where)]
+        completions = [messages_of(record[half], half, number, where) for half in HALVES]
+    for half, completion in zip(HALVES, completions):
+        if not any(message["role"] == "assistant" for message in completion):
+            raise UserError(f"{at} has a {half} completion without an assistant message, so nothing of it would be "
+                            "trained; fix or remove the record")
+    return prompt + completions[0], prompt + completions[1]
+
+
+class PreferencePairs(Dataset):
+    """Pair g of the global stream as (inputs [2, seq_len], labels [2, seq_len]): chosen, then rejected."""
+
+    def __init__(self, pairs: list[tuple], seq_len: int, seed: int, pad_id: int, where: str):
+        self.window_len, self.seed, self.pad_id = seq_len + 1, seed, pad_id
+        truncated = sum(len(ids) > self.window_len for pair in pairs for ids, _ in pair)
+        kept = [pair for pair in pairs if all(any(trained[1:self.window_len]) for _, trained in pair)]
+        if not kept:
+            raise UserError(f"{where}: no pair has a trained token of both completions within training.seq_len + 1 = "
+                            f"{self.window_len} tokens; raise training.seq_len")
+        if truncated:
+            logger.info(f"{where}: {truncated:,} of {2 * len(pairs):,} sequences are longer than training.seq_len + 1 = "
+                        f"{self.window_len} tokens and are truncated")
+        if len(kept) < len(pairs):
+            logger.info(f"{where}: {len(pairs) - len(kept):,} pairs have a completion cut off before any trained token "
+                        "and are left out")
+        self.pairs = kept
+        trained = sum(int(np.sum(flags[1:self.window_len])) for pair in kept for _, flags in pair)
+        logger.info(f"{where}: an epoch is {len(kept):,} preference pairs, {trained:,} trained tokens in their completions")
+        self.orders: dict[int, np.ndarray] = {}
+
+    def windows_per_epoch(self) -> int:
+        return len(self.pairs)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self.orders:
+            self.orders = {epoch: seeded_rng(self.seed, epoch).permutation(len(self.pairs))}
+        return self.orders[epoch]
+
+    def row(self, ids: list[int], trained: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        length = min(len(ids), self.window_len)
+        tokens = np.full(self.window_len, self.pad_id, dtype=np.int64)
+        flags = np.zeros(self.window_len, dtype=bool)
+        tokens[:length], flags[:length] = ids[:length], trained[:length]
+        inputs, labels = split_window(torch.from_numpy(tokens))
+        return inputs, labels.masked_fill(~torch.from_numpy(flags[1:]), IGNORED)
+
+    def __getitem__(self, g: int):
+        epoch, index = divmod(g, len(self.pairs))
+        rows = [self.row(*half) for half in self.pairs[int(self.order(epoch)[index])]]
+        return torch.stack([inputs for inputs, _ in rows]), torch.stack([labels for _, labels in rows])
+
+
+class PairLoader(GlobalOrderLoader):
+    """A GlobalOrderLoader of pairs whose batches are [2 x pairs, seq_len]: rows 2i and 2i + 1 are pair i's chosen
+    and rejected (dpo.py reads them so)."""
+
+    def __iter__(self):
+        for inputs, labels in super().__iter__():
+            yield inputs.flatten(0, 1), labels.flatten(0, 1)
+
+    def tokens_by_source(self) -> dict[str, int]:
+        return {name: 2 * tokens for name, tokens in super().tokens_by_source().items()}
+
+
+def preference_loader(data, tokenizer, dp_rank: int, dp_world: int, seed: int) -> PairLoader:
+    """Preference records at data.dataset_path (datasets.py's DataSpec), rendered with the chat template."""
+    key, path = f"{data.section}.dataset_path", data.dataset_path
+    renderer = ChatRenderer(tokenizer, data.chat_template)
+    records = Conversations(path, "preference", key, parse=preference_pair)
+    encode = functools.partial(tokenize_conversation, renderer, tokenizer, train_on="assistant")
+    pairs = [tuple(encode(messages) for messages in pair) for pair in records]
+    windows = PreferencePairs(pairs, data.seq_len, seed, tokenizer.eos_id, f"{key} {path}")
+    identity = {"sources": [str(Path(path).resolve())], "seed": seed, "seq_len": data.seq_len,
+                **chat_record(renderer, "preference", "assistant")}
+    return PairLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world, num_workers=data.num_workers,
+                      finite=not data.infinite, identity=identity, source_names=[Path(path).name], seq_len=data.seq_len)
