@@ -199,3 +199,19 @@ def test_gpt2_fused_and_conv1d_adapters_load_in_peft(tmp_path):
         merged_logits = merged(tokens).logits
     assert (peft_logits - base_logits).abs().max() > 1e-3
     assert (peft_logits - merged_logits).abs().max() < 1e-5
+
+
+def test_adapters_start_the_same_with_or_without_activation_checkpointing(world_of_one):
+    """Each A is drawn from its state-dict name, AC's wrapper left out: turning AC on changes no starting value."""
+    from titanlite.build import build_run
+    from titanlite.config import load_config
+    from titanlite.lora import adapted_layers
+    from titanlite.parallel.dist import DistInfo
+
+    starts = []
+    for mode in ("none", "full"):
+        cfg = load_config([*ON_CPU, "--job.config_file", DEBUG_CONFIG, *LORA, "--activation_checkpoint.mode", mode])
+        run = build_run(cfg, DistInfo(0, 1, torch.device("cpu"), ""))
+        starts.append({name: layer.lora_a.detach().clone() for name, layer in adapted_layers(run.model).items()})
+    assert starts[0].keys() == starts[1].keys() and len(starts[0]) == 7 * 6
+    assert all(torch.equal(starts[0][name], starts[1][name]) for name in starts[0])

@@ -130,10 +130,10 @@ def keep_frozen_linears_in_bf16(model: nn.Module) -> None:
 
 
 def init_lora(model: nn.Module, seed: int) -> None:
-    """After the model's init_weights: A drawn (the same values under any sharding), B zero."""
-    for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            module.init_lora(name, seed)
+    """After the model's init_weights: A drawn (the same values under any sharding, and with or without activation
+    checkpointing or compile: the key is the state dict's name, their wrappers left out), B zero."""
+    for name, module in adapted_layers(model).items():
+        module.init_lora(name, seed)
 
 
 def is_adapter(name: str) -> bool:
