@@ -28,11 +28,25 @@ ON_CPU = ["--job.device", "cpu"]
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the extended tier: wider or repeated checks of what the default tier checks more cheaply")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: runs the real GPU code paths; skipped (with the reason) without a CUDA GPU")
+    config.addinivalue_line("markers", "extended: a wider or repeated check of a capability the default tier checks more "
+                                       "cheaply (every layout, schedule, family or shipped config); run with --extended")
 
 
 def pytest_collection_modifyitems(config, items):
+    """The default tier leaves the extended tests out (docs/testing.md: the 15-minute budget on 2 cores); the cuda
+    tier is skipped, with its reason, where there is no GPU."""
+    if not config.getoption("--extended"):
+        extended = [item for item in items if item.get_closest_marker("extended")]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if not item.get_closest_marker("extended")]
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
     for item in items:
         if item.get_closest_marker("cuda") and not HAS_CUDA:

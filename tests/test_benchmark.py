@@ -1,5 +1,6 @@
 """scripts/benchmark.py in its short mode: every kind of row runs and the comparisons are printed."""
 
+import pytest
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import sys
 from conftest import ROOT
 
 
+@pytest.mark.extended
 def test_short_benchmark_prints_the_table_and_comparisons(tmp_path):
     out = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--short", "--work-dir", str(tmp_path)],

@@ -274,6 +274,7 @@ def saved_routing_biases(run_folder) -> dict[str, torch.Tensor]:
     return load_in_place(path, {name: torch.empty(8) for name in names})
 
 
+@pytest.mark.extended
 def test_trains_on_the_sample_under_fsdp2_tp2_pp2_as_on_one_process(tmp_path):
     """20 steps of the debug model (one dense block, three MoE blocks, low-rank q, 8 experts in 4
     groups) in each layout: the loss falls by more than 1. FSDP2, TP2 (MLA split on heads, experts

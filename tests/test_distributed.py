@@ -54,7 +54,7 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path):
         assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-5)
 
 
-@pytest.mark.parametrize("replicate", ["1", "2"], ids=["fsdp", "hsdp-2x1"])
+@pytest.mark.parametrize("replicate", ["1", pytest.param("2", marks=pytest.mark.extended)], ids=["fsdp", "hsdp-2x1"])
 def test_two_ranks_learn_on_the_sample_corpus(tmp_path, replicate):
     flags = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
              "--training.seq_len", "128", "--training.steps", "16", "--metrics.log_freq", "1",

@@ -374,6 +374,7 @@ def family_run(folder, data, family, local_batch):
     ]
 
 
+@pytest.mark.extended
 def test_fsdp_two_ranks_equal_one_process_and_learn(tmp_path):
     """Every family but Llama (tested on its own elsewhere), global batch 8: one process with 8 rows, or two
     FSDP ranks with 4 each (8 rows keep GPT-2's early steps free of spikes, which would magnify rounding

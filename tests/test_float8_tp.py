@@ -25,6 +25,7 @@ from titanlite.train import main
 pytest.importorskip("torchao")
 
 
+@pytest.mark.extended
 def test_tp2_float8_equals_one_process_float8(tmp_path):
     results = torchrun_json("float8_tp_run.py", tmp_path)
     assert sorted(results) == ["rowwise", "tensorwise"]
@@ -39,6 +40,7 @@ def test_tp2_float8_equals_one_process_float8(tmp_path):
         assert tp == pytest.approx(one, abs=1e-6) and abs(one - plain) > 1e-5, (recipe, tp, one, plain)
 
 
+@pytest.mark.extended
 def test_gpt2_fused_qkv_in_float8_under_tp_is_one_sentence(tiny_run):
     out = run_titanlite([*tiny_run, "--model.name", "gpt2", "--float8.enable", "--float8.emulate",
                          "--parallelism.tensor_parallel_degree", "2"], nproc=2, fresh_ranks=True)

@@ -82,6 +82,7 @@ def test_lora_trains_saves_only_the_adapters_and_resumes_exactly(tmp_path, capsy
     assert "is adapted in the checkpoint alone); resume with the lora.target_modules it was trained with" in err
 
 
+@pytest.mark.extended
 def test_lora_under_fsdp2_equals_one_process(tmp_path):
     """The same global batch of 4 (synthetic tokens, fp32): one process with 4, or two FSDP ranks with 2 each."""
     same = ["--training.dataset", "synthetic", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard"]
@@ -117,6 +118,7 @@ def test_peft_adapter_on_the_transformers_base_equals_the_merged_export(tmp_path
     assert torch.allclose(peft_logits, merged_logits, atol=1e-4)
 
 
+@pytest.mark.extended
 def test_bf16_base_changes_no_result_and_resumes(tmp_path, capsys):
     """lora.base_dtype bfloat16 stores the frozen linears in the bf16 they compute in under
     mixed_precision_param bfloat16: losses equal the float32 base's exactly, on one process and on two

@@ -172,6 +172,7 @@ def test_unknown_flavor_suggests_closest():
         get_model_args(get_model_spec("llama3"), "8b")
 
 
+@pytest.mark.extended
 def test_cli_table():
     result = subprocess.run([sys.executable, "-m", "titanlite.models"], capture_output=True, text=True, check=True)
     assert "8,030,261,248" in result.stdout and "405,853,388,800" in result.stdout

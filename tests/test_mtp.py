@@ -118,6 +118,7 @@ def mtp_run(folder, local_batch):
     ]
 
 
+@pytest.mark.extended
 def test_fsdp_two_ranks_equal_one_process(tmp_path):
     one, two = mtp_run(tmp_path / "one", 4), mtp_run(tmp_path / "two", 2)
     first = run_titanlite(one)

@@ -55,7 +55,9 @@ INJECTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", INJECTIONS)
+# Two observers in the default tier (one that draws the loss lines, one that does not), the rest in the extended.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in ("metrics", "profiling") else pytest.mark.extended)
+                                  for name in INJECTIONS])
 def test_a_failing_observer_turns_itself_off_and_training_goes_on(name, clean_run, tmp_path, monkeypatch, capsys):
     clean, clean_weights = clean_run
     target = INJECTIONS[name]

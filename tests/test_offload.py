@@ -20,6 +20,7 @@ def synthetic_run(folder, local_batch, extra=()):
     ]
 
 
+@pytest.mark.extended
 def test_two_ranks_with_cpu_offload_equal_one_process(tmp_path):
     """Same global batch of 4; the offloaded FSDP run steps its optimizer on the CPU shards."""
     one = run_titanlite(synthetic_run(tmp_path / "one", 4))

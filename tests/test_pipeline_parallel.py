@@ -63,6 +63,7 @@ def resume_runs(tmp_path, world: int) -> list[dict]:
             for source, target in RESUMES if LAYOUTS[target][0] == world]
 
 
+@pytest.mark.extended
 def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
     """PP2 under each schedule gives the 1-process fp32 losses (within 1e-5), 1F1B learns over 20
     steps (the issue's acceptance run) and validates (forward only) to the same loss, with and without
@@ -125,6 +126,7 @@ def test_every_schedule_and_resume_across_layouts_equal_one_process(tmp_path):
             assert resumed[step] == pytest.approx(uninterrupted[step], abs=1e-5), (source, target, step)
 
 
+@pytest.mark.extended
 def test_pp2_x_fsdp2_pp2_x_tp2_and_fsdp2_x_tp2_on_four_ranks_equal_one_process(tmp_path):
     """Four processes, 2 data-parallel ranks with local batch 2 against one process with the same
     global batch of 4 (synthetic data splits the same windows either way)."""

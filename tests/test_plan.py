@@ -78,12 +78,14 @@ AC_MODES = [["none", "op"], ["full", "op"], ["selective", "op"], ["selective", "
 
 @pytest.mark.parametrize("model", [
     ["--model.flavor", "debugmodel"],
-    ["--model.n_layers", "10"],  # deeper than FULL_DEPTH_UP_TO: measured at 1-2 blocks and extrapolated
-    ["--model.name", "gpt2", "--model.flavor", "124M", "--model.n_layers", "2", "--model.tokenizer_path", ""],
+    # deeper than FULL_DEPTH_UP_TO: measured at 1-2 blocks and extrapolated
+    pytest.param(["--model.n_layers", "10"], marks=pytest.mark.extended),
+    pytest.param(["--model.name", "gpt2", "--model.flavor", "124M", "--model.n_layers", "2", "--model.tokenizer_path", ""],
+                 marks=pytest.mark.extended),
     # Mixture of experts: the planner routes evenly (plan/moe.py); on one rank the experts' tensors add up to
     # the batch's N * top_k assignments however the router splits them, so the real step is comparable.
     ["--model.name", "qwen3_moe"],
-    ["--model.name", "deepseek_v3"],
+    pytest.param(["--model.name", "deepseek_v3"], marks=pytest.mark.extended),
 ], ids=["debug", "debug-10-blocks", "gpt2-124M-2-blocks", "qwen3_moe-debug", "deepseek_v3-debug"])
 def test_activation_peak_within_10_percent_of_a_real_cpu_step(model):
     for mode, option in AC_MODES:
@@ -114,6 +116,7 @@ def test_a_middle_pipeline_stage_peaks_within_10_percent_of_a_real_one(mode):
     assert predicted.peak == pytest.approx(profiled_peak(step), rel=0.10), (mode, predicted)
 
 
+@pytest.mark.extended
 def test_tensor_parallel_activations_within_10_percent_of_a_real_tp2_step(tmp_path):
     """The planner tallies an unsplit step and divides it by tp, but for what sequence parallelism holds whole on
     every rank (each block's gathered inputs, its partial sums before their reduce-scatter, their gradients, the
@@ -131,6 +134,7 @@ def test_tensor_parallel_activations_within_10_percent_of_a_real_tp2_step(tmp_pa
         assert predicted == pytest.approx(measured, rel=0.10), (mode, predicted, measured)
 
 
+@pytest.mark.extended
 def test_a_compiled_cpu_step_peaks_between_the_planners_two_counts():
     """Inductor on the CPU runs the same min-cut partitioner as on a GPU: the peak of a real compiled step
     (blocks and loss compiled) lies between the planner's lower bound and its eager count, without AC and
@@ -146,7 +150,12 @@ def test_a_compiled_cpu_step_peaks_between_the_planners_two_counts():
         assert lower < measured < 1.05 * eager, (mode, lower, measured, eager)  # the eager count is itself within 10% (above)
 
 
-@pytest.mark.parametrize("config", [path for path in SHIPPED if path.name not in FOLDER_CONFIGS], ids=lambda path: path.stem)
+# Plans of more than ~10 s on 2 cores (128-expert blocks, 28+ layer tallies): the extended tier.
+SLOW_PLANS = {"qwen3_30b_a3b", "llama3_3b", "llama3_405b", "deepseek_v3_16b", "mixtral_8x7b", "llama3_70b"}
+
+
+@pytest.mark.parametrize("config", [pytest.param(path, marks=pytest.mark.extended if path.stem in SLOW_PLANS else ())
+                                    for path in SHIPPED if path.name not in FOLDER_CONFIGS], ids=lambda path: path.stem)
 def test_every_shipped_config_fits_its_hardware_with_10_percent_headroom(config):
     text = config.read_text()
     assert text.startswith("# Hardware: ") and "\n[plan]\n" in text  # names its hardware, in words and in [plan]
@@ -177,6 +186,7 @@ PUBLISHED_FLOAT8_TP = [  # torchtitan's 2D and 3D float8 jobs (docs/benchmarks.m
 ]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("config, flags, mesh, tables", PUBLISHED_FLOAT8_TP)
 def test_float8_with_tp_is_planned_like_any_layout(capsys, config, flags, mesh, tables):
     """70B FSDP x TP8 float8 on 256 H100s and 405B FSDP x TP8 x PP8 on 512: the trainer runs float8 with
@@ -240,6 +250,7 @@ HELD_OUT_MISSES = {
 }
 
 
+@pytest.mark.extended
 def test_planner_within_15_percent_of_the_held_out_published_rows():
     """The planner's tps and peak memory for every row of plan/published_rows.py it was not fitted on, against
     what the run measured: within 15%, or within the error HELD_OUT_MISSES records for it."""
@@ -370,6 +381,7 @@ def test_context_parallel_speed_divides_the_tokens_and_adds_exposed_key_value_ga
     assert cp.speed.step_s == pytest.approx(cp.speed.compute_s + cp.speed.cp_s)  # FSDP hidden in both passes
 
 
+@pytest.mark.extended
 def test_a_window_too_long_for_one_rank_is_advised_more_context_parallel_ranks(capsys):
     """The 8B at 32,768 tokens, bf16, on 8 H100s (FSDP 8, op AC) needs 109 GiB; the advice is CP2 with the global
     batch kept (8 sequences: 4 data-parallel ranks, 2 micro-steps). A changed config skips load_config, so plan_job
@@ -391,6 +403,7 @@ def test_a_window_too_long_for_one_rank_is_advised_more_context_parallel_ranks(c
         plan_job(uneven)
 
 
+@pytest.mark.extended
 def test_a_tp_group_wider_than_a_node_is_said_and_counted_at_the_fabric_speed():
     """Issue 42: TP 8 with 4 GPUs per node was planned as if inside one node, with no word."""
     from titanlite.plan.hardware import GPUS

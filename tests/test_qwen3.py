@@ -118,6 +118,7 @@ def test_moe_flops_count_the_active_experts_and_head_dim():
     assert spec.flops_per_token(model, 4096) == 6 * active + 12 * 48 * 32 * 128 * 4096
 
 
+@pytest.mark.extended
 def test_tp2_equals_one_process(tmp_path):
     """5 steps of each debugmodel under TP2 (q/k norms over the local heads, experts split over ranks)
     give the unsharded model's losses."""

@@ -14,6 +14,7 @@ from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.tp import check_tensor_parallel
 
 
+@pytest.mark.extended
 def test_tp2_every_family_equals_one_process(tmp_path):
     """llama3, mistral (sliding window cut in: seq 64 > window 32), mixtral (expert-parallel) and
     gpt2 (fused q/k/v by heads): 5 steps under TP2 give the unsharded model's losses."""

@@ -76,6 +76,7 @@ def config_steps(run: Path) -> list[int]:
     return [e.step for e in events.Tensors("config/text_summary")]
 
 
+@pytest.mark.extended
 def test_two_rank_dashboard_read_over_http(tmp_path):
     out = run_titanlite([
         "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--job.description", "dash test",
@@ -142,6 +143,7 @@ def resume_flags(folder: Path, *extra) -> list[str]:
     ]
 
 
+@pytest.mark.extended
 def test_kill_resume_and_rewind_draw_one_line(tmp_path):
     killed = subprocess.Popen(resume_flags(tmp_path), cwd=ROOT, stderr=subprocess.PIPE, text=True)
     log = ""

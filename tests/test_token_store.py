@@ -242,6 +242,7 @@ def test_a_mix_trains_and_reports_tokens_per_source(sample_store, tmp_path, tiny
     assert store_tokens[12] + raw_tokens[12] == 12 * 2 * 64 and raw_tokens[12] > 0
 
 
+@pytest.mark.extended
 def test_training_resumes_exactly_from_two_ranks_on_one_and_one_on_two(sample_store, tmp_path):
     """fp32, global batch 4: 1 rank x 4, then 2 ranks x 2 from its step-2 checkpoint, then 1 rank from their step 4."""
     flags = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--training.seq_len", "64",
