@@ -121,6 +121,28 @@ def test_two_groups_equal_one_process_holding_both_batches(store, tmp_path):
                 assert got[step] == pytest.approx(value, abs=1e-5), (tag, r, step, got[step], value)
 
 
+@pytest.mark.parametrize("layout", [["--parallelism.tensor_parallel_degree", "2"],
+                                    pytest.param(["--parallelism.pipeline_parallel_degree", "2"], marks=pytest.mark.extended)],
+                         ids=["tp2", "pp2"])
+def test_groups_of_two_ranks_under_tp_or_pp_equal_one_process(store, tmp_path, layout):
+    """Each replica group a torchrun of 2 ranks sharding the model by TP (or PP): rank r of each group averages its
+    shards with rank r of the other; the printed losses (4 decimals) equal one process holding both groups' batches."""
+    steps, two_blocks = 3, ["--model.n_layers", "2"]
+    with lighthouse(min_replicas=2) as address:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        groups = [start_group([*launcher, *group_command(store, r, tmp_path / f"r{r}", steps, *two_blocks, *layout,
+                                                         "--fault_tolerance.min_replica_size", "2")[1:]],
+                              tmp_path / f"r{r}.log", address) for r in (0, 1)]
+        logs = [finish(group, tmp_path / f"r{r}.log") for r, group in enumerate(groups)]
+    one = run_titanlite([*TINY, *two_blocks, "--training.dataset_path", store, "--training.local_batch_size", "4",
+                         "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    expected = losses(one.stderr)
+    assert sorted(expected) == [1, 2, 3]
+    for log in logs:
+        assert losses(log) == pytest.approx(expected, abs=1e-4), log[-3000:]  # as printed: 4 decimals
+
+
 def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_path):
     steps = 200  # replica 0 trains on alone while replica 1 restarts (about 30 s on 2 busy cores)
     save = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
@@ -153,8 +175,8 @@ def test_bad_input_is_one_sentence(monkeypatch):
     base = [*ON_CPU, *TINY, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
     with pytest.raises(UserError, match="fault_tolerance.replica_id 2 must be below fault_tolerance.group_size 2"):
         load_config([*base, "--fault_tolerance.replica_id", "2"])
-    with pytest.raises(UserError, match="parallelism.tensor_parallel_degree 2 is not supported yet"):
-        load_config([*base, "--parallelism.tensor_parallel_degree", "2"])
+    with pytest.raises(UserError, match="parallelism.context_parallel_degree 2 is not supported yet"):
+        load_config([*base, "--parallelism.context_parallel_degree", "2"])
     cfg = load_config(base)
     info = DistInfo(0, 1, torch.device("cpu"))
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)

@@ -188,12 +188,12 @@ def check_multi_token_prediction(cfg: JobConfig) -> None:
                         f"{model.mtp_layers}; set seq_len above {model.mtp_layers + 1}")
 
 
-FT_UNTESTED_DEGREES = ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree")
+FT_UNTESTED_DEGREES = ("context_parallel_degree", "expert_parallel_degree")
 
 
 def check_fault_tolerance(cfg: JobConfig) -> None:
-    """Replica groups are numbered 0..group_size-1; inside a group only FSDP (and HSDP) has been checked
-    against the one-process run, so the other layouts are refused rather than trusted."""
+    """Replica groups are numbered 0..group_size-1; inside a group FSDP, HSDP, TP and PP have been checked against
+    the one-process run, so CP and EP are refused rather than trusted."""
     ft = cfg.fault_tolerance
     if not ft.enable:
         return
@@ -206,8 +206,8 @@ def check_fault_tolerance(cfg: JobConfig) -> None:
     for key in FT_UNTESTED_DEGREES:
         degree = getattr(cfg.parallelism, key)
         if degree > 1:
-            raise UserError(f"fault_tolerance.enable with parallelism.{key} {degree} is not supported yet (only FSDP/HSDP "
-                            "replica groups are checked against the one-process run); set it to 1 or disable fault tolerance")
+            raise UserError(f"fault_tolerance.enable with parallelism.{key} {degree} is not supported yet (FSDP, HSDP, TP and "
+                            "PP replica groups are checked against the one-process run); set it to 1 or disable fault tolerance")
 
 
 def check_eval(cfg: JobConfig) -> None:
