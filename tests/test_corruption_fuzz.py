@@ -1,249 +1,27 @@
 """Every file titanlite reads, damaged on purpose with a fixed seed, read back by the function training (or convert)
 opens it with: a token store (text and chat), chat records (jsonl, parquet), a chat template, a Hugging Face folder
 written by transformers (config.json, model.safetensors, tokenizer.json), a DCP checkpoint of an in-process run with
-its checksums and lineage (rewound.json, the dump-folder lock), and the run's config.toml.
-
-The damage: truncate, flip bytes, change a JSON/TOML field's type, delete a file, add a stray file. Each case must end
-in a UserError naming the damaged file (or its folder), or succeed with exactly what the undamaged files give. Files
-a user brings (records, templates, Hugging Face folders, TOML) carry no checksum: a flip or cut that leaves a valid
-file of its kind (as the file's own library reads it) may also read differently, since titanlite cannot know what it
-held before; a changed field type never may. Never a traceback.
+its checksums and lineage (rewound.json, the dump-folder lock), and the run's config.toml. The damage and the verdict
+are tests/corruption.py's: a sentence naming the file, or exactly the undamaged read; never a traceback.
 """
 
 import hashlib
 import json
 import os
 import random
-import re
 import shutil
-import tomllib
-import traceback
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import DEBUG_CONFIG, ON_CPU
+from corruption import OUTCOMES, Target, run_cases
 from titanlite.errors import UserError
 
 SEED = int(os.environ.get("FUZZ_SEED", 20261128))  # fixed; another only to explore by hand
-OUTCOMES = ("refused naming the file", "refused a valid user file's value", "read the same",
-            "read a valid user file's other data")
-STRAY_BYTES = 64
-
-
-@dataclass
-class Target:
-    """One input as a reader sees it: a folder (copied per case), the files to damage in it (relative), the reader
-    (folder -> what it read), and which files are the user's (no checksum: see the module's docstring)."""
-
-    name: str
-    folder: Path
-    files: list[str]
-    read: Callable[[Path], object]
-    user_files: tuple[str, ...] = ()
-    kinds: tuple[str, ...] = ("truncate", "flip", "retype", "delete")
-
-
-# ---------------------------------------------------------------- damage
-def rewrite(path: Path, data: bytes) -> None:
-    path.unlink()  # a new file: case folders share the big files with the fixture as hard links
-    path.write_bytes(data)
-
-
-def truncate(path: Path, rng: random.Random) -> str:
-    data = path.read_bytes()
-    keep = rng.randrange(len(data)) if data else 0
-    rewrite(path, data[:keep])
-    return f"truncated to {keep} of {len(data)} bytes"
-
-
-def flip(path: Path, rng: random.Random) -> str:
-    data = bytearray(path.read_bytes())
-    if rng.random() < 0.5:  # a few scattered bytes
-        spots = [rng.randrange(len(data)) for _ in range(rng.randint(1, 4))]
-    else:  # a run, as the issue's 400 bytes XORed into a .distcp
-        start = rng.randrange(len(data))
-        spots = list(range(start, min(len(data), start + rng.randint(1, 400))))
-    high = rng.random() < 0.5  # any byte, or one that keeps ASCII text ASCII (a digit or a letter changed: valid JSON)
-    for spot in spots:
-        data[spot] ^= rng.randrange(1, 256 if high else 128)
-    rewrite(path, bytes(data))
-    return f"flipped {len(spots)} byte(s) from {spots[0]}"
-
-
-def other_type(value, rng: random.Random):
-    """A JSON value of another kind than value's (never null: config.json reads null as "not set")."""
-    kinds = {"number": 7, "text": "seven", "bool": True, "list": [1], "object": {"x": 1}}
-    kind = ("bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else
-            "text" if isinstance(value, str) else "list" if isinstance(value, list) else "object")
-    return kinds[rng.choice(sorted(set(kinds) - {kind}))]
-
-
-def leaves(value, path=()):
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from leaves(item, (*path, key))
-    elif isinstance(value, list) and value:
-        for index, item in enumerate(value):
-            yield from leaves(item, (*path, index))
-    if path:
-        yield path
-
-
-def retyped_json(document, rng: random.Random) -> tuple[object, str]:
-    path = rng.choice(list(leaves(document)))
-    parent = document
-    for step in path[:-1]:
-        parent = parent[step]
-    parent[path[-1]] = other_type(parent[path[-1]], rng)
-    return document, f"{'.'.join(map(str, path))} -> {json.dumps(parent[path[-1]])}"
-
-
-def retype(path: Path, rng: random.Random) -> str:
-    text = path.read_text()
-    if path.suffix == ".toml":  # one `key = value` line's value, as a TOML literal of another type
-        lines = text.splitlines()
-        number = rng.choice([i for i, line in enumerate(lines) if re.match(r"^\w+ = ", line)])
-        key, value = lines[number].split(" = ", 1)
-        lines[number] = f"{key} = {other_toml(tomllib.loads(lines[number])[key], rng)}"
-        rewrite(path, ("\n".join(lines) + "\n").encode())
-        return f"{key} = {value} -> {lines[number]}"
-    if path.suffix == ".jsonl":
-        records = [json.loads(line) for line in text.splitlines()]
-        number = rng.randrange(len(records))
-        records[number], what = retyped_json(records[number], rng)
-        rewrite(path, "".join(json.dumps(r) + "\n" for r in records).encode())
-        return f"record {number + 1}: {what}"
-    document, what = retyped_json(json.loads(text), rng)
-    rewrite(path, json.dumps(document, indent=1).encode())
-    return what
-
-
-def other_toml(value, rng: random.Random) -> str:
-    literal = json.dumps(other_type(value, rng))
-    return {"true": "true", "{\"x\": 1}": "{ x = 1 }"}.get(literal, literal)
-
-
-def delete(path: Path, rng: random.Random) -> str:
-    path.unlink()
-    return "deleted"
-
-
-DAMAGE = {"truncate": truncate, "flip": flip, "retype": retype, "delete": delete}
-STRUCTURED = (".json", ".jsonl", ".toml")
-
-
-def stray(folder: Path, rng: random.Random, names: list[str]) -> Path:
-    """A file nobody wrote, named like the folder's own files or not."""
-    path = folder / rng.choice(names)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(rng.randbytes(STRAY_BYTES))
-    return path
-
-
-# ---------------------------------------------------------------- what is valid without titanlite
-def valid_as_its_kind(path: Path) -> bool:
-    """Whether a user's damaged file still reads with its own library (then it may hold other data)."""
-    if not path.is_file():
-        return False
-    try:
-        if path.suffix in (".json", ".jsonl"):
-            text = path.read_bytes().decode("utf-8")
-            if path.name == "tokenizer.json":
-                import tokenizers
-
-                tokenizers.Tokenizer.from_str(text)
-            for line in text.splitlines() if path.suffix == ".jsonl" else [text]:
-                json.loads(line)
-        elif path.suffix == ".toml":
-            tomllib.loads(path.read_bytes().decode("utf-8"))
-        elif path.suffix == ".parquet":
-            import pyarrow.parquet
-
-            pyarrow.parquet.read_table(path)
-        elif path.suffix == ".jinja":
-            import jinja2
-
-            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(path.read_bytes().decode("utf-8"))
-        elif path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            load_file(path)
-        return True
-    except Exception:  # whatever the library raises: the file is not valid as its kind
-        return False
-
-
-# ---------------------------------------------------------------- one case
-def copy_folder(source: Path, destination: Path) -> None:
-    """Big files as hard links (damage rewrites a file, never edits it in place), small ones copied."""
-    def link_or_copy(src, dst):
-        if os.path.getsize(src) > 1 << 20:
-            os.link(src, dst)
-        else:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(source, destination, copy_function=link_or_copy)
-
-
-def outcome(read: Callable[[Path], object], folder: Path) -> tuple[str, object]:
-    try:
-        return "read", read(folder)
-    except UserError as error:
-        return "refused", str(error)
-    except Exception:  # the defect this test exists to find
-        return "traceback", traceback.format_exc(limit=-6)
-
-
-def judge(target: Target, relative: str, kind: str, what: str, folder: Path, clean) -> tuple[str, str | None]:
-    """(how the case ended, None when that is right or else what went wrong)."""
-    result, value = outcome(target.read, folder)
-    where = f"{target.name}: {relative} {what}"
-    if result == "traceback":
-        return result, f"{where}: a traceback\n{value}"
-    if result == "refused":
-        if "\n" in value:
-            return result, f"{where}: not one sentence: {value}"
-        if relative.split("/")[-1] in value or str(folder / Path(relative).parent) in value:
-            return "refused naming the file", None
-        if relative in target.user_files and valid_as_its_kind(folder / relative):
-            return "refused a valid user file's value", None  # its sentence names the key or record
-        return result, f"{where}: the sentence does not name the file: {value}"
-    if value == clean:
-        return "read the same", None
-    if relative in target.user_files and kind in ("truncate", "flip") and valid_as_its_kind(folder / relative):
-        return "read a valid user file's other data", None  # nothing to compare it with
-    return "read differently", f"{where}: read silently, and differently from the undamaged files"
-
-
-def run_cases(target: Target, tmp: Path, rng: random.Random, per_file: int, stray_names: list[str]) -> Counter:
-    """per_file cases drawn for each file (kinds that apply to it), plus one stray file; returns how they ended, and
-    the failures (under their sentences)."""
-    clean = target.read(target.folder)
-    ended = Counter()
-    plans = []
-    for relative in target.files:
-        kinds = [k for k in target.kinds if k != "retype" or relative.endswith(STRUCTURED)]
-        drawn = rng.sample(kinds, min(per_file, len(kinds))) + rng.choices(kinds, k=max(per_file - len(kinds), 0))
-        plans += [(relative, kind) for kind in drawn]
-    plans.append(("", "stray"))
-    for relative, kind in plans:
-        folder = tmp / f"{target.name}-{sum(ended.values())}"
-        copy_folder(target.folder, folder)
-        if kind == "stray":
-            relative = str(stray(folder, rng, stray_names).relative_to(folder))
-            what = "added"
-        else:
-            what = DAMAGE[kind](folder / relative, rng)
-        how, problem = judge(target, relative, kind, what, folder, clean)
-        ended[problem or how] += 1
-        shutil.rmtree(folder, ignore_errors=True)
-    return ended
 
 
 # ---------------------------------------------------------------- digests of what was read
@@ -365,26 +143,17 @@ class CheckpointReader:
         return read
 
 
-@pytest.fixture(scope="module")
-def targets(tmp_path_factory):
-    import gc
-
+def write_data(root: Path) -> Path:
+    """The data inputs under root: chat records (jsonl, parquet), a template, a text store and a chat store, and
+    the Hugging Face tokenizer folder they use; returns that folder."""
     import pyarrow
     import pyarrow.parquet
 
-    from titanlite.checkpoint.folders import REWOUND
-    from titanlite.checkpoint.lock import take_lock
     from titanlite.data.chat_example import CHATML_TEMPLATE, chat_records, write_tokenizer_folder
     from titanlite.data.prepare import prepare
     from titanlite.data.sample_corpus import sample_split
-    from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
-    from titanlite.parallel.dist import close_distributed
-    from titanlite.train import main
 
-    transformers = pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("fuzz")
     tokenizer_folder = write_tokenizer_folder(root / "tokenizer")
-    hf_tokenizer, shipped = load_tokenizer(tokenizer_folder), load_tokenizer(SHIPPED_TOKENIZER)
     records = chat_records(12)
     for name, write in (("jsonl", lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records))),
                         ("parquet", lambda p: pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), p))):
@@ -396,9 +165,22 @@ def targets(tmp_path_factory):
     prepare(str(root / "texts.jsonl"), str(root / "store"), documents_per_shard=6)
     prepare(str(root / "jsonl" / "chats.jsonl"), str(root / "chat_store"), str(tokenizer_folder), dataset_format="chat",
             documents_per_shard=6)
+    return tokenizer_folder
+
+
+def write_model_files(root: Path, tokenizer_folder: Path, vocab_size: int) -> list[str]:
+    """A tiny Hugging Face folder written by transformers, and a dump folder of an in-process run with step-1 and step-2
+    checkpoints, a rewound.json (to step 1), its config.toml and a live lock; returns the run's flags."""
+    import gc
+
+    from titanlite.checkpoint.folders import REWOUND
+    from titanlite.checkpoint.lock import take_lock
+    from titanlite.train import main
+
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=hf_tokenizer.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(root / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_folder / name, root / "hf" / name)
@@ -406,12 +188,24 @@ def targets(tmp_path_factory):
              "--training.seq_len", "16", "--training.local_batch_size", "2", "--training.steps", "2",
              "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--metrics.log_freq", "1"]
     assert main(flags) == 0
-    gc.enable()
+    gc.enable()  # the trainer leaves it off
     (root / "dump" / "checkpoint" / REWOUND).write_text(json.dumps({"step": 1, "at": "2026-11-28 09:00:00"}))
     (root / "toml").mkdir()
     shutil.copy(root / "dump" / "config.toml", root / "toml" / "config.toml")
     (root / "lock").mkdir()
     take_lock(root / "lock")
+    return flags
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
+    from titanlite.parallel.dist import close_distributed
+
+    root = tmp_path_factory.mktemp("fuzz")
+    tokenizer_folder = write_data(root)
+    hf_tokenizer, shipped = load_tokenizer(tokenizer_folder), load_tokenizer(SHIPPED_TOKENIZER)
+    flags = write_model_files(root, tokenizer_folder, hf_tokenizer.vocab_size)
     checkpoint = CheckpointReader(flags)
     chat = dict(dataset_format="chat", seq_len=256)  # a window holds a conversation
     step = "checkpoint/step-2"

@@ -358,7 +358,8 @@ def test_bit_rot_inside_a_shard_stops_the_read_naming_the_file_and_bytes(sample_
     size = (folder / "shard-00001.bin").stat().st_size
     batches = iter(loader(folder, tokenizer, workers=workers))  # opens: sizes and offsets are fine
     with pytest.raises(UserError, match=rf"^training.dataset_path: \S+shard-00001.bin bytes 65536..{size - 1} do not match "
-                                        r"the checksum prepare recorded in shard-00001.bin.xxh3: the file changed on disk;"):
+                                        r"their checksum in shard-00001.bin.xxh3 \(recorded by prepare\): one of the two files "
+                                        r"changed on disk;"):
         for _ in range(500):
             next(batches)
 

@@ -88,7 +88,8 @@ class ChunkSums:
         begin = chunk * self.chunk_bytes
         end = min(begin + self.chunk_bytes, len(raw))
         if xxhash.xxh3_64_intdigest(raw[begin:end]) != int(self.sums[chunk]):
-            raise damaged(self.path, self.key, f"bytes {begin}..{end - 1} do not match the checksum prepare recorded in "
-                                        f"{sums_path(self.path).name}: the file changed on disk")
+            raise damaged(self.path, self.key, f"bytes {begin}..{end - 1} do not match their checksum in "
+                                               f"{sums_path(self.path).name} (recorded by prepare): one of the two files "
+                                               "changed on disk")
         self.verified[chunk] = True
         self.unverified -= 1
