@@ -254,3 +254,49 @@ def test_every_reader_refuses_damage_in_one_sentence_or_reads_the_same(targets, 
         print(f"  {sum(ended.values())} cases")
     failures = [problem for problem in ended if problem not in OUTCOMES]
     assert not failures, f"{len(failures)} of {sum(ended.values())} cases failed:\n" + "\n".join(failures)
+
+
+def edit_json(path: Path, edit) -> None:
+    document = json.loads(path.read_text())
+    edit(document)
+    path.unlink()  # a new file: the case folder shares the fixture's big files as hard links
+    path.write_text(json.dumps(document))
+
+
+def parquet_with_invalid_utf8(path: Path) -> None:
+    """A chat record whose answer's bytes are not UTF-8 (as a flipped byte in a data page leaves it)."""
+    import pyarrow
+    import pyarrow.parquet
+
+    content = pyarrow.array([b"Hello?", b"\xffHi."], pyarrow.binary()).view(pyarrow.string())
+    turns = pyarrow.StructArray.from_arrays([pyarrow.array(["user", "assistant"]), content], names=["role", "content"])
+    path.unlink()
+    pyarrow.parquet.write_table(pyarrow.table({"messages": pyarrow.ListArray.from_arrays(pyarrow.array([0, 2], pyarrow.int32()), turns)}), path)
+
+
+FOUND = {  # the damage of each defect the fuzzer found (on other seeds too), kept as a case of its own
+    ("hf", "config.json"): lambda p: edit_json(p, lambda c: c.update(architectures=7)),
+    ("parquet", "chats.parquet"): parquet_with_invalid_utf8,
+    ("lock", ".titanlite.lock"): lambda p: edit_json(p, lambda c: c.update(pid="seven")),
+    ("lineage", "checkpoint/rewound.json"): lambda p: edit_json(p, lambda c: c.update(step="1")),
+    ("checkpoint", "checkpoint/step-2/.metadata"): lambda p: p.unlink(),
+    ("checkpoint", "checkpoint/step-2/checksums/rank0.json"): lambda p: edit_json(
+        p, lambda sums: sums.update({"__7_0.distcp": sums.pop("__0_0.distcp")})),
+}
+
+
+def test_the_damage_the_fuzzer_found_stays_refused(targets, tmp_path):
+    """Before their fixes: a TypeError (architectures), a UnicodeDecodeError as the records were read,
+    a ValueError (the lock's pid), a second rewind, a silent resume from step-1, a sentence naming the wrong file."""
+    from corruption import copy_folder, judge
+
+    by_name, wrong = {target.name: target for target, _, _ in targets}, []
+    for (name, relative), damage in FOUND.items():
+        target, relative, folder = by_name[name], relative.strip(), tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}"
+        copy_folder(target.folder, folder)
+        damage(folder / relative)
+        how, problem = judge(target, relative, "retype", "(the case found)", folder, target.read(target.folder))
+        # the lock reads the same: still held by the live run ("in use"), as undamaged
+        if problem or how != ("read the same" if name == "lock" else "refused naming the file"):
+            wrong.append(f"{name} {relative}: {how}: {problem}")
+    assert not wrong, "\n".join(wrong)
