@@ -86,9 +86,10 @@ def test_resume_one_process_sync_is_exact_keeps_k_and_skips_incomplete(tmp_path,
     extra = ("--checkpoint.enable", "--checkpoint.interval", 2, "--checkpoint.keep_latest_k", 2)
     ok(run_titanlite(flags(tmp_path, 10, *extra)))
     assert steps_on_disk(tmp_path) == ["step-8", "step-10"]
-    # A save that a crash cut short: data files, no .metadata.
+    # A save that a crash cut short: data files, no .metadata (nor the checksums, which are written after it).
     shutil.copytree(tmp_path / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-12")
     (tmp_path / "checkpoint" / "step-12" / ".metadata").unlink()
+    shutil.rmtree(tmp_path / "checkpoint" / "step-12" / "checksums")
     log = ok(run_titanlite(flags(tmp_path, 20, *extra, tb="tb2")))
     assert f"skipping {tmp_path / 'checkpoint' / 'step-12'}: it has no .metadata" in log
     assert f"resumed from {tmp_path / 'checkpoint' / 'step-10'} at step 10 (1,280 tokens seen)" in log

@@ -106,6 +106,7 @@ def test_interrupted_prepare_keeps_finished_shards_and_redoes_the_rest(tmp_path,
         for path in shard_paths(broken, shard):
             path.unlink()
     (broken / "shard-00002.bin.tmp").write_bytes(b"\1\2\3")
+    (broken / "shard-00001.bin.xxh3").unlink()  # shard 1 as a titanlite before store checksums finished it: they are added
     finished = shard_paths(broken, 0)[0].stat().st_mtime_ns
     prepare(str(source), str(broken), documents_per_shard=8)
     assert shard_paths(broken, 0)[0].stat().st_mtime_ns == finished
@@ -298,6 +299,13 @@ def edit_manifest(folder: Path, edit) -> None:
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
+def older_store(folder: Path) -> None:
+    """The store as a titanlite without store checksums prepared it."""
+    edit_manifest(folder, lambda m: [m.pop("checksums"), *(entry.pop("index_xxh3") for entry in m["shards"])])
+    for sums in folder.glob("*.xxh3"):
+        sums.unlink()
+
+
 @pytest.mark.parametrize("damage, fault", [
     (lambda f: edit_manifest(f, lambda m: m["shards"][0].update(tokens=m["shards"][0]["tokens"] + 5)),
      r"shard-00000.bin holds \d+ bytes but .*manifest.json says \d+ tokens"),
@@ -308,8 +316,9 @@ def edit_manifest(folder: Path, edit) -> None:
     (lambda f: edit_manifest(f, lambda m: m["shards"][1].update(documents=19)), r"shard-00001.idx.npy holds int64 offsets of shape \(21,\)"),
     (lambda f: edit_manifest(f, lambda m: m["shards"][0].update(max_id=70000)), "holds token id 70000 but its tokenizer has"),
     (lambda f: (f / "shard-00001.bin").write_bytes((f / "shard-00001.bin").read_bytes()[:-6]), "shard-00001.bin holds"),
-    (lambda f: (f / "shard-00002.idx.npy").write_bytes(b"\x93NUMPY garbled"), "cannot be read as document offsets"),
-    (lambda f: np.save(f / "shard-00000.idx.npy", np.load(f / "shard-00000.idx.npy")[::-1].copy()), "out of order"),
+    (lambda f: (f / "shard-00002.idx.npy").write_bytes(b"\x93NUMPY garbled"), "shard-00002.idx.npy does not match the checksum"),
+    (lambda f: older_store(f) or (f / "shard-00002.idx.npy").write_bytes(b"\x93NUMPY garbled"), "cannot be read as document offsets"),
+    (lambda f: older_store(f) or np.save(f / "shard-00000.idx.npy", np.load(f / "shard-00000.idx.npy")[::-1].copy()), "out of order"),
     (lambda f: (f / "manifest.json").unlink(), "holds token-store shards but no manifest.json"),
     (lambda f: (f / "manifest.json").write_text("[1, 2]"), "is not a titanlite-token-store-1 manifest"),
 ])
@@ -333,3 +342,34 @@ def test_a_store_prepared_before_max_id_was_recorded_is_scanned(sample_store, to
     tokens.tofile(folder / "shard-00003.bin")
     with pytest.raises(UserError, match=f"shard-00003.bin holds token id {tokenizer.vocab_size} but its tokenizer has"):
         loader(folder, tokenizer)
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1  # a token id one off: still a valid id, so only the checksum can tell
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bit_rot_inside_a_shard_stops_the_read_naming_the_file_and_bytes(sample_store, tokenizer, tmp_path, workers):
+    """A chunk's checksum is verified the first time a process reads it, in DataLoader workers too."""
+    folder = tmp_path / "store"
+    shutil.copytree(sample_store, folder)
+    flip_bit(folder / "shard-00001.bin", 70001)  # in its second, shorter chunk
+    size = (folder / "shard-00001.bin").stat().st_size
+    batches = iter(loader(folder, tokenizer, workers=workers))  # opens: sizes and offsets are fine
+    with pytest.raises(UserError, match=rf"^training.dataset_path: \S+shard-00001.bin bytes 65536..{size - 1} do not match "
+                                        r"their checksum in shard-00001.bin.xxh3 \(recorded by prepare\): one of the two files "
+                                        r"changed on disk;"):
+        for _ in range(500):
+            next(batches)
+
+
+def test_a_store_prepared_before_checksums_reads_unverified_and_says_so(sample_store, tokenizer, tmp_path, caplog):
+    folder = tmp_path / "store"
+    shutil.copytree(sample_store, folder)
+    older_store(folder)
+    with caplog.at_level("INFO", logger="titanlite"):
+        batch = next(iter(loader(folder, tokenizer)))
+    assert batch[0].shape == (2, SEQ)
+    assert "was prepared before token stores recorded checksums: its shards are read unverified" in caplog.text

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 from titanlite.checkpoint.fit import check_model_fits, load_in_place, model_tensors, read_metadata
 from titanlite.checkpoint.folders import METADATA, is_complete
+from titanlite.checkpoint.integrity import verify_checksums
 from titanlite.checkpoint.hf_io import DEFAULT_MAX_SHARD_BYTES, HFReader, layer_groups, read_hf_tensors, write_hf_folder
 from titanlite.config import load_config
 from titanlite.errors import UserError, exit_code
@@ -100,6 +101,7 @@ def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: st
     """`named`: the flags name the model (else the checkpoint's record alone does)."""
     if not is_complete(source):
         raise UserError(f"{source} is not a complete DCP checkpoint: it has no {METADATA}")
+    verify_checksums(source)  # as a resume does: a file changed on disk is named, never exported
     metadata = read_metadata(source)
     saved = model_tensors(metadata)
     embedding = saved.get("tok_embeddings.weight")

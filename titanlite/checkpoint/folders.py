@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from titanlite.checkpoint.integrity import CHECKSUMS
+from titanlite.errors import UserError
 from titanlite.log import logger
 
 METADATA = ".metadata"
@@ -51,7 +53,9 @@ def list_steps(root: Path) -> tuple[list[int], list[Path]]:
 
 
 def remove_checkpoint(folder: Path) -> None:
-    """Make the folder incomplete first (one unlink), then delete the rest."""
+    """Make the folder incomplete first (one unlink), then delete the rest. The checksums go before the .metadata:
+    a record that lists a .metadata no longer there means damage, never a deletion cut short (integrity.py)."""
+    shutil.rmtree(folder / CHECKSUMS, ignore_errors=True)
     (folder / METADATA).unlink(missing_ok=True)
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -86,12 +90,20 @@ def set_aside_newer(root: Path, step: int) -> tuple[Path, list[str]] | None:
 
 def rewound_before(root: Path, step: int) -> str | None:
     """When the run rewound to `step` (checkpoint.load_step) already, or None: a load_step left in a command or
-    config.toml rewinds once, not again at every requeue or restart (each would set aside the progress since)."""
-    try:
-        record = json.loads((root / REWOUND).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+    config.toml rewinds once, not again at every requeue or restart (each would set aside the progress since). A
+    damaged record is refused: read as "not rewound", it would set the progress aside again."""
+    path = root / REWOUND
+    if step == -1 or not path.exists():
         return None
-    return record.get("at") if isinstance(record, dict) and record.get("step") == step else None
+    try:
+        record = json.loads(path.read_text())
+        if not (isinstance(record, dict) and type(record.get("step")) is int and isinstance(record.get("at"), str)):
+            raise ValueError("not a record of a step and a time")
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is damaged ({type(error).__name__}), so whether checkpoint.load_step {step} already "
+                        f"rewound this run is not known; remove checkpoint.load_step to resume from the newest checkpoint, "
+                        f"or delete {path} to rewind to step {step} again") from None
+    return record["at"] if record["step"] == step else None
 
 
 def rewind_to(root: Path, step: int, rank: int) -> None:

@@ -72,10 +72,24 @@ def verify_checksums(folder: Path) -> None:
         found = [None] * world
         dist.all_gather_object(found, damaged)
         damaged = sorted(name for share in found for name in share)
+    more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+    if damaged and not (folder / damaged[0]).is_file():
+        raise UserError(f"checkpoint {folder} lacks {damaged[0]}{more}, which {folder / CHECKSUMS} records as saved: a file "
+                        f"was lost or a record damaged; delete {folder} (an earlier checkpoint then loads) or set "
+                        "checkpoint.load_step to an earlier step")
     if damaged:
-        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
         raise UserError(
             f"checkpoint file {folder / damaged[0]}{more} does not match the checksum recorded when it was saved: its "
             f"bytes changed on disk; delete {folder} (an earlier checkpoint then loads) or set checkpoint.load_step to "
             "an earlier step"
         )
+
+
+def refuse_lost_metadata(folder: Path) -> None:
+    """A step folder without .metadata is a save that never finished, unless a checksum record lists its .metadata:
+    records are written after it, and removed before it (folders.remove_checkpoint, a step saved again), so then the
+    file was lost on disk, and resuming from an older step without a word would drop the newest checkpoint."""
+    recorded = recorded_checksums(folder) if (folder / CHECKSUMS).is_dir() else {}
+    if ".metadata" in recorded:
+        raise UserError(f"checkpoint {folder} has lost its .metadata, which {folder / CHECKSUMS} records as saved: the "
+                        f"folder is damaged; restore the file, or delete {folder} to resume from the checkpoint before it")

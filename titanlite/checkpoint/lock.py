@@ -22,6 +22,7 @@ from titanlite.log import logger
 LOCK = ".titanlite.lock"
 HEARTBEAT = 30.0
 STALE = 120.0
+PID_MAX = 1 << 22  # Linux's largest pid_max: a pid outside 1..PID_MAX is a damaged record, not a process to look for
 
 
 def job_id() -> str:
@@ -40,7 +41,8 @@ def process_alive(pid: int) -> bool:
 
 def stale_reason(holder: dict, age: float) -> str | None:
     """Why the run that took the lock cannot be running any more; None where it may be."""
-    if holder.get("host") == socket.gethostname() and not process_alive(int(holder.get("pid", 0))):
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and type(pid) is int and 0 < pid <= PID_MAX and not process_alive(pid):
         return f"its process {holder.get('pid')} on this host is gone"
     if age > STALE:
         return f"it was last touched {age:.0f} s ago"

@@ -28,7 +28,7 @@ from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_
                                      newest_resumable, read_metadata)
 from titanlite.checkpoint.folders import (METADATA, REWOUND, is_complete, list_steps, purge_old, rewind_to, rewound_before,
                                          step_folder)
-from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, verify_checksums
+from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, refuse_lost_metadata, verify_checksums
 from titanlite.checkpoint.hf_io import copy_tokenizer, load_model_from_hf, save_model_as_hf
 from titanlite.checkpoint.async_save import AsyncSaver, Save
 from titanlite.checkpoint.save_errors import stop_if_disk_failure
@@ -146,8 +146,8 @@ class CheckpointManager:
         if self.rank == 0:
             # Rewriting a step (a model-only final export when training goes on past it, a seed
             # checkpoint made again): its old .metadata must not vouch for half-written new files.
-            (path / METADATA).unlink(missing_ok=True)
-            shutil.rmtree(path / CHECKSUMS, ignore_errors=True)  # nor old checksums the new files
+            shutil.rmtree(path / CHECKSUMS, ignore_errors=True)  # nor old checksums the new files (removed first:
+            (path / METADATA).unlink(missing_ok=True)  # a record naming a missing .metadata means damage, integrity.py)
         save = Save(step, time.perf_counter(), note=f" ({note})" if note else "")
         state = build_state()
         if wait or self.saver is None:
@@ -227,6 +227,7 @@ class CheckpointManager:
         if cfg.enable:
             complete, incomplete = list_steps(self.root)
             for folder in incomplete:
+                refuse_lost_metadata(folder)
                 logger.warning(f"skipping {folder}: it has no {METADATA}, so its save never finished")
             load_step = self._load_step()
             if load_step != -1:

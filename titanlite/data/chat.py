@@ -200,6 +200,8 @@ class Conversations(Sequence):
             raise UserError(f"{key} {dataset_path} has no field {missing[0]!r} (its fields are {', '.join(records.column_names)}), "
                             f"which training.dataset_format {dataset_format} reads; fix the data or the format")
         self.records = records.select_columns(list(fields))
+        if fault := utf8_column_fault(self.records, fields):  # parquet/arrow text is decoded only as a record is read
+            raise UserError(f"{key} {dataset_path} {fault}")
         self.messages = [(parse or conversation)(record, dataset_format, number, f"{key} {dataset_path}")
                          for number, record in enumerate(self.records, start=1)]
 
@@ -208,6 +210,19 @@ class Conversations(Sequence):
 
     def __getitem__(self, index: int) -> list[dict]:
         return self.messages[index]
+
+
+def utf8_column_fault(records, fields) -> str | None:
+    """Why a field's text (nested in messages too) is not UTF-8, or None when all of it is."""
+    import pyarrow as pa
+
+    for field in fields:
+        try:
+            records.data.column(field).validate(full=True)
+        except pa.ArrowInvalid as error:
+            return (f"holds text in '{field}' that is not UTF-8 ({str(error).splitlines()[0]}); re-encode the file as UTF-8 "
+                    "or fix that record")
+    return None
 
 
 def tokenize_conversation(renderer: ChatRenderer, tokenizer: HFTokenizer, messages: list[dict],

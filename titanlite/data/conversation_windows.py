@@ -30,7 +30,7 @@ def trained_counts(store: TokenStore, lengths: np.ndarray) -> np.ndarray:
     counts = np.zeros(len(lengths), dtype=np.int64)
     for shard, mask in enumerate(store.masks):
         docs = np.flatnonzero(store.doc_shard == shard)
-        running = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+        running = np.concatenate([[0], np.cumsum(store.mask(shard, 0, len(mask)), dtype=np.int64)])
         starts = store.doc_start[docs]
         counts[docs] = running[starts + lengths[docs]] - running[starts]
     return counts
@@ -40,8 +40,8 @@ def starts_with(store: TokenStore, token: int | None) -> bool:
     """Whether every document of the store starts with this token."""
     if token is None:
         return False
-    return all(bool((shard[store.doc_start[(store.doc_shard == i) & (store.doc_len > 0)]] == token).all())
-               for i, shard in enumerate(store.shards))
+    return all(bool((store.tokens_at(i, store.doc_start[(store.doc_shard == i) & (store.doc_len > 0)]) == token).all())
+               for i in range(len(store.shards)))
 
 
 def pack(lengths: np.ndarray, window: int) -> np.ndarray:

@@ -67,7 +67,7 @@ class StoreWindows(Dataset):
                 within = offset - (ends[j] - store.doc_len[doc])
                 take = int(min(self.window_len - filled, store.doc_len[doc] - within))
                 begin = store.doc_start[doc] + within
-                out[filled : filled + take] = store.shards[store.doc_shard[doc]][begin : begin + take]
+                out[filled : filled + take] = store.tokens(store.doc_shard[doc], begin, begin + take)
                 filled, offset, j = filled + take, offset + take, j + 1
         return out
 
@@ -174,9 +174,12 @@ class GlobalOrderLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         per_micro_batch = self.batch_size * self.dp_world
         sampler = RankBatches(self.consumed // per_micro_batch, self.batch_size, self.dp_rank, self.dp_world, self.limit)
-        for batch in DataLoader(self.windows, batch_sampler=sampler, num_workers=self.num_workers):
-            self.consumed += per_micro_batch
-            yield batch
+        try:
+            for batch in DataLoader(self.windows, batch_sampler=sampler, num_workers=self.num_workers):
+                self.consumed += per_micro_batch
+                yield batch
+        except UserError as error:  # damage found as a worker read it (store checksums): its sentence, not its traceback
+            raise UserError(worker_sentence(error)) from None
         self.consumed = 0  # a finite pass ended: the next starts over
 
 
@@ -201,3 +204,9 @@ def epochs_done(loader) -> float | None:
     data (a mix, and the streams each rank packs for itself, have none)."""
     windows = getattr(loader, "windows", None)
     return windows.epochs_at(loader.consumed) if hasattr(windows, "epochs_at") else None
+
+
+def worker_sentence(error: UserError) -> str:
+    """The UserError's own sentence: a DataLoader worker's reaches this process as "Caught UserError in DataLoader
+    worker process N. Original Traceback ... UserError: <sentence>"."""
+    return str(error).strip().splitlines()[-1].split("UserError: ", 1)[-1]

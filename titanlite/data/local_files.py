@@ -34,7 +34,8 @@ def read_errors() -> tuple[type[Exception], ...]:
     import pyarrow as pa
     from datasets.exceptions import DatasetGenerationError
 
-    return (DatasetGenerationError, pa.ArrowInvalid, UnicodeDecodeError)
+    # OSError: pyarrow's for a parquet file whose metadata does not decode ("Couldn't deserialize thrift").
+    return (DatasetGenerationError, pa.ArrowInvalid, UnicodeDecodeError, OSError)
 
 
 class TextFiles(Sequence):

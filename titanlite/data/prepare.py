@@ -24,11 +24,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import xxhash
 from tqdm import tqdm
 
 from titanlite.data.chat import ChatRenderer, Conversations, chat_record, tokenize_conversation
 from titanlite.data.local_files import LOADER_BY_SUFFIX, load_local_documents
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
+from titanlite.data.store_checksums import CHUNK_BYTES, sums_path, write_chunk_sums
 from titanlite.data.store import (FORMAT, MANIFEST, concatenate, mask_path, shard_max_id, shard_paths, token_dtype,
                                   tokenizer_record)
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
@@ -61,9 +63,10 @@ def tokenize_shard(task: tuple) -> None:
     folder, shard, documents, dtype = task
     tokens, offsets, mask = concatenate([ENCODE(document) for document in documents], dtype)
     tokens_path, index_path = shard_paths(folder, shard)
-    write_then_rename(tokens_path, tokens.tofile)
-    if mask is not None:
-        write_then_rename(mask_path(folder, shard), mask.tofile)
+    for path, data in ((tokens_path, tokens), (mask_path(folder, shard), mask)):
+        if data is not None:
+            write_then_rename(path, data.tofile)
+            write_chunk_sums(path, data, write_then_rename)
     write_then_rename(index_path, lambda file: np.save(file, offsets))
 
 
@@ -119,6 +122,14 @@ def shard_tasks(documents, folder: Path, per_shard: int, dtype, progress):
             yield folder, shard, texts, dtype
 
 
+def record_missing_sums(folder: Path, shard: int, tokens: np.ndarray) -> None:
+    """The chunk checksums of a shard that a prepare of an earlier titanlite finished without them (resumed now)."""
+    for path, data in ((shard_paths(folder, shard)[0], tokens), (mask_path(folder, shard), None)):
+        if path.is_file() and not sums_path(path).is_file():
+            data = np.fromfile(path, dtype=np.uint8) if data is None else data
+            write_chunk_sums(path, data, write_then_rename)
+
+
 def write_manifest(folder: Path, plan: dict, tokenizer, dtype, chat: dict | None) -> dict:
     shards = []
     for shard in itertools.count():
@@ -127,11 +138,14 @@ def write_manifest(folder: Path, plan: dict, tokenizer, dtype, chat: dict | None
             break
         offsets = np.load(index_path)
         tokens = np.memmap(shard_paths(folder, shard)[0], dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype)
-        shards.append({"documents": len(offsets) - 1, "tokens": int(offsets[-1]), "max_id": shard_max_id(tokens)})
+        record_missing_sums(folder, shard, tokens)
+        shards.append({"documents": len(offsets) - 1, "tokens": int(offsets[-1]), "max_id": shard_max_id(tokens),
+                       "index_xxh3": xxhash.xxh3_64(index_path.read_bytes()).hexdigest()})
     if not shards:
         raise UserError(f"--input {plan['input']} holds no documents; point it at data that has some")
     manifest = {"format": FORMAT, "input": plan["input"], "tokenizer": tokenizer_record(tokenizer), "dtype": dtype.name,
-                "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+                "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards), "shards": shards,
+                "checksums": {"algorithm": "xxh3_64", "chunk_bytes": CHUNK_BYTES}}
     if chat is not None:
         manifest["chat"] = chat
     write_then_rename(folder / MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))

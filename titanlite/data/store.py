@@ -6,6 +6,8 @@ A store is a folder:
     shard-00000.bin      the token ids of its documents, back to back (uint16 when the vocab fits, else uint32)
     shard-00000.idx.npy  int64 offsets: document d of the shard is tokens[idx[d]:idx[d + 1]]
     shard-00000.mask.bin chat stores only: a uint8 per token, 1 where the token is trained (chat.py)
+    shard-00000.bin.xxh3 the XXH3-64 of every 64 KiB of the shard (and .mask.bin.xxh3 of the mask), verified as
+                         they are read (store_checksums.py); the manifest keeps each offsets file's XXH3-64
     ...
 
 Each document is stored as packing.py tokenizes it, bos + text + eos, so a store and the raw
@@ -21,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
+from titanlite.data.store_checksums import ChunkSums, chunk_count, damaged, sums_path
 from titanlite.errors import UserError
+from titanlite.log import logger
 
 MANIFEST = "manifest.json"
 FORMAT = "titanlite-token-store-1"
@@ -80,6 +85,7 @@ class TokenStore:
     doc_len: np.ndarray
     name: str
     masks: list | None = None  # chat stores: per shard, a uint8 per token, 1 where it is trained
+    checks: list | None = None  # per shard (its tokens' ChunkSums, its mask's or None); None where nothing was recorded
 
     def __getstate__(self) -> dict:
         # Sent to DataLoader workers: a memory map travels as its file, not as a copy of its tokens.
@@ -93,17 +99,36 @@ class TokenStore:
     def total_tokens(self) -> int:
         return int(self.doc_len.sum())
 
+    def tokens(self, shard: int, begin: int, end: int) -> np.ndarray:
+        """Tokens [begin, end) of a shard, their chunks verified against the store's checksums on first read."""
+        if self.checks is not None:
+            self.checks[shard][0].verify(self.shards[shard], begin, end)
+        return self.shards[shard][begin:end]
+
+    def mask(self, shard: int, begin: int, end: int) -> np.ndarray:
+        """The trained flags of tokens [begin, end) of a shard of a chat store, verified as tokens() is."""
+        if self.checks is not None:
+            self.checks[shard][1].verify(self.masks[shard], begin, end)
+        return self.masks[shard][begin:end]
+
+    def tokens_at(self, shard: int, positions: np.ndarray) -> np.ndarray:
+        """The tokens at these positions of a shard, verified as tokens() is."""
+        if self.checks is not None:
+            self.checks[shard][0].verify_at(self.shards[shard], positions)
+        return self.shards[shard][positions]
+
     def document(self, doc: int, length: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(the first `length` tokens of document doc, their trained flags or None without a mask)."""
         shard, begin = self.doc_shard[doc], self.doc_start[doc]
-        mask = None if self.masks is None else self.masks[shard][begin : begin + length]
-        return self.shards[shard][begin : begin + length], mask
+        mask = None if self.masks is None else self.mask(shard, begin, begin + length)
+        return self.tokens(shard, begin, begin + length), mask
 
     @classmethod
-    def from_offsets(cls, shards: list, offsets: list[np.ndarray], name: str, masks: list | None = None) -> "TokenStore":
+    def from_offsets(cls, shards: list, offsets: list[np.ndarray], name: str, masks: list | None = None,
+                     checks: list | None = None) -> "TokenStore":
         shard_ids = [np.full(len(o) - 1, i, dtype=np.int32) for i, o in enumerate(offsets)]
         return cls(shards, np.concatenate(shard_ids), np.concatenate([o[:-1] for o in offsets]),
-                   np.concatenate([np.diff(o) for o in offsets]), name, masks)
+                   np.concatenate([np.diff(o) for o in offsets]), name, masks, checks)
 
     @classmethod
     def tokenize(cls, texts, tokenizer, name: str) -> "TokenStore":
@@ -158,8 +183,17 @@ def check_manifest_fields(manifest: dict, folder: Path, key: str) -> None:
             isinstance(entry, dict) and all(isinstance(entry.get(k), int) and entry[k] >= 0 for k in ("documents", "tokens"))
             for entry in shards):
         problem = "its shards list (documents and tokens per shard) is missing or damaged"
+    elif "checksums" in manifest and not checksums_recorded(manifest["checksums"], shards):
+        problem = "its checksums record (algorithm, chunk_bytes, each shard's index_xxh3) is damaged"
     if problem:
         raise UserError(f"{key} {folder}: {MANIFEST} does not describe a store ({problem}); prepare the store again")
+
+
+def checksums_recorded(checksums, shards: list) -> bool:
+    """The manifest's "checksums" as prepare writes it: XXH3-64 of chunks of a positive size, an offsets-file hash per shard."""
+    return (isinstance(checksums, dict) and checksums.get("algorithm") == "xxh3_64" and len(checksums) == 2
+            and isinstance(checksums.get("chunk_bytes"), int) and checksums["chunk_bytes"] > 0
+            and all(isinstance(entry.get("index_xxh3"), str) for entry in shards))
 
 
 def shard_max_id(tokens: np.ndarray) -> int:
@@ -200,27 +234,42 @@ def open_store(folder: str | Path, tokenizer, key: str = "training.dataset_path"
     manifest = read_manifest(folder, key)
     check_tokenizer(manifest, tokenizer, folder, key)
     check_chat(manifest, chat, folder, key)
-    shards, offsets, masks = [], [], []
+    chunk_bytes = manifest["checksums"]["chunk_bytes"] if "checksums" in manifest else None
+    if chunk_bytes is None:
+        logger.info(f"{key} {folder} was prepared before token stores recorded checksums: its shards are read unverified "
+                    "(prepare it again to have them verified)")
+    dtype = np.dtype(manifest["dtype"])
+    shards, offsets, masks, checks = [], [], [], []
     for shard, entry in enumerate(manifest["shards"]):
-        paths = [*shard_paths(folder, shard), *([mask_path(folder, shard)] if chat is not None else [])]
-        missing = next((path for path in paths if not path.is_file()), None)
-        if missing:
-            raise UserError(f"{key} {folder}: shard {shard} is missing ({missing.name}); prepare the store again")
-        dtype = np.dtype(manifest["dtype"])
-        for path, itemsize in zip(paths[::2], (dtype.itemsize, 1)):  # the tokens, and a chat store's mask
-            check_size(path, entry["tokens"] * itemsize, f"{entry['tokens']} tokens of {itemsize} byte(s)", folder, key)
-        shards.append(np.memmap(paths[0], dtype=dtype, mode="r", shape=(entry["tokens"],)))
-        offsets.append(checked_offsets(paths[1], entry, folder, key))
-        check_ids(shards[-1], entry, manifest["tokenizer"]["vocab_size"], paths[0], key)
+        data = [shard_paths(folder, shard)[0], *([mask_path(folder, shard)] if chat is not None else [])]
+        index = shard_paths(folder, shard)[1]
+        check_files(data, [entry["tokens"] * dtype.itemsize, entry["tokens"]], index, chunk_bytes, entry, folder, key)
+        shards.append(np.memmap(data[0], dtype=dtype, mode="r", shape=(entry["tokens"],)))
+        offsets.append(checked_offsets(index, entry, folder, key))
+        check_ids(shards[-1], entry, manifest["tokenizer"]["vocab_size"], data[0], key)
         if chat is not None:
-            masks.append(np.memmap(paths[2], dtype=np.uint8, mode="r", shape=(entry["tokens"],)))
+            masks.append(np.memmap(data[1], dtype=np.uint8, mode="r", shape=(entry["tokens"],)))
+        if chunk_bytes is not None:
+            checks.append(tuple(ChunkSums(path, chunk_bytes, key) for path in data) + (None,) * (2 - len(data)))
     if not shards or sum(entry["documents"] for entry in manifest["shards"]) == 0:
         raise UserError(f"{key} {folder} holds no documents; prepare it from a source that has some")
-    return TokenStore.from_offsets(shards, offsets, str(folder), masks if chat is not None else None)
+    return TokenStore.from_offsets(shards, offsets, str(folder), masks if chat is not None else None,
+                                   checks if chunk_bytes is not None else None)
 
 
-def damaged(path: Path, key: str, what: str) -> UserError:
-    return UserError(f"{key}: {path} {what}; the store is damaged, prepare it again with python -m titanlite.data.prepare")
+def check_files(data: list[Path], sizes: list[int], index: Path, chunk_bytes: int | None, entry: dict, folder: Path,
+                key: str) -> None:
+    """A shard's files are all there (its tokens, a chat store's mask, their checksums, its offsets), each of the
+    size its manifest entry gives (`sizes`: of the tokens and the mask)."""
+    sums = [sums_path(path) for path in data] if chunk_bytes is not None else []
+    missing = next((path for path in [*data, index, *sums] if not path.is_file()), None)
+    if missing:
+        raise UserError(f"{key} {folder}: {missing.name} is missing; prepare the store again")
+    for path, size in zip(data, sizes):
+        check_size(path, size, f"{entry['tokens']} tokens of {size // max(entry['tokens'], 1)} byte(s)", folder, key)
+    for path, size in zip(sums, sizes):
+        check_size(path, 8 * chunk_count(size, chunk_bytes), f"{entry['tokens']} tokens, one checksum per {chunk_bytes} bytes",
+                   folder, key)
 
 
 def check_size(path: Path, expected: int, described: str, folder: Path, key: str) -> None:
@@ -231,7 +280,10 @@ def check_size(path: Path, expected: int, described: str, folder: Path, key: str
 
 def checked_offsets(path: Path, entry: dict, folder: Path, key: str) -> np.ndarray:
     """A shard's document offsets, checked against its manifest entry: documents + 1 int64 offsets from 0 to its
-    token count, never decreasing (so that no document reads outside the shard)."""
+    token count, never decreasing (so that no document reads outside the shard), and the file's XXH3-64 the manifest
+    recorded (a store with checksums)."""
+    if "index_xxh3" in entry and xxhash.xxh3_64(path.read_bytes()).hexdigest() != entry["index_xxh3"]:
+        raise damaged(path, key, f"does not match the checksum {folder / MANIFEST} recorded: the file changed on disk")
     try:
         offsets = np.load(path)  # allow_pickle is off: a garbled file is a ValueError, never unpickled
     except (OSError, ValueError, EOFError) as error:

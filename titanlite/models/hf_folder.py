@@ -57,8 +57,18 @@ NUMBER_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
                "bos_token_id", "eos_token_id", "pad_token_id")
 
 
+# config.json's keys titanlite reads that hold text, a list of text or an object (null: "not set").
+KIND_KEYS = {"model_type": (str, "text"), "architectures": (list, "a list of class names"),
+             "rope_scaling": (dict, "an object"), "rope_parameters": (dict, "an object")}
+
+
 def check_value_types(config: dict, path: Path) -> None:
-    """A number written as text ("hidden_size": "256") is one sentence naming the key, before anything reads it."""
+    """A number written as text ("hidden_size": "256"), or a key of another kind ("architectures": 7), is one
+    sentence naming the key, before anything reads it."""
+    for key, (kind, described) in KIND_KEYS.items():
+        value = config.get(key)
+        if value is not None and not (isinstance(value, kind) and (kind is not list or all(isinstance(v, str) for v in value))):
+            raise UserError(f"{path}: \"{key}\" is {json.dumps(value)}, which is not {described}; fix the file")
     for key in NUMBER_KEYS:
         value = config.get(key)
         ids = isinstance(value, list) and key.endswith("_token_id")  # eos may be a list of ids
