@@ -228,6 +228,7 @@ def saved_model(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.extended
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_bf16_exports_and_loading_the_hf_one_into_two_ranks(tmp_path):
     """Export model-only DCP and HF in bf16; load the HF folder on 2 FSDP ranks and, with lr 0,

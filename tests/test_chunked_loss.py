@@ -84,6 +84,7 @@ def test_without_grad_no_gradient_is_computed():
     assert scales[3:] == [1 / N] * 3 and weight.grad is not None
 
 
+@pytest.mark.extended
 def test_trainer_with_chunks_equals_without_for_llama3_gpt2_mixtral_and_on_two_fsdp_ranks(tmp_path, monkeypatch, capsys):
     """fp32 TensorBoard losses within 1e-6 at every step, 128 tokens a micro-batch in chunks of 50
     (not a divisor): llama3 (untied output) with validation, gpt2 (tied: the embedding gets both

@@ -95,6 +95,7 @@ EP2_TP2 = [*EP2, "--parallelism.tensor_parallel_degree", "2", "--training.local_
            "--training.global_batch_size", "4"]
 
 
+@pytest.mark.extended
 def test_ep2_x_tp2_trains_as_one_process_and_resumes_on_one(tmp_path):
     """EP2 x TP2 on 4 ranks (8 experts over the flattened (ep, tp) mesh, 2 per rank; each TP rank
     sends its tp index's assignments among the ep ranks of that index): 5 steps of each MoE family's

@@ -121,8 +121,9 @@ def test_two_groups_equal_one_process_holding_both_batches(store, tmp_path):
                 assert got[step] == pytest.approx(value, abs=1e-5), (tag, r, step, got[step], value)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("layout", [["--parallelism.tensor_parallel_degree", "2"],
-                                    pytest.param(["--parallelism.pipeline_parallel_degree", "2"], marks=pytest.mark.extended)],
+                                    ["--parallelism.pipeline_parallel_degree", "2"]],
                          ids=["tp2", "pp2"])
 def test_groups_of_two_ranks_under_tp_or_pp_equal_one_process(store, tmp_path, layout):
     """Each replica group a torchrun of 2 ranks sharding the model by TP (or PP): rank r of each group averages its

@@ -51,6 +51,7 @@ def test_gpt2_fused_qkv_in_float8_under_tp_is_one_sentence(tiny_run):
         "under parallelism.tensor_parallel_degree above 1: add \"wqkv\" to float8.filter_fqns"}, out.stderr[-2000:]
 
 
+@pytest.mark.extended
 def test_fsdp2_tp2_float8_trains_and_resumes_exactly(tmp_path):
     """4 ranks, tensorwise with FSDP's float8 all-gather and the scales precomputed after each step:
     the first step is the 1-process float8 loss (same global batch of 4), and a run resumed from the

@@ -27,6 +27,7 @@ def test_trains_prints_the_line_and_writes_config_and_tensorboard(tmp_path, tiny
         assert len(tensorboard_scalars(tmp_path / "tb", tag)) == 6
 
 
+@pytest.mark.extended
 def test_same_seed_same_losses_other_seed_other_losses(tmp_path, tiny_run):
     first = logged_losses(run_titanlite(tiny_run).stderr)
     again = logged_losses(run_titanlite(tiny_run).stderr)
