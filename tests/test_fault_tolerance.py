@@ -145,7 +145,9 @@ def test_groups_of_two_ranks_under_tp_or_pp_equal_one_process(store, tmp_path, l
 
 
 def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_path):
-    steps = 200  # replica 0 trains on alone while replica 1 restarts (about 30 s on 2 busy cores)
+    # replica 0 trains on alone while replica 1 restarts: its ~10 s start must end before replica 0 finishes (200
+    # steps were too few on a quiet machine, whose 0.07 s steps left replica 0 done before replica 1 was back)
+    steps = 500
     save = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
     with lighthouse(min_replicas=1) as address:
         commands = [group_command(store, r, tmp_path / f"r{r}", steps, *save) for r in (0, 1)]

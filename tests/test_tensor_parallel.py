@@ -97,6 +97,7 @@ def test_refused_layout_exits_2_without_traceback(tiny_run):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.extended
 def test_checkpoint_saved_under_tp2_resumes_on_one_process(tmp_path):
     """DCP reshards the TP DTensors (model and optimizer) into plain tensors: the resumed steps
     are the uninterrupted run's. Both layouts have one data-parallel rank, so the data position carries over."""
