@@ -63,7 +63,11 @@ class TitanliteLM(TemplateLM):
         self.batch_size = batch_size
         self.max_length = run.args.max_seq_len
         self._rank, self._world_size, self._device = run.info.rank, run.info.world_size, run.device
-        self.lockstep = run.info.world_size > 1
+
+    @property
+    def lockstep(self) -> bool:
+        """Ranks share the requests, so a sharded model's forwards must line up across them."""
+        return self._world_size > 1
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         gathered = [torch.empty_like(tensor) for _ in range(self._world_size)]

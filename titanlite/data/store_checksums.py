@@ -32,7 +32,7 @@ def chunk_sums(data: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
     """The XXH3-64 of each chunk_bytes of a 1-D array's bytes."""
     raw = data.view(np.uint8)
     return np.fromiter((xxhash.xxh3_64_intdigest(raw[i : i + chunk_bytes]) for i in range(0, len(raw), chunk_bytes)),
-                       dtype="<u8", count=-(-len(raw) // chunk_bytes))
+                       dtype="<u8", count=chunk_count(len(raw), chunk_bytes))
 
 
 def write_chunk_sums(path: Path, data: np.ndarray, write) -> None:
@@ -44,13 +44,19 @@ def chunk_count(size: int, chunk_bytes: int) -> int:
     return -(-size // chunk_bytes)
 
 
+def recorded_sums(path: Path) -> np.ndarray:
+    """The sums recorded beside a shard file, memory-mapped (an empty file maps to nothing, so none)."""
+    sums = sums_path(path)
+    return np.memmap(sums, dtype="<u8", mode="r") if sums.stat().st_size else np.zeros(0, "<u8")
+
+
 class ChunkSums:
     """The recorded sums of one shard file and which of its chunks this process has verified; `key` is the config
     key the store came from, for the error."""
 
     def __init__(self, path: Path, chunk_bytes: int, key: str):
         self.path, self.chunk_bytes, self.key = path, chunk_bytes, key
-        self.sums = np.memmap(sums_path(path), dtype="<u8", mode="r") if sums_path(path).stat().st_size else np.zeros(0, "<u8")
+        self.sums = recorded_sums(path)
         self.verified = np.zeros(len(self.sums), dtype=bool)
         self.unverified = len(self.sums)
 
@@ -60,8 +66,7 @@ class ChunkSums:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        path = sums_path(self.path)
-        self.sums = np.memmap(path, dtype="<u8", mode="r") if path.stat().st_size else np.zeros(0, "<u8")
+        self.sums = recorded_sums(self.path)
 
     def verify(self, data: np.ndarray, begin: int, end: int) -> None:
         """Verify the chunks holding data[begin:end] (element indices) that this process has not verified yet."""
