@@ -75,3 +75,13 @@ def test_greedy_tokens_are_transformers_generate(tmp_path, tokenizer_folder, fam
     ours = run_generate(tmp_path, folder)
     assert [record["token_ids"] for record in ours] == theirs
     assert any(len(row) > 3 for row in theirs)  # not stopped at once: the comparison covers the cached steps
+
+
+@pytest.mark.cuda
+def test_generation_on_cuda_gives_the_cpu_tokens(tmp_path, tokenizer_folder):
+    """The generate Run on one GPU (KV cache on the device, fp32): the greedy tokens of the same run on the CPU."""
+    folder = tmp_path / "llama3"
+    transformers_folder("llama3", folder, tokenizer_folder)
+    cpu = run_generate(tmp_path, folder)
+    gpu = run_generate(tmp_path, folder, "--job.device", "cuda")
+    assert [record["token_ids"] for record in gpu] == [record["token_ids"] for record in cpu]
