@@ -121,27 +121,46 @@ def test_two_groups_equal_one_process_holding_both_batches(store, tmp_path):
                 assert got[step] == pytest.approx(value, abs=1e-5), (tag, r, step, got[step], value)
 
 
+GROUP_LAYOUTS = {  # name: (the model, each group's layout over its 2 ranks)
+    "tp2": ([], ["--parallelism.tensor_parallel_degree", "2"]),
+    "pp2": ([], ["--parallelism.pipeline_parallel_degree", "2"]),
+    "cp2": ([], ["--parallelism.context_parallel_degree", "2"]),
+    # a dense block and an MoE block whose 8 experts split over the group's 2 data-parallel ranks (a window each),
+    # routed with biases
+    "deepseek_ep2": (["--model.name", "deepseek_v3"], ["--parallelism.expert_parallel_degree", "2",
+                                                         "--training.local_batch_size", "1"]),
+}
+
+
 @pytest.mark.extended
-@pytest.mark.parametrize("layout", [["--parallelism.tensor_parallel_degree", "2"],
-                                    ["--parallelism.pipeline_parallel_degree", "2"]],
-                         ids=["tp2", "pp2"])
-def test_groups_of_two_ranks_under_tp_or_pp_equal_one_process(store, tmp_path, layout):
-    """Each replica group a torchrun of 2 ranks sharding the model by TP (or PP): rank r of each group averages its
-    shards with rank r of the other; the printed losses (4 decimals) equal one process holding both groups' batches."""
-    steps, two_blocks = 3, ["--model.n_layers", "2"]
+@pytest.mark.parametrize("name", GROUP_LAYOUTS)
+def test_groups_of_two_ranks_under_any_layout_equal_one_process(store, tmp_path, name):
+    """Each replica group a torchrun of 2 ranks sharding the model by TP, PP, CP or EP: rank r of each group averages
+    its shards with rank r of the other; the printed losses (4 decimals) equal one process holding both groups'
+    batches. DeepSeek-V3's routing biases, moved by the counts of both groups' batches, equal one process's to the bit."""
+    model, layout = GROUP_LAYOUTS[name]
+    steps, common = 3, ["--model.n_layers", "2", *model, "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
     with lighthouse(min_replicas=2) as address:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        groups = [start_group([*launcher, *group_command(store, r, tmp_path / f"r{r}", steps, *two_blocks, *layout,
+        groups = [start_group([*launcher, *group_command(store, r, tmp_path / f"r{r}", steps, *common, *layout,
                                                          "--fault_tolerance.min_replica_size", "2")[1:]],
                               tmp_path / f"r{r}.log", address) for r in (0, 1)]
         logs = [finish(group, tmp_path / f"r{r}.log") for r, group in enumerate(groups)]
-    one = run_titanlite([*TINY, *two_blocks, "--training.dataset_path", store, "--training.local_batch_size", "4",
+    one = run_titanlite([*TINY, *common, "--training.dataset_path", store, "--training.local_batch_size", "4",
                          "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-3000:]
     expected = losses(one.stderr)
     assert sorted(expected) == [1, 2, 3]
     for log in logs:
         assert losses(log) == pytest.approx(expected, abs=1e-4), log[-3000:]  # as printed: 4 decimals
+    if name == "deepseek_ep2":
+        biases = [{key: value for key, value in model_weights(tmp_path / folder, steps, tmp_path).items()
+                   if key.endswith("expert_bias")} for folder in ("one", "r0", "r1")]
+        assert biases[0] and any(bias.abs().sum() > 0 for bias in biases[0].values())  # the steps moved them
+        for got in biases[1:]:
+            assert got.keys() == biases[0].keys()
+            for key in got:
+                assert torch.equal(got[key], biases[0][key]), key
 
 
 def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_path):
@@ -173,13 +192,45 @@ def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_pa
         assert torch.equal(left[key], right[key]), key
 
 
+def diloco(sync_steps: int, outer_lr: float, outer_momentum: float) -> list[str]:
+    return ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(sync_steps),
+            "--fault_tolerance.outer_lr", str(outer_lr), "--fault_tolerance.outer_momentum", str(outer_momentum),
+            "--checkpoint.enable", "true", "--checkpoint.interval", str(sync_steps)]
+
+
+def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: int, *extra: str) -> list[dict]:
+    """The replica groups `replicas` (of 2) side by side on one lighthouse, every quorum of them all; their final
+    checkpoints' tensors."""
+    together = ["--fault_tolerance.min_replica_size", str(len(replicas))]
+    with lighthouse(min_replicas=len(replicas)) as address:
+        logs = [tmp_path / f"{name}{r}.log" for r in replicas]
+        groups = [start_group(group_command(store, r, tmp_path / f"{name}{r}", steps, *together, *extra), log, address)
+                  for r, log in zip(replicas, logs)]
+        for group, log in zip(groups, logs):
+            finish(group, log)
+    return [model_weights(tmp_path / f"{name}{r}", steps, tmp_path) for r in replicas]
+
+
+def test_diloco_averages_the_groups_weights_after_their_steps_alone(store, tmp_path):
+    """DiLoCo with an outer SGD of lr 1 and no momentum is weight averaging: after 2 steps alone, the groups' common
+    weights are the mean of what each group alone ends with (it synchronizes with itself only), to float32 rounding."""
+    steps, averaging = 2, diloco(2, 1.0, 0.0)
+    alone = [run_groups(store, tmp_path, f"alone{r}_", (r,), steps, *averaging)[0] for r in (0, 1)]
+    both = run_groups(store, tmp_path, "both", (0, 1), steps, *averaging)
+    assert alone[0].keys() == both[0].keys() == both[1].keys()
+    moved = 0
+    for key, left in alone[0].items():
+        assert torch.equal(both[0][key], both[1][key]), key
+        torch.testing.assert_close(both[0][key], (left + alone[1][key]) / 2, rtol=0, atol=1e-7)
+        moved += not torch.equal(left, alone[1][key])
+    assert moved > len(alone[0]) // 2  # the groups' own steps differed: each read its own windows
+
+
 def test_bad_input_is_one_sentence(monkeypatch):
     """In-process: the config rules at load, the lighthouse checks where the group joins (before any model is built)."""
     base = [*ON_CPU, *TINY, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
     with pytest.raises(UserError, match="fault_tolerance.replica_id 2 must be below fault_tolerance.group_size 2"):
         load_config([*base, "--fault_tolerance.replica_id", "2"])
-    with pytest.raises(UserError, match="parallelism.context_parallel_degree 2 is not supported yet"):
-        load_config([*base, "--parallelism.context_parallel_degree", "2"])
     cfg = load_config(base)
     info = DistInfo(0, 1, torch.device("cpu"))
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)

@@ -188,13 +188,11 @@ def check_multi_token_prediction(cfg: JobConfig) -> None:
                         f"{model.mtp_layers}; set seq_len above {model.mtp_layers + 1}")
 
 
-FT_UNTESTED_DEGREES = ("context_parallel_degree", "expert_parallel_degree")
-
-
 def check_fault_tolerance(cfg: JobConfig) -> None:
-    """Replica groups are numbered 0..group_size-1; inside a group FSDP, HSDP, TP and PP have been checked against
-    the one-process run, so CP and EP are refused rather than trusted."""
+    """Replica groups are numbered 0..group_size-1; inside a group any layout (FSDP, HSDP, TP, PP, CP, EP) has been
+    checked against the one-process run."""
     ft = cfg.fault_tolerance
+    check_semi_sync(cfg)
     if not ft.enable:
         return
     if ft.replica_id >= ft.group_size:
@@ -203,11 +201,37 @@ def check_fault_tolerance(cfg: JobConfig) -> None:
     if ft.min_replica_size > ft.group_size:
         raise UserError(f"fault_tolerance.min_replica_size {ft.min_replica_size} exceeds fault_tolerance.group_size "
                         f"{ft.group_size}, so no step could ever commit; set it to at most {ft.group_size}")
-    for key in FT_UNTESTED_DEGREES:
-        degree = getattr(cfg.parallelism, key)
-        if degree > 1:
-            raise UserError(f"fault_tolerance.enable with parallelism.{key} {degree} is not supported yet (FSDP, HSDP, TP and "
-                            "PP replica groups are checked against the one-process run); set it to 1 or disable fault tolerance")
+
+
+DILOCO_KEYS = ("sync_steps", "outer_lr", "outer_momentum")
+
+
+def check_semi_sync(cfg: JobConfig) -> None:
+    """DiLoCo synchronizes every sync_steps optimizer steps; the checkpoints and the last step must fall on a
+    synchronization, where every group holds the same (global) weights."""
+    ft, default = cfg.fault_tolerance, type(cfg.fault_tolerance)()
+    if ft.semi_sync_method != "diloco":
+        changed = [key for key in DILOCO_KEYS if getattr(ft, key) != getattr(default, key)]
+        if changed:
+            raise UserError(f"fault_tolerance.{changed[0]} applies to fault_tolerance.semi_sync_method diloco only; set that "
+                            "method or leave the key at its default")
+        return
+    if not ft.enable:
+        raise UserError("fault_tolerance.semi_sync_method diloco synchronizes replica groups, which needs fault_tolerance.enable "
+                        "true; enable it or set the method to none")
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        raise UserError(f"fault_tolerance.semi_sync_method diloco with parallelism.pipeline_parallel_degree "
+                        f"{cfg.parallelism.pipeline_parallel_degree} is not supported yet (a stage's model is no whole model "
+                        "to synchronize); set it to 1 or the method to none")
+    if cfg.training.epochs:
+        raise UserError(f"training.epochs {cfg.training.epochs} with fault_tolerance.semi_sync_method diloco is not supported "
+                        f"(the last step must end a synchronization of fault_tolerance.sync_steps {ft.sync_steps}); set "
+                        "training.steps to a multiple of it instead")
+    for key, value in (("training.steps", cfg.training.steps),
+                       ("checkpoint.interval", cfg.checkpoint.interval if cfg.checkpoint.enable else ft.sync_steps)):
+        if value % ft.sync_steps:
+            raise UserError(f"{key} {value} is not a multiple of fault_tolerance.sync_steps {ft.sync_steps}, so it would fall "
+                            "between two DiLoCo synchronizations, where the groups' weights differ; make it a multiple")
 
 
 def check_eval(cfg: JobConfig) -> None:

@@ -239,6 +239,10 @@ class FaultTolerance:
     min_replica_size: int = opt(1, "a step commits only when at least this many groups took part in it; fewer and the step is not applied", at_least=1)
     process_group: str = opt("auto", "the collective library between groups: auto (nccl on CUDA, gloo on the CPU), gloo or nccl", choices=("auto", "gloo", "nccl"))
     process_group_timeout_ms: int = opt(10000, "a collective between groups, a quorum or a state transfer that takes longer than this is a failure: the step is not applied and the next quorum leaves the slow group out", at_least=1)
+    semi_sync_method: str = opt("none", "none: the groups average every step's gradients; diloco: each group trains sync_steps steps alone, then the groups average how far their weights moved (the pseudo-gradient) and apply it with an outer Nesterov SGD (DiLoCo, torchft.local_sgd), for groups joined by slow links", choices=("none", "diloco"))
+    sync_steps: int = opt(20, "diloco: the steps each group trains alone between two synchronizations; checkpoint.interval and training.steps must be multiples of it", at_least=1)
+    outer_lr: float = opt(0.7, "diloco: the outer SGD's learning rate on the averaged pseudo-gradient (1 with outer_momentum 0 is plain weight averaging)", above=0)
+    outer_momentum: float = opt(0.9, "diloco: the outer SGD's Nesterov momentum; 0 = none", at_least=0, below=1)
 
 
 @dataclass

@@ -125,7 +125,7 @@ def join_replica_groups(cfg: FaultTolerance, info, init_timeout_s: int) -> "Repl
     )
     logger.info(f"fault tolerance: replica group {cfg.replica_id} of {cfg.group_size}, lighthouse {address}, "
                 f"{type(manager._pg).__name__} between groups, a step commits with at least {cfg.min_replica_size} groups")
-    return ReplicaGroups(cfg, manager, store)
+    return (SemiSyncGroups if cfg.semi_sync_method == "diloco" else ReplicaGroups)(cfg, manager, store)
 
 
 class ReplicaGroups:
@@ -155,9 +155,6 @@ class ReplicaGroups:
             raise UserError("fault_tolerance.enable needs a data position a peer can hand over: a token store (training.dataset_path "
                             "from python -m titanlite.data.prepare), a training.dataset_mix or chat data; other datasets keep a "
                             "position per rank")
-        if getattr(model, "take_step_loads", None) is not None:
-            raise UserError("fault_tolerance.enable with a model that balances its experts by routing bias (deepseek_v3) is "
-                            "not supported yet (each group would move its biases by its own counts); disable fault tolerance")
         self.state, self.model, self.optimizer, self.scheduler = state, model, optimizer, scheduler
         self.dataloader, self.write_scalars = dataloader, write_scalars
         self.manager.register_state_dict_fn("titanlite", self.load_peer_state, self.peer_state)
@@ -248,11 +245,14 @@ class ReplicaGroups:
                         f"position and step {self.state.step} (nothing read from disk)")
             self.write_scalars(step, {"fault_tolerance/recovery_seconds": seconds}, flush=True)
 
-    def average(self, model, loss: torch.Tensor) -> None:
+    def average(self, model, loss: torch.Tensor, expert_loads: torch.Tensor | None = None) -> None:
         """Average every gradient (this rank's shards) and the loss with the other live groups in place, one
-        collective per dtype; before clipping, so each group clips the same gradients."""
+        collective per dtype; before clipping, so each group clips the same gradients. A model's tokens per expert
+        (aux-loss-free balancing, step.py) are summed instead: every group then moves its routers' biases by the
+        counts of the quorum's whole batch, as one process would."""
         if self.manager is None:
             return
+        summed = None if expert_loads is None else self.manager.allreduce(expert_loads, reduce_op=dist.ReduceOp.SUM)
         buckets: dict[torch.dtype, list[torch.Tensor]] = {}
         for param in model.parameters():
             if param.grad is not None:
@@ -269,6 +269,8 @@ class ReplicaGroups:
             for tensor in tensors:
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
+        if summed is not None:
+            summed.wait()
 
     def should_commit(self) -> bool:
         """Whether the step may be applied: the group's collectives succeeded and enough groups took part."""
@@ -309,3 +311,64 @@ class ReplicaGroups:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+
+
+class SemiSyncGroups(ReplicaGroups):
+    """fault_tolerance.semi_sync_method diloco: each group steps its own (inner) optimizer every step, with no
+    collective between groups; after every sync_steps of its optimizer steps, torchft's DiLoCo (hooked on that
+    optimizer) holds the quorum, where a late or restarted group recovers from a peer, averages the pseudo-gradients
+    (how far each group's weights moved since the last synchronization) and applies them with the outer Nesterov
+    SGD. A synchronization that does not commit leaves every group at the weights of the last one that did: its
+    sync_steps steps of updates are dropped, their data is not read again. The outer SGD's momentum is not in the
+    checkpoint (a whole-job restart begins it anew)."""
+
+    def track(self, state, *, model, optimizer, scheduler, dataloader, write_scalars) -> None:
+        if getattr(model, "take_step_loads", None) is not None:
+            raise UserError("fault_tolerance.semi_sync_method diloco with a model that balances its experts by routing bias "
+                            "(deepseek_v3) is not supported (the biases are no parameters, so DiLoCo would never average "
+                            "them); set fault_tolerance.semi_sync_method none")
+        super().track(state, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader,
+                      write_scalars=write_scalars)
+        from torchft.local_sgd import DiLoCo
+
+        cfg = self.cfg
+        trained = [param for param in model.parameters() if param.requires_grad]
+        outer = torch.optim.SGD(trained, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+        # made after the checkpoint's load: DiLoCo keeps the weights it starts from as the first global ones
+        self.diloco = DiLoCo(self.manager, [model], optimizer, outer, sync_every=cfg.sync_steps)
+        self.diloco.__enter__()  # its hooks on the optimizer; ours after them, to see each synchronization's outcome
+        self.inner_steps, self.began = 0, 0.0
+        optimizer.register_step_pre_hook(self.before_inner_step)
+        optimizer.register_step_post_hook(self.after_inner_step)
+        self.manager.load_state_dict({"step": state.step // cfg.sync_steps, "batches_committed": 0})  # counts syncs
+
+    def steps(self, state, last: int):
+        """The step numbers to train, without a quorum before each; a recovery during a step's synchronization moves
+        state.step to the peer's, from where the loop counts on."""
+        while state.step < last:
+            yield state.step + 1
+
+    def before_inner_step(self, *_) -> None:
+        self.began = time.perf_counter()
+
+    def after_inner_step(self, *_) -> None:
+        """After the optimizer's step (and DiLoCo's synchronization, when this step ended an interval): log the
+        quorum, a recovery (its seconds: the step's and the synchronization's) and an uncommitted synchronization."""
+        self.inner_steps += 1
+        if self.inner_steps % self.cfg.sync_steps:
+            return
+        step = self.state.step + 1  # the loop's count of this step is not made yet (a recovery set the peer's)
+        self.note_quorum(step, time.perf_counter() - self.began)
+        self.recovered = False
+        if self.manager._commit_failures:  # torchft resets it on a commit and counts a failure (no public accessor)
+            self.uncommitted += 1
+            logger.warning(f"step: {step}  synchronization not committed: every group is back at the weights of the last "
+                           f"committed one ({self.uncommitted} uncommitted in this run)")
+            self.write_scalars(step, {"fault_tolerance/uncommitted_steps": self.uncommitted}, flush=True)
+
+    def average(self, model, loss: torch.Tensor, expert_loads: torch.Tensor | None = None) -> None:
+        """Nothing between groups at a step: the synchronizations average the weights' moves instead."""
+
+    def should_commit(self) -> bool:
+        return True  # a group's own (inner) step always applies
+

@@ -97,21 +97,23 @@ def train_step(run, optimizer, scheduler, batches, metrics, replicas=None):
         total_loss += loss.detach()
     if pipeline is not None:
         pipeline.sum_tied_grads()
+    loads = expert_loads(model, pipeline, settings.bias_update_rate, device, settings.accum_steps)
     if replicas is not None:
-        replicas.average(model, total_loss)
+        replicas.average(model, total_loss, loads)
     grad_norm = clip_grad_norm_(model.parameters(), settings.max_norm, pipeline.group if pipeline else None,
                                 uncounted=pipeline.uncounted if pipeline else ())
     lr = scheduler.get_last_lr()[0]
     if settings.skip_nonfinite and not finite_on_every_rank(total_loss, grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        balance_experts(model, pipeline, 0.0, device, settings.accum_steps)  # the skipped step's counts are dropped
+        optimizer.zero_grad(set_to_none=True)  # the skipped step's expert counts are dropped with it
         return total_loss, grad_norm, lr, True
     if replicas is not None and not replicas.should_commit():  # the quorum failed: nothing applied
         optimizer.zero_grad(set_to_none=True)
         return total_loss, grad_norm, lr, False
     optimizer.step()
     scheduler.step()
-    balance_experts(model, pipeline, settings.bias_update_rate, device, settings.accum_steps)
+    if loads is not None:
+        for part in (pipeline.parts if pipeline is not None else [model]):
+            part.balance_experts(loads, settings.bias_update_rate)
     return total_loss, grad_norm, lr, False
 
 
@@ -125,26 +127,27 @@ def step_loss_scale(micro_batches: list, settings: StepSettings, dims: ParallelD
     return LossScale(means, per_trained_token([labels for _, labels, _ in micro_batches], degree))
 
 
-def balance_experts(model, pipeline, rate: float, device, accum_steps: int) -> None:
+def expert_loads(model, pipeline, rate: float, device, accum_steps: int) -> torch.Tensor | None:
     """Aux-loss-free balancing, for models whose routers have a bias (DeepSeek-V3): every MoE block's
-    tokens per expert in this step, summed over all ranks, move its router's bias by `rate` (the
-    model's balance_experts). The sum is the global batch's counts times the TP degree (TP ranks
-    route the same tokens; under PP a rank holds only its stages' blocks and adds zeros for the
-    others), which leaves each expert's side of the mean, all the update reads, as one process has it."""
+    tokens per expert in this step [n_layers, E], summed over all ranks, which the model's
+    balance_experts moves its routers' biases by after the optimizer step (None without such routers,
+    or at rate 0). The sum is the global batch's counts times the TP degree (TP ranks route the same
+    tokens; under PP a rank holds only its stages' blocks and adds zeros for the others), which leaves
+    each expert's side of the mean, all the update reads, as one process has it. Every step takes (and
+    so forgets) its counts, a skipped or uncommitted step's too."""
     parts = pipeline.parts if pipeline is not None else [model]
     forwards = accum_steps * (pipeline.n_microbatches if pipeline is not None else 1)  # each part's, this step
     if not hasattr(parts[0], "take_step_loads"):
-        return
+        return None
     args = parts[0].args
     loads = torch.zeros(args.n_layers, args.num_experts, dtype=torch.int64, device=device)
     for part in parts:
         for layer_id, load in part.take_step_loads(forwards).items():
             loads[int(layer_id)] += load
     if rate == 0:
-        return
+        return None
     dist.all_reduce(loads)
-    for part in parts:
-        part.balance_experts(loads, rate)
+    return loads
 
 
 def next_batch(batches, device, metrics, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
