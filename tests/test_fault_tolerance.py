@@ -163,11 +163,16 @@ def test_groups_of_two_ranks_under_any_layout_equal_one_process(store, tmp_path,
                 assert torch.equal(got[key], biases[0][key]), key
 
 
-def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_path):
+@pytest.mark.parametrize("semi_sync", [[], pytest.param(["--fault_tolerance.semi_sync_method", "diloco",
+                                                          "--fault_tolerance.sync_steps", "5"], marks=pytest.mark.extended)],
+                         ids=["every_step", "diloco"])
+def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_path, semi_sync):
+    """Replica 1 is killed and started again with the same command: it recovers from replica 0 at the next quorum
+    (every step, or DiLoCo's next synchronization), and both end with the same weights to the bit."""
     # replica 0 trains on alone while replica 1 restarts: its ~10 s start must end before replica 0 finishes (200
     # steps were too few on a quiet machine, whose 0.07 s steps left replica 0 done before replica 1 was back)
     steps = 500
-    save = ["--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    save = ["--checkpoint.enable", "true", "--checkpoint.interval", "500", *semi_sync]
     with lighthouse(min_replicas=1) as address:
         commands = [group_command(store, r, tmp_path / f"r{r}", steps, *save) for r in (0, 1)]
         logs = [tmp_path / "r0.log", tmp_path / "r1.log"]
@@ -195,7 +200,7 @@ def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_pa
 def diloco(sync_steps: int, outer_lr: float, outer_momentum: float) -> list[str]:
     return ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(sync_steps),
             "--fault_tolerance.outer_lr", str(outer_lr), "--fault_tolerance.outer_momentum", str(outer_momentum),
-            "--checkpoint.enable", "true", "--checkpoint.interval", str(sync_steps)]
+            "--checkpoint.enable", "true", "--checkpoint.interval", str(sync_steps)]  # a save at every synchronization
 
 
 def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: int, *extra: str) -> list[dict]:
