@@ -1,9 +1,11 @@
-"""scripts/benchmark.py in its short mode: every kind of row runs and the comparisons are printed."""
+"""The benchmark scripts in their short modes: every kind of row runs and the comparisons are printed."""
 
-import pytest
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT
 
@@ -24,3 +26,13 @@ def test_short_benchmark_prints_the_table_and_comparisons(tmp_path):
     assert "overhead: titanlite runs at " in text
     assert "FSDP memory: params + grads + optimizer state per rank" in text and "(within the 1.05/N" in text
     assert "checkpoint: a synchronous save blocks training" in text
+
+
+@pytest.mark.extended
+def test_fault_tolerance_benchmark_prints_its_three_rows():
+    """scripts/ft_benchmark.py, short: plain HSDP, per-step torchft and DiLoCo each print a step time."""
+    out = subprocess.run([sys.executable, "scripts/ft_benchmark.py", "--steps", "10", "--sync_steps", "5", "--seq_len", "32"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for row in ("plain HSDP (torchrun, dp_replicate 2):", "torchft, 2 replica groups of 1 rank:", "DiLoCo, sync every 5 steps:"):
+        assert re.search(re.escape(row) + r"\s+[\d.]+ s/step", out.stdout), out.stdout
