@@ -190,6 +190,7 @@ def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_pa
     recovered = re.search(r"step: (\d+)  recovered from a live peer in ([\d.]+)s", again)
     assert recovered, again[-3000:]
     assert int(recovered.group(1)) > alone_from + 1  # replica 0 trained steps alone before replica 1 came back
+    assert set(re.findall(r"  trained: (\d+)", again)) == {"64"}  # per step: the recovery's jump is no trained step
     assert "not committed" in text or "1 of 2" in text
     left, right = model_weights(tmp_path / "r0", steps, tmp_path), model_weights(tmp_path / "r1", steps, tmp_path)
     assert left.keys() == right.keys() and left

@@ -135,7 +135,7 @@ class ReplicaGroups:
         self.cfg, self.manager, self.store = cfg, manager, store
         self.group_size, self.replica_id = (cfg.group_size, cfg.replica_id) if manager else (1, 0)
         self.quorum_id, self.live, self.quorum_changes, self.uncommitted = None, 0, 0, 0
-        self.committed, self.recovered = True, False
+        self.committed, self.recovered, self.jumped = True, False, 0
         self.state = self.model = self.optimizer = self.scheduler = self.dataloader = self.write_scalars = None
         self.batch_iter = None
 
@@ -180,8 +180,15 @@ class ReplicaGroups:
         self.scheduler.load_state_dict(peer["lr_scheduler"])
         self.dataloader.load_state_dict(peer["dataloader"])
         self.batch_iter = iter(self.dataloader)  # from the peer's position on
+        self.jumped += peer["train_state"]["step"] - self.state.step
         self.state.step, self.state.tokens_seen = peer["train_state"]["step"], peer["train_state"]["tokens_seen"]
         self.recovered = True
+
+    def take_jump(self) -> int:
+        """The steps a recovery moved this group ahead by since the last call, which it never trained (the step
+        line's per-step counts leave them out)."""
+        jump, self.jumped = self.jumped, 0
+        return jump
 
     def as_own_shards(self, optimizer_state: dict) -> dict:
         """A peer's optimizer state (local shards) as this rank's DTensors: a state tensor shaped like its

@@ -97,6 +97,7 @@ class Loop:
         # counted on from state.step: a DiLoCo synchronization in the step may have recovered a peer's (fault_tolerance.py)
         state.step, state.tokens_seen = state.step + 1, state.tokens_seen + run.tokens_per_step
         step = state.step
+        metrics.last_step += self.replicas.take_jump()
         last, logged = step == run.cfg.training.steps, metrics.should_log(step)
         validating = self.validator is not None and self.validator.should_validate(step)
         # A step that is logged, validated or saved must be known finite now; the others are
