@@ -237,6 +237,14 @@ def test_bad_input_is_one_sentence(monkeypatch):
     base = [*ON_CPU, *TINY, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
     with pytest.raises(UserError, match="fault_tolerance.replica_id 2 must be below fault_tolerance.group_size 2"):
         load_config([*base, "--fault_tolerance.replica_id", "2"])
+    with pytest.raises(UserError, match="fault_tolerance.outer_lr applies to fault_tolerance.semi_sync_method diloco only"):
+        load_config([*base, "--fault_tolerance.outer_lr", "1"])
+    with pytest.raises(UserError, match="training.steps 10 is not a multiple of fault_tolerance.sync_steps 4"):
+        load_config([*base, *diloco(4, 0.7, 0.9), "--training.steps", "10"])
+    with pytest.raises(UserError, match="checkpoint.interval 6 is not a multiple of fault_tolerance.sync_steps 4"):
+        load_config([*base, *diloco(4, 0.7, 0.9), "--training.steps", "8", "--checkpoint.interval", "6"])
+    with pytest.raises(UserError, match="diloco with parallelism.pipeline_parallel_degree 2 is not supported yet"):
+        load_config([*base, *diloco(4, 0.7, 0.9), "--training.steps", "8", "--parallelism.pipeline_parallel_degree", "2"])
     cfg = load_config(base)
     info = DistInfo(0, 1, torch.device("cpu"))
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
