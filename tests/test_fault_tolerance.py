@@ -204,25 +204,29 @@ def diloco(sync_steps: int, outer_lr: float, outer_momentum: float) -> list[str]
             "--checkpoint.enable", "true", "--checkpoint.interval", str(sync_steps)]  # a save at every synchronization
 
 
-def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: int, *extra: str) -> list[dict]:
-    """The replica groups `replicas` (of 2) side by side on one lighthouse, every quorum of them all; their final
-    checkpoints' tensors."""
+def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: int, *extra: str, ranks: int = 1) -> list[dict]:
+    """The replica groups `replicas` (of 2), each of `ranks` ranks, side by side on one lighthouse, every quorum of
+    them all; their final checkpoints' tensors."""
     together = ["--fault_tolerance.min_replica_size", str(len(replicas))]
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc_per_node", str(ranks)]
     with lighthouse(min_replicas=len(replicas)) as address:
         logs = [tmp_path / f"{name}{r}.log" for r in replicas]
-        groups = [start_group(group_command(store, r, tmp_path / f"{name}{r}", steps, *together, *extra), log, address)
-                  for r, log in zip(replicas, logs)]
+        groups = [start_group([*launcher, *group_command(store, r, tmp_path / f"{name}{r}", steps, *together, *extra)[1:]],
+                              log, address) for r, log in zip(replicas, logs)]
         for group, log in zip(groups, logs):
             finish(group, log)
     return [model_weights(tmp_path / f"{name}{r}", steps, tmp_path) for r in replicas]
 
 
-def test_diloco_averages_the_groups_weights_after_their_steps_alone(store, tmp_path):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.extended)], ids=["one_rank", "fsdp2"])
+def test_diloco_averages_the_groups_weights_after_their_steps_alone(store, tmp_path, ranks):
     """DiLoCo with an outer SGD of lr 1 and no momentum is weight averaging: after 2 steps alone, the groups' common
-    weights are the mean of what each group alone ends with (it synchronizes with itself only), to float32 rounding."""
+    weights are the mean of what each group alone ends with (it synchronizes with itself only), to float32 rounding.
+    Groups of one rank, and (extended) of 2 FSDP ranks, whose DiLoCo averages each rank's shards."""
     steps, averaging = 2, diloco(2, 1.0, 0.0)
-    alone = [run_groups(store, tmp_path, f"alone{r}_", (r,), steps, *averaging)[0] for r in (0, 1)]
-    both = run_groups(store, tmp_path, "both", (0, 1), steps, *averaging)
+    alone = [run_groups(store, tmp_path, f"alone{r}_", (r,), steps, *averaging, ranks=ranks)[0] for r in (0, 1)]
+    both = run_groups(store, tmp_path, "both", (0, 1), steps, *averaging, ranks=ranks)
     assert alone[0].keys() == both[0].keys() == both[1].keys()
     moved = 0
     for key, left in alone[0].items():
