@@ -236,6 +236,21 @@ def test_diloco_averages_the_groups_weights_after_their_steps_alone(store, tmp_p
     assert moved > len(alone[0]) // 2  # the groups' own steps differed: each read its own windows
 
 
+@pytest.mark.extended
+def test_diloco_groups_resumed_from_their_checkpoints_equal_an_uninterrupted_run(store, tmp_path):
+    """Two DiLoCo groups (Nesterov outer SGD) stopped after their first synchronization and started again from their
+    checkpoints end with the weights of groups that never stopped, to the bit: the outer momentum is saved too."""
+    steps, semi_sync = 4, [*diloco(2, 0.7, 0.9), "--lr_scheduler.min_lr_factor", "1"]  # an lr that ignores training.steps
+    whole = run_groups(store, tmp_path, "whole", (0, 1), steps, *semi_sync)
+    run_groups(store, tmp_path, "cut", (0, 1), 2, *semi_sync)
+    resumed = run_groups(store, tmp_path, "cut", (0, 1), steps, *semi_sync)
+    for r in (0, 1):
+        assert "resumed from" in (tmp_path / f"cut{r}.log").read_text()
+        assert whole[r].keys() == resumed[r].keys()
+        for key in whole[r]:
+            assert torch.equal(whole[r][key], resumed[r][key]), (r, key)
+
+
 def test_bad_input_is_one_sentence(monkeypatch):
     """In-process: the config rules at load, the lighthouse checks where the group joins (before any model is built)."""
     base = [*ON_CPU, *TINY, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]

@@ -139,6 +139,10 @@ class ReplicaGroups:
         self.state = self.model = self.optimizer = self.scheduler = self.dataloader = self.write_scalars = None
         self.batch_iter = None
 
+    def outer_optimizer(self, model):
+        """DiLoCo's outer optimizer, which the checkpoint keeps (SemiSyncGroups); none without DiLoCo."""
+        return None
+
     def data_rank(self, dims) -> int:
         """This rank's reader index in the global order: group-major, then the group's data-parallel rank."""
         return self.replica_id * dims.dp_degree + dims.dp_rank
@@ -326,8 +330,16 @@ class SemiSyncGroups(ReplicaGroups):
     optimizer) holds the quorum, where a late or restarted group recovers from a peer, averages the pseudo-gradients
     (how far each group's weights moved since the last synchronization) and applies them with the outer Nesterov
     SGD. A synchronization that does not commit leaves every group at the weights of the last one that did: its
-    sync_steps steps of updates are dropped, their data is not read again. The outer SGD's momentum is not in the
-    checkpoint (a whole-job restart begins it anew)."""
+    sync_steps steps of updates are dropped, their data is not read again. The outer SGD's momentum is in the
+    checkpoint, beside the optimizer."""
+
+    def outer_optimizer(self, model):
+        """The outer SGD over the trained parameters, made before the checkpoint's load, which may restore its
+        momentum."""
+        cfg = self.cfg
+        trained = [param for param in model.parameters() if param.requires_grad]
+        self.outer = torch.optim.SGD(trained, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+        return self.outer
 
     def track(self, state, *, model, optimizer, scheduler, dataloader, write_scalars) -> None:
         if getattr(model, "take_step_loads", None) is not None:
@@ -339,10 +351,8 @@ class SemiSyncGroups(ReplicaGroups):
         from torchft.local_sgd import DiLoCo
 
         cfg = self.cfg
-        trained = [param for param in model.parameters() if param.requires_grad]
-        outer = torch.optim.SGD(trained, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
         # made after the checkpoint's load: DiLoCo keeps the weights it starts from as the first global ones
-        self.diloco = DiLoCo(self.manager, [model], optimizer, outer, sync_every=cfg.sync_steps)
+        self.diloco = DiLoCo(self.manager, [model], optimizer, self.outer, sync_every=cfg.sync_steps)
         self.diloco.__enter__()  # its hooks on the optimizer; ours after them, to see each synchronization's outcome
         self.inner_steps, self.began = 0, 0.0
         optimizer.register_step_pre_hook(self.before_inner_step)

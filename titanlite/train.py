@@ -155,7 +155,8 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
     evaluator = InLoopEvaluator(run, metrics) if cfg.eval.interval or cfg.eval.at_end else None
     checkpointer = CheckpointManager(run, optimizer, scheduler, dataloader,
                                      cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps),
-                                     claims_save=replicas.claims_save)  # one replica group writes each checkpoint
+                                     claims_save=replicas.claims_save,  # one replica group writes each checkpoint
+                                     outer_optimizer=replicas.outer_optimizer(run.model))
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
         checkpointer.close()

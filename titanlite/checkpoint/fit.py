@@ -16,7 +16,7 @@ from titanlite.log import logger
 
 # Top-level keys of a titanlite checkpoint besides the model's own tensors, which sit at the top
 # level (as in torchtitan), so a model-only checkpoint is just the model's FQNs.
-TRAINING_STATE = ("optimizer", "lr_scheduler", "train_state", "dataloader", "rng")
+TRAINING_STATE = ("optimizer", "outer_optimizer", "lr_scheduler", "train_state", "dataloader", "rng")
 
 
 def read_metadata(path: Path) -> Metadata:

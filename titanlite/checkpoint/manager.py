@@ -32,7 +32,7 @@ from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, refuse_l
 from titanlite.checkpoint.hf_io import copy_tokenizer, load_model_from_hf, save_model_as_hf
 from titanlite.checkpoint.async_save import AsyncSaver, Save
 from titanlite.checkpoint.save_errors import stop_if_disk_failure
-from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SavedKeys, SchedulerState,
+from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, OuterOptimizerState, RngState, SavedKeys, SchedulerState,
                                         TrainState, TrainStateLineage, load_targets, restore_all, saved_state)
 from titanlite.errors import UserError
 from titanlite.log import logger
@@ -43,10 +43,11 @@ from titanlite.profiling import model_state_bytes
 
 class CheckpointManager:
     def __init__(self, run, optimizer, lr_scheduler, dataloader, cost: SaveCost | None = None,
-                 claims_save: Callable[[Path], bool] | None = None):
+                 claims_save: Callable[[Path], bool] | None = None, outer_optimizer=None):
         """Checkpoints of build.py's `run` as its [checkpoint] section says, with the training state
         around it: the optimizer, the lr schedule and the data loader. `claims_save` (fault tolerance's): whether
-        this replica group writes the checkpoint at a path; None = it writes every one. Generation and evaluation
+        this replica group writes the checkpoint at a path; None = it writes every one. `outer_optimizer`: DiLoCo's
+        outer SGD (fault tolerance's), saved beside the optimizer. Generation and evaluation
         pass no optimizer, schedule or loader: such a manager only loads the model (load_model) and never saves."""
         self.cfg = cfg = run.cfg.checkpoint
         self.root = Path(run.cfg.job.dump_folder) / cfg.folder
@@ -71,6 +72,8 @@ class CheckpointManager:
             "dataloader": DataState(dataloader, run.dims.dp_rank, run.dims.dp_degree),
             "rng": RngState(self.rank, self.lineage),
         }
+        if outer_optimizer is not None:
+            self.objects["outer_optimizer"] = OuterOptimizerState(run.model, outer_optimizer)
         self.cost = cost or SaveCost()
         self.saver = None
         self.claims_save = claims_save

@@ -7,6 +7,7 @@ place, and a save and a load can never disagree about it.
     model         the model's FQNs at the top level (as in torchtitan), sharded DTensors as they are;
                   under LoRA the adapters only ("run"), or the frozen base ("base", an initial load)
     optimizer     the optimizer's state by parameter FQN; a pipeline's tied output copy under the embedding's
+    outer_optimizer  DiLoCo's outer SGD momentum by parameter FQN (fault_tolerance.semi_sync_method diloco only)
     lr_scheduler  the lr schedule's position
     train_state   step and tokens seen, and the run's lineage: its model, degrees and LoRA base
     dataloader    the data position: one per data-parallel rank for raw data, one global count for a
@@ -76,6 +77,7 @@ class OptimizerState:
     first stage writes with the same values, so they load under any layout."""
 
     top_level = False
+    key = "optimizer"
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer, self.ties = model, optimizer, ties_embeddings(model)
@@ -101,7 +103,7 @@ class OptimizerState:
         return own
 
     def restore(self, state: dict) -> None:
-        loaded = state["optimizer"]
+        loaded = state[self.key]
         # The saved groups list one rank's parameter names; a pipeline's ranks list different ones, and
         # torch picks a tied matrix's state by the names listed: keep this layout's own lists.
         for group, names in zip(loaded["param_groups"], self.own_groups):
@@ -113,6 +115,23 @@ class OptimizerState:
             if not self.had_embedding:
                 del by_name["tok_embeddings.weight"]
         set_optimizer_state_dict(self.model, self.optimizer, loaded)
+
+
+class OuterOptimizerState(OptimizerState):
+    """DiLoCo's outer SGD (fault_tolerance.py), kept as the optimizer is. A checkpoint saved without DiLoCo has none:
+    the outer momentum then starts from zero, and the log says so."""
+
+    key = "outer_optimizer"
+
+    def target(self, keys) -> dict | None:
+        if not any(fqn.startswith(f"{self.key}.") for fqn in keys):
+            logger.info(f"checkpoint {keys.path} holds no DiLoCo outer optimizer: its momentum starts from zero")
+            return None
+        return super().target(keys)
+
+    def restore(self, state: dict) -> None:
+        if self.key in state:
+            super().restore(state)
 
 
 class SchedulerState:
