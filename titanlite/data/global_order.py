@@ -184,24 +184,24 @@ class GlobalOrderLoader:
 
 
 def steps_for_epochs(epochs: float, loader, accum_steps: int, steps: int) -> int:
-    """training.epochs as optimizer steps (the last one may reach into the next epoch): the windows of that many
-    passes over a store or chat data, divided by the global batch's windows."""
+    """training.epochs as optimizer steps, rounded up (the last one may reach into the next epoch): the windows of
+    that many passes over a store, chat data or preference pairs (a pair is a window), divided by the global batch's."""
     windows = getattr(loader, "windows", None)
     if not hasattr(windows, "windows_in"):
         raise UserError(f"training.epochs {epochs:g} counts passes over data whose epoch length is known at start, a token "
-                        "store (python -m titanlite.data.prepare) or chat data, which this run's data is not; set "
-                        "training.steps instead")
+                        "store (python -m titanlite.data.prepare), chat data or preference pairs, which this run's data is "
+                        "not; set training.steps instead")
     per_step = loader.batch_size * loader.dp_world * accum_steps
     total = windows.windows_in(epochs)
     epoch_steps = max(1, -(-total // per_step))
-    logger.info(f"training.epochs {epochs:g}: {total:,} windows at {per_step} per step, {epoch_steps:,} steps (in place of "
-                f"training.steps {steps})")
+    logger.info(f"training.epochs {epochs:g}: {total:,} {getattr(windows, 'unit', 'windows')} at {per_step} per step, "
+                f"{epoch_steps:,} steps (in place of training.steps {steps})")
     return epoch_steps
 
 
 def epochs_done(loader) -> float | None:
-    """Passes over the data that a loader's batches so far make, where its data has epochs: a token store or chat
-    data (a mix, and the streams each rank packs for itself, have none)."""
+    """Passes over the data that a loader's batches so far make, where its data has epochs: a token store, chat data
+    or preference pairs (a mix, and the streams each rank packs for itself, have none)."""
     windows = getattr(loader, "windows", None)
     return windows.epochs_at(loader.consumed) if hasattr(windows, "epochs_at") else None
 
