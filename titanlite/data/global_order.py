@@ -174,12 +174,9 @@ class GlobalOrderLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         per_micro_batch = self.batch_size * self.dp_world
         sampler = RankBatches(self.consumed // per_micro_batch, self.batch_size, self.dp_rank, self.dp_world, self.limit)
-        try:
-            for batch in DataLoader(self.windows, batch_sampler=sampler, num_workers=self.num_workers):
-                self.consumed += per_micro_batch
-                yield batch
-        except UserError as error:  # damage found as a worker read it (store checksums): its sentence, not its traceback
-            raise UserError(worker_sentence(error)) from None
+        for batch in DataLoader(self.windows, batch_sampler=sampler, num_workers=self.num_workers):
+            self.consumed += per_micro_batch
+            yield batch
         self.consumed = 0  # a finite pass ended: the next starts over
 
 
@@ -205,8 +202,3 @@ def epochs_done(loader) -> float | None:
     windows = getattr(loader, "windows", None)
     return windows.epochs_at(loader.consumed) if hasattr(windows, "epochs_at") else None
 
-
-def worker_sentence(error: UserError) -> str:
-    """The UserError's own sentence: a DataLoader worker's reaches this process as "Caught UserError in DataLoader
-    worker process N. Original Traceback ... UserError: <sentence>"."""
-    return str(error).strip().splitlines()[-1].split("UserError: ", 1)[-1]
