@@ -18,7 +18,7 @@ from titanlite.data.documents import IndexedDocuments, StreamedDocuments
 from titanlite.data.packing import PackedTokens
 from titanlite.data.sample_corpus import sample_documents
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer, build_tokenizer
-from titanlite.errors import UserError
+from titanlite.errors import UserError, exit_code
 
 
 @pytest.fixture(scope="module")
@@ -396,3 +396,26 @@ def test_issue_data_commands_end_in_one_sentence(tiny_run, tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == f"error: training.dataset_path: {path} {fault}"
+
+
+class DamagedWindows(torch.utils.data.Dataset):
+    """Every item raises a UserError, as a damaged file read in a DataLoader worker does."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        raise UserError(f"training.dataset_path data.bin: window {index} is damaged; prepare the store again")
+
+
+def read_in_a_worker() -> None:
+    for _ in torch.utils.data.DataLoader(DamagedWindows(), num_workers=1):
+        pass
+
+
+def test_a_dataloader_workers_user_error_is_printed_as_its_one_sentence(capfd):
+    """torch raises a worker's error again wrapped in its traceback; the entry points print only its sentence."""
+    with pytest.raises(UserError, match="^Caught UserError in DataLoader worker process 0"):
+        read_in_a_worker()
+    assert exit_code(read_in_a_worker) == 2
+    assert capfd.readouterr().err == "error: training.dataset_path data.bin: window 0 is damaged; prepare the store again\n"

@@ -5,6 +5,7 @@ the export is a folder transformers loads; errors are one sentence."""
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -151,6 +152,18 @@ def test_two_fsdp_ranks_and_tp2_equal_one_process(folders, tmp_path):
         assert sorted(other) == [1, 2, 3] and all(other[s] == pytest.approx(one[s], abs=1e-5) for s in one), (layout, other, one)
     assert tensorboard_scalars(tmp_path / "fsdp" / "tb", "dpo/margin")[3] == pytest.approx(
         tensorboard_scalars(tmp_path / "one" / "tb", "dpo/margin")[3], abs=1e-5)
+
+
+def test_epochs_count_pairs_and_the_step_line_says_the_epoch(folders, tmp_path, capsys):
+    """training.epochs 1.25 of the 4 pairs is 5 pairs; at 2 pairs per step that is 3 steps (rounded up, as for chat
+    data); each step line and data/epoch say the passes made: 2, 4 and 6 pairs of 4."""
+    flags = dpo_flags(folders, tmp_path, 1, "--training.local_batch_size", "2", "--training.epochs", "1.25")
+    assert main(flags) == 0
+    err = capsys.readouterr().err
+    assert "training.epochs 1.25: 5 pairs at 2 per step, 3 steps (in place of training.steps 1)" in err
+    epochs = {int(s): float(e) for s, e in re.findall(r"step: (\d+) .*epoch: ([\d.]+)", err)}
+    assert epochs == {1: 0.5, 2: 1.0, 3: 1.5}
+    assert tensorboard_scalars(tmp_path / "tb", "data/epoch") == {1: 0.5, 2: 1.0, 3: 1.5}
 
 
 def test_plain_text_pairs_render_as_one_user_and_one_assistant_turn(folders, tmp_path):

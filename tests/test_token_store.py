@@ -24,7 +24,8 @@ from titanlite.data.prepare import prepare
 from titanlite.data.sample_corpus import sample_split
 from titanlite.data.store import shard_paths
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
-from titanlite.errors import UserError
+from titanlite.errors import UserError, sentence
+from titanlite.train import main
 
 SEQ = 16
 
@@ -358,11 +359,26 @@ def test_bit_rot_inside_a_shard_stops_the_read_naming_the_file_and_bytes(sample_
     flip_bit(folder / "shard-00001.bin", 70001)  # in its second, shorter chunk
     size = (folder / "shard-00001.bin").stat().st_size
     batches = iter(loader(folder, tokenizer, workers=workers))  # opens: sizes and offsets are fine
-    with pytest.raises(UserError, match=rf"^training.dataset_path: \S+shard-00001.bin bytes 65536..{size - 1} do not match "
-                                        r"their checksum in shard-00001.bin.xxh3 \(recorded by prepare\): one of the two files "
-                                        r"changed on disk;"):
+    with pytest.raises(UserError) as raised:
         for _ in range(500):
             next(batches)
+    # A worker's error arrives wrapped in its traceback; the entry points print its sentence (the next test).
+    assert re.match(rf"training.dataset_path: \S+shard-00001.bin bytes 65536..{size - 1} do not match their checksum in "
+                    r"shard-00001.bin.xxh3 \(recorded by prepare\): one of the two files changed on disk;", sentence(raised.value))
+
+
+def test_damage_a_worker_finds_ends_the_run_in_its_one_sentence(sample_store, tiny_run, tmp_path, capfd):
+    """training.num_workers 1: the worker that reads a damaged chunk raises; the trainer prints its sentence, exit 2."""
+    folder = tmp_path / "store"
+    shutil.copytree(sample_store, folder)
+    for shard in folder.glob("shard-*.bin"):  # every chunk damaged: the first window read is
+        for offset in range(0, shard.stat().st_size, 65536):
+            flip_bit(shard, offset)
+    assert main([*tiny_run, "--training.dataset_path", str(folder), "--training.num_workers", "1"]) == 2
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and "Caught UserError" not in err and len(errors) == 1
+    assert re.match(r"error: training.dataset_path: \S+shard-\d+.bin bytes 0..\d+ do not match their checksum", errors[0])
 
 
 def test_a_store_prepared_before_checksums_reads_unverified_and_says_so(sample_store, tokenizer, tmp_path, caplog):

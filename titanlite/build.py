@@ -24,6 +24,7 @@ from titanlite.models import ModelSpec, get_model_args, get_model_spec
 from titanlite.models.hf_folder import is_model_folder, read_model_folder
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo
+from titanlite.parallel.ep import EXPERT_WEIGHTS, is_moe
 from titanlite.parallel.offload import note_if_offload_saves_nothing
 from titanlite.parallel.parallelize import ParallelizeSettings, parallelize_decoder
 from titanlite.parallel.pp import Pipeline, build_pipeline
@@ -171,9 +172,13 @@ def meta_model(spec, args, param_dtype: str, lora: LoRA) -> nn.Module:
 
 def model_flops_per_token(spec, model: nn.Module, seq_len: int) -> float:
     """The family's training FLOPs per token, less what frozen weights (LoRA's base) do not cost: their
-    gradient, 2 FLOPs per weight and token, is never computed. The token embedding is a lookup, never counted."""
-    frozen = [p for name, p in model.named_parameters() if not p.requires_grad and p.dim() == 2 and "tok_embeddings" not in name]
-    return spec.flops_per_token(model, seq_len) - 2.0 * sum(p.numel() for p in frozen)
+    gradient, 2 FLOPs per weight and token, is never computed. The token embedding is a lookup, never counted.
+    A token uses top_k of an MoE block's routed experts, as the family counts them: so much of theirs is saved."""
+    used = {id(w): w.numel() // moe.num_experts * moe.top_k for moe in model.modules() if is_moe(moe)
+            for w in (getattr(moe, name) for name in EXPERT_WEIGHTS)}
+    frozen = [used.get(id(p), p.numel()) for name, p in model.named_parameters()
+              if not p.requires_grad and p.dim() == 2 and "tok_embeddings" not in name]
+    return spec.flops_per_token(model, seq_len) - 2.0 * sum(frozen)
 
 
 def parallelizer(spec, dims: ParallelDims, settings: ParallelizeSettings) -> Callable[[nn.Module], nn.Module]:

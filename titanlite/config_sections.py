@@ -86,7 +86,7 @@ class Training:
     global_batch_size: int = opt(-1, "sequences (preference pairs) per optimizer step over all ranks; above local x dp means gradient accumulation; -1 = local x dp", at_least=1, sentinels=(-1,))
     seq_len: int = opt(2048, "tokens per sequence", at_least=1)
     steps: int = opt(10000, "optimizer steps to train for", at_least=1)
-    epochs: float = opt(0.0, "train this many passes over the data; above 0 it sets training.steps (said at start), for a token store or chat data, whose epoch length is known at start; 0 = train training.steps", at_least=0)
+    epochs: float = opt(0.0, "train this many passes over the data; above 0 it sets training.steps (said at start), for a token store, chat data or preference pairs, whose epoch length is known at start; 0 = train training.steps", at_least=0)
     max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping", at_least=0)
     dataset: str = opt("sample", "sample (shipped corpus, minus the topics held out as sample_val), c4 (streamed from the Hugging Face hub), synthetic, or local (files at dataset_path)")
     dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files) or a token store (python -m titanlite.data.prepare, read in one order at any scale); setting it means dataset = local")

@@ -20,7 +20,7 @@ from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig
 from titanlite.data.datasets import build_dataloader
 from titanlite.data.global_order import epochs_done, steps_for_epochs
-from titanlite.errors import UserError
+from titanlite.errors import UserError, sentence
 from titanlite.eval_loop import InLoopEvaluator
 from titanlite.fault_tolerance import ReplicaGroups, join_replica_groups
 from titanlite.log import init_logger, logger
@@ -210,7 +210,7 @@ def main(argv: list[str]) -> int:
         finally:
             close_distributed()
     except UserError as error:
-        say_user_error(f"error: {error}", met=info is not None)
+        say_user_error(f"error: {sentence(error)}", met=info is not None)  # a DataLoader worker's too
         return 2
     except KeyboardInterrupt:  # Ctrl-C while building the run (from the checkpoint load on, StopFlags handles it)
         print("\ninterrupted (Ctrl-C) before training; nothing was saved", file=sys.stderr)

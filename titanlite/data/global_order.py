@@ -174,39 +174,31 @@ class GlobalOrderLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         per_micro_batch = self.batch_size * self.dp_world
         sampler = RankBatches(self.consumed // per_micro_batch, self.batch_size, self.dp_rank, self.dp_world, self.limit)
-        try:
-            for batch in DataLoader(self.windows, batch_sampler=sampler, num_workers=self.num_workers):
-                self.consumed += per_micro_batch
-                yield batch
-        except UserError as error:  # damage found as a worker read it (store checksums): its sentence, not its traceback
-            raise UserError(worker_sentence(error)) from None
+        for batch in DataLoader(self.windows, batch_sampler=sampler, num_workers=self.num_workers):
+            self.consumed += per_micro_batch
+            yield batch
         self.consumed = 0  # a finite pass ended: the next starts over
 
 
 def steps_for_epochs(epochs: float, loader, accum_steps: int, steps: int) -> int:
-    """training.epochs as optimizer steps (the last one may reach into the next epoch): the windows of that many
-    passes over a store or chat data, divided by the global batch's windows."""
+    """training.epochs as optimizer steps, rounded up (the last one may reach into the next epoch): the windows of
+    that many passes over a store, chat data or preference pairs (a pair is a window), divided by the global batch's."""
     windows = getattr(loader, "windows", None)
     if not hasattr(windows, "windows_in"):
         raise UserError(f"training.epochs {epochs:g} counts passes over data whose epoch length is known at start, a token "
-                        "store (python -m titanlite.data.prepare) or chat data, which this run's data is not; set "
-                        "training.steps instead")
+                        "store (python -m titanlite.data.prepare), chat data or preference pairs, which this run's data is "
+                        "not; set training.steps instead")
     per_step = loader.batch_size * loader.dp_world * accum_steps
     total = windows.windows_in(epochs)
     epoch_steps = max(1, -(-total // per_step))
-    logger.info(f"training.epochs {epochs:g}: {total:,} windows at {per_step} per step, {epoch_steps:,} steps (in place of "
-                f"training.steps {steps})")
+    logger.info(f"training.epochs {epochs:g}: {total:,} {getattr(windows, 'unit', 'windows')} at {per_step} per step, "
+                f"{epoch_steps:,} steps (in place of training.steps {steps})")
     return epoch_steps
 
 
 def epochs_done(loader) -> float | None:
-    """Passes over the data that a loader's batches so far make, where its data has epochs: a token store or chat
-    data (a mix, and the streams each rank packs for itself, have none)."""
+    """Passes over the data that a loader's batches so far make, where its data has epochs: a token store, chat data
+    or preference pairs (a mix, and the streams each rank packs for itself, have none)."""
     windows = getattr(loader, "windows", None)
     return windows.epochs_at(loader.consumed) if hasattr(windows, "epochs_at") else None
 
-
-def worker_sentence(error: UserError) -> str:
-    """The UserError's own sentence: a DataLoader worker's reaches this process as "Caught UserError in DataLoader
-    worker process N. Original Traceback ... UserError: <sentence>"."""
-    return str(error).strip().splitlines()[-1].split("UserError: ", 1)[-1]

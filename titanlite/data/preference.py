@@ -12,7 +12,8 @@ each sequence's log-probability on its own, and one sequence per row gives it fr
 no document bookkeeping; the two rows of a pair sit in the same micro-batch, so the loss of every pair is computed
 where both its halves are. Epoch e visits the pairs in the order of a permutation drawn from (seed, e), and
 global_order.py deals pair g to the ranks as it deals window g: any split of the global batch reads the same pairs.
-training.local_batch_size counts pairs, so a micro-batch holds 2 x local_batch_size rows.
+training.local_batch_size counts pairs, so a micro-batch holds 2 x local_batch_size rows. The pair is the unit of
+training.epochs too: E passes are round(E x pairs) pairs, and the steps they make are rounded up, as for chat data.
 """
 
 import functools
@@ -85,8 +86,20 @@ class PreferencePairs(Dataset):
         logger.info(f"{where}: an epoch is {len(kept):,} preference pairs, {trained:,} trained tokens in their completions")
         self.orders: dict[int, np.ndarray] = {}
 
+    unit = "pairs"  # what global_order.py's steps_for_epochs calls this data's windows in its log
+
     def windows_per_epoch(self) -> int:
         return len(self.pairs)
+
+    def windows_in(self, epochs: float) -> int:
+        """The pairs of the first `epochs` passes (a pair is this data's window: every epoch holds all of them), the
+        fraction of the last pass rounded to whole pairs as chat data rounds it to whole windows."""
+        whole = int(epochs)
+        return whole * len(self.pairs) + round((epochs - whole) * len(self.pairs))
+
+    def epochs_at(self, windows: int) -> float:
+        """Passes over the pairs that the first `windows` pairs make."""
+        return windows / len(self.pairs)
 
     def order(self, epoch: int) -> np.ndarray:
         if epoch not in self.orders:
