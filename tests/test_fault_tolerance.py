@@ -132,6 +132,28 @@ GROUP_LAYOUTS = {  # name: (the model, each group's layout over its 2 ranks)
 }
 
 
+@pytest.mark.cuda
+def test_two_groups_on_one_gpu_equal_one_gpu_process(store, tmp_path):
+    """Two replica groups sharing the machine's GPU (gloo between them: NCCL refuses two processes on one device),
+    deterministic kernels: each prints the losses of one GPU process holding both groups' batches (4 decimals), and
+    a DiLoCo pair of them ends with equal weights (the device's tensors through torchft's averaging)."""
+    on_gpu, steps = ["--job.device", "cuda", "--training.deterministic", "--fault_tolerance.process_group", "gloo"], 4
+    with lighthouse(min_replicas=2) as address:
+        groups = [start_group(group_command(store, r, tmp_path / f"r{r}", steps, "--fault_tolerance.min_replica_size", "2",
+                                            *on_gpu), tmp_path / f"r{r}.log", address) for r in (0, 1)]
+        logs = [finish(group, tmp_path / f"r{r}.log") for r, group in enumerate(groups)]
+    one = run_titanlite([*TINY, "--training.dataset_path", store, "--training.local_batch_size", "4", *on_gpu[:3],
+                         "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    expected = losses(one.stderr)
+    assert sorted(expected) == list(range(1, steps + 1))
+    for log in logs:
+        assert losses(log) == pytest.approx(expected, abs=1e-4), log[-3000:]
+    pair = run_groups(store, tmp_path, "diloco", (0, 1), steps, *diloco(2, 0.7, 0.9), *on_gpu)
+    for key in pair[0]:
+        assert torch.equal(pair[0][key], pair[1][key]), key
+
+
 @pytest.mark.extended
 @pytest.mark.parametrize("name", GROUP_LAYOUTS)
 def test_groups_of_two_ranks_under_any_layout_equal_one_process(store, tmp_path, name):
