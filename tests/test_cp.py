@@ -61,10 +61,12 @@ def test_cp2_trains_as_one_process_composes_with_fsdp_tp_pp_and_checkpoints_move
     (and llama3's validation loss), CP2 x FSDP2, CP2 x TP2 and CP2 x PP2 (4 ranks) for llama3 (documents),
     CP2 x FSDP2 for mistral (window) and gpt2; a checkpoint of step 5 saved under CP2 resumes under FSDP2 and on one process,
     and one process's under CP2 x FSDP2, each with the uninterrupted losses of steps 6 and 7. The default tier runs
-    llama3 (documents) and mistral (a window); the extended tier also gpt2 and DeepSeek-V3 (MLA)."""
+    llama3 (documents, every layout) and mistral (a window, CP2); the extended tier also mistral's CP2 x FSDP2, gpt2
+    and DeepSeek-V3 (MLA)."""
     prepare("sample", str(tmp_path / "store"))  # the same windows at any data-parallel degree
     extended = request.config.getoption("--extended")
     families = {name: flags for name, flags in FAMILIES.items() if extended or name in ("llama3", "mistral")}
+    four_rank = FOUR_RANK_LAYOUTS if extended else {"llama3": FOUR_RANK_LAYOUTS["llama3"]}
     ones, twos, fours = [], [], []
     for family, flags in families.items():
         saved = family == "llama3"
@@ -72,7 +74,7 @@ def test_cp2_trains_as_one_process_composes_with_fsdp_tp_pp_and_checkpoints_move
         ones.append(run(tmp_path, f"{family}_one", validated, RESUMED_STEPS if saved else STEPS, checkpoint=saved))
         twos.append(run(tmp_path, f"{family}_cp2", [*validated, *CP2], STEPS, checkpoint=saved))
         fours += [run(tmp_path, f"{family}_{name}", [*flags, *LAYOUTS_OF_FOUR[name]], STEPS)
-                  for name in FOUR_RANK_LAYOUTS.get(family, ())]
+                  for name in four_rank.get(family, ())]
     # Each launch runs in order, so a resume follows the run that saved its checkpoint.
     launch([*twos, run(tmp_path, "llama3_cp2_to_fsdp2", [*LLAMA, *FSDP2], RESUMED_STEPS, resume_from="llama3_cp2")],
            2, tmp_path, "world2")
@@ -83,7 +85,7 @@ def test_cp2_trains_as_one_process_composes_with_fsdp_tp_pp_and_checkpoints_move
     for family in families:
         assert_as_one_process(tmp_path, f"{family}_cp2", f"{family}_one", trained)
     for family in families:
-        for layout in FOUR_RANK_LAYOUTS.get(family, ()):
+        for layout in four_rank.get(family, ()):
             assert_as_one_process(tmp_path, f"{family}_{layout}", f"{family}_one", trained)
     for resumed in ("cp2_to_one", "cp2_to_fsdp2", "one_to_cp2_fsdp2"):
         assert_as_one_process(tmp_path, f"llama3_{resumed}", "llama3_one", [6, 7], norms=False)

@@ -226,18 +226,23 @@ def diloco(sync_steps: int, outer_lr: float, outer_momentum: float) -> list[str]
             "--checkpoint.enable", "true", "--checkpoint.interval", str(sync_steps)]  # a save at every synchronization
 
 
-def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: int, *extra: str, ranks: int = 1) -> list[dict]:
+def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: int, *extra: str, ranks: int = 1,
+               apart: bool = False) -> list[dict]:
     """The replica groups `replicas` (of 2), each of `ranks` ranks, side by side on one lighthouse, every quorum of
-    them all; their final checkpoints' tensors."""
-    together = ["--fault_tolerance.min_replica_size", str(len(replicas))]
+    them all (apart: each alone on a lighthouse of its own, at the same time); their final checkpoints' tensors."""
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      "--nproc_per_node", str(ranks)]
-    with lighthouse(min_replicas=len(replicas)) as address:
-        logs = [tmp_path / f"{name}{r}.log" for r in replicas]
-        groups = [start_group([*launcher, *group_command(store, r, tmp_path / f"{name}{r}", steps, *together, *extra)[1:]],
-                              log, address) for r, log in zip(replicas, logs)]
-        for group, log in zip(groups, logs):
-            finish(group, log)
+    meetings = [(r,) for r in replicas] if apart else [replicas]
+    with contextlib.ExitStack() as stack:
+        groups = []
+        for meeting in meetings:
+            address = stack.enter_context(lighthouse(min_replicas=len(meeting)))
+            together = ["--fault_tolerance.min_replica_size", str(len(meeting))]
+            groups += [(start_group([*launcher, *group_command(store, r, tmp_path / f"{name}{r}", steps, *together,
+                                                               *extra)[1:]], tmp_path / f"{name}{r}.log", address), r)
+                       for r in meeting]
+        for group, r in groups:
+            finish(group, tmp_path / f"{name}{r}.log")
     return [model_weights(tmp_path / f"{name}{r}", steps, tmp_path) for r in replicas]
 
 
@@ -247,7 +252,7 @@ def test_diloco_averages_the_groups_weights_after_their_steps_alone(store, tmp_p
     weights are the mean of what each group alone ends with (it synchronizes with itself only), to float32 rounding.
     Groups of one rank, and (extended) of 2 FSDP ranks, whose DiLoCo averages each rank's shards."""
     steps, averaging = 2, diloco(2, 1.0, 0.0)
-    alone = [run_groups(store, tmp_path, f"alone{r}_", (r,), steps, *averaging, ranks=ranks)[0] for r in (0, 1)]
+    alone = run_groups(store, tmp_path, "alone", (0, 1), steps, *averaging, ranks=ranks, apart=True)
     both = run_groups(store, tmp_path, "both", (0, 1), steps, *averaging, ranks=ranks)
     assert alone[0].keys() == both[0].keys() == both[1].keys()
     moved = 0
