@@ -25,6 +25,9 @@ Checkpoints: in a shared checkpoint folder the first group of the quorum to reac
 made with O_EXCL in the step folder) and writes it; the others skip it. Groups with folders of their own
 each write theirs. A whole-job restart resumes from the checkpoint as without fault tolerance; a group
 that loads an older step than its peers is brought up to theirs at the first quorum.
+
+DiLoCo (semi_sync_method diloco, SemiSyncGroups below) replaces steps 1, 3 and 4 with a synchronization of the
+weights every sync_steps steps.
 """
 
 import os
