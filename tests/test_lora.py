@@ -219,21 +219,23 @@ def test_adapters_start_the_same_with_or_without_activation_checkpointing(world_
     assert all(torch.equal(starts[0][name], starts[1][name]) for name in starts[0])
 
 
-@pytest.mark.parametrize("family", ["mixtral", "llama3"])
+@pytest.mark.parametrize("family", ["mixtral", "llama3", "llama3_tied"])
 def test_flops_per_token_under_lora_count_what_a_token_uses(family):
     """By hand, for LoRA on wq,wv (seq 64): forward 2 x A, input gradients 2 x A, weight gradients 2 x (A - F), plus
     attention 12 x layers x heads x head_dim x seq; A = the active non-embedding parameters (a token's top_k of E
     routed experts), F = the frozen matrices a token uses, the top_k experts' share of the stacked experts, not all
     E (all 16 made this count negative). The norms are frozen but no matmuls: they count 6 like every
-    parameter, as the family formula counts them. Llama's count is the one before MoE's share (all frozen matrices)."""
+    parameter, as the family formula counts them. Llama's count is the one before MoE's share (all frozen matrices).
+    Tied embeddings change nothing: the one matrix is the frozen output projection (its embedding side is a lookup)."""
     from titanlite.build import meta_model, model_flops_per_token
     from titanlite.models import get_model_spec
     from titanlite.models.llama.args import ModelArgs
     from titanlite.models.mixtral.args import MixtralArgs
 
     shapes = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, intermediate_size=96)
-    args = MixtralArgs(**shapes, num_experts=16, top_k=2) if family == "mixtral" else ModelArgs(**shapes)
-    spec, (d, layers, kv, hidden, seq, rank) = get_model_spec(family), (64, 2, 2 * 16, 96, 64, 4)
+    args = (MixtralArgs(**shapes, num_experts=16, top_k=2) if family == "mixtral" else
+            ModelArgs(**shapes, tie_embeddings=family == "llama3_tied"))
+    spec, (d, layers, kv, hidden, seq, rank) = get_model_spec(family.removesuffix("_tied")), (64, 2, 2 * 16, 96, 64, 4)
     model = meta_model(spec, args, "float32", LoRA(rank=rank, target_modules=["wq", "wv"]))
     experts, gate = ((2 * 3 * hidden * d, 16 * d) if family == "mixtral" else (3 * hidden * d, 0))
     frozen = layers * (d * d + d * kv + d * kv + d * d + gate + experts) + 128 * d  # wq wk wv wo, router, MLP; output

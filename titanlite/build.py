@@ -176,7 +176,8 @@ def model_flops_per_token(spec, model: nn.Module, seq_len: int) -> float:
     A token uses top_k of an MoE block's routed experts, as the family counts them: so much of theirs is saved."""
     used = {id(w): w.numel() // moe.num_experts * moe.top_k for moe in model.modules() if is_moe(moe)
             for w in (getattr(moe, name) for name in EXPERT_WEIGHTS)}
-    frozen = [used.get(id(p), p.numel()) for name, p in model.named_parameters()
+    # every name of a tied matrix: as the output projection it is a matmul, as the embedding a lookup
+    frozen = [used.get(id(p), p.numel()) for name, p in model.named_parameters(remove_duplicate=False)
               if not p.requires_grad and p.dim() == 2 and "tok_embeddings" not in name]
     return spec.flops_per_token(model, seq_len) - 2.0 * sum(frozen)
 
