@@ -188,31 +188,45 @@ if ! wait_for 60 node_idle; then
     fail "node $NODE never became idle: $(sinfo -h -N -n "$NODE" -o '%t %E' 2>&1)"
 fi
 
-# --- 6. The job: the real batch script, resources overridden for CPU --------------------------------
+# --- 6. The jobs: the real batch script, resources overridden for CPU -------------------------------
+cd "$REPO"
+submit() { # submit LOG [VAR=VALUE ...] -- TRAINER_FLAGS...: sbatch the batch script with that environment, wait for it
+    local job_log=$1 envs=() start=$SECONDS
+    shift
+    while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+    shift
+    JOB_ID=$(env "${envs[@]}" NPROC_PER_NODE=2 CONFIG_FILE=$CONFIG_FILE RDZV_PORT=${RDZV_PORT:-29500} \
+        sbatch --parsable --nodes=1 --gpus-per-task=0 --cpus-per-task="$JOB_CPUS" \
+        --time=$(((TIMEOUT + 59) / 60)) --output="$job_log" multinode_trainer.slurm "$@")
+    JOB_ID=${JOB_ID%%;*}
+    log "submitted job $JOB_ID: ${envs[*]} multinode_trainer.slurm $*"
+    while ! job_done; do
+        if ((SECONDS - start > TIMEOUT)); then
+            log "--- job log"; cat "$job_log" 2>/dev/null || true
+            fail "job $JOB_ID still $(job_state) after ${TIMEOUT}s"
+        fi
+        sleep 2
+    done
+    log "job $JOB_ID finished in $((SECONDS - start))s"
+    STATE=$(scontrol show job -o "$JOB_ID" | grep -o 'JobState=[A-Z_]* .*ExitCode=[0-9:]*' | sed 's/ .*ExitCode=/ ExitCode=/' || true)
+}
+
+report() { # report LOG: the problems found, with the logs, or nothing
+    ((${#problems[@]})) || return 0
+    log "--- job log ($1)"
+    cat "$1" || true
+    log "--- slurmd log (tail)"
+    tail -n 20 "$WORK/slurmd.log" || true
+    for p in "${problems[@]}"; do log "problem: $p"; done
+    fail "job $JOB_ID"
+}
+
 DUMP=$WORK/dump
 JOB_LOG=$WORK/job.log
-TRAIN_ARGS=(--training.steps "$STEPS" --job.dump_folder "$DUMP" --checkpoint.enable true --checkpoint.interval "$CKPT_INTERVAL")
-cd "$REPO"
-JOB_ID=$(NPROC_PER_NODE=2 CONFIG_FILE=$CONFIG_FILE RDZV_PORT=${RDZV_PORT:-29500} \
-    sbatch --parsable --nodes=1 --gpus-per-task=0 --cpus-per-task="$JOB_CPUS" \
-    --time=$(((TIMEOUT + 59) / 60)) --output="$JOB_LOG" \
-    multinode_trainer.slurm "${TRAIN_ARGS[@]}")
-JOB_ID=${JOB_ID%%;*}
-log "submitted job $JOB_ID: multinode_trainer.slurm ${TRAIN_ARGS[*]}"
-
-START=$SECONDS
-while ! job_done; do
-    if ((SECONDS - START > TIMEOUT)); then
-        log "--- job log"; cat "$JOB_LOG" 2>/dev/null || true
-        fail "job $JOB_ID still $(job_state) after ${TIMEOUT}s"
-    fi
-    sleep 2
-done
-log "job $JOB_ID finished in $((SECONDS - START))s"
+submit "$JOB_LOG" -- --training.steps "$STEPS" --job.dump_folder "$DUMP" --checkpoint.enable true --checkpoint.interval "$CKPT_INTERVAL"
 
 # --- 7. Checks ------------------------------------------------------------------------------------------
 problems=()
-STATE=$(scontrol show job -o "$JOB_ID" | grep -o 'JobState=[A-Z_]* .*ExitCode=[0-9:]*' | sed 's/ .*ExitCode=/ ExitCode=/' || true)
 [[ $STATE == "JobState=COMPLETED ExitCode=0:0" ]] || problems+=("job ended $STATE, not COMPLETED ExitCode=0:0")
 grep -q "x 2 workers" "$JOB_LOG" || problems+=("the batch script did not start 2 workers (NPROC_PER_NODE)")
 [[ -d $DUMP ]] || problems+=("no dump folder $DUMP: the arguments after the script name did not reach the trainer")
@@ -221,13 +235,20 @@ STEP_LINES=$(grep -cE '(^|[] ])step: *[0-9]+' "$JOB_LOG" || true)
 ((STEP_LINES > 0)) || problems+=("no 'step:' lines in the job log")
 CKPT=$DUMP/checkpoint/step-$STEPS
 [[ -f $CKPT/.metadata ]] || problems+=("no complete checkpoint at $CKPT (no .metadata)")
-
-if ((${#problems[@]})); then
-    log "--- job log ($JOB_LOG)"
-    cat "$JOB_LOG" || true
-    log "--- slurmd log (tail)"
-    tail -n 20 "$WORK/slurmd.log" || true
-    for p in "${problems[@]}"; do log "problem: $p"; done
-    fail "job $JOB_ID"
-fi
+report "$JOB_LOG"
 log "PASS: job $JOB_ID $STATE, $STEP_LINES step lines, checkpoint $CKPT"
+
+# --- 8. The fault-tolerant mode (FT_GROUPS): the lighthouse and one replica group, on a token store -------
+PYTHON=${VENV:+$VENV/bin/}python
+[[ -n ${VENV:-} ]] || PYTHON=python3
+"$PYTHON" -m titanlite.data.prepare --input sample --output "$WORK/store" >/dev/null 2>&1 || fail "could not prepare a token store"
+FT_LOG=$WORK/ft.log
+submit "$FT_LOG" FT_GROUPS=1 FT_DUMP_FOLDER="$WORK/ft" -- --training.steps 4 --training.dataset_path "$WORK/store" \
+    --checkpoint.enable true --checkpoint.interval 4
+problems=()
+[[ $STATE == "JobState=COMPLETED ExitCode=0:0" ]] || problems+=("FT job ended $STATE, not COMPLETED ExitCode=0:0")
+grep -q "fault-tolerant mode, 1 replica groups" "$FT_LOG" || problems+=("the batch script did not start its FT mode")
+grep -q "replica groups training" "$FT_LOG" || problems+=("no quorum line: the group did not meet the lighthouse")
+[[ -f $WORK/ft/replica_0/checkpoint/step-4/.metadata ]] || problems+=("no checkpoint of replica group 0 at step 4")
+report "$FT_LOG"
+log "PASS: fault-tolerant job $JOB_ID $STATE, replica group 0 checkpointed step 4"

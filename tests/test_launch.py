@@ -208,4 +208,4 @@ def test_slurm_end_to_end():
         timeout=900,
     )
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    assert "PASS" in out.stdout
+    assert "PASS" in out.stdout and "PASS: fault-tolerant job" in out.stdout
