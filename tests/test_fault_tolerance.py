@@ -99,18 +99,20 @@ def model_weights(dump: Path, step: int, tmp_path: Path) -> dict:
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
+def one_process(store: str, tmp_path: Path, steps: int, *extra: str) -> str:
+    """One process reading both groups' windows (local batch 4 = 2 groups x 2) into tmp_path/one; its log."""
+    one = run_titanlite([*TINY, "--training.dataset_path", store, "--training.local_batch_size", "4", *extra,
+                         "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    return one.stderr
+
+
 def test_two_groups_equal_one_process_holding_both_batches(store, tmp_path):
     """Losses and gradient norms (TensorBoard's float32 scalars) of each group, every step, against one process
     reading both groups' windows (local batch 4 = 2 groups x 2): within 1e-5."""
     steps, tb = 4, ["--metrics.enable_tensorboard", "true"]
-    with lighthouse(min_replicas=2) as address:
-        groups = [start_group(group_command(store, r, tmp_path / f"r{r}", steps, "--fault_tolerance.min_replica_size", "2", *tb),
-                              tmp_path / f"r{r}.log", address) for r in (0, 1)]
-        for r, group in enumerate(groups):
-            finish(group, tmp_path / f"r{r}.log")
-    one = run_titanlite([*TINY, "--training.dataset_path", store, "--training.local_batch_size", "4", *tb,
-                         "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
-    assert one.returncode == 0, one.stderr[-3000:]
+    run_groups(store, tmp_path, "r", (0, 1), steps, *tb)
+    one_process(store, tmp_path, steps, *tb)
     for tag in ("loss/train", "optim/grad_norm"):
         expected = tensorboard_scalars(tmp_path / "one" / "tb", tag)
         assert sorted(expected) == list(range(1, steps + 1))
@@ -138,18 +140,13 @@ def test_two_groups_on_one_gpu_equal_one_gpu_process(store, tmp_path):
     deterministic kernels: each prints the losses of one GPU process holding both groups' batches (4 decimals), and
     a DiLoCo pair of them ends with equal weights (the device's tensors through torchft's averaging)."""
     on_gpu, steps = ["--job.device", "cuda", "--training.deterministic", "--fault_tolerance.process_group", "gloo"], 4
-    with lighthouse(min_replicas=2) as address:
-        groups = [start_group(group_command(store, r, tmp_path / f"r{r}", steps, "--fault_tolerance.min_replica_size", "2",
-                                            *on_gpu), tmp_path / f"r{r}.log", address) for r in (0, 1)]
-        logs = [finish(group, tmp_path / f"r{r}.log") for r, group in enumerate(groups)]
-    one = run_titanlite([*TINY, "--training.dataset_path", store, "--training.local_batch_size", "4", *on_gpu[:3],
-                         "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
-    assert one.returncode == 0, one.stderr[-3000:]
-    expected = losses(one.stderr)
+    logs = run_groups(store, tmp_path, "r", (0, 1), steps, *on_gpu)
+    expected = losses(one_process(store, tmp_path, steps, *on_gpu[:3]))
     assert sorted(expected) == list(range(1, steps + 1))
     for log in logs:
         assert losses(log) == pytest.approx(expected, abs=1e-4), log[-3000:]
-    pair = run_groups(store, tmp_path, "diloco", (0, 1), steps, *diloco(2, 0.7, 0.9), *on_gpu)
+    run_groups(store, tmp_path, "diloco", (0, 1), steps, *diloco(2, 0.7, 0.9), *on_gpu)
+    pair = final_weights(tmp_path, "diloco", (0, 1), steps)
     for key in pair[0]:
         assert torch.equal(pair[0][key], pair[1][key]), key
 
@@ -162,16 +159,8 @@ def test_groups_of_two_ranks_under_any_layout_equal_one_process(store, tmp_path,
     batches. DeepSeek-V3's routing biases, moved by the counts of both groups' batches, equal one process's to the bit."""
     model, layout = GROUP_LAYOUTS[name]
     steps, common = 3, ["--model.n_layers", "2", *model, "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
-    with lighthouse(min_replicas=2) as address:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        groups = [start_group([*launcher, *group_command(store, r, tmp_path / f"r{r}", steps, *common, *layout,
-                                                         "--fault_tolerance.min_replica_size", "2")[1:]],
-                              tmp_path / f"r{r}.log", address) for r in (0, 1)]
-        logs = [finish(group, tmp_path / f"r{r}.log") for r, group in enumerate(groups)]
-    one = run_titanlite([*TINY, *common, "--training.dataset_path", store, "--training.local_batch_size", "4",
-                         "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
-    assert one.returncode == 0, one.stderr[-3000:]
-    expected = losses(one.stderr)
+    logs = run_groups(store, tmp_path, "r", (0, 1), steps, *common, *layout, ranks=2)
+    expected = losses(one_process(store, tmp_path, steps, *common))
     assert sorted(expected) == [1, 2, 3]
     for log in logs:
         assert losses(log) == pytest.approx(expected, abs=1e-4), log[-3000:]  # as printed: 4 decimals
@@ -227,9 +216,9 @@ def diloco(sync_steps: int, outer_lr: float, outer_momentum: float) -> list[str]
 
 
 def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: int, *extra: str, ranks: int = 1,
-               apart: bool = False) -> list[dict]:
+               apart: bool = False) -> list[str]:
     """The replica groups `replicas` (of 2), each of `ranks` ranks, side by side on one lighthouse, every quorum of
-    them all (apart: each alone on a lighthouse of its own, at the same time); their final checkpoints' tensors."""
+    them all (apart: each alone on a lighthouse of its own, at the same time); their logs."""
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      "--nproc_per_node", str(ranks)]
     meetings = [(r,) for r in replicas] if apart else [replicas]
@@ -241,8 +230,11 @@ def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: in
             groups += [(start_group([*launcher, *group_command(store, r, tmp_path / f"{name}{r}", steps, *together,
                                                                *extra)[1:]], tmp_path / f"{name}{r}.log", address), r)
                        for r in meeting]
-        for group, r in groups:
-            finish(group, tmp_path / f"{name}{r}.log")
+        return [finish(group, tmp_path / f"{name}{r}.log") for group, r in groups]
+
+
+def final_weights(tmp_path: Path, name: str, replicas: tuple, steps: int) -> list[dict]:
+    """The tensors of each group's checkpoint of step `steps` (run_groups' folders)."""
     return [model_weights(tmp_path / f"{name}{r}", steps, tmp_path) for r in replicas]
 
 
@@ -252,8 +244,9 @@ def test_diloco_averages_the_groups_weights_after_their_steps_alone(store, tmp_p
     weights are the mean of what each group alone ends with (it synchronizes with itself only), to float32 rounding.
     Groups of one rank, and (extended) of 2 FSDP ranks, whose DiLoCo averages each rank's shards."""
     steps, averaging = 2, diloco(2, 1.0, 0.0)
-    alone = run_groups(store, tmp_path, "alone", (0, 1), steps, *averaging, ranks=ranks, apart=True)
-    both = run_groups(store, tmp_path, "both", (0, 1), steps, *averaging, ranks=ranks)
+    run_groups(store, tmp_path, "alone", (0, 1), steps, *averaging, ranks=ranks, apart=True)
+    run_groups(store, tmp_path, "both", (0, 1), steps, *averaging, ranks=ranks)
+    alone, both = (final_weights(tmp_path, name, (0, 1), steps) for name in ("alone", "both"))
     assert alone[0].keys() == both[0].keys() == both[1].keys()
     moved = 0
     for key, left in alone[0].items():
@@ -268,9 +261,10 @@ def test_diloco_groups_resumed_from_their_checkpoints_equal_an_uninterrupted_run
     """Two DiLoCo groups (Nesterov outer SGD) stopped after their first synchronization and started again from their
     checkpoints end with the weights of groups that never stopped, to the bit: the outer momentum is saved too."""
     steps, semi_sync = 4, [*diloco(2, 0.7, 0.9), "--lr_scheduler.min_lr_factor", "1"]  # an lr that ignores training.steps
-    whole = run_groups(store, tmp_path, "whole", (0, 1), steps, *semi_sync)
+    run_groups(store, tmp_path, "whole", (0, 1), steps, *semi_sync)
     run_groups(store, tmp_path, "cut", (0, 1), 2, *semi_sync)
-    resumed = run_groups(store, tmp_path, "cut", (0, 1), steps, *semi_sync)
+    run_groups(store, tmp_path, "cut", (0, 1), steps, *semi_sync)
+    whole, resumed = (final_weights(tmp_path, name, (0, 1), steps) for name in ("whole", "cut"))
     for r in (0, 1):
         assert "resumed from" in (tmp_path / f"cut{r}.log").read_text()
         assert whole[r].keys() == resumed[r].keys()
