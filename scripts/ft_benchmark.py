@@ -1,6 +1,7 @@
 """Per-step cost of fault tolerance: two replica groups through torchft (quorum + gradient average + should_commit
 each step), and DiLoCo (a synchronization every --sync_steps), against plain HSDP over the same two ranks (torchrun,
-data_parallel_replicate_degree 2), same model, data and global batch. Not a test: it prints one line per layout from the trainer's own `run summary:` step time.
+data_parallel_replicate_degree 2), same model, data and global batch. Not a test: it prints one line per layout from
+the trainer's own `run summary:` step time.
 
     python scripts/ft_benchmark.py                          # debug model on the CPU, 40 steps
     python scripts/ft_benchmark.py --steps 50 --seq_len 256 --device cuda

@@ -239,8 +239,7 @@ report "$JOB_LOG"
 log "PASS: job $JOB_ID $STATE, $STEP_LINES step lines, checkpoint $CKPT"
 
 # --- 8. The fault-tolerant mode (FT_GROUPS): the lighthouse and one replica group, on a token store -------
-PYTHON=${VENV:+$VENV/bin/}python
-[[ -n ${VENV:-} ]] || PYTHON=python3
+PYTHON=${VENV:+$VENV/bin/}python3
 "$PYTHON" -m titanlite.data.prepare --input sample --output "$WORK/store" >/dev/null 2>&1 || fail "could not prepare a token store"
 FT_LOG=$WORK/ft.log
 submit "$FT_LOG" FT_GROUPS=1 FT_DUMP_FOLDER="$WORK/ft" -- --training.steps 4 --training.dataset_path "$WORK/store" \

@@ -227,8 +227,10 @@ def check_semi_sync(cfg: JobConfig) -> None:
         raise UserError(f"training.epochs {cfg.training.epochs} with fault_tolerance.semi_sync_method diloco is not supported "
                         f"(the last step must end a synchronization of fault_tolerance.sync_steps {ft.sync_steps}); set "
                         "training.steps to a multiple of it instead")
-    for key, value in (("training.steps", cfg.training.steps),
-                       ("checkpoint.interval", cfg.checkpoint.interval if cfg.checkpoint.enable else ft.sync_steps)):
+    ends = {"training.steps": cfg.training.steps}
+    if cfg.checkpoint.enable:
+        ends["checkpoint.interval"] = cfg.checkpoint.interval
+    for key, value in ends.items():
         if value % ft.sync_steps:
             raise UserError(f"{key} {value} is not a multiple of fault_tolerance.sync_steps {ft.sync_steps}, so it would fall "
                             "between two DiLoCo synchronizations, where the groups' weights differ; make it a multiple")

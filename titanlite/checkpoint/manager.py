@@ -32,8 +32,8 @@ from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, refuse_l
 from titanlite.checkpoint.hf_io import copy_tokenizer, load_model_from_hf, save_model_as_hf
 from titanlite.checkpoint.async_save import AsyncSaver, Save
 from titanlite.checkpoint.save_errors import stop_if_disk_failure
-from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, OuterOptimizerState, RngState, SavedKeys, SchedulerState,
-                                        TrainState, TrainStateLineage, load_targets, restore_all, saved_state)
+from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, OuterOptimizerState, RngState, SavedKeys,
+                                        SchedulerState, TrainState, TrainStateLineage, load_targets, restore_all, saved_state)
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.lora import base_record, check_adapters_fit, has_lora, merge_lora, save_peft_adapter

@@ -68,6 +68,8 @@ def preference_pair(record: dict, dataset_format: str, number: int, where: str) 
 class PreferencePairs(Dataset):
     """Pair g of the global stream as (inputs [2, seq_len], labels [2, seq_len]): chosen, then rejected."""
 
+    unit = "pairs"  # what global_order.py's steps_for_epochs calls this data's windows in its log
+
     def __init__(self, pairs: list[tuple], seq_len: int, seed: int, pad_id: int, where: str):
         self.window_len, self.seed, self.pad_id = seq_len + 1, seed, pad_id
         truncated = sum(len(ids) > self.window_len for pair in pairs for ids, _ in pair)
@@ -85,8 +87,6 @@ class PreferencePairs(Dataset):
         trained = sum(int(np.sum(flags[1:self.window_len])) for pair in kept for _, flags in pair)
         logger.info(f"{where}: an epoch is {len(kept):,} preference pairs, {trained:,} trained tokens in their completions")
         self.orders: dict[int, np.ndarray] = {}
-
-    unit = "pairs"  # what global_order.py's steps_for_epochs calls this data's windows in its log
 
     def windows_per_epoch(self) -> int:
         return len(self.pairs)
