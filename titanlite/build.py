@@ -110,32 +110,38 @@ def model_label(cfg: Model) -> str:
 
 
 def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
-    """The flavor's args (or those of the Hugging Face folder model.hf_assets_path's config.json) with the vocab
-    taken from the tokenizer where the flavor leaves it open, model.n_layers blocks where it is set, and
-    model.reset_position_ids (always for chat data: each conversation starts at position 0, as at inference)."""
-    if is_model_folder(cfg.model.hf_assets_path):
-        args = read_model_folder(cfg.model.hf_assets_path, cfg.model.name).args
-    else:
-        args = get_model_args(spec, cfg.model.flavor)
+    """The training job's model args (model_args), with model.reset_position_ids always on for chat data (each
+    conversation starts at position 0, as at inference) and training.seq_len checked against the model's context."""
     reset = cfg.model.reset_position_ids or cfg.training.dataset_format != "text"
-    args = dataclasses.replace(args, reset_position_ids=reset)
-    if cfg.model.n_layers:
-        args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
-    where = model_label(cfg.model)
-    if cfg.model.mtp_layers:  # recipes (issue 46): DeepSeek-V3 multi-token prediction, models/deepseek_v3/mtp.py
+    args = dataclasses.replace(model_args(cfg.model, spec, tokenizer_vocab), reset_position_ids=reset)
+    if cfg.training.seq_len > args.max_seq_len:
+        raise UserError(f"training.seq_len {cfg.training.seq_len} exceeds the context of {model_label(cfg.model)} "
+                        f"({args.max_seq_len}); lower training.seq_len")
+    return args
+
+
+def model_args(cfg: Model, spec, tokenizer_vocab: int):
+    """The [model] section's args: the flavor's (or those of the Hugging Face folder model.hf_assets_path's
+    config.json) with the vocab taken from the tokenizer where the flavor leaves it open, model.n_layers blocks where
+    it is set, and model.mtp_layers; what training adds is resolve_model_args'. Generation starts here."""
+    if is_model_folder(cfg.hf_assets_path):
+        args = read_model_folder(cfg.hf_assets_path, cfg.name).args
+    else:
+        args = get_model_args(spec, cfg.flavor)
+    args = dataclasses.replace(args, reset_position_ids=cfg.reset_position_ids)
+    if cfg.n_layers:
+        args = dataclasses.replace(args, n_layers=cfg.n_layers)
+    where = model_label(cfg)
+    if cfg.mtp_layers:  # recipes (issue 46): DeepSeek-V3 multi-token prediction, models/deepseek_v3/mtp.py
         if not hasattr(args, "mtp_layers"):
-            raise UserError(f"model.mtp_layers {cfg.model.mtp_layers}: {where} has no multi-token prediction; set model.mtp_layers 0")
-        args = dataclasses.replace(args, mtp_layers=cfg.model.mtp_layers, mtp_loss_weight=cfg.model.mtp_loss_weight)
+            raise UserError(f"model.mtp_layers {cfg.mtp_layers}: {where} has no multi-token prediction; set model.mtp_layers 0")
+        args = dataclasses.replace(args, mtp_layers=cfg.mtp_layers, mtp_loss_weight=cfg.mtp_loss_weight)
     if args.vocab_size == -1:
         args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
     elif args.vocab_size < tokenizer_vocab:
         raise UserError(
             f"the tokenizer has {tokenizer_vocab} tokens but {where} has a vocabulary of {args.vocab_size}; "
             "use that model's own tokenizer (model.tokenizer_path) or a debugmodel flavor"
-        )
-    if cfg.training.seq_len > args.max_seq_len:
-        raise UserError(
-            f"training.seq_len {cfg.training.seq_len} exceeds the context of {where} ({args.max_seq_len}); lower training.seq_len"
         )
     return args
 
