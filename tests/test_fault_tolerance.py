@@ -1,4 +1,4 @@
-"""Fault tolerance on torchft (titanlite/fault_tolerance.py), on the CPU with gloo and the real torchft_lighthouse
+"""Fault tolerance on torchft (titanlite/fault_tolerance/), on the CPU with gloo and the real torchft_lighthouse
 started here on 127.0.0.1: replica groups of one rank each, run as a user would (python -m titanlite.train)."""
 
 import contextlib
@@ -16,11 +16,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import DEBUG_CONFIG, ON_CPU, ROOT, run_titanlite, tensorboard_scalars
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, build_meta, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
 from titanlite.data.prepare import prepare
 from titanlite.errors import UserError
-from titanlite.fault_tolerance import join_replica_groups
+from titanlite.data.global_order import GlobalOrderLoader
+from titanlite.fault_tolerance import replica_groups
 from titanlite.parallel.dist import DistInfo
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
@@ -109,9 +110,11 @@ def one_process(store: str, tmp_path: Path, steps: int, *extra: str) -> str:
 
 def test_two_groups_equal_one_process_holding_both_batches(store, tmp_path):
     """Losses and gradient norms (TensorBoard's float32 scalars) of each group, every step, against one process
-    reading both groups' windows (local batch 4 = 2 groups x 2): within 1e-5."""
+    reading both groups' windows (local batch 4 = 2 groups x 2): within 1e-5. Started as docs/launching.md says
+    (torchft_lighthouse --min_replicas 1), the second group once the first waits at the lighthouse."""
     steps, tb = 4, ["--metrics.enable_tensorboard", "true"]
-    run_groups(store, tmp_path, "r", (0, 1), steps, *tb)
+    logs = run_groups(store, tmp_path, "r", (0, 1), steps, *tb, documented=True)
+    assert "waiting for all 2 replica groups before the first step" in logs[0]  # it did not train step 1 alone
     one_process(store, tmp_path, steps, *tb)
     for tag in ("loss/train", "optim/grad_norm"):
         expected = tensorboard_scalars(tmp_path / "one" / "tb", tag)
@@ -216,20 +219,25 @@ def diloco(sync_steps: int, outer_lr: float, outer_momentum: float) -> list[str]
 
 
 def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: int, *extra: str, ranks: int = 1,
-               apart: bool = False) -> list[str]:
+               apart: bool = False, documented: bool = False) -> list[str]:
     """The replica groups `replicas` (of 2), each of `ranks` ranks, side by side on one lighthouse, every quorum of
-    them all (apart: each alone on a lighthouse of its own, at the same time); their logs."""
+    them all (apart: each alone on a lighthouse of its own, at the same time); their logs. `documented`: the
+    lighthouse as docs/launching.md starts it (--min_replicas 1), and each group started once the one before has
+    joined it; else the lighthouse forms no quorum without all the groups, started together."""
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      "--nproc_per_node", str(ranks)]
     meetings = [(r,) for r in replicas] if apart else [replicas]
     with contextlib.ExitStack() as stack:
         groups = []
         for meeting in meetings:
-            address = stack.enter_context(lighthouse(min_replicas=len(meeting)))
+            address = stack.enter_context(lighthouse(min_replicas=1 if documented else len(meeting)))
             together = ["--fault_tolerance.min_replica_size", str(len(meeting))]
-            groups += [(start_group([*launcher, *group_command(store, r, tmp_path / f"{name}{r}", steps, *together,
-                                                               *extra)[1:]], tmp_path / f"{name}{r}.log", address), r)
-                       for r in meeting]
+            for r in meeting:
+                log = tmp_path / f"{name}{r}.log"
+                groups.append((start_group([*launcher, *group_command(store, r, tmp_path / f"{name}{r}", steps, *together,
+                                                                      *extra)[1:]], log, address), r))
+                if documented:
+                    wait_for(log, "fault tolerance: replica group", groups[-1][0])
         return [finish(group, tmp_path / f"{name}{r}.log") for group, r in groups]
 
 
@@ -272,9 +280,11 @@ def test_diloco_groups_resumed_from_their_checkpoints_equal_an_uninterrupted_run
             assert torch.equal(whole[r][key], resumed[r][key]), (r, key)
 
 
-def test_bad_input_is_one_sentence(monkeypatch):
-    """In-process: the config rules at load, the lighthouse checks where the group joins (before any model is built)."""
-    base = [*ON_CPU, *TINY, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
+def test_bad_input_is_one_sentence(monkeypatch, store):
+    """In-process: the config rules at load, the model's and the lighthouse's checks where the group joins, the model's
+    before any lighthouse is contacted (none is set here)."""
+    base = [*ON_CPU, *TINY, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+            "--training.dataset_path", store]
     with pytest.raises(UserError, match="fault_tolerance.replica_id 2 must be below fault_tolerance.group_size 2"):
         load_config([*base, "--fault_tolerance.replica_id", "2"])
     with pytest.raises(UserError, match="fault_tolerance.outer_lr applies to fault_tolerance.semi_sync_method diloco only"):
@@ -285,11 +295,17 @@ def test_bad_input_is_one_sentence(monkeypatch):
         load_config([*base, *diloco(4, 0.7, 0.9), "--training.steps", "8", "--checkpoint.interval", "6"])
     with pytest.raises(UserError, match="diloco with parallelism.pipeline_parallel_degree 2 is not supported yet"):
         load_config([*base, *diloco(4, 0.7, 0.9), "--training.steps", "8", "--parallelism.pipeline_parallel_degree", "2"])
-    cfg = load_config(base)
-    info = DistInfo(0, 1, torch.device("cpu"))
+    with pytest.raises(UserError, match="needs a data position a peer can hand over, which training.dataset 'sample'"):
+        load_config([arg for arg in base if arg not in ("--training.dataset_path", store)])  # a stream read per rank
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    info, no_objects = DistInfo(0, 1, torch.device("cpu")), dict(objects={}, write_scalars=None, stopping=None)
+    semi_sync = replica_groups(load_config([*base, *diloco(4, 0.7, 0.9), "--training.steps", "8"]).fault_tolerance)
+    with pytest.raises(UserError, match="diloco with a model that balances its experts by routing bias"):
+        semi_sync.join(info, 1, model=build_meta("deepseek_v3", "16B"), dataloader=None, **no_objects)
+    groups = replica_groups(load_config(base).fault_tolerance)
+    loader = GlobalOrderLoader([], batch_size=1, dp_rank=0, dp_world=1, identity={}, source_names=[], seq_len=1)
     with pytest.raises(UserError, match="needs the lighthouse's address in TORCHFT_LIGHTHOUSE"):
-        join_replica_groups(cfg.fault_tolerance, info, 1)
+        groups.join(info, 1, model=None, dataloader=loader, **no_objects)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     with pytest.raises(UserError, match="did not answer within job.init_timeout_seconds 1"):
-        join_replica_groups(cfg.fault_tolerance, info, 1)
+        groups.join(info, 1, model=None, dataloader=loader, **no_objects)

@@ -201,6 +201,11 @@ def check_fault_tolerance(cfg: JobConfig) -> None:
     if ft.min_replica_size > ft.group_size:
         raise UserError(f"fault_tolerance.min_replica_size {ft.min_replica_size} exceeds fault_tolerance.group_size "
                         f"{ft.group_size}, so no step could ever commit; set it to at most {ft.group_size}")
+    training = cfg.training
+    if training.dataset_format == "text" and not training.dataset_mix and not training.dataset_path:
+        raise UserError(f"fault_tolerance.enable needs a data position a peer can hand over, which training.dataset "
+                        f"{training.dataset!r} (a stream read per rank) has not; set training.dataset_path to a token store "
+                        "from python -m titanlite.data.prepare, or a training.dataset_mix")
 
 
 DILOCO_KEYS = ("sync_steps", "outer_lr", "outer_momentum")

@@ -22,7 +22,7 @@ from titanlite.data.datasets import build_dataloader
 from titanlite.data.global_order import epochs_done, steps_for_epochs
 from titanlite.errors import UserError, sentence
 from titanlite.eval_loop import InLoopEvaluator
-from titanlite.fault_tolerance import ReplicaGroups, join_replica_groups
+from titanlite.fault_tolerance import Alone, replica_groups
 from titanlite.log import init_logger, logger
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
                                speed_features, speed_settings)
@@ -70,40 +70,65 @@ class Loop:
     profiler: StepProfiler
     stop: StopFlags
     watchdog: HangWatchdog
-    replicas: ReplicaGroups  # the other replica groups under fault tolerance (alone: every call a no-op)
+    replicas: Alone  # the other replica groups under fault tolerance (alone: every call a no-op)
 
     def run_steps(self, state: TrainState, summary: RunSummary) -> None:
         skips = NonfiniteSkips(self.run.cfg.training.max_nonfinite_skips, self.metrics.write_scalars)
-        # A recovery from a peer restarts the batches at the peer's position (fault_tolerance.py).
-        batches = self.metrics.counting_trained(self.replicas.batches(self.dataloader), self.run.dims.batch_sharing_degree)
-        for step in self.replicas.steps(state, self.run.cfg.training.steps):  # a quorum before each step
-            self.watchdog.step_began(step)
-            preempted = self.one_step(step, state, batches, skips, summary)
-            self.watchdog.step_ended(step)
-            if preempted:
-                break
+        replicas, last, first = self.replicas, self.run.cfg.training.steps, state.step
+        self.restart_batches()
+        with replicas.synchronizing():  # DiLoCo's hooks on the optimizer while the loop runs
+            while state.step < last:
+                self.watchdog.step_began(state.step + 1)  # the quorum's wait included
+                if not replicas.start_step(state.step + 1):  # no quorum: a stop signal or no lighthouse
+                    if state.step > first:
+                        self.checkpointer.maybe_save(state.step, force=True)  # the last committed step
+                    break
+                self.took_recovery()  # a peer's state, its step and its data position (fault_tolerance/)
+                if state.step >= last:  # recovered at the peers' last step
+                    break
+                preempted = self.one_step(state, skips, summary)
+                self.watchdog.step_ended(state.step)
+                if preempted:
+                    break
+        replicas.raise_if_lost()
 
-    def one_step(self, step: int, state: TrainState, batches, skips: NonfiniteSkips, summary: RunSummary) -> bool:
-        """Train, log, validate and save one step; returns whether a stop signal or a NaN ends the run here."""
+    def restart_batches(self) -> None:
+        self.batches = self.metrics.counting_trained(iter(self.dataloader), self.run.dims.batch_sharing_degree)
+
+    def took_recovery(self) -> bool:
+        """Whether a recovery from a peer moved the train state: the batches restart at the peer's data position,
+        and the jumped steps, never trained here, are left out of the step line's per-step counts."""
+        jump = self.replicas.take_recovery()
+        if jump is None:
+            return False
+        self.restart_batches()
+        self.metrics.last_step += jump
+        return True
+
+    def one_step(self, state: TrainState, skips: NonfiniteSkips, summary: RunSummary) -> bool:
+        """Train, log, validate and save one step; returns whether a stop signal, a NaN or the loss of the other
+        replica groups ends the run here."""
         run, metrics, checkpointer = self.run, self.metrics, self.checkpointer
         began, validation_seconds = time.perf_counter(), 0.0
-        if step % run.cfg.training.gc_freq == 0:
+        if (state.step + 1) % run.cfg.training.gc_freq == 0:
             gc.collect(1)
         summary.step_began(metrics)
-        loss, grad_norm, lr, skipped = train_step(run, self.optimizer, self.scheduler, batches, metrics,
+        loss, grad_norm, lr, skipped = train_step(run, self.optimizer, self.scheduler, self.batches, metrics,
                                                   replicas=self.replicas)
         summary.step_ended(metrics)
-        skips.record(step, skipped)
-        # counted on from state.step: a DiLoCo synchronization in the step may have recovered a peer's (fault_tolerance.py)
+        if not self.replicas.committed:  # logged as not committed; the same step is trained again on the next data
+            return False
+        skips.record(state.step + 1, skipped)
+        # a DiLoCo synchronization in the step may have recovered a peer's step, from which the count goes on
+        recovered = self.took_recovery()
         state.step, state.tokens_seen = state.step + 1, state.tokens_seen + run.tokens_per_step
         step = state.step
-        metrics.last_step += self.replicas.take_jump()
-        last, logged = step == run.cfg.training.steps, metrics.should_log(step)
+        last, logged = step == run.cfg.training.steps, metrics.should_log(step) and not recovered
         validating = self.validator is not None and self.validator.should_validate(step)
         # A step that is logged, validated or saved must be known finite now; the others are
         # checked one step later, so the host need not wait for the GPU every step.
         settle = last or logged or validating or checkpointer.saves_at(step)
-        preempted = self.stop.should_stop(step, loss, grad_norm, settle)
+        preempted = self.stop.should_stop(step, loss, grad_norm, settle) or self.replicas.ended
         if logged:
             metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
                         extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader)
@@ -137,7 +162,7 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
         logger.info(info.allocator_note)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     run = build_run(cfg, info)
-    replicas = join_replica_groups(cfg.fault_tolerance, info, cfg.job.init_timeout_seconds)
+    replicas = replica_groups(cfg.fault_tolerance)  # met after the checkpoint's load, every rule checked first
     if info.rank == 0:
         write_resolved_config(cfg, Path(cfg.job.dump_folder))
     optimizer = build_optimizer(run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
@@ -171,9 +196,10 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
         if nothing_to_train(stop, state.step, cfg.training.steps):
             metrics.close()
             return
-        # What a recovering peer receives from this group, and what it takes from one.
-        replicas.track(state, model=run.model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader,
-                       write_scalars=metrics.write_scalars)
+        # The lighthouse; a recovering peer receives this group's checkpoint objects, and this group takes a peer's.
+        replicas.join(info, cfg.job.init_timeout_seconds, model=run.model, dataloader=dataloader,
+                      objects=checkpointer.objects, write_scalars=metrics.write_scalars,
+                      stopping=lambda: stop.signal is not None)
         hparams = hyperparameters(cfg, info.world_size, run.dims.layout, run.tokens_per_step // cfg.training.seq_len,
                                   speed_settings(cfg))
         metrics.start_tensorboard(run_folder(cfg, info.rank, state.step), cfg, state.step, hparams)

@@ -118,7 +118,7 @@ class OptimizerState:
 
 
 class OuterOptimizerState(OptimizerState):
-    """DiLoCo's outer SGD (fault_tolerance.py), kept as the optimizer is. A checkpoint saved without DiLoCo has none:
+    """DiLoCo's outer SGD (fault_tolerance/diloco.py), kept as the optimizer is. A checkpoint saved without DiLoCo has none:
     the outer momentum then starts from zero, and the log says so."""
 
     key = "outer_optimizer"
@@ -179,7 +179,8 @@ class TrainStateLineage:
         loaded = state["train_state"]
         if self.base is not None:
             check_same_base(loaded["base"], self.base(), self.path)
-        self.state = TrainState(loaded["step"], loaded["tokens_seen"])
+        # in place: the loop holds this object, and a fault-tolerance peer's state is restored into it mid-run
+        self.state.step, self.state.tokens_seen = loaded["step"], loaded["tokens_seen"]
         self.saved_world_size = loaded["world_size"]
 
 
