@@ -43,22 +43,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_lighthouse(port: int, min_replicas: int) -> subprocess.Popen:
+    """torchft_lighthouse on 127.0.0.1:port, once it answers."""
+    process = subprocess.Popen([str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
+                                "--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "30000"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    for _ in range(100):
+        with contextlib.suppress(OSError):
+            opener.open(f"http://127.0.0.1:{port}", timeout=1).close()
+            break
+        time.sleep(0.1)
+    return process
+
+
 @contextlib.contextmanager
 def lighthouse(min_replicas: int):
     """torchft_lighthouse on a free port; yields its address (TORCHFT_LIGHTHOUSE)."""
     port = free_port()
-    process = subprocess.Popen([str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
-                                "--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "30000"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"http://127.0.0.1:{port}"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    process = start_lighthouse(port, min_replicas)
     try:
-        for _ in range(100):
-            with contextlib.suppress(OSError):
-                opener.open(address, timeout=1).close()
-                break
-            time.sleep(0.1)
-        yield address
+        yield f"http://127.0.0.1:{port}"
     finally:
         process.kill()
         process.wait()
@@ -114,7 +119,6 @@ def test_two_groups_equal_one_process_holding_both_batches(store, tmp_path):
     (torchft_lighthouse --min_replicas 1), the second group once the first waits at the lighthouse."""
     steps, tb = 4, ["--metrics.enable_tensorboard", "true"]
     logs = run_groups(store, tmp_path, "r", (0, 1), steps, *tb, documented=True)
-    assert "waiting for all 2 replica groups before the first step" in logs[0]  # it did not train step 1 alone
     one_process(store, tmp_path, steps, *tb)
     for tag in ("loss/train", "optim/grad_norm"):
         expected = tensorboard_scalars(tmp_path / "one" / "tb", tag)
@@ -124,6 +128,7 @@ def test_two_groups_equal_one_process_holding_both_batches(store, tmp_path):
             assert sorted(got) == sorted(expected)
             for step, value in expected.items():
                 assert got[step] == pytest.approx(value, abs=1e-5), (tag, r, step, got[step], value)
+    assert "waiting for all 2 replica groups before the first step" in logs[0]  # it did not train step 1 alone
 
 
 GROUP_LAYOUTS = {  # name: (the model, each group's layout over its 2 ranks)
@@ -206,6 +211,11 @@ def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_pa
     assert int(recovered.group(1)) > alone_from + 1  # replica 0 trained steps alone before replica 1 came back
     assert set(re.findall(r"  trained: (\d+)", again)) == {"64"}  # per step: the recovery's jump is no trained step
     assert "not committed" in text or "1 of 2" in text
+    for log in (text, again):  # an uncommitted attempt is marked, not logged as the step it did not make
+        logged = [int(step) for step, _ in STEP_LINE.findall(log)]
+        assert len(logged) == len(set(logged)), log[-3000:]
+    if semi_sync:  # the recovery's step trained this group's own weights: its loss is no loss of the peer's step
+        assert int(recovered.group(1)) not in losses(again)
     left, right = model_weights(tmp_path / "r0", steps, tmp_path), model_weights(tmp_path / "r1", steps, tmp_path)
     assert left.keys() == right.keys() and left
     for key in left:
@@ -309,3 +319,77 @@ def test_bad_input_is_one_sentence(monkeypatch, store):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     with pytest.raises(UserError, match="did not answer within job.init_timeout_seconds 1"):
         groups.join(info, 1, model=None, dataloader=loader, **no_objects)
+
+
+def group_alone(store: str, dump: Path, *extra: str) -> list[str]:
+    """One replica group (group_size 1) that trains until stopped, saving only when forced."""
+    return group_command(store, 0, dump, 100000, "--fault_tolerance.group_size", "1", "--checkpoint.enable", "true",
+                         "--checkpoint.interval", "100000", *extra)
+
+
+def saved(dump: Path, step: int) -> bool:
+    return (dump / "checkpoint" / f"step-{step}" / ".metadata").is_file()
+
+
+def test_a_restarted_lighthouse_is_reached_again_and_sigterm_during_a_quorum_saves_and_exits(store, tmp_path):
+    """The lighthouse killed and started again on its address 3 s later: the group's quorum reaches it and training
+    goes on. Killed again, the group waits for its quorum; SIGTERM then saves the last committed step and the process
+    exits 0 within seconds (it used to wait out the quorum's timeout, then hang)."""
+    port, log, dump = free_port(), tmp_path / "r0.log", tmp_path / "r0"
+    light = start_lighthouse(port, 1)
+    group = start_group(group_alone(store, dump), log, f"http://127.0.0.1:{port}")
+    try:
+        wait_for(log, r"step: 5  loss", group)
+        light.kill()
+        light.wait()
+        time.sleep(3)
+        light = start_lighthouse(port, 1)
+        wait_for(log, rf"step: {max(losses(log.read_text())) + 10}  loss", group)  # trains on
+        light.kill()
+        light.wait()
+        time.sleep(2)  # the group is in its quorum's wait
+        last = max(losses(log.read_text()))
+        group.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert group.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert time.monotonic() - signalled < 10
+    finally:
+        group.kill()
+        light.kill()
+    text = log.read_text()
+    assert f"stopped at step {last} on SIGTERM; exiting" in text, text[-3000:]
+    assert saved(dump, last) and "Traceback" not in text
+
+
+@pytest.mark.extended
+def test_a_lost_lighthouse_ends_the_run_saved_with_one_sentence(store, tmp_path):
+    """The lighthouse killed for good: after fault_tolerance.quorum_timeout_seconds the group saves its last committed
+    step and exits 2 with one sentence naming the lighthouse, no traceback."""
+    log, dump = tmp_path / "r0.log", tmp_path / "r0"
+    with lighthouse(min_replicas=1) as address:
+        group = start_group(group_alone(store, dump, "--fault_tolerance.quorum_timeout_seconds", "3"), log, address)
+        wait_for(log, r"step: 5  loss", group)
+    lost = time.monotonic()  # the lighthouse is gone
+    assert group.wait(timeout=120) == 2, log.read_text()[-3000:]
+    assert time.monotonic() - lost < 30
+    text = log.read_text()
+    (sentence,) = [line for line in text.splitlines() if line.startswith("error:")]
+    stopped = re.fullmatch(rf"error: no quorum came from the lighthouse at TORCHFT_LIGHTHOUSE {address} for step \d+ within "
+                           r"fault_tolerance.quorum_timeout_seconds 3 \(\w+\); this group stopped at step (\d+), its last "
+                           r"committed \(saved where checkpoint.enable is on\): restart torchft_lighthouse at that address, .*",
+                           sentence)
+    assert stopped, sentence
+    assert int(stopped.group(1)) == max(losses(text)) and saved(dump, int(stopped.group(1)))
+    assert "Traceback" not in text
+
+
+@pytest.mark.extended
+def test_a_quorum_that_never_comes_is_a_hang_the_watchdog_names(store, tmp_path):
+    """With a hang timeout below the quorum's, a lost lighthouse is a hang: the watchdog names the quorum's wait and
+    the group exits 3."""
+    log = tmp_path / "r0.log"
+    with lighthouse(min_replicas=1) as address:
+        group = start_group(group_alone(store, tmp_path / "r0", "--job.hang_timeout_seconds", "3"), log, address)
+        wait_for(log, r"step: 5  loss", group)
+    assert group.wait(timeout=120) == 3, log.read_text()[-3000:]
+    assert re.search(r"over the hang timeout of 3s; this rank is in .*fault_tolerance/torchft_adapter.py", log.read_text())
