@@ -79,6 +79,7 @@ class Loop:
         with replicas.synchronizing():  # DiLoCo's hooks on the optimizer while the loop runs
             while state.step < last:
                 self.watchdog.step_began(state.step + 1)  # the quorum's wait included
+                summary.step_began(self.metrics)  # the step's time too
                 if not replicas.start_step(state.step + 1):  # no quorum: a stop signal or no lighthouse
                     if state.step > first:
                         self.checkpointer.maybe_save(state.step, force=True)  # the last committed step
@@ -112,7 +113,6 @@ class Loop:
         began, validation_seconds = time.perf_counter(), 0.0
         if (state.step + 1) % run.cfg.training.gc_freq == 0:
             gc.collect(1)
-        summary.step_began(metrics)
         loss, grad_norm, lr, skipped = train_step(run, self.optimizer, self.scheduler, self.batches, metrics,
                                                   replicas=self.replicas)
         summary.step_ended(metrics)

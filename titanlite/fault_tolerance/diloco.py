@@ -12,7 +12,7 @@ import time
 import torch
 
 from titanlite.errors import UserError
-from titanlite.fault_tolerance import torchft_adapter as adapter
+from titanlite.fault_tolerance.torchft_adapter import commit_failures, new_diloco
 from titanlite.fault_tolerance.replicas import ReplicaGroups
 from titanlite.log import logger
 
@@ -38,7 +38,7 @@ class DiLoCoGroups(ReplicaGroups):
                      write_scalars=write_scalars, stopping=stopping)
         self.optimizer = objects["optimizer"].optimizer
         # made after the checkpoint's load: DiLoCo keeps the weights it starts from as the first global ones
-        self.diloco = adapter.new_diloco(self.manager, model, self.optimizer, self.outer, self.cfg.sync_steps)
+        self.diloco = new_diloco(self.manager, model, self.optimizer, self.outer, self.cfg.sync_steps)
         self.inner_steps, self.began = 0, 0.0
 
     def manager_step(self) -> int:
@@ -76,7 +76,7 @@ class DiLoCoGroups(ReplicaGroups):
             logger.info(f"step: {step}  this group's own step before the recovery is not logged (its loss is of the "
                         "weights it replaced)")
         self.note_quorum(step)
-        if adapter.commit_failures(self.manager):
+        if commit_failures(self.manager):
             self.uncommitted += 1
             logger.warning(f"step: {step}  synchronization not committed: every group is back at the weights of the last "
                            f"committed one ({self.uncommitted} uncommitted in this run)")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from titanlite.config_sections import FaultTolerance
 from titanlite.errors import UserError
-from titanlite.fault_tolerance import torchft_adapter as adapter
+from titanlite.fault_tolerance.torchft_adapter import import_torchft, new_manager, process_group_name, quorum_id
 from titanlite.fault_tolerance.alone import Alone
 from titanlite.fault_tolerance.join import group_store, lighthouse_address, wait_for_lighthouse
 from titanlite.fault_tolerance.peer_state import load_peer_state, local, peer_state
@@ -63,16 +63,16 @@ class ReplicaGroups(Alone):
         lighthouse, with the checkpoint's objects as what a recovering peer receives from this group and what this
         group takes from one; the Manager starts from the loaded step."""
         self.check(model, dataloader)
-        adapter.import_torchft()
+        import_torchft()
         self.address = lighthouse_address()
         wait_for_lighthouse(self.address, init_timeout_s)
         self.objects, self.write_scalars, self.init_timeout_s = objects, write_scalars, init_timeout_s
         store_addr, store_port, self.store = group_store(info.world_size)
-        self.manager = adapter.new_manager(self.cfg, info, self.address, store_addr, store_port, stopping, self.quorum_ended)
+        self.manager = new_manager(self.cfg, info, self.address, store_addr, store_port, stopping, self.quorum_ended)
         self.manager.register_state_dict_fn("titanlite", self.load_peer_state, lambda: peer_state(self.objects))
         self.manager.load_state_dict({"step": self.manager_step(), "batches_committed": 0})
         logger.info(f"fault tolerance: replica group {self.replica_id} of {self.group_size}, lighthouse {self.address}, "
-                    f"{adapter.process_group_name(self.manager)} between groups, a step commits with at least "
+                    f"{process_group_name(self.manager)} between groups, a step commits with at least "
                     f"{self.cfg.min_replica_size} groups, a quorum waits at most {self.cfg.quorum_timeout_seconds}s")
 
     @property
@@ -120,13 +120,13 @@ class ReplicaGroups(Alone):
 
     def note_quorum(self, step: int) -> None:
         live = self.manager.num_participants()
-        quorum_id = adapter.quorum_id(self.manager)
-        if quorum_id != self.quorum_id:
+        current = quorum_id(self.manager)
+        if current != self.quorum_id:
             if self.quorum_id is not None:
                 self.quorum_changes += 1
-            logger.info(f"step: {step}  quorum {quorum_id}: {live} of {self.group_size} replica groups training "
+            logger.info(f"step: {step}  quorum {current}: {live} of {self.group_size} replica groups training "
                         f"(was {self.live if self.quorum_id is not None else 'none'}, {self.quorum_changes} quorum changes)")
-            self.quorum_id, self.live = quorum_id, live
+            self.quorum_id, self.live = current, live
             self.write_scalars(step, {"fault_tolerance/live_replicas": live,
                                       "fault_tolerance/quorum_changes": self.quorum_changes}, flush=True)
         if self.jump is not None:
