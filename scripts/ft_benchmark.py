@@ -1,9 +1,12 @@
-"""Per-step cost of fault tolerance: two replica groups through torchft (quorum + gradient average + should_commit
-each step), and DiLoCo (a synchronization every --sync_steps), against plain HSDP over the same two ranks (torchrun,
-data_parallel_replicate_degree 2), same model, data and global batch. Not a test: it prints one line per layout from
-the trainer's own `run summary:` step time.
+"""The price of fault tolerance per step: two replica groups of one rank through torchft (a quorum, the gradients
+averaged one collective per tensor, should_commit, every step; and DiLoCo, a synchronization every --sync_steps)
+against the same two processes without torchft, whose gradients are averaged by plain gloo all-reduces (one per
+tensor as torchft's groups do, and one flat all-reduce of a torch.cat copy, the way titanlite averaged before).
+Same model, data shares and global batch; plain HSDP over the same two ranks (torchrun, data_parallel_replicate_degree
+2, FSDP2's per-module collectives) for reference. Not a test: it prints one line per layout from the trainer's own
+`run summary:` step time, which includes the quorum's wait.
 
-    python scripts/ft_benchmark.py                          # debug model on the CPU, 40 steps
+    python scripts/ft_benchmark.py                          # debug model on the CPU, 30 steps
     python scripts/ft_benchmark.py --steps 50 --seq_len 256 --device cuda
 """
 
@@ -40,7 +43,7 @@ def free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40, help="a multiple of --sync_steps")
+    parser.add_argument("--steps", type=int, default=30, help="a multiple of --sync_steps")
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sync_steps", type=int, default=10, help="DiLoCo's row: steps between synchronizations")
@@ -55,33 +58,85 @@ def main() -> None:
     hsdp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "titanlite.train", *common, "--parallelism.data_parallel_replicate_degree", "2",
                            "--job.dump_folder", str(work / "hsdp")], env=env, capture_output=True, text=True)
-    ft = [groups_step_seconds(common, work, "ft", []),
-          groups_step_seconds(common, work, "diloco", ["--fault_tolerance.semi_sync_method", "diloco",
-                                                       "--fault_tolerance.sync_steps", str(args.sync_steps)])]
-    plain = step_seconds([hsdp.stdout + hsdp.stderr])
-    print(f"device {args.device}, debug model seq {args.seq_len}, 2 ranks x local batch 4, {args.steps} steps")
-    print(f"plain HSDP (torchrun, dp_replicate 2):       {plain:.4f} s/step")
-    for label, seconds in zip(("torchft, 2 replica groups of 1 rank:", f"DiLoCo, sync every {args.sync_steps} steps:"), ft):
-        print(f"{label:<45}{seconds:.4f} s/step  (+{seconds - plain:.4f} s, {100 * (seconds / plain - 1):+.1f}%)")
+    rows = [("plain HSDP (torchrun, dp_replicate 2, FSDP2):", step_seconds([hsdp.stdout + hsdp.stderr])),
+            ("no torchft, one gloo all-reduce per tensor:", pair_step_seconds(common, work, "plain", ["tensors"])),
+            ("no torchft, one flat all-reduce (torch.cat):", pair_step_seconds(common, work, "flat", ["flat"])),
+            ("torchft, quorum + average + commit per step:", pair_step_seconds(common, work, "ft", [])),
+            (f"torchft DiLoCo, sync every {args.sync_steps} steps:",
+             pair_step_seconds(common, work, "diloco", ["--fault_tolerance.semi_sync_method", "diloco",
+                                                         "--fault_tolerance.sync_steps", str(args.sync_steps)]))]
+    base = rows[1][1]
+    print(f"device {args.device}, debug model seq {args.seq_len}, 2 processes x local batch 4, {args.steps} steps")
+    for label, seconds in rows:
+        print(f"{label:<48}{seconds:.4f} s/step  ({seconds - base:+.4f} s, {100 * (seconds / base - 1):+.1f}% against "
+              "the per-tensor all-reduce without torchft)")
 
 
-def groups_step_seconds(common: list[str], work: Path, name: str, extra: list[str]) -> float:
-    """Two replica groups of one rank each on a lighthouse of their own; the slower group's step time."""
-    env = child_env()
-    port = free_port()
-    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "2",
-                                   "--bind", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1)
+def pair_step_seconds(common: list[str], work: Path, name: str, mode: list[str]) -> float:
+    """Two processes, each a world of one reading its half of every step's batch; the slower one's step time.
+    mode ["tensors"] or ["flat"]: averaged by plain gloo (baseline_worker); otherwise torchft groups with `mode`'s flags
+    on a lighthouse of their own."""
+    env, port = child_env(), free_port()
+    lighthouse = None
+    if mode in (["tensors"], ["flat"]):
+        commands = [[sys.executable, __file__, "--baseline_worker", str(r), str(port), mode[0], *common,
+                     "--job.dump_folder", str(work / f"{name}{r}")] for r in (0, 1)]
+    else:
+        lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                                       "--bind", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env["TORCHFT_LIGHTHOUSE"] = f"http://127.0.0.1:{port}"
+        time.sleep(1)
+        commands = [[sys.executable, "-m", "titanlite.train", *common, "--fault_tolerance.enable", "true",
+                     "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(r),
+                     "--fault_tolerance.min_replica_size", "2", "--job.dump_folder", str(work / f"{name}{r}"), *mode]
+                    for r in (0, 1)]
     try:
-        groups = [subprocess.Popen([sys.executable, "-m", "titanlite.train", *common, "--fault_tolerance.enable", "true",
-                                    "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(r),
-                                    "--fault_tolerance.min_replica_size", "2", "--job.dump_folder", str(work / f"{name}{r}"),
-                                    *extra],
-                                   env={**env, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"},
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+        groups = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  for command in commands]
         return step_seconds([group.communicate()[0] for group in groups])
     finally:
-        lighthouse.kill()
+        if lighthouse is not None:
+            lighthouse.kill()
+
+
+def baseline_worker(rank: int, port: int, mode: str, train_args: list[str]) -> int:
+    """The trainer as replica group `rank` of 2 without torchft: its gradients and loss averaged with the other
+    process's by plain gloo all-reduces, every step committed."""
+    import torch
+    import torch.distributed as dist
+
+    import titanlite.train
+    from titanlite.fault_tolerance import Alone
+    from titanlite.fault_tolerance.peer_state import local
+
+    class PlainAverage(Alone):
+        group_size = 2
+
+        def __init__(self):
+            self.replica_id = rank
+            self.pg = dist.ProcessGroupGloo(dist.TCPStore("127.0.0.1", port, 2, rank == 0), rank, 2)
+
+        def average(self, model, loss, expert_loads=None) -> None:
+            tensors = [local(param.grad) for param in model.parameters() if param.grad is not None] + [loss.view(1)]
+            if mode == "flat":
+                flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+                self.pg.allreduce([flat]).wait()
+                flat /= 2
+                offset = 0
+                for tensor in tensors:  # the flat path's second copy, back into the gradients
+                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+                return
+            for work in [self.pg.allreduce([tensor]) for tensor in tensors]:
+                work.wait()
+            for tensor in tensors:
+                tensor.div_(2)
+
+    titanlite.train.replica_groups = lambda cfg: PlainAverage()
+    return titanlite.train.main(train_args)
+
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--baseline_worker":
+        sys.exit(baseline_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]))
     main()

@@ -393,3 +393,23 @@ def test_a_quorum_that_never_comes_is_a_hang_the_watchdog_names(store, tmp_path)
         wait_for(log, r"step: 5  loss", group)
     assert group.wait(timeout=120) == 3, log.read_text()[-3000:]
     assert re.search(r"over the hang timeout of 3s; this rank is in .*fault_tolerance/torchft_adapter.py", log.read_text())
+
+
+@pytest.mark.extended
+def test_sigterm_in_a_diloco_synchronization_saves_and_exits(store, tmp_path):
+    """DiLoCo holds its quorum inside the optimizer's step: SIGTERM while a synchronization waits for a lighthouse that
+    is gone saves the last counted step and exits 0 within seconds."""
+    log, dump = tmp_path / "r0.log", tmp_path / "r0"
+    with lighthouse(min_replicas=1) as address:
+        group = start_group(group_alone(store, dump, "--fault_tolerance.semi_sync_method", "diloco",
+                                        "--fault_tolerance.sync_steps", "2"), log, address)
+        wait_for(log, r"step: 5  loss", group)
+    time.sleep(3)  # at most 2 steps later, its synchronization waits
+    last = max(losses(log.read_text()))
+    group.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert group.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert time.monotonic() - signalled < 10
+    text = log.read_text()
+    assert f"stopped at step {last} on SIGTERM; exiting" in text, text[-3000:]
+    assert saved(dump, last) and "Traceback" not in text

@@ -22,7 +22,7 @@ from titanlite.data.datasets import build_dataloader
 from titanlite.data.global_order import epochs_done, steps_for_epochs
 from titanlite.errors import UserError, sentence
 from titanlite.eval_loop import InLoopEvaluator
-from titanlite.fault_tolerance import Alone, replica_groups
+from titanlite.fault_tolerance import Alone, QuorumEnded, replica_groups
 from titanlite.log import init_logger, logger
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
                                speed_features, speed_settings)
@@ -81,17 +81,25 @@ class Loop:
                 self.watchdog.step_began(state.step + 1)  # the quorum's wait included
                 summary.step_began(self.metrics)  # the step's time too
                 if not replicas.start_step(state.step + 1):  # no quorum: a stop signal or no lighthouse
-                    if state.step > first:
-                        self.checkpointer.maybe_save(state.step, force=True)  # the last committed step
+                    self.save_last_committed(state.step, first)
                     break
                 self.took_recovery()  # a peer's state, its step and its data position (fault_tolerance/)
                 if state.step >= last:  # recovered at the peers' last step
                     break
-                preempted = self.one_step(state, skips, summary)
+                try:
+                    preempted = self.one_step(state, skips, summary)
+                except QuorumEnded:  # in DiLoCo's synchronization: the inner update is applied, not counted
+                    self.save_last_committed(state.step, first)
+                    break
                 self.watchdog.step_ended(state.step)
                 if preempted:
                     break
         replicas.raise_if_lost()
+
+    def save_last_committed(self, step: int, first: int) -> None:
+        """A quorum's wait ended without one (a stop signal, or no lighthouse): the last counted step is saved."""
+        if step > first:
+            self.checkpointer.maybe_save(step, force=True)
 
     def restart_batches(self) -> None:
         self.batches = self.metrics.counting_trained(iter(self.dataloader), self.run.dims.batch_sharing_degree)
@@ -107,8 +115,7 @@ class Loop:
         return True
 
     def one_step(self, state: TrainState, skips: NonfiniteSkips, summary: RunSummary) -> bool:
-        """Train, log, validate and save one step; returns whether a stop signal, a NaN or the loss of the other
-        replica groups ends the run here."""
+        """Train, log, validate and save one step; returns whether a stop signal or a NaN ends the run here."""
         run, metrics, checkpointer = self.run, self.metrics, self.checkpointer
         began, validation_seconds = time.perf_counter(), 0.0
         if (state.step + 1) % run.cfg.training.gc_freq == 0:
@@ -128,7 +135,7 @@ class Loop:
         # A step that is logged, validated or saved must be known finite now; the others are
         # checked one step later, so the host need not wait for the GPU every step.
         settle = last or logged or validating or checkpointer.saves_at(step)
-        preempted = self.stop.should_stop(step, loss, grad_norm, settle) or self.replicas.ended
+        preempted = self.stop.should_stop(step, loss, grad_norm, settle)
         if logged:
             metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
                         extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader)

@@ -25,8 +25,9 @@ from titanlite.config_sections import FaultTolerance
 from titanlite.fault_tolerance.alone import Alone
 from titanlite.fault_tolerance.diloco import DiLoCoGroups
 from titanlite.fault_tolerance.replicas import CLAIM_FILE, LighthouseLost, ReplicaGroups
+from titanlite.fault_tolerance.torchft_adapter import QuorumEnded
 
-__all__ = ["Alone", "CLAIM_FILE", "DiLoCoGroups", "LighthouseLost", "ReplicaGroups", "replica_groups"]
+__all__ = ["Alone", "CLAIM_FILE", "DiLoCoGroups", "LighthouseLost", "QuorumEnded", "ReplicaGroups", "replica_groups"]
 
 
 def replica_groups(cfg: FaultTolerance) -> Alone:

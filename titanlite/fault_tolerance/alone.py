@@ -10,10 +10,10 @@ Alone declares the interface the loop drives, each call a no-op; ReplicaGroups (
     replicas.join(...)                                        # every rule checked, then the lighthouse
     with replicas.synchronizing():                            # DiLoCo's hooks on the optimizer, removed after
         while state.step < last:
-            if not replicas.start_step(state.step + 1): save state.step, stop
-            a recovery (take_recovery) restarts the batches at the peer's position
-            train_step calls replicas.average and replicas.should_commit
-            replicas.committed false: the attempt is not counted; replicas.ended: save and stop
+            if not replicas.start_step(state.step + 1): save state.step, stop   # the quorum's wait ended without one
+            take_recovery() not None: restart the batches at the peer's data position
+            train_step calls replicas.average and replicas.should_commit; QuorumEnded out of it (DiLoCo's
+            synchronization): save state.step, stop; replicas.committed false: the attempt is not counted
     replicas.raise_if_lost(); replicas.close()
 """
 
@@ -24,7 +24,6 @@ from pathlib import Path
 class Alone:
     group_size, replica_id = 1, 0
     committed = True  # the last attempt's update was applied
-    ended = False  # a quorum wait ended without a quorum (a stop signal, or no answer from the lighthouse)
 
     def data_rank(self, dims) -> int:
         """This rank's reader index in the global order: group-major, then the group's data-parallel rank."""

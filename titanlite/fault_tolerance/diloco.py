@@ -18,6 +18,11 @@ from titanlite.log import logger
 
 
 class DiLoCoGroups(ReplicaGroups):
+    # the quorum is held in the optimizer's step: a wait that ends raises QuorumEnded out of train_step, after the
+    # inner update and before the schedule's step; the loop saves the last counted step, holding this group's own
+    # weights, as a preemption between two synchronizations does
+    quorum_inside_step = True
+
     def outer_optimizer(self, model):
         """The outer SGD over the trained parameters, made before the checkpoint's load, which may restore its
         momentum."""

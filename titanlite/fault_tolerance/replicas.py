@@ -44,11 +44,13 @@ class LighthouseLost(UserError):
 
 
 class ReplicaGroups(Alone):
+    quorum_inside_step = False  # the quorum is held before the step (start_step)
+
     def __init__(self, cfg: FaultTolerance):
         self.cfg, self.group_size, self.replica_id = cfg, cfg.group_size, cfg.replica_id
         self.manager = self.store = self.address = None
         self.quorum_id, self.live, self.quorum_changes, self.uncommitted = None, 0, 0, 0
-        self.step, self.jump, self.loss, self.lost = 0, None, None, None
+        self.step, self.jump, self.loss, self.ended, self.lost = 0, None, None, False, None
         self.quorum_began = 0.0
 
     def check(self, model, dataloader) -> None:
@@ -68,7 +70,8 @@ class ReplicaGroups(Alone):
         wait_for_lighthouse(self.address, init_timeout_s)
         self.objects, self.write_scalars, self.init_timeout_s = objects, write_scalars, init_timeout_s
         store_addr, store_port, self.store = group_store(info.world_size)
-        self.manager = new_manager(self.cfg, info, self.address, store_addr, store_port, stopping, self.quorum_ended)
+        self.manager = new_manager(self.cfg, info, self.address, store_addr, store_port, stopping, self.quorum_ended,
+                                   raising=self.quorum_inside_step)
         self.manager.register_state_dict_fn("titanlite", self.load_peer_state, lambda: peer_state(self.objects))
         self.manager.load_state_dict({"step": self.manager_step(), "batches_committed": 0})
         logger.info(f"fault tolerance: replica group {self.replica_id} of {self.group_size}, lighthouse {self.address}, "

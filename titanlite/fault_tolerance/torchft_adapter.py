@@ -31,15 +31,22 @@ def replica_process_group(kind: str, device_type: str, timeout: timedelta):
     return ProcessGroupNCCL(timeout=timeout) if kind == "nccl" else ProcessGroupGloo(timeout=timeout)
 
 
+class QuorumEnded(Exception):
+    """A quorum wait inside DiLoCo's synchronization ended without a quorum (see QuorumWait)."""
+
+
 class QuorumWait(Future):
     """The future of one quorum, which torchft's start_quorum waits on with result(): waited for in slices, so that a
     stop signal (handled between them) ends the wait within a fraction of a second. Ended by a stop signal or by
-    the quorum's failure (the lighthouse did not answer in time), it returns as a quorum with an error would: the
-    Manager is marked errored (nothing commits) and `on_end` is told why."""
+    the quorum's failure (the lighthouse did not answer in time), the Manager is marked errored (nothing commits),
+    `on_end` is told why, and the wait returns as a quorum with an error would; or with `raising` (DiLoCo's
+    synchronization, whose should_commit would wait on the Manager's server until the quorum's request timed out)
+    raises QuorumEnded out of the optimizer's step."""
 
-    def __init__(self, manager, stopping: Callable[[], bool], on_end: Callable[[BaseException | None], None]):
+    def __init__(self, manager, stopping: Callable[[], bool], on_end: Callable[[BaseException | None], None],
+                 raising: bool):
         super().__init__()
-        self.manager, self.stopping, self.on_end, self.ended = manager, stopping, on_end, False
+        self.manager, self.stopping, self.on_end, self.raising, self.ended = manager, stopping, on_end, raising, False
 
     def result(self, timeout=None):
         while not self.ended and not self.done():
@@ -55,6 +62,8 @@ class QuorumWait(Future):
         self.ended = True
         self.manager.report_error(error or RuntimeError("the quorum wait was ended by a stop signal"))
         self.on_end(error)
+        if self.raising:
+            raise QuorumEnded() from error
 
 
 class DaemonQuorumExecutor:
@@ -62,11 +71,12 @@ class DaemonQuorumExecutor:
     process exits, and a quorum request to a lighthouse that is gone cannot be cancelled: a group stopped during
     such a wait would then hang until the request timed out. A quorum's future is a QuorumWait."""
 
-    def __init__(self, manager, stopping: Callable[[], bool], on_end: Callable[[BaseException | None], None]):
-        self.manager, self.stopping, self.on_end = manager, stopping, on_end
+    def __init__(self, manager, stopping: Callable[[], bool], on_end: Callable[[BaseException | None], None],
+                 raising: bool):
+        self.manager, self.stopping, self.on_end, self.raising = manager, stopping, on_end, raising
 
     def submit(self, fn, *args, **kwargs) -> QuorumWait:
-        future = QuorumWait(self.manager, self.stopping, self.on_end)
+        future = QuorumWait(self.manager, self.stopping, self.on_end, self.raising)
 
         def run() -> None:
             try:
@@ -82,7 +92,7 @@ class DaemonQuorumExecutor:
 
 
 def new_manager(cfg, info, address: str, store_addr: str, store_port: int, stopping: Callable[[], bool],
-                on_end: Callable[[BaseException | None], None]):
+                on_end: Callable[[BaseException | None], None], raising: bool):
     """torchft's Manager for this group: its quorums bounded by fault_tolerance.quorum_timeout_seconds, their request
     sent again to the lighthouse every few seconds within that bound (torchft's quorum_retries), which reaches a
     lighthouse restarted at the same address."""
@@ -103,7 +113,7 @@ def new_manager(cfg, info, address: str, store_addr: str, store_port: int, stopp
     )
     # Private: the Manager runs its quorums on this executor and offers no way to choose it (DaemonQuorumExecutor).
     manager._executor.shutdown(wait=False)
-    manager._executor = DaemonQuorumExecutor(manager, stopping, on_end)
+    manager._executor = DaemonQuorumExecutor(manager, stopping, on_end, raising)
     return manager
 
 
