@@ -67,7 +67,7 @@ def train_step(run, optimizer, scheduler, batches, metrics, replicas=None):
     """One optimizer step over run.step.accum_steps micro-batches of `batches`; returns (loss, grad_norm,
     lr used, skipped). With skip_nonfinite a step whose loss or gradient norm is NaN or inf on any rank is
     skipped: its gradients are dropped and neither the optimizer nor the lr schedule steps (skipped True).
-    `replicas` (fault_tolerance.py): the gradients and loss are averaged with the other replica groups before
+    `replicas` (fault_tolerance/): the gradients and loss are averaged with the other replica groups before
     clipping, and the update is applied only if the quorum commits the step.
     Each micro-batch's mean loss enters the step as loss.py's LossScale says, so the loss and the gradients
     are those of one process holding the whole batch, whatever the layout (`run` is build.py's Run).
