@@ -81,7 +81,7 @@ class DaemonQuorumExecutor:
         def run() -> None:
             try:
                 future.set_result(fn(*args, **kwargs))
-            except BaseException as error:  # noqa: B036 - handed to the waiting thread
+            except BaseException as error:  # handed to the thread that waits for the quorum
                 future.set_exception(error)
 
         threading.Thread(target=run, name="torchft_quorum", daemon=True).start()
