@@ -3,7 +3,8 @@
 A collective that never completes (a rank died without the launcher noticing, a deadlock, a rank
 stuck in I/O) leaves every other rank waiting: forever on gloo, NCCL's 10 minutes on a GPU, and the
 job never says who. Each rank runs a watchdog thread. The training loop marks the start and the end
-of every step (its log line, validation and save included); the thread publishes the last step its
+of every step (a fault-tolerance quorum's wait before it, its log line, validation and save included: a
+quorum that never comes is a hang too); the thread publishes the last step its
 rank finished to the job's rendezvous store, and when a step has run longer than the timeout:
 
 - the rank dumps every thread's Python stack (faulthandler) to <dump_folder>/logs/rank<N>.log and
