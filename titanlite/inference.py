@@ -1,5 +1,5 @@
 """The generation and evaluation run: build.py's Run for the job, as the trainer builds it, with only the model's
-weights loaded by the checkpoint manager (CheckpointManager.load_model: generate.checkpoint, else the checkpoint a
+weights loaded by checkpoint/weights.py (load_trained_weights: generate.checkpoint, else the checkpoint a
 resume would take, else checkpoint.initial_load_path or the model.hf_assets_path folder), in eval mode.
 
 One process holds the whole model; under torchrun the ranks shard it with FSDP/HSDP (data-parallel layouts only:
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from titanlite.build import Run, build_run
 from titanlite.checkpoint.folders import is_complete
-from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.checkpoint.weights import ModelIdentity, load_trained_weights
 from titanlite.config_sections import JobConfig
 from titanlite.errors import UserError
 from titanlite.log import logger
@@ -54,7 +54,9 @@ def build_inference_run(cfg: JobConfig, info: DistInfo) -> Run:
     """The job's Run with its weights, in eval mode."""
     check_data_parallel_only(cfg)
     run = build_run(inference_config(cfg), info)
-    source = CheckpointManager(run, None, None, None).load_model(chosen_step_folder(cfg))
+    identity = ModelIdentity(run.label, run.spec.hf_adapter, run.args)
+    source = load_trained_weights(run.model, identity, cfg.checkpoint, cfg.job.dump_folder, chosen_step_folder(cfg),
+                                  "generate.checkpoint")
     logger.info(f"loaded {run.label} from {source}")
     run.model.eval()
     return run
