@@ -22,11 +22,12 @@ from titanlite.log import logger
 
 
 class InLoopEvaluator:
-    def __init__(self, run, metrics):
-        """The [eval] section of build.py's `run`, on its tokenizer and model args (max_seq_len, sliding_window);
-        metrics: the run's MetricsLogger. Sample prompts given as messages take training.chat_template."""
-        self.run, self.cfg, self.tokenizer, self.args, self.metrics = run, run.cfg.eval, run.tokenizer, run.args, metrics
-        self.last_step, self.chat_template = run.cfg.training.steps, run.cfg.training.chat_template
+    def __init__(self, run, training):
+        """The [eval] section of build.py's `run`, on its tokenizer and model args (max_seq_len, sliding_window),
+        written to `training`'s metrics; at_end evaluates after its last step. Sample prompts given as messages take
+        training.chat_template."""
+        self.run, self.cfg, self.tokenizer, self.args, self.metrics = run, run.cfg.eval, run.tokenizer, run.args, training.metrics
+        self.last_step, self.chat_template = training.steps, run.cfg.training.chat_template
         cfg = self.cfg
         # Read now: a bad file stops the run before its first step, not at the first evaluation.
         self.samples = read_prompt_lines(cfg.sample_prompts, key="eval.sample_prompts") if cfg.sample_prompts else []
