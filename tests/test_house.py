@@ -177,3 +177,20 @@ def test_the_readme_is_short_and_links_every_docs_page():
     assert len(readme.splitlines()) <= 300
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     assert {name for name in pages if f"(docs/{name}" not in readme} == set()
+
+
+def test_only_the_objectives_builder_compares_the_data_format():
+    """The objective is chosen once (titanlite/objectives/__init__.py); the step, the build, the planner and the
+    checkpoint ask it. Outside data/ and the config, no other module compares training.dataset_format."""
+    allowed = {"titanlite/objectives/__init__.py", "titanlite/config.py", "titanlite/config_rules.py",
+               "titanlite/config_sections.py"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        name = path.relative_to(ROOT).as_posix()
+        if name in allowed or name.startswith("titanlite/data/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(side, ast.Attribute) and side.attr == "dataset_format"
+                                                     for side in [node.left, *node.comparators]):
+                found.append(f"{name}:{node.lineno}")
+    assert found == []

@@ -39,14 +39,14 @@ def test_the_rolled_window_is_the_truncated_one():
     T - 1 positions with the next tokens' embeddings, predicting the tokens two places ahead."""
     model = model_of(small_args()).train()
     tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
-    model(tokens)
+    _, extra = model(tokens, extra_losses=True)
     layer = model.mtp["0"]
     with torch.no_grad():
-        h = model.run_main_blocks(model.tok_embeddings(tokens), model.rope_cos, model.rope_sin, attention_mask(None, None, "cpu"))
+        h, _ = model.run_main_blocks(model.tok_embeddings(tokens), model.rope_cos, model.rope_sin, attention_mask(None, None, "cpu"))
         short = layer(h[:, :-1], model.tok_embeddings(tokens[:, 1:]), model.rope_cos, model.rope_sin, None)
         logits = model.output(layer.norm(short[:, :-1]))
         expected = F.cross_entropy(logits.flatten(0, 1), tokens[:, 2:].flatten())
-    torch.testing.assert_close(model.mtp_loss.detach(), 0.3 * expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(extra["mtp"].detach(), 0.3 * expected, rtol=1e-6, atol=1e-6)
     assert model.extra_metrics()["loss/mtp"] == pytest.approx(expected.item(), rel=1e-6)
 
 

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanlite.loss import LossScale, loss_parallel_context, per_trained_token
+from titanlite.loss import LossScale, loss_parallel_context, per_trained_token, with_extra_losses
 from titanlite.models.attention import document_ids
 from titanlite.parallel.cp import split_batch
 from titanlite.optim import clip_grad_norm_
@@ -52,11 +52,9 @@ def train_step(run: Run, training: Training, batches):
                 total_loss += pipeline.train_microstep(inputs, labels, scale, settings.aux_loss_coeff, model_kwargs)
             continue
         with loss_parallel_context(run.forward.loss_parallel):
-            loss = scale.apply(run.objective.loss(model, inputs, labels, model_kwargs, run.loss_fn, context), labels)
-            aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
-            objective = loss if aux_loss is None else loss + scale.aux_term(aux_loss, settings.aux_loss_coeff)
-            mtp_loss = getattr(model, "mtp_loss", None)  # DeepSeek-V3's multi-token prediction, weighted already
-            (objective if mtp_loss is None else objective + scale.aux_term(mtp_loss, 1.0)).backward()
+            loss, extra = run.objective.loss(model, inputs, labels, model_kwargs, run.loss_fn, context)
+            loss = scale.apply(loss, labels)
+            with_extra_losses(loss, extra, scale, settings.aux_loss_coeff).backward()
         total_loss += loss.detach()
     if pipeline is not None:
         pipeline.sum_tied_grads()

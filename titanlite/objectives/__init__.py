@@ -9,7 +9,8 @@ An objective has:
     runs_reference_forward  whether every step also runs a reference model's forward (the planner counts it)
     reference             its frozen second model (DPO's reference), or None
     needs_reference_copy(cfg)  whether a job's objective keeps such a copy (before it is built: the planner)
-    loss(model, inputs, labels, model_kwargs, loss_fn, forward_context)   a micro-batch's mean loss
+    loss(model, inputs, labels, model_kwargs, loss_fn, forward_context)
+                          (a micro-batch's mean loss, the extra losses the policy's forward returned: MoE, MTP)
     scalars()             its TensorBoard scalars since the last log (a collective: every rank calls it)
 """
 

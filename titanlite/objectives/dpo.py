@@ -98,9 +98,10 @@ class Preference:
         self.cfg, self.reference = cfg, reference  # None: the policy with its LoRA adapters off
         self.totals = torch.zeros(5, device=device)
 
-    def logits(self, model: nn.Module, inputs: torch.Tensor, model_kwargs: dict, forward_context: Callable):
+    def forward(self, model: nn.Module, inputs: torch.Tensor, model_kwargs: dict, forward_context: Callable):
+        """(logits, the forward's extra losses)."""
         with forward_context():
-            return model(inputs, **model_kwargs)
+            return model(inputs, extra_losses=True, **model_kwargs)
 
     @contextlib.contextmanager
     def reference_of(self, policy: nn.Module):
@@ -118,16 +119,17 @@ class Preference:
             policy.train()
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
-             forward_context: Callable) -> torch.Tensor:
-        """The mean DPO loss of the micro-batch's pairs (the reference's forward first, so that what a forward
-        leaves on the model, such as MoE's aux_loss, is the policy's). DPO scores whole completions itself, so the
-        run's token loss_fn is not used."""
+             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the mean DPO loss of the micro-batch's pairs, the policy forward's extra losses such as MoE's balance
+        loss). DPO scores whole completions itself, so the run's token loss_fn is not used."""
         with self.reference_of(model) as reference_model:
-            reference, _ = completion_logps(self.logits(reference_model, inputs, model_kwargs, forward_context), labels)
-        policy, counts = completion_logps(self.logits(model, inputs, model_kwargs, forward_context), labels)
+            reference_logits, _ = self.forward(reference_model, inputs, model_kwargs, forward_context)
+            reference, _ = completion_logps(reference_logits, labels)
+        logits, extra = self.forward(model, inputs, model_kwargs, forward_context)
+        policy, counts = completion_logps(logits, labels)
         loss, stats = preference_loss(policy, reference, counts, self.cfg)
         self.totals += stats
-        return loss
+        return loss, extra
 
     def scalars(self) -> dict[str, float]:
         """The dpo/* means over every pair since the last call, on all ranks (a collective: every rank calls it)."""

@@ -26,8 +26,8 @@ class LanguageModelling:
         return False
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
-             forward_context: Callable) -> torch.Tensor:
-        """The mean loss of the micro-batch's trained tokens."""
+             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the mean loss of the micro-batch's trained tokens, the extra losses the model's forward returned)."""
         return micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, forward_context())
 
     def scalars(self) -> dict[str, float]:
