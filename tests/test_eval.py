@@ -10,10 +10,12 @@ import shutil
 import pytest
 
 from test_generate import transformers_folder
+from titanlite.config import load_config
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.eval import main
-from titanlite.eval_tasks import evaluate_tasks, metric_scalars
-from titanlite.inference import build_inference_run
+from titanlite.inference.eval_job import evaluate_model
+from titanlite.inference.model import build_inference_model
+from titanlite.inference.tasks import metric_scalars
 from titanlite.parallel.dist import close_distributed, init_distributed
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -64,24 +66,19 @@ def both(setup):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from titanlite.eval_model import TitanliteLM
-
     theirs = simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=list(TASKS),
                              task_manager=TaskManager(include_path=str(tasks), include_defaults=False), log_samples=True, batch_size=4,
                              device="cpu")
-    try:
-        lm = TitanliteLM.create_from_arg_obj({"hf_assets_path": str(folder), "job.device": "cpu"}, {"batch_size": 4})
-        ours = evaluate_tasks(lm, list(TASKS), str(tasks), log_samples=True)
-    finally:
-        close_distributed()
+    with one_process_run(load_config(["--model.hf_assets_path", str(folder), "--job.device", "cpu"])) as loaded:
+        ours = evaluate_model(loaded, list(TASKS), str(tasks), batch_size=4, log_samples=True)
     return theirs, ours
 
 
 @contextlib.contextmanager
 def one_process_run(cfg):
-    """The generate/eval Run of `cfg` in this process (a world of one)."""
+    """The generate/eval model of `cfg` in this process (a world of one)."""
     try:
-        yield build_inference_run(cfg, init_distributed("cpu", 60))
+        yield build_inference_model(cfg, init_distributed("cpu", 60))
     finally:
         close_distributed()
 
@@ -129,8 +126,7 @@ def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_pat
     import torch
 
     from conftest import ON_CPU, tensorboard_scalars
-    from titanlite.config import load_config
-    from titanlite.eval_loop import InLoopEvaluator
+    from titanlite.inference.evaluator import InLoopEvaluator
     from titanlite.metrics import MetricsLogger
     from titanlite.tensorboard import run_folder
 
@@ -199,7 +195,7 @@ def test_two_fsdp_ranks_share_the_requests_and_generate_as_one_process(setup, bo
     lockstep, gives the greedy tokens one process gives for that prompt."""
     from conftest import torchrun_json
     from eval_fsdp_run import NEW_TOKENS, PROMPTS, inference_config
-    from titanlite.generation import Sampling, generate_ids
+    from titanlite.inference.decode import Sampling, generate_ids
 
     folder, tasks = setup
     sharded = torchrun_json("eval_fsdp_run.py", tmp_path, str(folder), str(tasks))

@@ -21,7 +21,7 @@ from titanlite.config_sections import JobConfig
 from titanlite.data.datasets import build_dataloader
 from titanlite.data.global_order import epochs_done, steps_for_epochs
 from titanlite.errors import UserError, sentence
-from titanlite.eval_loop import InLoopEvaluator
+from titanlite.inference.evaluator import InLoopEvaluator
 from titanlite.fault_tolerance import ReplicaGroups, join_replica_groups
 from titanlite.log import init_logger, logger
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,

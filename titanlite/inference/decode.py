@@ -1,7 +1,8 @@
 """Token generation with the KV cache (models/kv_cache.py): prompts of different lengths left-padded into
 one batch, one prefill forward, then one forward per new token, greedy or sampled (temperature, top-k,
 top-p), each row ending at the tokenizer's eos or an end-of-turn token, at a stop string, or at
-max_new_tokens. python -m titanlite.generate and the lm-eval model (eval.py) both call `generate_ids`.
+max_new_tokens. python -m titanlite.generate (generate_job.py), the lm-eval model (lm_eval_model.py) and the
+in-loop evaluator's sample prompts all call `generate_ids`.
 
 Ranks that each generate for their own prompts on a sharded (FSDP) model run in lockstep (`lockstep`): every
 forward gathers weights from all ranks, so a rank whose rows are finished runs idle one-token forwards (without
