@@ -177,6 +177,48 @@ def test_bad_tasks_and_weights_are_one_sentence(setup, tmp_path, capsys):
                                         f"hf_assets_path={other},job.device=cpu"], capsys)
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--limit", "0"], "--limit 0 leaves no examples to evaluate"),
+    (["--limit", "-3"], "--limit -3 leaves no examples to evaluate"),
+    (["--batch_size", "0"], "--batch_size 0: titanlite takes a number of sequences per forward of at least 1"),
+    (["--batch_size", "auto"], "--batch_size auto: titanlite takes a number"),
+])
+def test_bad_eval_flags_are_one_sentence(setup, capsys, flags, expected):
+    folder, tasks = setup
+    argv = ["--tasks", "tiny_mc", "--include_path", str(tasks), "--model_args", f"hf_assets_path={folder},job.device=cpu"]
+    assert expected in error_of([*argv, *flags], capsys)
+
+
+def test_the_cli_prints_lm_evals_table_and_records_the_evaluation_time(setup, tmp_path, capsys):
+    folder, tasks = setup
+    assert main(["--tasks", "tiny_mc", "--include_path", str(tasks), "--limit", "4", "--output_path", str(tmp_path),
+                 "--model_args", f"hf_assets_path={folder},job.device=cpu"]) == 0
+    table = capsys.readouterr().out
+    assert "| Tasks |" in table and "tiny_mc" in table and "|acc_norm|" in table
+    written = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
+    assert 0.05 < float(written["total_evaluation_time_seconds"]) < 120  # the model's forwards, not the save alone
+
+
+def test_an_unknown_eval_task_stops_the_run_before_its_first_step(tmp_path):
+    """[eval] tasks are checked when the trainer builds its evaluator, before step 1 (not at the first evaluation,
+    after the steps before it trained unsaved)."""
+    from conftest import run_titanlite
+
+    out = run_titanlite(["--job.dump_folder", str(tmp_path), "--training.steps", "2", "--eval.tasks", "nosuchtask",
+                         "--eval.at_end", "true"])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("error: unknown task 'nosuchtask'")
+    assert "step: 1" not in out.stdout + out.stderr
+
+
+def test_eval_tasks_that_would_never_run_are_refused():
+    from titanlite.errors import UserError
+
+    with pytest.raises(UserError, match="eval.tasks is set but eval.interval is 0 and eval.at_end false"):
+        load_config(["--eval.tasks", "hellaswag"])
+    assert load_config(["--eval.tasks", "hellaswag", "--eval.at_end", "true"]).eval.tasks == ["hellaswag"]
+
+
 def test_bad_generation_input_is_one_sentence(setup, tmp_path, capsys):
     from titanlite.generate import main as generate
 
@@ -186,6 +228,10 @@ def test_bad_generation_input_is_one_sentence(setup, tmp_path, capsys):
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"token_ids": [5] * 256}) + "\n")
     assert "the model's context is 256" in error_of([*flags, "--generate.prompts_file", str(long)], capsys, generate)
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(json.dumps({"token_ids": [5, 100000]}) + "\n")
+    assert f'generate.prompts_file {outside} line 1: "token_ids" holds 100000, outside the tokenizer\'s vocabulary' in \
+        error_of([*flags, "--generate.prompts_file", str(outside)], capsys, generate)
     assert "eval.interval" in error_of([*flags, "--generate.prompt", "x", "--eval.interval", "10"], capsys, generate)
 
 

@@ -85,3 +85,36 @@ def test_generation_on_cuda_gives_the_cpu_tokens(tmp_path, tokenizer_folder):
     cpu = run_generate(tmp_path, folder)
     gpu = run_generate(tmp_path, folder, "--job.device", "cuda")
     assert [record["token_ids"] for record in gpu] == [record["token_ids"] for record in cpu]
+
+
+def generate_error(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("line, expected", [
+    ('{"token_ids": [1, -3, 7]}', 'line 2: "token_ids" holds -3; token ids start at 0'),
+    ('{"token_ids": [true, 2]}', 'line 2: "token_ids" must be a non-empty list of integers (not [true, 2])'),
+    ('{"token_ids": []}', 'line 2: "token_ids" must be a non-empty list of integers'),
+    ('{"prompt": 5}', 'line 2: "prompt" is 5, not a string; quote the text'),
+    ('{"messages": "hi"}', 'line 2: "messages" must be a non-empty list'),
+    ('{"messages": [{"role": "wizard", "content": "hi"}]}', "has a message of unknown role 'wizard'"),
+    ('{"prompt": "a", "token_ids": [1]}', 'line 2 must hold exactly one of "prompt", "messages" or "token_ids"'),
+])
+def test_a_bad_prompt_line_is_one_sentence_naming_the_file_and_line(tmp_path, capsys, line, expected):
+    """Checked when the file is read, before the model is built (nothing here would load)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n' + line + "\n")
+    err = generate_error([*ON_CPU, "--generate.prompts_file", str(prompts)], capsys)
+    assert f"generate.prompts_file {prompts}" in err and expected in err
+
+
+def test_an_empty_prompts_file_is_named_as_empty(tmp_path, capsys):
+    for text in ("", "\n  \n"):
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(text)
+        err = generate_error([*ON_CPU, "--generate.prompts_file", str(prompts)], capsys)
+        assert f"generate.prompts_file {prompts} is empty; write one JSON object per line" in err
+    assert "nothing to generate from" in generate_error([*ON_CPU], capsys)
