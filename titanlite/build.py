@@ -19,7 +19,7 @@ from titanlite.dpo import PreferenceObjective, build_preference
 from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
 from titanlite.loss import build_loss
-from titanlite.lora import apply_lora, init_lora
+from titanlite.models.lora import apply_lora, init_lora
 from titanlite.models import ModelSpec, get_model_args, get_model_spec
 from titanlite.models.hf_folder import is_model_folder, read_model_folder
 from titanlite.parallel.dims import ParallelDims

@@ -29,15 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.checkpoint.fit import check_model_fits, load_in_place, read_metadata
-from titanlite.checkpoint.folders import METADATA
-from titanlite.checkpoint.hf_io import load_model_from_hf
 from titanlite.checkpoint.state import ModelState
+from titanlite.checkpoint.weights import ModelIdentity, load_weights
 from titanlite.config_sections import DPO, JobConfig
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.lora import adapters_off
+from titanlite.models.lora import adapters_off
 from titanlite.models.init import local_tensor
 
 SCALARS = ("dpo/reward_accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward")
@@ -139,18 +137,11 @@ def local_bytes(model: nn.Module) -> int:
     return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
 
-def load_reference(reference: nn.Module, path: Path, in_hf: bool, key: str, hf_adapter, args, label: str) -> None:
-    """The weights of a Hugging Face folder or a DCP checkpoint into the reference, in place; shapes that differ
-    from the model's are one sentence naming `key`."""
-    state = ModelState(reference, adapters_only=False)
+def load_reference(reference: nn.Module, path: Path, key: str, identity: ModelIdentity) -> None:
+    """The reference's weights through the one checked loader: the policy's own start (initial) may be another
+    model's weights, as the policy's initial load allows; a named reference must be of this model family."""
     try:
-        if in_hf:
-            load_model_from_hf(state.target(None), path, hf_adapter, args, label)
-            return
-        if not (path / METADATA).is_file():
-            raise UserError(f"{path} is neither a Hugging Face folder (config.json) nor a complete DCP checkpoint ({METADATA})")
-        check_model_fits(read_metadata(path), {fqn: tuple(t.shape) for fqn, t in state.target(None).items()}, path, label)
-        state.restore(load_in_place(path, state.target(None)))
+        load_weights(ModelState(reference, adapters_only=False), path, identity, key, transplant=key != "dpo.reference")
     except UserError as error:
         raise UserError(f"{key} {path} cannot be the reference ({str(error).split('; ')[0]}); point {key} at a Hugging Face "
                         "folder or a DCP step folder of this model, or set dpo.reference initial") from None
@@ -167,14 +158,12 @@ def build_preference(cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, 
     reference = copy().requires_grad_(False).eval()  # eval: its forwards stay out of MoE's training statistics
     if dpo.reference == "initial":
         source, key = cfg.checkpoint.initial_load_path, "checkpoint.initial_load_path"
-        in_hf = cfg.checkpoint.initial_load_in_hf
     else:
         source, key = dpo.reference, "dpo.reference"
-        in_hf = (Path(source) / "config.json").is_file()
         if not Path(source).is_dir():
             raise UserError(f"dpo.reference {source} is not a folder; set it to initial, a Hugging Face folder or a DCP step folder")
     if source:
-        load_reference(reference, Path(source), in_hf, key, hf_adapter, args, label)
+        load_reference(reference, Path(source), key, ModelIdentity(label, hf_adapter, args))
     origin = source or "job.seed's initialisation"
     logger.info(f"DPO reference: a frozen copy of {origin}, sharded like the policy: {local_bytes(reference) / 2**30:.3f} GiB "
                 "of parameters per rank, no gradients or optimizer state")

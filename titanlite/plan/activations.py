@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.dtypes import DTYPES
-from titanlite.lora import apply_lora
+from titanlite.models.lora import apply_lora
 from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.models.attention import GatheredKeys
 from titanlite.models.init import local_tensor
