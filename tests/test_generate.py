@@ -118,3 +118,23 @@ def test_an_empty_prompts_file_is_named_as_empty(tmp_path, capsys):
         err = generate_error([*ON_CPU, "--generate.prompts_file", str(prompts)], capsys)
         assert f"generate.prompts_file {prompts} is empty; write one JSON object per line" in err
     assert "nothing to generate from" in generate_error([*ON_CPU], capsys)
+
+
+def test_weights_of_another_kind_are_named_before_generating(tmp_path, tokenizer_folder, capsys):
+    """An adapters-only LoRA checkpoint under a job without [lora] names lora.rank; a checkpoint of another family
+    with the same shapes (a mistral run's, under llama3) is refused by the family, not loaded."""
+    from titanlite.train import main as train
+
+    folder = tmp_path / "mistral"
+    transformers_folder("mistral", folder, tokenizer_folder)
+    run = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "1", "--checkpoint.enable",
+           "--job.dump_folder"]
+    assert train([*ON_CPU, "--model.hf_assets_path", str(folder), *run, str(tmp_path / "lora"), "--lora.rank", "4"]) == 0
+    assert train([*ON_CPU, "--model.name", "mistral", "--model.flavor", "debugmodel", *run, str(tmp_path / "full")]) == 0
+    capsys.readouterr()
+    err = generate_error([*ON_CPU, "--generate.prompt", "the", "--model.hf_assets_path", str(folder), "--generate.checkpoint",
+                          str(tmp_path / "lora" / "checkpoint" / "step-1")], capsys)
+    assert "holds LoRA adapters only (rank 4), but lora.rank is 0 here; set lora.rank 4" in err
+    err = generate_error([*ON_CPU, "--generate.prompt", "the", "--model.name", "llama3", "--model.flavor", "debugmodel",
+                          "--generate.checkpoint", str(tmp_path / "full" / "checkpoint" / "step-1")], capsys)
+    assert "holds the weights of mistral/debugmodel" in err and "another model family than this job's llama3/" in err

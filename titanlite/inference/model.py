@@ -3,8 +3,9 @@ parallelizer, materialize), sharded over the data-parallel ranks as the [paralle
 weights loaded, in eval mode. It stops before the loss: no training window, global batch, validation, optimizer,
 data loader or DPO reference is built or checked.
 
-The weights come as training finds them (CheckpointManager.load_model: generate.checkpoint, else the checkpoint a
-resume would take, else checkpoint.initial_load_path or the model.hf_assets_path folder). One process holds the
+The weights come as training finds them, through the one checked loader (checkpoint/weights.py's
+load_trained_weights: checksums, shapes and the model family; generate.checkpoint, else the checkpoint a resume would
+take, else checkpoint.initial_load_path or the model.hf_assets_path folder). One process holds the
 whole model; under torchrun the ranks shard it with FSDP/HSDP (data-parallel layouts only: tensor, pipeline,
 context and expert parallelism are refused in one sentence). The caller opens and closes the process group.
 
@@ -19,8 +20,7 @@ import torch
 from torch import nn
 
 from titanlite.build import materialize, meta_model, model_args, model_label, parallelizer, seed_everything
-from titanlite.checkpoint.folders import is_complete
-from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.checkpoint.weights import ModelIdentity, load_trained_weights
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
@@ -41,8 +41,6 @@ class InferenceModel:
 
     cfg: JobConfig
     info: DistInfo  # this process: rank, world size, device
-    dims: ParallelDims  # the data-parallel mesh the weights are sharded over
-    spec: ModelSpec
     args: object  # the family's model args (build.model_args)
     tokenizer: object
     model: nn.Module  # in eval mode
@@ -51,10 +49,6 @@ class InferenceModel:
     def device(self) -> torch.device:
         return self.info.device
 
-    @property
-    def label(self) -> str:
-        return model_label(self.cfg.model)
-
 
 def check_data_parallel_only(cfg: JobConfig) -> None:
     """Generation and lm-eval run whole-model forwards on every rank (FSDP's all-gathers are fine)."""
@@ -62,17 +56,6 @@ def check_data_parallel_only(cfg: JobConfig) -> None:
         if getattr(cfg.parallelism, key) > 1:
             raise UserError(f"parallelism.{key} is {getattr(cfg.parallelism, key)}, but generation and lm-eval run on "
                             f"data-parallel layouts only (FSDP/HSDP shard the weights); set parallelism.{key} 1")
-
-
-def chosen_step_folder(cfg: JobConfig) -> Path | None:
-    """generate.checkpoint, which must be a complete step folder; None lets the manager choose as a resume would."""
-    if not cfg.generate.checkpoint:
-        return None
-    path = Path(cfg.generate.checkpoint)
-    if not is_complete(path):
-        raise UserError(f"generate.checkpoint {path} is not a complete DCP checkpoint (no .metadata in it); "
-                        "point it at a step-N folder of a run's checkpoint folder")
-    return path
 
 
 def sharded_model(cfg: JobConfig, spec: ModelSpec, args, dims: ParallelDims, device: torch.device) -> nn.Module:
@@ -86,16 +69,14 @@ def sharded_model(cfg: JobConfig, spec: ModelSpec, args, dims: ParallelDims, dev
 def build_inference_model(cfg: JobConfig, info: DistInfo) -> InferenceModel:
     """The job's model with its weights, in eval mode, on the process group the caller opened."""
     check_data_parallel_only(cfg)
-    folder = chosen_step_folder(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     dims.build_mesh(info.device.type)
     seed_everything(cfg.job.seed, cfg.training.deterministic)
     tokenizer = build_tokenizer(cfg.model)
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg.model, spec, tokenizer.vocab_size)
-    loaded = InferenceModel(cfg, info, dims, spec, args, tokenizer, sharded_model(cfg, spec, args, dims, info.device))
-    # The manager without an optimizer, schedule or loader only loads the model: it reads the fields a Run shares.
-    source = CheckpointManager(loaded, None, None, None).load_model(folder)
-    logger.info(f"loaded {loaded.label} from {source}")
-    loaded.model.eval()
-    return loaded
+    model, label = sharded_model(cfg, spec, args, dims, info.device), model_label(cfg.model)
+    source = load_trained_weights(model, ModelIdentity(label, spec.hf_adapter, args), cfg.checkpoint, cfg.job.dump_folder,
+                                  Path(cfg.generate.checkpoint) if cfg.generate.checkpoint else None, "generate.checkpoint")
+    logger.info(f"loaded {label} from {source}")
+    return InferenceModel(cfg, info, args, tokenizer, model.eval())
