@@ -138,3 +138,26 @@ def test_weights_of_another_kind_are_named_before_generating(tmp_path, tokenizer
     err = generate_error([*ON_CPU, "--generate.prompt", "the", "--model.name", "llama3", "--model.flavor", "debugmodel",
                           "--generate.checkpoint", str(tmp_path / "full" / "checkpoint" / "step-1")], capsys)
     assert "holds the weights of mistral/debugmodel" in err and "another model family than this job's llama3/" in err
+
+
+def test_each_prompt_is_rendered_as_training_renders_it(tmp_path, tokenizer_folder):
+    """Messages give apply_chat_template(add_generation_prompt=True)'s ids exactly (this tokenizer has no bos: none
+    is added, not even its eos in the bos's place), text the text pipeline's bos + ids, token ids as given; every
+    output line carries them as prompt_token_ids."""
+    folder = tmp_path / "llama3"
+    transformers_folder("llama3", folder, tokenizer_folder)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the list module"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in
+                               [{"messages": messages}, {"prompt": "the list module"}, {"token_ids": [5, 17, 300]}]))
+    output = tmp_path / "out.jsonl"
+    assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
+                 "--generate.max_new_tokens", "2", "--generate.output", str(output)]) == 0
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    templated = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    templated = templated["input_ids"] if hasattr(templated, "keys") else templated
+    eos = theirs.convert_tokens_to_ids("<|im_end|>")
+    assert lines[0]["prompt_token_ids"] == list(templated) and lines[0]["prompt"].endswith("<|im_start|>assistant\n")
+    assert lines[1]["prompt_token_ids"] == [eos] + theirs.encode("the list module", add_special_tokens=False)
+    assert lines[2]["prompt_token_ids"] == [5, 17, 300]
