@@ -161,3 +161,24 @@ def test_each_prompt_is_rendered_as_training_renders_it(tmp_path, tokenizer_fold
     assert lines[0]["prompt_token_ids"] == list(templated) and lines[0]["prompt"].endswith("<|im_start|>assistant\n")
     assert lines[1]["prompt_token_ids"] == [eos] + theirs.encode("the list module", add_special_tokens=False)
     assert lines[2]["prompt_token_ids"] == [5, 17, 300]
+
+
+def test_sampling_is_seeded_per_prompt(tmp_path, tokenizer_folder):
+    """Completion i depends on (seed, i, prompt) only: the same prompt three times gives three samples, the same
+    ones in batches of 1 or 3 and with a fourth prompt after them; another seed gives others."""
+    folder = tmp_path / "llama3"
+    transformers_folder("llama3", folder, tokenizer_folder)
+
+    def sampled(count: int, batch_size: int, seed: int = 0) -> list[list[int]]:
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text((json.dumps({"token_ids": PROMPTS[0]}) + "\n") * count)
+        output = tmp_path / "out.jsonl"
+        assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
+                     "--generate.max_new_tokens", "8", "--generate.temperature", "1", "--generate.batch_size",
+                     str(batch_size), "--generate.seed", str(seed), "--generate.output", str(output)]) == 0
+        return [json.loads(line)["token_ids"] for line in output.read_text().splitlines()]
+
+    alone = sampled(3, 1)
+    assert len({tuple(ids) for ids in alone}) == 3
+    assert sampled(3, 3) == alone and sampled(4, 4)[:3] == alone
+    assert sampled(3, 1, seed=1) != alone

@@ -9,6 +9,7 @@ forward gathers weights from all ranks, so a rank whose rows are finished runs i
 its cache) until every rank is finished.
 """
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +48,22 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def pick_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, vocab] -> the next token of each row [B]."""
+def prompt_generators(sampling: Sampling, indices: list[int], device: torch.device) -> list[torch.Generator] | None:
+    """One generator per prompt, seeded from (generate.seed, the prompt's index among all prompts): a completion
+    depends on neither the batch it runs in nor the number of prompts or ranks. None when greedy."""
+    if sampling.temperature == 0:
+        return None
+    return [torch.Generator(device=device).manual_seed(prompt_seed(sampling.seed, index)) for index in indices]
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """A 32-bit seed for (seed, index): the CPU generator (mt19937) keeps only a seed's low 32 bits, so the two are
+    hashed together rather than packed side by side."""
+    return int.from_bytes(hashlib.sha256(f"{seed},{index}".encode()).digest()[:4], "little")
+
+
+def pick_tokens(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator] | None) -> torch.Tensor:
+    """logits [B, vocab] -> the next token of each row [B], row i sampled with generators[i]."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / sampling.temperature
@@ -61,7 +76,8 @@ def pick_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
         # A token is dropped once the more likely ones already reach top_p; the most likely always stays.
         dropped = (before >= sampling.top_p).scatter(-1, order, before >= sampling.top_p)
         logits = logits.masked_fill(dropped, float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(dim=-1)
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
 
 
 def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,10 +110,11 @@ def stopped_by_text(new_ids: list[int], tokenizer, stop: tuple[str, ...]) -> boo
 
 @torch.no_grad()
 def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling,
-                 lockstep: bool = False) -> list[list[int]]:
+                 lockstep: bool = False, indices: list[int] | None = None) -> list[list[int]]:
     """The new tokens of each prompt, one batch: up to (excluding) the first stop token, or up to and
     including the token that completed a stop string (the caller cuts the text), or max_new_tokens,
-    or the model's context (said once). With `lockstep`, every rank of the world calls this together."""
+    or the model's context (said once). With `lockstep`, every rank of the world calls this together.
+    indices: each prompt's place among all prompts, which seeds its sampling (default 0, 1, ...)."""
     check_prompts(prompts, args.max_seq_len, args.vocab_size)
     device = next(model.parameters()).device
     budget = min(sampling.max_new_tokens, args.max_seq_len - max(map(len, prompts)))
@@ -105,9 +122,7 @@ def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sa
         logger.info(f"generating at most {budget} tokens: the longest prompt and max_new_tokens would pass the model's "
                     f"context of {args.max_seq_len}")
     stops = torch.tensor(stop_token_ids(tokenizer) if sampling.stop_ids is None else list(sampling.stop_ids), device=device)
-    generator = None
-    if sampling.temperature > 0:
-        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    generators = prompt_generators(sampling, list(range(len(prompts))) if indices is None else indices, device)
     tokens, valid = left_padded(prompts, tokenizer.eos_id, device)
     cache = KVCache(getattr(args, "sliding_window", None))
     logits = model(tokens, cache=cache.step(valid))[:, -1]
@@ -116,7 +131,7 @@ def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sa
     while True:
         if budget and not all(done):
             budget -= 1
-            picked = pick_tokens(logits, sampling, generator)
+            picked = pick_tokens(logits, sampling, generators)
             for row, (token, stopping) in enumerate(zip(picked.tolist(), torch.isin(picked, stops).tolist())):
                 if done[row] or stopping:
                     done[row] = True

@@ -32,7 +32,8 @@ def generate_records(loaded: InferenceModel, records: list[PromptRecord], settin
     results = []
     for start in range(0, len(prompts), settings.batch_size):
         batch = prompts[start:start + settings.batch_size]
-        new = generate_ids(loaded.model, loaded.args, tokenizer, [prompt.ids for prompt in batch], sampling)
+        new = generate_ids(loaded.model, loaded.args, tokenizer, [prompt.ids for prompt in batch], sampling,
+                           indices=list(range(start, start + len(batch))))
         results += [{"prompt": prompt.text, "prompt_token_ids": prompt.ids,
                      "completion": completion_text(ids, tokenizer, settings.stop), "token_ids": ids}
                     for prompt, ids in zip(batch, new)]
