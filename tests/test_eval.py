@@ -5,6 +5,7 @@ the same log-likelihoods within 1e-6 (relative); bad input is one sentence, exit
 
 import contextlib
 import json
+import re
 import shutil
 
 import pytest
@@ -193,7 +194,9 @@ def test_the_cli_prints_lm_evals_table_and_records_the_evaluation_time(setup, tm
     folder, tasks = setup
     assert main(["--tasks", "tiny_mc", "--include_path", str(tasks), "--limit", "4", "--output_path", str(tmp_path),
                  "--model_args", f"hf_assets_path={folder},job.device=cpu"]) == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
+    assert re.search(r"evaluated tiny_mc in [\d.]+s: prefill [\d.]+ tokens/s \(\d+ tokens in [\d.]+s\), decode none", captured.err)
     assert "| Tasks |" in table and "tiny_mc" in table and "|acc_norm|" in table
     written = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
     assert 0.05 < float(written["total_evaluation_time_seconds"]) < 120  # the model's forwards, not the save alone

@@ -4,6 +4,7 @@ deepseek_v3 with YaRN), two prompts of different lengths in one batch (left-padd
 are transformers' own. Sampling is reproducible from its seed; bad input is one sentence, exit 2."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -140,7 +141,7 @@ def test_weights_of_another_kind_are_named_before_generating(tmp_path, tokenizer
     assert "holds the weights of mistral/debugmodel" in err and "another model family than this job's llama3/" in err
 
 
-def test_each_prompt_is_rendered_as_training_renders_it(tmp_path, tokenizer_folder):
+def test_each_prompt_is_rendered_as_training_renders_it(tmp_path, tokenizer_folder, capsys):
     """Messages give apply_chat_template(add_generation_prompt=True)'s ids exactly (this tokenizer has no bos: none
     is added, not even its eos in the bos's place), text the text pipeline's bos + ids, token ids as given; every
     output line carries them as prompt_token_ids."""
@@ -154,6 +155,10 @@ def test_each_prompt_is_rendered_as_training_renders_it(tmp_path, tokenizer_fold
     assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
                  "--generate.max_new_tokens", "2", "--generate.output", str(output)]) == 0
     lines = [json.loads(line) for line in output.read_text().splitlines()]
+    speed = re.search(r"generated 3 completions: prefill [\d.]+ tokens/s \((\d+) tokens in [\d.]+s\), decode [\d.]+ "
+                      r"tokens/s \((\d+) tokens", capsys.readouterr().err)
+    assert int(speed[1]) == sum(len(line["prompt_token_ids"]) for line in lines)
+    assert int(speed[2]) == sum(len(line["token_ids"]) for line in lines) - 3  # the first tokens come from the prefill
     theirs = transformers.AutoTokenizer.from_pretrained(folder)
     templated = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     templated = templated["input_ids"] if hasattr(templated, "keys") else templated

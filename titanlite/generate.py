@@ -10,21 +10,24 @@ import sys
 
 from titanlite.config import load_config
 from titanlite.errors import exit_code
+from titanlite.inference.decode import Speed
 from titanlite.inference.generate_job import generate_records, prompt_records, write_records
 from titanlite.inference.model import build_inference_model
-from titanlite.log import init_logger
+from titanlite.log import init_logger, logger
 from titanlite.parallel.dist import close_distributed, init_distributed
 
 
 def generate(argv: list[str]) -> None:
     cfg = load_config(argv)
     records = prompt_records(cfg.generate)  # a bad prompts file stops the command before the model is built
+    speed = Speed()
     try:
         info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
         init_logger(info.rank)
-        results = generate_records(build_inference_model(cfg, info), records, cfg.generate)
+        results = generate_records(build_inference_model(cfg, info), records, cfg.generate, speed)
     finally:
         close_distributed()
+    logger.info(f"generated {len(results)} completions: {speed.line()}")
     if info.rank == 0:
         write_records(results, cfg.generate.output)
 

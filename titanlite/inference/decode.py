@@ -10,6 +10,7 @@ its cache) until every rank is finished.
 """
 
 import hashlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -108,13 +109,32 @@ def stopped_by_text(new_ids: list[int], tokenizer, stop: tuple[str, ...]) -> boo
     return any(s in text for s in stop)
 
 
+@dataclass
+class Speed:
+    """Tokens the model read and seconds it took, for the prefill (prompts, and lm-eval's scored sequences) and
+    the decode steps (one token per unfinished row per forward); each phase ends at a host sync."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    def line(self) -> str:
+        def rate(tokens: int, seconds: float) -> str:
+            return f"{tokens / seconds:.1f} tokens/s ({tokens} tokens in {seconds:.2f}s)" if seconds else "none"
+
+        return (f"prefill {rate(self.prefill_tokens, self.prefill_seconds)}, "
+                f"decode {rate(self.decode_tokens, self.decode_seconds)}")
+
+
 @torch.no_grad()
 def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling,
-                 lockstep: bool = False, indices: list[int] | None = None) -> list[list[int]]:
+                 lockstep: bool = False, indices: list[int] | None = None, speed: Speed | None = None) -> list[list[int]]:
     """The new tokens of each prompt, one batch: up to (excluding) the first stop token, or up to and
     including the token that completed a stop string (the caller cuts the text), or max_new_tokens,
     or the model's context (said once). With `lockstep`, every rank of the world calls this together.
-    indices: each prompt's place among all prompts, which seeds its sampling (default 0, 1, ...)."""
+    indices: each prompt's place among all prompts, which seeds its sampling (default 0, 1, ...); `speed`, where
+    given, adds this batch's tokens and seconds."""
     check_prompts(prompts, args.max_seq_len, args.vocab_size)
     device = next(model.parameters()).device
     budget = min(sampling.max_new_tokens, args.max_seq_len - max(map(len, prompts)))
@@ -123,11 +143,13 @@ def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sa
                     f"context of {args.max_seq_len}")
     stops = torch.tensor(stop_token_ids(tokenizer) if sampling.stop_ids is None else list(sampling.stop_ids), device=device)
     generators = prompt_generators(sampling, list(range(len(prompts))) if indices is None else indices, device)
+    started = time.perf_counter()
     tokens, valid = left_padded(prompts, tokenizer.eos_id, device)
     cache = KVCache(getattr(args, "sliding_window", None))
     logits = model(tokens, cache=cache.step(valid))[:, -1]
     new: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
+    prefilled, decoded = None, 0
     while True:
         if budget and not all(done):
             budget -= 1
@@ -138,12 +160,19 @@ def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sa
                     continue
                 new[row].append(token)
                 done[row] = bool(sampling.stop) and stopped_by_text(new[row], tokenizer, sampling.stop)
+        prefilled = prefilled or time.perf_counter()  # the first tokens' .tolist() waited for the prefill
         finished = all(done) or not budget
         if all_finished(finished, lockstep, device):
+            if speed is not None:
+                speed.prefill_tokens += sum(map(len, prompts))
+                speed.prefill_seconds += prefilled - started
+                speed.decode_tokens += decoded
+                speed.decode_seconds += time.perf_counter() - prefilled
             return new
         if finished:
             idle_forward(model, device)
         else:
+            decoded += done.count(False)
             logits = model(picked[:, None], cache=cache.step(torch.ones_like(picked[:, None], dtype=torch.bool)))[:, -1]
 
 

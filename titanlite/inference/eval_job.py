@@ -9,7 +9,8 @@ from titanlite.config import load_config
 from titanlite.config_sections import JobConfig
 from titanlite.errors import UserError
 from titanlite.inference.model import InferenceModel
-from titanlite.inference.tasks import evaluate_tasks, write_results
+from titanlite.inference.tasks import evaluate_tasks
+from titanlite.log import logger
 
 # --model_args keys that are not section.key overrides, and the config key each one sets.
 MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file", "checkpoint": "generate.checkpoint"}
@@ -41,9 +42,9 @@ def evaluate_model(loaded: InferenceModel, tasks: list[str], include_path: str |
     to which lm-eval hands the results)."""
     from titanlite.inference.lm_eval_model import TitanliteLM
 
-    started = time.perf_counter()
-    results = evaluate_tasks(TitanliteLM(loaded, batch_size=batch_size), tasks, include_path, limit=limit,
-                             num_fewshot=num_fewshot, log_samples=log_samples)
+    started, lm = time.perf_counter(), TitanliteLM(loaded, batch_size=batch_size)
+    results = evaluate_tasks(lm, tasks, include_path, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples)
+    logger.info(f"evaluated {', '.join(tasks)} in {time.perf_counter() - started:.2f}s: {lm.speed.line()}")
     if results is not None:
         results["total_evaluation_time_seconds"] = str(time.perf_counter() - started)
     return results

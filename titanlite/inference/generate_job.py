@@ -9,7 +9,7 @@ from pathlib import Path
 
 from titanlite.config_sections import Generate
 from titanlite.errors import UserError
-from titanlite.inference.decode import Sampling, generate_ids
+from titanlite.inference.decode import Sampling, Speed, generate_ids
 from titanlite.inference.model import InferenceModel
 from titanlite.inference.prompts import PromptRecord, checked_record, completion_text, read_prompt_lines, render_prompts
 
@@ -23,8 +23,10 @@ def prompt_records(settings: Generate) -> list[PromptRecord]:
     raise UserError("there is nothing to generate from: set generate.prompt or generate.prompts_file")
 
 
-def generate_records(loaded: InferenceModel, records: list[PromptRecord], settings: Generate) -> list[dict]:
-    """One {"prompt", "prompt_token_ids", "completion", "token_ids"} per record, in order."""
+def generate_records(loaded: InferenceModel, records: list[PromptRecord], settings: Generate,
+                     speed: Speed | None = None) -> list[dict]:
+    """One {"prompt", "prompt_token_ids", "completion", "token_ids"} per record, in order; `speed` adds the tokens
+    and seconds of the prefills and decode steps."""
     tokenizer = loaded.tokenizer
     prompts = render_prompts(records, tokenizer, loaded.cfg.training.chat_template)
     sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.seed,
@@ -33,7 +35,7 @@ def generate_records(loaded: InferenceModel, records: list[PromptRecord], settin
     for start in range(0, len(prompts), settings.batch_size):
         batch = prompts[start:start + settings.batch_size]
         new = generate_ids(loaded.model, loaded.args, tokenizer, [prompt.ids for prompt in batch], sampling,
-                           indices=list(range(start, start + len(batch))))
+                           indices=list(range(start, start + len(batch))), speed=speed)
         results += [{"prompt": prompt.text, "prompt_token_ids": prompt.ids,
                      "completion": completion_text(ids, tokenizer, settings.stop), "token_ids": ids}
                     for prompt, ids in zip(batch, new)]

@@ -11,6 +11,8 @@ must join: each rank pads its forwards to the most any rank runs (idle one-token
 lockstep (decode.py).
 """
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -18,7 +20,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from titanlite.inference.decode import Sampling, generate_ids, idle_forward
+from titanlite.inference.decode import Sampling, Speed, generate_ids, idle_forward
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's default where a task sets no max_gen_toks
 
@@ -31,6 +33,7 @@ class TitanliteLM(TemplateLM):
         self.batch_size = batch_size
         self.max_length = run.args.max_seq_len
         self._rank, self._world_size, self._device = run.info.rank, run.info.world_size, run.device
+        self.speed = Speed()  # scored sequences count as prefill
 
     @property
     def lockstep(self) -> bool:
@@ -69,6 +72,7 @@ class TitanliteLM(TemplateLM):
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i]))
         out: list[torch.Tensor | None] = [None] * len(windows)
         starts = range(0, len(order), self.batch_size)
+        started = time.perf_counter()
         for start in starts:
             chunk = order[start:start + self.batch_size]
             width = len(windows[chunk[0]])
@@ -78,6 +82,8 @@ class TitanliteLM(TemplateLM):
             logits = self.model(tokens.to(device))
             for row, i in enumerate(chunk):
                 out[i] = F.log_softmax(logits[row, :len(windows[i])].float(), dim=-1).cpu()
+        self.speed.prefill_tokens += sum(map(len, windows))
+        self.speed.prefill_seconds += time.perf_counter() - started  # .cpu() waited for the forwards
         self.pad_forwards(len(starts))
         return out
 
@@ -129,6 +135,7 @@ class TitanliteLM(TemplateLM):
             sampling = Sampling(max_new, float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
                                 float(kwargs.get("top_p", 1.0)), int(kwargs.get("top_k", 0) or 0), stop=tuple(until),
                                 stop_ids=(self.eot_token_id,))
-            new = generate_ids(self.model, self.args, self.tokenizer, [ids], sampling, lockstep=self.lockstep)[0]
+            new = generate_ids(self.model, self.args, self.tokenizer, [ids], sampling, lockstep=self.lockstep,
+                               speed=self.speed)[0]
             results.append(postprocess_generated_text(self.tokenizer.decode(new), until, None))
         return results
