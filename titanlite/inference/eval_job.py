@@ -13,7 +13,8 @@ from titanlite.inference.tasks import evaluate_tasks
 from titanlite.log import logger
 
 # --model_args keys that are not section.key overrides, and the config key each one sets.
-MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file", "checkpoint": "generate.checkpoint"}
+MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file",
+                  "checkpoint": "generate.checkpoint"}
 
 
 def config_argv(arg_dict: dict) -> list[str]:

@@ -28,12 +28,13 @@ class InLoopEvaluator:
         (max_seq_len, sliding_window); metrics: the run's MetricsLogger. Sample prompts given as messages take
         training.chat_template."""
         self.run, self.cfg, self.tokenizer, self.args, self.metrics = run, run.cfg.eval, run.tokenizer, run.args, metrics
-        self.last_step, self.chat_template = run.cfg.training.steps, run.cfg.training.chat_template
+        self.last_step = run.cfg.training.steps
         cfg = self.cfg
-        # Checked now: a bad task name or file stops the run before its first step, not at the first evaluation.
+        # Checked now: a bad task name, file or prompt stops the run before its first step, not at the first evaluation.
         if cfg.tasks:
             task_manager(tuple(cfg.tasks), cfg.include_path or None)
-        self.samples = read_prompt_lines(cfg.sample_prompts, key="eval.sample_prompts") if cfg.sample_prompts else []
+        records = read_prompt_lines(cfg.sample_prompts, key="eval.sample_prompts") if cfg.sample_prompts else []
+        self.samples = render_prompts(records, run.tokenizer, run.cfg.training.chat_template)
 
     def should_evaluate(self, step: int) -> bool:
         return bool(self.cfg.interval and step % self.cfg.interval == 0) or (self.cfg.at_end and step == self.last_step)
@@ -68,10 +69,10 @@ class InLoopEvaluator:
         return scalars
 
     def write_samples(self, model: torch.nn.Module, step: int) -> None:
-        prompts = render_prompts(self.samples, self.tokenizer, self.chat_template)
-        new = generate_ids(model, self.args, self.tokenizer, [prompt.ids for prompt in prompts], Sampling(self.cfg.max_new_tokens))
+        new = generate_ids(model, self.args, self.tokenizer, [prompt.ids for prompt in self.samples],
+                           Sampling(self.cfg.max_new_tokens))
         if self.metrics.writer is None:
             return
-        for number, (prompt, ids) in enumerate(zip(prompts, new)):
+        for number, (prompt, ids) in enumerate(zip(self.samples, new)):
             completion = completion_text(ids, self.tokenizer, [])
             self.metrics.writer.add_text(f"eval/sample/{number}", f"{prompt.text}\n\n---\n\n{completion}", step)

@@ -1,14 +1,13 @@
-"""titanlite as an lm-eval 0.4 model: loglikelihood, loglikelihood_rolling
-and generate_until on a titanlite model, the text split into tokens as lm-eval's own hf model splits it (no bos
-or eos added; an empty context is the tokenizer's bos, which is its eos where it has none), so the two score
-the same tokens.
+"""titanlite as an lm-eval 0.4 model: loglikelihood, loglikelihood_rolling and generate_until on a titanlite
+model, the text split into tokens as lm-eval's own hf model splits it (no bos or eos added; an empty context is the
+tokenizer's bos, which is its eos where it has none), so the two score the same tokens.
 
 `TitanliteLM(run)` wraps a live model: an InferenceModel (model.py; python -m titanlite.eval) or the trainer's own
 build.py Run (the in-loop evaluator, evaluator.py). This module imports lm-eval: it is imported only where
-evaluation runs. Under data parallelism (the only layouts either allows) the ranks share the requests as lm-eval shares them among its ranks (its rank and world size are the run's), and
-lm-eval gathers the per-document metrics to rank 0. The forwards of a sharded model are collectives every rank
-must join: each rank pads its forwards to the most any rank runs (idle one-token forwards), and generates in
-lockstep (decode.py).
+evaluation runs. Under data parallelism (the only layouts either allows) the ranks share the requests as lm-eval
+shares them among its ranks (its rank and world size are the run's), and lm-eval gathers the per-document metrics
+to rank 0. The forwards of a sharded model are collectives every rank must join: each rank pads its forwards to the
+most any rank runs (idle one-token forwards), and generates in lockstep (decode.py).
 """
 
 import time

@@ -39,7 +39,8 @@ def checked_record(record, where: str) -> PromptRecord:
         raise UserError(f"{where}: \"prompt\" is {json.dumps(value)}, not a string; quote the text")
     if kind == "messages":
         if not isinstance(value, list) or not value:
-            raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects; fix that line")
+            raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects; "
+                            "fix that line")
         value = [checked_message(message, 1, where) for message in value]
     if kind == "token_ids":
         if not isinstance(value, list) or not value or not all(type(i) is int for i in value):
