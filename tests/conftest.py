@@ -182,6 +182,18 @@ def checkpointed_run(model, checkpoint, dump_folder, model_name: str = "linear",
                            dims=SimpleNamespace(dp_rank=0, dp_degree=1))
 
 
+def checkpointed_training(optimizer, scheduler, dataloader):
+    """build.py's Training around what a test built itself: a job alone (no replica groups), no metrics written."""
+    from types import SimpleNamespace
+
+    from titanlite.config_sections import FaultTolerance
+    from titanlite.fault_tolerance import join_replica_groups
+    from titanlite.run import Training
+
+    alone = join_replica_groups(FaultTolerance(), None, 0)
+    return Training(optimizer, scheduler, dataloader, steps=0, metrics=SimpleNamespace(write_scalars=None), replicas=alone)
+
+
 @pytest.fixture
 def world_of_one():
     """A one-rank gloo process group in this process (for CheckpointManager and other collectives)."""

@@ -5,6 +5,7 @@ own max_new_tokens, in lockstep. Rank 0 writes {"scalars": {task/metric: value},
 
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,8 @@ def main(out: str, folder: str, tasks: str) -> None:
                            "--training.steps", "1")
     info = init_distributed("cpu", 60)
     run = build_inference_model(cfg, info)
-    scalars = InLoopEvaluator(run, MetricsLogger(cfg.metrics, info.rank, info.device, 0.0)).evaluate(1)
+    metrics = MetricsLogger(cfg.metrics, info.rank, info.device, 0.0)
+    scalars = InLoopEvaluator(run, SimpleNamespace(metrics=metrics, steps=1)).evaluate(1)  # what it reads of a Training
     new = generate_ids(run.model, run.args, run.tokenizer, [PROMPTS[info.rank]], Sampling(NEW_TOKENS[info.rank], stop_ids=()),
                        lockstep=True)[0]
     generated = [None] * info.world_size

@@ -231,7 +231,7 @@ def test_a_resume_continues_the_losses_of_an_uninterrupted_run(folders, tmp_path
 
 def test_ipo_and_label_smoothing_follow_their_formulas():
     from titanlite.config_sections import DPO
-    from titanlite.dpo import preference_loss
+    from titanlite.objectives.dpo import preference_loss
 
     policy, reference = torch.tensor([-4.0, -9.0, -6.0, -5.0]), torch.tensor([-5.0, -8.0, -6.5, -4.0])
     counts = torch.tensor([2, 3, 4, 5])

@@ -6,6 +6,7 @@ the same log-likelihoods within 1e-6 (relative); bad input is one sentence, exit
 import contextlib
 import json
 import re
+from types import SimpleNamespace
 import shutil
 
 import pytest
@@ -141,7 +142,7 @@ def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_pat
     with one_process_run(cfg) as run:
         metrics = MetricsLogger(cfg.metrics, 0, torch.device("cpu"), 0.0)
         metrics.start_tensorboard(run_folder(cfg, 0, 0), cfg, 0, {})
-        evaluator = InLoopEvaluator(run, metrics)
+        evaluator = InLoopEvaluator(run, SimpleNamespace(metrics=metrics, steps=7))  # what it reads of a Training
         assert [step for step in range(1, 8) if evaluator.should_evaluate(step)] == [3, 6, 7]
         run.model.train()
         started = metrics.started

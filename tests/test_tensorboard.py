@@ -18,8 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import DEBUG_CONFIG, ROOT, checkpointed_run, logged_losses, run_titanlite
-from titanlite.checkpoint import CheckpointManager
+from conftest import DEBUG_CONFIG, ROOT, checkpointed_run, checkpointed_training, logged_losses, run_titanlite
+from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.config_sections import Checkpoint
 from titanlite.log import init_logger
@@ -203,8 +203,9 @@ def test_a_save_that_waits_for_the_previous_write_says_so_once(tmp_path, world_o
     model = torch.nn.Linear(512, 512)
     optimizer = torch.optim.AdamW(model.parameters())
     manager = CheckpointManager(
-        checkpointed_run(model, Checkpoint(enable=True, interval=1, async_mode="async"), tmp_path), optimizer,
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), StatefulDataLoader(list(range(4))),
+        checkpointed_run(model, Checkpoint(enable=True, interval=1, async_mode="async"), tmp_path),
+        checkpointed_training(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                              StatefulDataLoader(list(range(4)))),
     )
     for step in (1, 2, 3):  # no training between the saves: each one starts while the previous one writes
         manager.maybe_save(step)

@@ -15,7 +15,7 @@ from conftest import DEBUG_CONFIG, logged_losses, run_titanlite, tensorboard_sca
 from titanlite.config_sections import Parallelism, Training, Validation
 from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.loss import cross_entropy_loss
-from titanlite.step import ForwardSettings
+from titanlite.run import ForwardSettings
 from titanlite.data.sample_corpus import HELD_OUT, sample_documents, sample_split
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer
 from titanlite.errors import UserError

@@ -11,28 +11,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.build import Run, build_run, training_data
-from titanlite.checkpoint import CheckpointManager, StopFlags, TrainState
-from titanlite.checkpoint.cost import SaveCost
+from titanlite.build import build_run, build_training
+from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.lock import dump_folder_lock
-from titanlite.checkpoint.stopping import NonfiniteSkips, nothing_to_train
+from titanlite.checkpoint.stopping import NonfiniteSkips, StopFlags, nothing_to_train
 from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig
-from titanlite.data.datasets import build_dataloader
-from titanlite.data.global_order import epochs_done, steps_for_epochs
+from titanlite.data.global_order import epochs_done
 from titanlite.errors import UserError, sentence
 from titanlite.inference.evaluator import InLoopEvaluator
-from titanlite.fault_tolerance import ReplicaGroups, join_replica_groups
 from titanlite.log import init_logger, logger
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
                                speed_features, speed_settings)
 from titanlite.observers import observe
-from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.output_folders import check_output_folders
 from titanlite.parallel.dist import DistInfo, close_distributed, exit_process, init_distributed, say_user_error
-from titanlite.parallel.float8 import register_float8_scale_precompute
-from titanlite.parallel.offload import optimizer_device_type
 from titanlite.plan.startup import predict_on_gpu
+from titanlite.run import Run, Training
 from titanlite.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
 from titanlite.step import train_step
 from titanlite.tensorboard import hyperparameters, run_folder
@@ -57,48 +52,46 @@ def log_start(run: Run, metrics: MetricsLogger) -> None:
 
 @dataclass
 class Loop:
-    """What the step loop drives, built once by train()."""
+    """What the step loop drives besides the run and its training state, built once by train()."""
 
     run: Run
-    optimizer: object
-    scheduler: object
-    dataloader: object
-    metrics: MetricsLogger
+    training: Training
     validator: Validator | None
     evaluator: InLoopEvaluator | None  # [eval]: lm-eval tasks on the live model
     checkpointer: CheckpointManager
     profiler: StepProfiler
     stop: StopFlags
     watchdog: HangWatchdog
-    replicas: ReplicaGroups  # the other replica groups under fault tolerance (alone: every call a no-op)
 
-    def run_steps(self, state: TrainState, summary: RunSummary) -> None:
-        skips = NonfiniteSkips(self.run.cfg.training.max_nonfinite_skips, self.metrics.write_scalars)
+    def run_steps(self, summary: RunSummary) -> None:
+        training = self.training
+        skips = NonfiniteSkips(self.run.cfg.training.max_nonfinite_skips, training.metrics.write_scalars)
         # A recovery from a peer restarts the batches at the peer's position (fault_tolerance.py).
-        batches = self.metrics.counting_trained(self.replicas.batches(self.dataloader), self.run.dims.batch_sharing_degree)
-        for step in self.replicas.steps(state, self.run.cfg.training.steps):  # a quorum before each step
+        batches = training.metrics.counting_trained(training.replicas.batches(training.dataloader),
+                                                    self.run.dims.batch_sharing_degree)
+        for step in training.replicas.steps(training.state, training.steps):  # a quorum before each step
             self.watchdog.step_began(step)
-            preempted = self.one_step(step, state, batches, skips, summary)
+            preempted = self.one_step(step, batches, skips, summary)
             self.watchdog.step_ended(step)
             if preempted:
                 break
 
-    def one_step(self, step: int, state: TrainState, batches, skips: NonfiniteSkips, summary: RunSummary) -> bool:
+    def one_step(self, step: int, batches, skips: NonfiniteSkips, summary: RunSummary) -> bool:
         """Train, log, validate and save one step; returns whether a stop signal or a NaN ends the run here."""
-        run, metrics, checkpointer = self.run, self.metrics, self.checkpointer
+        run, training, checkpointer = self.run, self.training, self.checkpointer
+        metrics, state = training.metrics, training.state
         began, validation_seconds = time.perf_counter(), 0.0
         if step % run.cfg.training.gc_freq == 0:
             gc.collect(1)
         summary.step_began(metrics)
-        loss, grad_norm, lr, skipped = train_step(run, self.optimizer, self.scheduler, batches, metrics,
-                                                  replicas=self.replicas)
+        loss, grad_norm, lr, skipped = train_step(run, training, batches)
         summary.step_ended(metrics)
         skips.record(step, skipped)
         # counted on from state.step: a DiLoCo synchronization in the step may have recovered a peer's (fault_tolerance.py)
         state.step, state.tokens_seen = state.step + 1, state.tokens_seen + run.tokens_per_step
         step = state.step
-        metrics.last_step += self.replicas.take_jump()
-        last, logged = step == run.cfg.training.steps, metrics.should_log(step)
+        metrics.last_step += training.replicas.take_jump()
+        last, logged = step == training.steps, metrics.should_log(step)
         validating = self.validator is not None and self.validator.should_validate(step)
         # A step that is logged, validated or saved must be known finite now; the others are
         # checked one step later, so the host need not wait for the GPU every step.
@@ -106,9 +99,8 @@ class Loop:
         preempted = self.stop.should_stop(step, loss, grad_norm, settle)
         if logged:
             metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
-                        extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader)
-                        | (run.dpo.scalars() if run.dpo else {}),
-                        trained=metrics.trained_per_step(step), epoch=epochs_done(self.dataloader))
+                        extra=(model_metrics(run.model) or {}) | source_scalars(training.dataloader) | run.objective.scalars(),
+                        trained=metrics.trained_per_step(step), epoch=epochs_done(training.dataloader))
         if validating and not preempted:
             validation_seconds = time.perf_counter()
             self.validator.validate(run.model, step)
@@ -137,26 +129,14 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
         logger.info(info.allocator_note)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     run = build_run(cfg, info)
-    replicas = join_replica_groups(cfg.fault_tolerance, info, cfg.job.init_timeout_seconds)
+    training = build_training(run)
     if info.rank == 0:
         write_resolved_config(cfg, Path(cfg.job.dump_folder))
-    optimizer = build_optimizer(run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
-    register_float8_scale_precompute(optimizer, run.model, cfg.float8)
-    # Under fault tolerance each replica group reads its own share of the global order.
-    dataloader = build_dataloader(training_data(cfg.training), run.tokenizer, replicas.data_rank(run.dims),
-                                  replicas.data_world(run.dims), cfg.job.seed)
-    if cfg.training.epochs:  # the steps every reader of training.steps (schedule, loop, evaluation) then sees
-        cfg.training.steps = steps_for_epochs(cfg.training.epochs, dataloader, run.step.accum_steps,
-                                              cfg.training.steps)
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
-    metrics = MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token)
+    metrics = training.metrics
     log_start(run, metrics)
     validator = Validator(run, metrics) if cfg.validation.enable else None  # its own loader: never moves training's
-    evaluator = InLoopEvaluator(run, metrics) if cfg.eval.interval or cfg.eval.at_end else None
-    checkpointer = CheckpointManager(run, optimizer, scheduler, dataloader,
-                                     cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps),
-                                     claims_save=replicas.claims_save,  # one replica group writes each checkpoint
-                                     outer_optimizer=replicas.outer_optimizer(run.model))
+    evaluator = InLoopEvaluator(run, training) if cfg.eval.interval or cfg.eval.at_end else None
+    checkpointer = CheckpointManager(run, training)
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
         checkpointer.close()
@@ -164,40 +144,40 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
     # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
     stop = StopFlags(info.device, check_finite=cfg.training.on_nonfinite == "stop" and not cfg.training.skip_nan_check)
     watchdog = HangWatchdog(cfg.job.hang_timeout_seconds, info.rank, info.world_size, cfg.job.dump_folder)
-    loop = Loop(run, optimizer, scheduler, dataloader, metrics, validator, evaluator, checkpointer, profiler, stop, watchdog,
-                replicas)
+    loop = Loop(run, training, validator, evaluator, checkpointer, profiler, stop, watchdog)
+    state = training.state
     try:
-        state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
-        if nothing_to_train(stop, state.step, cfg.training.steps):
+        checkpointer.load()  # resume: model, optimizer, schedule, data position, step (into training.state)
+        if nothing_to_train(stop, state.step, training.steps):
             metrics.close()
             return
         # What a recovering peer receives from this group, and what it takes from one.
-        replicas.track(state, model=run.model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader,
-                       write_scalars=metrics.write_scalars)
+        training.replicas.track(state, model=run.model, optimizer=training.optimizer, scheduler=training.scheduler,
+                                dataloader=training.dataloader, write_scalars=metrics.write_scalars)
         hparams = hyperparameters(cfg, info.world_size, run.dims.layout, run.tokens_per_step // cfg.training.seq_len,
                                   speed_settings(cfg))
         metrics.start_tensorboard(run_folder(cfg, info.rank, state.step), cfg, state.step, hparams)
         # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
         gc.disable()
-        summary = RunSummary(cfg.metrics.summary_warmup_steps, cfg.training.steps - state.step, info.device,
+        summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,
                              predicted=observe("the planner's start-up prediction", predict_on_gpu, run))
         watchdog.start(state.step)
         with profiler:
-            loop.run_steps(state, summary)
+            loop.run_steps(summary)
     finally:
-        replicas.close()
+        training.replicas.close()
         watchdog.stop()
         checkpointer.close()  # waits for the last async save
         stop.close()
-    summary.log(state_peaks_over_ranks(run.model, optimizer, run.forward.offloaded),
+    summary.log(state_peaks_over_ranks(run.model, training.optimizer, run.forward.offloaded),
                 run.tokens_per_step // info.world_size, metrics, checkpointer.cost, run.forward.offloaded)
-    observe("metrics", log_tokens_by_source, dataloader)
+    observe("metrics", log_tokens_by_source, training.dataloader)
     metrics.close()
     gc.enable()
     if stop.signal:
         logger.info(f"stopped at step {state.step} on {stop.signal}; exiting")
     else:
-        logger.info(f"training finished after {cfg.training.steps} steps")
+        logger.info(f"training finished after {training.steps} steps")
 
 
 def main(argv: list[str]) -> int:

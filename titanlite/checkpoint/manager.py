@@ -17,7 +17,6 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -37,20 +36,20 @@ from titanlite.log import logger
 from titanlite.checkpoint.lora import base_record, merge_lora, save_peft_adapter
 from titanlite.checkpoint.weights import ModelIdentity, check_dcp_checkpoint, load_weights
 from titanlite.models.lora import has_lora
+from titanlite.run import Run, Training
 from titanlite.dtypes import DTYPES
 from titanlite.profiling import model_state_bytes
 
 
 class CheckpointManager:
-    def __init__(self, run, optimizer, lr_scheduler, dataloader, cost: SaveCost | None = None,
-                 claims_save: Callable[[Path], bool] | None = None, outer_optimizer=None):
-        """Checkpoints of build.py's `run` as its [checkpoint] section says, with the training state
-        around it: the optimizer, the lr schedule and the data loader. `claims_save` (fault tolerance's): whether
-        this replica group writes the checkpoint at a path; None = it writes every one. `outer_optimizer`: DiLoCo's
-        outer SGD (fault tolerance's), saved beside the optimizer. Generation and evaluation
-        pass no optimizer, schedule or loader: such a manager only loads the model (load_model) and never saves."""
+    def __init__(self, run: Run, training: Training):
+        """Checkpoints of build.py's `run` as its [checkpoint] section says, with the training state around it
+        (`training`: the optimizer, the lr schedule, the data loader and the train state, which a load restores in
+        place). Under fault tolerance one replica group writes each checkpoint (replicas.claims_save), and DiLoCo's
+        outer SGD is saved beside the optimizer. What a save costs the steps is measured into the run's metrics."""
         self.cfg = cfg = run.cfg.checkpoint
         self.root = Path(run.cfg.job.dump_folder) / cfg.folder
+        optimizer, replicas = training.optimizer, training.replicas
         self.model, self.optimizer = run.model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_args, self.hf_adapter = run.args, run.spec.hf_adapter
@@ -63,22 +62,23 @@ class CheckpointManager:
         self._base_record: str | None = None
         # the model's shape as config.json: `convert dcp-to-hf` exports a run whose shape is no registered flavor
         model_config = json.dumps(self.hf_adapter.hf_config(self.model_args)) if self.hf_adapter else None
-        self.lineage = TrainStateLineage(run.label, run.dims.dp_degree, self.world_size,
+        self.lineage = TrainStateLineage(training.state, run.label, run.dims.dp_degree, self.world_size,
                                          self.base_record if self.adapters_only else None, model_config)
         self.objects = {  # the checkpoint's keys, in the order a save writes them (the model's first: see _full_state)
             "model": ModelState(run.model, self.adapters_only),
             "optimizer": OptimizerState(run.model, optimizer),
-            "lr_scheduler": SchedulerState(lr_scheduler),
+            "lr_scheduler": SchedulerState(training.scheduler),
             "train_state": self.lineage,
-            "dataloader": DataState(dataloader, run.dims.dp_rank, run.dims.dp_degree),
+            "dataloader": DataState(training.dataloader, run.dims.dp_rank, run.dims.dp_degree),
             "rng": RngState(self.rank, self.lineage),
         }
+        outer_optimizer = replicas.outer_optimizer(run.model)
         if outer_optimizer is not None:
             self.objects["outer_optimizer"] = OuterOptimizerState(run.model, outer_optimizer)
-        self.cost = cost or SaveCost()
+        self.cost = SaveCost(training.metrics.write_scalars, warmup_steps=run.cfg.metrics.summary_warmup_steps)
         self.saver = None
-        self.claims_save = claims_save
-        saves = cfg.enable and optimizer is not None
+        self.claims_save = replicas.claims_save  # one replica group writes each checkpoint
+        saves = cfg.enable
         if saves and cfg.async_mode != "disabled":
             self.saver = AsyncSaver(pinned=cfg.async_mode == "async_with_pinned_mem", optimizer=optimizer)
         # Old checkpoints are deleted by rank 0 in the background, after a newer one completed.

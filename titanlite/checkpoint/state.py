@@ -16,7 +16,6 @@ place, and a save and a load can never disagree about it.
 """
 
 import pickle
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -33,12 +32,7 @@ from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.checkpoint.lora import check_same_base
 from titanlite.models.lora import is_adapter
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps completed
-    tokens_seen: int = 0  # over all data-parallel ranks
+from titanlite.run import TrainState
 
 
 class ModelState:
@@ -157,13 +151,14 @@ class TrainStateLineage:
 
     top_level = False
 
-    def __init__(self, model_name: str, dp_degree: int, world_size: int, base: Callable[[], str] | None,
+    def __init__(self, state: TrainState, model_name: str, dp_degree: int, world_size: int, base: Callable[[], str] | None,
                  model_config: str | None = None):
-        """`base`: the LoRA base's record (lora.base_record: path and content), None without LoRA; `model_config`:
-        the model's shape as HF config.json text, which `convert dcp-to-hf` exports by."""
+        """`state`: the run's train state, which a load restores in place; `base`: the LoRA base's record
+        (lora.base_record: path and content), None without LoRA; `model_config`: the model's shape as HF config.json
+        text, which `convert dcp-to-hf` exports by."""
         self.model_name, self.dp_degree, self.world_size, self.base = model_name, dp_degree, world_size, base
         self.model_config = model_config
-        self.state = TrainState()
+        self.state = state
         self.saved_world_size = world_size
 
     def saved(self) -> dict:
@@ -180,7 +175,7 @@ class TrainStateLineage:
         loaded = state["train_state"]
         if self.base is not None:
             check_same_base(loaded["base"], self.base(), self.path)
-        self.state = TrainState(loaded["step"], loaded["tokens_seen"])
+        self.state.step, self.state.tokens_seen = loaded["step"], loaded["tokens_seen"]
         self.saved_world_size = loaded["world_size"]
 
 

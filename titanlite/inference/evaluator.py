@@ -23,12 +23,13 @@ from titanlite.log import logger
 
 
 class InLoopEvaluator:
-    def __init__(self, run, metrics):
+    def __init__(self, run, training):
         """The [eval] section of `run` (build.py's Run, or an InferenceModel), on its tokenizer and model args
-        (max_seq_len, sliding_window); metrics: the run's MetricsLogger. Sample prompts given as messages take
+        (max_seq_len, sliding_window), written to `training`'s metrics (build.py's Training, or anything with its
+        metrics and steps); at_end evaluates after its last step. Sample prompts given as messages take
         training.chat_template."""
-        self.run, self.cfg, self.tokenizer, self.args, self.metrics = run, run.cfg.eval, run.tokenizer, run.args, metrics
-        self.last_step = run.cfg.training.steps
+        self.run, self.cfg, self.tokenizer, self.args = run, run.cfg.eval, run.tokenizer, run.args
+        self.metrics, self.last_step = training.metrics, training.steps
         cfg = self.cfg
         # Checked now: a bad task name, file or prompt stops the run before its first step, not at the first evaluation.
         if cfg.tasks:

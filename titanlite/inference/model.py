@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titanlite.build import materialize, meta_model, model_args, model_label, parallelizer, seed_everything
+from titanlite.build import materialize, meta_model, model_args, parallelizer, seed_everything
 from titanlite.checkpoint.weights import ModelIdentity, load_trained_weights
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.data.tokenizer import build_tokenizer
@@ -29,6 +29,7 @@ from titanlite.models import ModelSpec, get_model_spec
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo
 from titanlite.parallel.parallelize import ParallelizeSettings
+from titanlite.run import model_label
 
 MODEL_PARALLEL_KEYS = ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
                        "expert_parallel_degree")

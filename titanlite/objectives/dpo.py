@@ -19,7 +19,6 @@ like the policy), or from the Hugging Face folder or DCP step folder dpo.referen
 """
 
 import contextlib
-import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -70,8 +69,30 @@ def preference_loss(policy: torch.Tensor, reference: torch.Tensor, counts: torch
     return losses.mean(), stats
 
 
-class PreferenceObjective:
+class Preference:
     """The DPO loss of a micro-batch against the reference, and its statistics since the last log."""
+
+    name = "preference"
+    rows_per_example = 2  # rows 2i (chosen) and 2i + 1 (rejected)
+    per_trained_token = False  # the step's loss is the mean over pairs
+    resets_positions = True  # each sequence starts at position 0, as at inference
+    runs_reference_forward = True  # on every sequence, before the policy's (under LoRA: the base, adapters off)
+
+    @classmethod
+    def needs_reference_copy(cls, cfg: JobConfig) -> bool:
+        """Every reference but the LoRA base's own (which is the policy with its adapters off) is a second model."""
+        return not (cfg.dpo.reference == "initial" and cfg.lora.rank > 0)
+
+    @classmethod
+    def build(cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
+              device: torch.device) -> "Preference":
+        """The DPO objective with its reference: the policy's base under LoRA with dpo.reference initial, else
+        `copy()`, a model built and sharded like the policy (no adapters, initialised from job.seed), frozen and
+        loaded through the one checked weight loader."""
+        if not cls.needs_reference_copy(cfg):
+            logger.info("DPO reference: the LoRA base with its adapters switched off (no second copy)")
+            return cls(cfg.dpo, None, device)
+        return cls(cfg.dpo, reference_model(cfg, copy, hf_adapter, args, label), device)
 
     def __init__(self, cfg: DPO, reference: nn.Module | None, device: torch.device):
         self.cfg, self.reference = cfg, reference  # None: the policy with its LoRA adapters off
@@ -96,10 +117,11 @@ class PreferenceObjective:
         finally:
             policy.train()
 
-    def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict,
+    def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
              forward_context: Callable) -> torch.Tensor:
         """The mean DPO loss of the micro-batch's pairs (the reference's forward first, so that what a forward
-        leaves on the model, such as MoE's aux_loss, is the policy's)."""
+        leaves on the model, such as MoE's aux_loss, is the policy's). DPO scores whole completions itself, so the
+        run's token loss_fn is not used."""
         with self.reference_of(model) as reference_model:
             reference, _ = completion_logps(self.logits(reference_model, inputs, model_kwargs, forward_context), labels)
         policy, counts = completion_logps(self.logits(model, inputs, model_kwargs, forward_context), labels)
@@ -118,21 +140,6 @@ class PreferenceObjective:
         return dict(zip(SCALARS, (correct, margin, chosen, rejected)))
 
 
-def holds_reference_copy(cfg: JobConfig) -> bool:
-    """Whether DPO keeps a second, frozen model (every reference but the LoRA base's own, which is the policy)."""
-    return cfg.training.dataset_format == "preference" and not (cfg.dpo.reference == "initial" and cfg.lora.rank > 0)
-
-
-def as_sequences(cfg: JobConfig) -> JobConfig:
-    """The job with its batch keys counting sequences: preference data holds two per pair (the planner's view)."""
-    if cfg.training.dataset_format != "preference":
-        return cfg
-    training = cfg.training
-    doubled = dataclasses.replace(training, local_batch_size=2 * training.local_batch_size,
-                                  global_batch_size=2 * training.global_batch_size if training.global_batch_size > 0 else -1)
-    return dataclasses.replace(cfg, training=doubled)
-
-
 def local_bytes(model: nn.Module) -> int:
     return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
@@ -147,19 +154,13 @@ def load_reference(reference: nn.Module, path: Path, key: str, identity: ModelId
                         "folder or a DCP step folder of this model, or set dpo.reference initial") from None
 
 
-def build_preference(cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
-                     device: torch.device) -> PreferenceObjective:
-    """The DPO objective with its reference: the policy's base under LoRA with dpo.reference initial, else `copy()`,
-    a model built and sharded like the policy (no adapters, initialised from job.seed), frozen and loaded."""
-    dpo = cfg.dpo
-    if not holds_reference_copy(cfg):
-        logger.info("DPO reference: the LoRA base with its adapters switched off (no second copy)")
-        return PreferenceObjective(dpo, None, device)
+def reference_model(cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str) -> nn.Module:
+    """A frozen copy of the policy's model, loaded from dpo.reference (or the policy's own start)."""
     reference = copy().requires_grad_(False).eval()  # eval: its forwards stay out of MoE's training statistics
-    if dpo.reference == "initial":
+    if cfg.dpo.reference == "initial":
         source, key = cfg.checkpoint.initial_load_path, "checkpoint.initial_load_path"
     else:
-        source, key = dpo.reference, "dpo.reference"
+        source, key = cfg.dpo.reference, "dpo.reference"
         if not Path(source).is_dir():
             raise UserError(f"dpo.reference {source} is not a folder; set it to initial, a Hugging Face folder or a DCP step folder")
     if source:
@@ -167,4 +168,4 @@ def build_preference(cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, 
     origin = source or "job.seed's initialisation"
     logger.info(f"DPO reference: a frozen copy of {origin}, sharded like the policy: {local_bytes(reference) / 2**30:.3f} GiB "
                 "of parameters per rank, no gradients or optimizer state")
-    return PreferenceObjective(dpo, reference, device)
+    return reference
