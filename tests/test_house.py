@@ -1,6 +1,6 @@
 """The layering the code promises (docs/design.md, README "Layout"): no import cycle in the package,
-the planner never imports the trainer's entry point, parallel/ does not reach up into models/, and no
-file outgrows what one reading can hold."""
+the planner never imports the trainer's entry point, no library module imports an entry point, a training run
+does not import lm-eval, parallel/ does not reach up into models/, and no file outgrows what one reading can hold."""
 
 import ast
 import subprocess
@@ -149,6 +149,31 @@ def test_starting_a_run_imports_no_library_that_only_some_runs_use():
             "print(sorted(m for m in ('datasets', 'pyarrow', 'torch.distributed.pipelining') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_a_training_run_does_not_import_lm_eval():
+    """lm-eval (with its datasets, evaluate and sacrebleu imports) is imported only where evaluation runs: by
+    python -m titanlite.eval, or by the in-loop evaluator of a run whose [eval] evaluates."""
+    code = "import sys, titanlite.train; print('lm_eval' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+ENTRY_POINTS = {"titanlite.train", "titanlite.generate", "titanlite.eval", "titanlite.convert", "titanlite.plan.__main__",
+                "titanlite.models.__main__", "titanlite.data.prepare"}
+
+
+def test_every_entry_point_named_is_run_as_a_program():
+    run = {module_name(path) for path in PACKAGE.rglob("*.py") if '__name__ == "__main__"' in path.read_text()}
+    assert ENTRY_POINTS - run - {"titanlite.plan.__main__", "titanlite.models.__main__"} == set()
+
+
+def test_no_library_module_imports_an_entry_point():
+    """An entry point parses arguments, opens and closes the process group and exits; the library it calls never
+    imports it back (eval_loop.py once imported generate.py for its prompt reader)."""
+    graph = import_graph()
+    assert {(name, target) for name, targets in graph.items() if name not in ENTRY_POINTS
+            for target in targets & ENTRY_POINTS} == set()
 
 
 def test_parallel_does_not_import_models():

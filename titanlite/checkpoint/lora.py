@@ -43,6 +43,17 @@ def check_adapters_fit(saved: dict[str, tuple], ours: dict[str, tuple], path) ->
                             f"resume with lora.rank {saved[fqn][0]}, or start the new adapters in another job.dump_folder")
 
 
+def check_not_adapters_only(saved: dict[str, tuple], path) -> None:
+    """A model without adapters (lora.rank 0) takes no adapters-only checkpoint: said by its key, not as the base's
+    every tensor missing."""
+    adapters = {fqn: shape for fqn, shape in saved.items() if is_adapter(fqn)}
+    if adapters and len(adapters) == len(saved):
+        rank = next(shape[0] for fqn, shape in adapters.items() if fqn.endswith(".lora_a"))
+        raise UserError(f"checkpoint {path} holds LoRA adapters only (rank {rank}), but lora.rank is 0 here; set lora.rank "
+                        f"{rank} and the other [lora] keys the run was trained with (the base comes from "
+                        "checkpoint.initial_load_path)")
+
+
 @torch.no_grad()
 def base_record(base: str, state: dict) -> str:
     """The frozen base as an adapters-only checkpoint records it: where it came from, and its content (per

@@ -24,7 +24,7 @@ from titanlite.checkpoint.fit import check_model_fits, choose_load_step, load_in
 from titanlite.checkpoint.folders import METADATA, is_complete, list_steps, step_folder
 from titanlite.checkpoint.hf_io import HFReader, load_model_from_hf
 from titanlite.checkpoint.integrity import verify_checksums
-from titanlite.checkpoint.lora import check_adapters_fit
+from titanlite.checkpoint.lora import check_adapters_fit, check_not_adapters_only
 from titanlite.checkpoint.state import ModelState
 from titanlite.config_sections import Checkpoint
 from titanlite.errors import UserError
@@ -75,8 +75,11 @@ def check_dcp_checkpoint(path: Path, model: ModelState, identity: ModelIdentity,
     metadata = read_metadata(path)
     origin = saved_from(path, metadata)
     shapes = model_shapes(model)
+    saved = {fqn: tuple(m.size) for fqn, m in model_tensors(metadata).items()}
     if model.adapters_only and model.kind == "run":
-        check_adapters_fit({fqn: tuple(m.size) for fqn, m in model_tensors(metadata).items()}, shapes, path)
+        check_adapters_fit(saved, shapes, path)
+    if not model.adapters_only:
+        check_not_adapters_only(saved, path)
     check_model_fits(metadata, shapes, path, identity.label, origin)
     if origin and origin != identity.label:
         check_same_model(origin, identity.label, path, key, resume, transplant)
