@@ -130,7 +130,7 @@ def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_pat
     from conftest import ON_CPU, tensorboard_scalars
     from titanlite.inference.evaluator import InLoopEvaluator
     from titanlite.metrics import MetricsLogger
-    from titanlite.tensorboard import run_folder
+    from titanlite.metrics.tensorboard import run_folder
 
     folder, tasks = setup
     prompts = tmp_path / "samples.jsonl"

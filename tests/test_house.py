@@ -123,7 +123,7 @@ def test_no_function_is_long_or_takes_a_dozen_parameters():
 
 def test_an_observer_runs_no_collective():
     """An observer that fails turns itself off on its own rank: a collective inside it would leave the other ranks
-    waiting (titanlite/observers.py). Collectives run outside, on every rank alike."""
+    waiting (titanlite/metrics/observers.py). Collectives run outside, on every rank alike."""
     found = []
     for path in PACKAGE.rglob("*.py"):
         for node in functions(path):
@@ -219,3 +219,4 @@ def test_only_the_objectives_builder_compares_the_data_format():
                                                      for side in [node.left, *node.comparators]):
                 found.append(f"{name}:{node.lineno}")
     assert found == []
+

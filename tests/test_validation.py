@@ -21,7 +21,7 @@ from titanlite.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.parallel.dims import ParallelDims
-from titanlite.validation import Validator, check_validation
+from titanlite.metrics.validation import Validator, check_validation
 
 VALIDATE_LINE = re.compile(r"validate step: (\d+)  loss: (\d+\.\d{4})  perplexity: (\d+\.\d{4})  batches: (\d+)  tokens: ([\d,]+)")
 

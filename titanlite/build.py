@@ -40,7 +40,7 @@ from titanlite.parallel.parallelize import ParallelizeSettings, parallelize_deco
 from titanlite.parallel.pp import build_pipeline
 from titanlite.parallel.tp import place_grads_like_params
 from titanlite.run import ForwardSettings, Run, StepSettings, Training, model_label
-from titanlite.validation import check_validation
+from titanlite.metrics.validation import check_validation
 
 
 def build_run(cfg: JobConfig, info: DistInfo) -> Run:

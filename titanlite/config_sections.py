@@ -51,7 +51,7 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16); Muon orthogonalizes the momentum of the blocks' matrices (titanlite/muon.py) and runs AdamW on the rest", choices=("AdamW", "Adam", "AdamWBF16Kahan", "Muon"))
+    name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16); Muon orthogonalizes the momentum of the blocks' matrices (titanlite/optim/muon.py) and runs AdamW on the rest", choices=("AdamW", "Adam", "AdamWBF16Kahan", "Muon"))
     lr: float = opt(8e-4, "peak learning rate; 0 keeps the weights as they are", at_least=0)
     betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI", at_least=0, below=1, length=2)
     eps: float = opt(1e-8, "Adam epsilon", above=0)

@@ -23,15 +23,15 @@ from titanlite.inference.evaluator import InLoopEvaluator
 from titanlite.log import init_logger, logger
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
                                speed_features, speed_settings)
-from titanlite.observers import observe
-from titanlite.output_folders import check_output_folders
+from titanlite.metrics.observers import observe
+from titanlite.checkpoint.output_folders import check_output_folders
 from titanlite.parallel.dist import DistInfo, close_distributed, exit_process, init_distributed, say_user_error
 from titanlite.plan.startup import predict_on_gpu
 from titanlite.run import Run, Training
-from titanlite.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
+from titanlite.metrics.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
 from titanlite.step import train_step
-from titanlite.tensorboard import hyperparameters, run_folder
-from titanlite.validation import Validator
+from titanlite.metrics.tensorboard import hyperparameters, run_folder
+from titanlite.metrics.validation import Validator
 from titanlite.watchdog import HangWatchdog
 
 

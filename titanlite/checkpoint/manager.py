@@ -38,7 +38,7 @@ from titanlite.checkpoint.weights import ModelIdentity, check_dcp_checkpoint, lo
 from titanlite.models.lora import has_lora
 from titanlite.run import Run, Training
 from titanlite.dtypes import DTYPES
-from titanlite.profiling import model_state_bytes
+from titanlite.metrics.profiling import model_state_bytes
 
 
 class CheckpointManager:

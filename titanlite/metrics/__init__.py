@@ -22,8 +22,8 @@ import torch.distributed as dist
 from titanlite.config_sections import JobConfig, Metrics
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.log import logger
-from titanlite.observers import observer
-from titanlite.tensorboard import describe_run, open_writer
+from titanlite.metrics.observers import observer
+from titanlite.metrics.tensorboard import describe_run, open_writer
 
 # Dense bf16 TFLOP/s (no sparsity), matched against torch.cuda.get_device_name().
 PEAK_BF16_TFLOPS = [

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from titanlite.config import to_toml
 from titanlite.config_sections import JobConfig
 from titanlite.log import logger
-from titanlite.observers import observe
+from titanlite.metrics.observers import observe
 
 # The charts of the CUSTOM SCALARS tab; each lists the regular expressions of the tags it draws.
 LAYOUT = {
