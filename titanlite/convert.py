@@ -11,8 +11,9 @@ as config.json, so a run started from a Hugging Face folder exports too): flags 
 and flags naming another model are refused.
 dcp-to-hf reads any titanlite checkpoint (full or model-only; only the model is converted) a
 layer at a time and writes safetensors shards of at most --max_shard_mb, with
-model.safetensors.index.json when there is more than one, plus config.json. hf-to-dcp writes a
-model-only DCP checkpoint, usable as checkpoint.initial_load_path; it holds the model in memory.
+model.safetensors.index.json when there is more than one, plus config.json; it verifies the checkpoint's
+checksums as a resume does (checkpoint.allow_unverified for one without them). hf-to-dcp writes a model-only
+DCP checkpoint with its checksums, usable as checkpoint.initial_load_path; it holds the model in memory.
 The destination must be a new or empty folder: one holding files (a checkpoint of a run, above
 all) is written over only with --overwrite.
 """

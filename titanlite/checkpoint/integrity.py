@@ -89,15 +89,16 @@ def verifiable(folder: Path, allow_unverified: bool) -> bool:
 
 
 def verify_checksums(folder: Path, allow_unverified: bool) -> None:
-    """Every file recorded at save must read back with its checksum; each rank reads a share of them."""
+    """Every file recorded at save must read back with its checksum; each rank reads a share of them. Files without a
+    record are named in a warning; a checkpoint without records at all is refused (verifiable)."""
     if not verifiable(folder, allow_unverified):
         return
     recorded = recorded_checksums(folder)
     unrecorded = [name for name in data_files(folder) if name not in recorded]
     if unrecorded:
         more = f" and {len(unrecorded) - 1} more" if len(unrecorded) > 1 else ""
-        logger.warning(f"checkpoint {folder}: {unrecorded[0]}{more} {'have' if more else 'has'} no checksum record (the save was cut off before "
-                       "recording them, or the record was lost), so they load unverified")
+        logger.warning(f"checkpoint {folder}: {unrecorded[0]}{more} {'have' if more else 'has'} no checksum record (the save "
+                       "was cut off before recording them, or the record was lost), so they load unverified")
     names = sorted(recorded)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     damaged = damaged_files(folder, names[rank::world], recorded)
