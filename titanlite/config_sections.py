@@ -148,8 +148,9 @@ class Checkpoint:
     initial_load_path: str = opt("", "DCP checkpoint (or Hugging Face folder, see initial_load_in_hf) to start from when the folder holds no checkpoint; empty = model.hf_assets_path where that is a model folder (config.json), read in Hugging Face format")
     initial_load_model_only: bool = opt(True, "load only the model from initial_load_path (false: also optimizer, schedule, step and data position)")
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder (config.json + safetensors)")
-    last_save_in_hf: bool = opt(False, "also write the final model in Hugging Face format to <folder>/step-N-hf, with the run's tokenizer files (a folder transformers, vLLM and model.hf_assets_path load)")
+    last_save_in_hf: bool = opt(False, "also write the final model in Hugging Face format to <folder>/step-N-hf, with the run's tokenizer files (a folder transformers, vLLM and model.hf_assets_path load); needs enable, which turns every save off")
     create_seed_checkpoint: bool = opt(False, "write the initialised model as <folder>/step-0 on one process and exit")
+    allow_unverified: bool = opt(False, "load a checkpoint that has no checksums folder (written by another tool or a titanlite before checksums, or the folder lost), without verifying its files; false = refuse it in one sentence")
 
 
 @dataclass

@@ -123,7 +123,10 @@ class CheckpointManager:
                 self._save(step, self._export_state, wait=True, note=f"model only, {cfg.export_dtype}")
             else:
                 self._save(step, self._full_state, wait=force or last)
-        if last and cfg.last_save_in_hf:  # after the checkpoint: a failing export never costs the run's state
+        if last and cfg.last_save_in_hf and not cfg.enable:
+            logger.warning(f"no Hugging Face export of step {step}: checkpoint.enable is false, which turns every save off "
+                           "(checkpoint.last_save_in_hf too); set checkpoint.enable true to write it")
+        elif last and cfg.last_save_in_hf:  # after the checkpoint: a failing export never costs the run's state
             self._save_hf(step)
 
     def saves_at(self, step: int) -> bool:
@@ -152,6 +155,11 @@ class CheckpointManager:
             # checkpoint made again): its old .metadata must not vouch for half-written new files.
             shutil.rmtree(path / CHECKSUMS, ignore_errors=True)  # nor old checksums the new files (removed first:
             (path / METADATA).unlink(missing_ok=True)  # a record naming a missing .metadata means damage, integrity.py)
+            try:  # before any file: a checkpoint without it cannot be verified (integrity.py)
+                (path / CHECKSUMS).mkdir(parents=True)
+            except OSError as error:
+                self._stop_if_disk_failure(step, error)
+                raise
         save = Save(step, time.perf_counter(), note=f" ({note})" if note else "")
         state = build_state()
         if wait or self.saver is None:
@@ -273,7 +281,8 @@ class CheckpointManager:
         started = time.perf_counter()
         model = ModelState(self.model, self.adapters_only, kind)
         key = "checkpoint.initial_load_path" if kind == "base" else "checkpoint.folder"
-        metadata = check_dcp_checkpoint(path, model, self.identity, key, resume=resume, transplant=kind == "base")
+        metadata = check_dcp_checkpoint(path, model, self.identity, key, resume=resume, transplant=kind == "base",
+                                        allow_unverified=self.cfg.allow_unverified)
         keys = SavedKeys(metadata.state_dict_metadata, path)
         if not holds_training_state(metadata):
             resume = False  # a seed checkpoint or a model-only export: weights, then step 1

@@ -64,14 +64,15 @@ def model_shapes(model: ModelState) -> dict[str, tuple]:
 
 
 def check_dcp_checkpoint(path: Path, model: ModelState, identity: ModelIdentity, key: str, *, resume: bool = False,
-                         transplant: bool = False) -> Metadata:
+                         transplant: bool = False, allow_unverified: bool = False) -> Metadata:
     """A DCP step folder's files, shapes and model, checked before anything is read into `model`; returns its
     metadata. `resume`: the run goes on, so the checkpoint must be of this very model; `transplant`: a new run
-    starting from another model's weights (checkpoint.initial_load_model_only) is warned about, not refused."""
+    starting from another model's weights (checkpoint.initial_load_model_only) is warned about, not refused;
+    `allow_unverified` (checkpoint.allow_unverified): a checkpoint without checksum records loads, with a warning."""
     if not is_complete(path):
         raise UserError(f"{key} {path} is not a complete DCP checkpoint (no {METADATA} in it); point it at a step-N "
                         "folder of a run's checkpoint folder")
-    verify_checksums(path)
+    verify_checksums(path, allow_unverified)
     metadata = read_metadata(path)
     origin = saved_from(path, metadata)
     shapes = model_shapes(model)
@@ -118,14 +119,15 @@ def load_hf_weights(model: ModelState, path: Path, identity: ModelIdentity, key:
     load_model_from_hf(model.target(None), path, identity.hf_adapter, identity.args, identity.label)
 
 
-def load_weights(model: ModelState, path: Path, identity: ModelIdentity, key: str, *, transplant: bool = False) -> None:
+def load_weights(model: ModelState, path: Path, identity: ModelIdentity, key: str, *, transplant: bool = False,
+                 allow_unverified: bool = False) -> None:
     """Only the model's weights, from a Hugging Face folder (config.json) or a DCP step folder, checked, in place."""
     started = time.perf_counter()
     if (path / "config.json").is_file():
         load_hf_weights(model, path, identity, key)
         logger.info(f"loaded the model from the Hugging Face folder {path} in {time.perf_counter() - started:.2f}s")
         return
-    check_dcp_checkpoint(path, model, identity, key, transplant=transplant)
+    check_dcp_checkpoint(path, model, identity, key, transplant=transplant, allow_unverified=allow_unverified)
     model.restore(load_in_place(path, model.target(None)))  # the model's FQNs are the checkpoint's top-level keys
     logger.info(f"loaded the model (weights only) from {path} in {time.perf_counter() - started:.2f}s")
 
@@ -149,7 +151,8 @@ def load_trained_weights(model: nn.Module, identity: ModelIdentity, cfg: Checkpo
     adapters_only = has_lora(model)
     if folder is None or adapters_only:
         base = ModelState(model, adapters_only, "base")
-        load_weights(base, Path(cfg.initial_load_path), identity, "checkpoint.initial_load_path", transplant=True)
+        load_weights(base, Path(cfg.initial_load_path), identity, "checkpoint.initial_load_path", transplant=True,
+                     allow_unverified=cfg.allow_unverified)
     if folder is not None:
-        load_weights(ModelState(model, adapters_only, "run"), folder, identity, key)
+        load_weights(ModelState(model, adapters_only, "run"), folder, identity, key, allow_unverified=cfg.allow_unverified)
     return str(folder or cfg.initial_load_path)

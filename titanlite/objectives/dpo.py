@@ -146,11 +146,12 @@ def local_bytes(model: nn.Module) -> int:
     return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
 
-def load_reference(reference: nn.Module, path: Path, key: str, identity: ModelIdentity) -> None:
+def load_reference(reference: nn.Module, path: Path, key: str, identity: ModelIdentity, allow_unverified: bool) -> None:
     """The reference's weights through the one checked loader: the policy's own start (initial) may be another
     model's weights, as the policy's initial load allows; a named reference must be of this model family."""
     try:
-        load_weights(ModelState(reference, adapters_only=False), path, identity, key, transplant=key != "dpo.reference")
+        load_weights(ModelState(reference, adapters_only=False), path, identity, key, transplant=key != "dpo.reference",
+                     allow_unverified=allow_unverified)
     except UserError as error:
         raise UserError(f"{key} {path} cannot be the reference ({str(error).split('; ')[0]}); point {key} at a Hugging Face "
                         "folder or a DCP step folder of this model, or set dpo.reference initial") from None
@@ -166,7 +167,7 @@ def reference_model(cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, a
         if not Path(source).is_dir():
             raise UserError(f"dpo.reference {source} is not a folder; set it to initial, a Hugging Face folder or a DCP step folder")
     if source:
-        load_reference(reference, Path(source), key, ModelIdentity(label, hf_adapter, args))
+        load_reference(reference, Path(source), key, ModelIdentity(label, hf_adapter, args), cfg.checkpoint.allow_unverified)
     origin = source or "job.seed's initialisation"
     logger.info(f"DPO reference: a frozen copy of {origin}, sharded like the policy: {local_bytes(reference) / 2**30:.3f} GiB "
                 "of parameters per rank, no gradients or optimizer state")
