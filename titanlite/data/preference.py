@@ -95,9 +95,9 @@ def is_empty(completion: list[dict]) -> bool:
 
 
 def check_pairs(pairs: list[Pair], encoded: list[tuple], where: str) -> None:
-    """Pairs whose chosen and rejected are the same sequence have a constant loss (ln 2 for sigmoid) and no gradient:
-    all of them is refused, since nothing would train; some, or a half empty in every pair (the rejected field
-    missing its answers, say), train, but likely not as meant, so they are said."""
+    """A pair whose chosen and rejected are the same sequence has a constant loss (ln 2 for sigmoid) and no gradient:
+    a file of nothing else is refused, since nothing would train. Some such pairs, or one half empty in every pair
+    (a field missing its answers, say), do train, though likely not as meant, so the log says so."""
     same = sum(chosen[0] == rejected[0] for chosen, rejected in encoded)
     if same == len(encoded):
         raise UserError(f"{where}: every pair's chosen and rejected completions are the same, so the DPO loss is constant "
