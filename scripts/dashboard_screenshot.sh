@@ -35,7 +35,7 @@ done
 # A fresh profile and no network beyond 127.0.0.1; the virtual-time budget lets the charts draw.
 chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
     --disable-component-update --disable-sync --user-data-dir="$work/chromium" --hide-scrollbars \
-    --window-size=1400,1080 --virtual-time-budget=20000 --screenshot="$work/page.png" \
+    --window-size=1400,1350 --virtual-time-budget=20000 --screenshot="$work/page.png" \
     "http://127.0.0.1:$port/#$page" 2>"$work/chromium.log"
 # 256 colours keep the PNG small (the README's picture should stay well under 300 KB).
 "$py" -c 'import sys; from PIL import Image; Image.open(sys.argv[1]).convert("RGB").quantize(256).save(sys.argv[2], optimize=True)' \

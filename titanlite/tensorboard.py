@@ -27,6 +27,7 @@ from titanlite.observers import observe
 CHARTS = {
     "loss: train and validation": ["Multiline", [r"^loss/(train|validation)$"]],
     "tokens per second per device": ["Multiline", [r"^throughput/tps$"]],
+    "MFU (%)": ["Multiline", [r"^throughput/mfu$"]],  # where the device's peak is known (titanlite_charts)
     "memory against the device's capacity (GiB)": ["Multiline", [r"^memory/(reserved|capacity)_gib$"]],
     "learning rate": ["Multiline", [r"^optim/lr$"]],
     "grad_norm (before clipping)": ["Multiline", [r"^optim/grad_norm$"]],
@@ -83,12 +84,14 @@ def open_writer(folder: Path, rank: int, resumed_step: int):
     return SummaryWriter(str(folder), purge_step=resumed_step + 1 if resumed_step else None)
 
 
-def mfu_chart(peak_known: bool, device_type: str) -> dict:
-    """MFU where the device's peak is known; elsewhere the achieved TFLOP/s, under a title that says why."""
+def titanlite_charts(peak_known: bool, device_type: str) -> dict:
+    """CHARTS; where the device has no known peak, the MFU chart's place draws the achieved TFLOP/s under a title
+    that says why, rather than an empty chart."""
     if peak_known:
-        return {"MFU (%)": ["Multiline", [r"^throughput/mfu$"]]}
-    return {f"no MFU: {device_type} has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device":
-            ["Multiline", [r"^throughput/tflops$"]]}
+        return dict(CHARTS)
+    no_mfu = (f"no MFU: {device_type} has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device",
+              ["Multiline", [r"^throughput/tflops$"]])
+    return dict(no_mfu if title == "MFU (%)" else (title, chart) for title, chart in CHARTS.items())
 
 
 def group_charts(tag: str) -> tuple[str, dict] | None:
@@ -111,7 +114,7 @@ class Dashboard:
 
     def __init__(self, writer, peak_known: bool, device_type: str):
         self.writer = writer
-        self.layout = {"titanlite": {**CHARTS, **mfu_chart(peak_known, device_type)}}
+        self.layout = {"titanlite": titanlite_charts(peak_known, device_type)}
         self.writer.add_custom_scalars(self.layout)
 
     def saw(self, tags) -> None:
