@@ -57,7 +57,7 @@ class Optimizer:
     eps: float = opt(1e-8, "Adam epsilon", above=0)
     weight_decay: float = opt(0.1, "decoupled weight decay", at_least=0)
     implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: one compiled fused kernel per parameter on CUDA, the same math op by op on the CPU; auto or fused; Muon: auto only, one parameter at a time)", choices=("auto", "fused", "foreach", "for-loop"))
-    muon_lr: float = opt(-1.0, "Muon: peak learning rate of the blocks' matrices (their update is scaled to AdamW's RMS, so optimizer.lr usually serves); -1 = optimizer.lr", at_least=0, sentinels=(-1,))
+    muon_lr: float = opt(-1.0, "Muon: peak learning rate of the blocks' matrices, whose update is scaled to AdamW's RMS on long runs (Moonshot); -1 = optimizer.lr, right for long runs of large models; short runs of small models want about 25-30x optimizer.lr (the debug model: 0.02, docs/optimizers.md)", at_least=0, sentinels=(-1,))
     muon_momentum: float = opt(0.95, "Muon: momentum of the matrices' update", at_least=0, below=1)
     muon_nesterov: bool = opt(True, "Muon: Nesterov momentum (the gradient plus momentum times the buffer is orthogonalized)")
     muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations orthogonalizing each matrix's update", at_least=1, at_most=20)
