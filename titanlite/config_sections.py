@@ -222,7 +222,7 @@ class LoRA:
 
 @dataclass
 class DPO:
-    """Direct preference optimization, for training.dataset_format preference (titanlite/dpo.py)."""
+    """Direct preference optimization, for training.dataset_format preference (titanlite/objectives/dpo.py)."""
 
     beta: float = opt(0.1, "a completion's reward is beta x (its log-probability under the policy - under the reference), log-probabilities summed over its trained tokens; a higher beta keeps the policy nearer the reference", above=0)
     loss_type: str = opt("sigmoid", "sigmoid (the DPO paper: -log sigmoid of the chosen reward minus the rejected one) or ipo (IPO: the squared distance of the log-ratio margin, with log-probabilities averaged over the completion's tokens as TRL does, from 1 / (2 beta))", choices=("sigmoid", "ipo"))
