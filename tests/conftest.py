@@ -200,3 +200,19 @@ def world_of_one():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real 100 MiB tmpfs (root only): room for one 71 MB checkpoint of the debug model, not for two; a test may
+    remount it read-only (root writes through a chmod-ed folder, not through that)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"mount -t tmpfs failed: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+

@@ -91,20 +91,6 @@ def test_exactly_one_of_many_simultaneous_takers_takes_over_a_stale_lock(tmp_pat
         assert_one_winner(folder, outcomes)
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A real 100 MiB tmpfs, which the test may remount read-only (root can write a chmod-ed folder, not that)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"mount -t tmpfs failed: {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 def remount_read_only_when(path: Path, mount: Path) -> threading.Thread:
     """Remount `mount` read-only as soon as `path` exists (the run's config.toml: written after the lock is taken)."""
 

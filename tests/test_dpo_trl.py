@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import ON_CPU, tensorboard_scalars
+from test_dpo import turn
 from qwen3_template import QWEN3_TEMPLATE
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.train import main
@@ -20,10 +21,6 @@ QWEN3 = dict(vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
              initializer_range=0.2)
 BETA = 0.1
-
-
-def turn(role, content):
-    return {"role": role, "content": content}
 
 
 # One prompt holds an earlier assistant turn (context, not trained); one completion has a think block of its own.
