@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 from titanlite.config import load_config  # noqa: E402
 from titanlite.data.chat_example import write_tokenizer_folder  # noqa: E402
-from titanlite.generation import Sampling, generate_ids  # noqa: E402
-from titanlite.inference import build_inference_run  # noqa: E402
+from titanlite.inference.decode import Sampling, generate_ids  # noqa: E402
+from titanlite.inference.model import build_inference_model  # noqa: E402
 from titanlite.parallel.dist import close_distributed, init_distributed  # noqa: E402
 
 CONFIG = dict(vocab_size=2048, hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
@@ -60,8 +60,8 @@ def main() -> None:
         tokenizer = write_tokenizer_folder(folder / "tokenizer")
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(tokenizer / name, folder / name)
-        ours = build_inference_run(load_config(["--job.device", "cpu", "--model.hf_assets_path", str(folder)]),
-                                   init_distributed("cpu", 60))
+        ours = build_inference_model(load_config(["--job.device", "cpu", "--model.hf_assets_path", str(folder)]),
+                                     init_distributed("cpu", 60))
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 2048, (64 if row % 2 else 32,), generator=generator).tolist() for row in range(args.batch)]
         width = max(map(len, prompts))

@@ -105,6 +105,7 @@ def baseline_worker(rank: int, port: int, mode: str, train_args: list[str]) -> i
     import torch
     import torch.distributed as dist
 
+    import titanlite.build
     import titanlite.train
     from titanlite.fault_tolerance import Alone
     from titanlite.fault_tolerance.peer_state import local
@@ -132,7 +133,7 @@ def baseline_worker(rank: int, port: int, mode: str, train_args: list[str]) -> i
             for tensor in tensors:
                 tensor.div_(2)
 
-    titanlite.train.replica_groups = lambda cfg: PlainAverage()
+    titanlite.build.replica_groups = lambda cfg: PlainAverage()  # where build_training makes the groups
     return titanlite.train.main(train_args)
 
 

@@ -182,9 +182,37 @@ def checkpointed_run(model, checkpoint, dump_folder, model_name: str = "linear",
                            dims=SimpleNamespace(dp_rank=0, dp_degree=1))
 
 
+def checkpointed_training(optimizer, scheduler, dataloader):
+    """build.py's Training around what a test built itself: a job alone (no replica groups), no metrics written."""
+    from types import SimpleNamespace
+
+    from titanlite.config_sections import FaultTolerance
+    from titanlite.fault_tolerance import join_replica_groups
+    from titanlite.run import Training
+
+    alone = join_replica_groups(FaultTolerance(), None, 0)
+    return Training(optimizer, scheduler, dataloader, steps=0, metrics=SimpleNamespace(write_scalars=None), replicas=alone)
+
+
 @pytest.fixture
 def world_of_one():
     """A one-rank gloo process group in this process (for CheckpointManager and other collectives)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real 100 MiB tmpfs (root only): room for one 71 MB checkpoint of the debug model, not for two; a test may
+    remount it read-only (root writes through a chmod-ed folder, not through that)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"mount -t tmpfs failed: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+

@@ -1,18 +1,19 @@
-"""torchrun --nproc_per_node 2 tests/eval_fsdp_run.py OUT FOLDER TASKS: the generate/eval Run (inference.py) of the
+"""torchrun --nproc_per_node 2 tests/eval_fsdp_run.py OUT FOLDER TASKS: the generate/eval model (inference/model.py) of the
 Hugging Face folder FOLDER, sharded by FSDP over both ranks; the in-loop evaluator on it with the local tasks of the
 task folder TASKS, the ranks sharing the requests; then each rank generating greedily for its own prompt with its
 own max_new_tokens, in lockstep. Rank 0 writes {"scalars": {task/metric: value}, "generated": [[ids] per rank]}."""
 
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from titanlite.config import load_config
-from titanlite.eval_loop import InLoopEvaluator
-from titanlite.generation import Sampling, generate_ids
-from titanlite.inference import build_inference_run
+from titanlite.inference.decode import Sampling, generate_ids
+from titanlite.inference.evaluator import InLoopEvaluator
+from titanlite.inference.model import build_inference_model
 from titanlite.metrics import MetricsLogger
 from titanlite.parallel.dist import close_distributed, init_distributed
 
@@ -32,8 +33,9 @@ def main(out: str, folder: str, tasks: str) -> None:
     cfg = inference_config(folder, "--eval.tasks", TASK_NAMES, "--eval.include_path", tasks, "--eval.at_end", "true",
                            "--training.steps", "1")
     info = init_distributed("cpu", 60)
-    run = build_inference_run(cfg, info)
-    scalars = InLoopEvaluator(run, MetricsLogger(cfg.metrics, info.rank, info.device, 0.0)).evaluate(1)
+    run = build_inference_model(cfg, info)
+    metrics = MetricsLogger(cfg.metrics, info.rank, info.device, 0.0)
+    scalars = InLoopEvaluator(run, SimpleNamespace(metrics=metrics, steps=1)).evaluate(1)  # what it reads of a Training
     new = generate_ids(run.model, run.args, run.tokenizer, [PROMPTS[info.rank]], Sampling(NEW_TOKENS[info.rank], stop_ids=()),
                        lockstep=True)[0]
     generated = [None] * info.world_size

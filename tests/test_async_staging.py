@@ -11,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import checkpointed_run, materialize
-from titanlite.checkpoint import CheckpointManager
+from conftest import checkpointed_run, checkpointed_training, materialize
+from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.async_save import host_tensors
 from titanlite.config_sections import Checkpoint
 from titanlite.models import get_model_args, get_model_spec
@@ -37,7 +37,7 @@ def test_the_optimizer_step_after_an_async_save_waits_for_its_copy_into_reused_b
 
     run = checkpointed_run(model, replace(Checkpoint(), enable=True, interval=1, async_mode="async"), tmp_path,
                            "llama3/debugmodel", args, spec)
-    manager = CheckpointManager(run, optimizer, scheduler, StatefulDataLoader(list(range(4))))
+    manager = CheckpointManager(run, checkpointed_training(optimizer, scheduler, StatefulDataLoader(list(range(4)))))
     saved_at = {}
     for step in (1, 2):  # the second save copies into the host buffers the first one made
         at_save = {name: tensor.clone() for name, tensor in model.state_dict().items()}

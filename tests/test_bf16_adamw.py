@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from titanlite.bf16_adamw import AdamWBF16Kahan, fused_kahan_adamw_, kahan_adamw_
+from titanlite.optim.bf16_adamw import AdamWBF16Kahan, fused_kahan_adamw_, kahan_adamw_
 from titanlite.config_sections import Optimizer
 from titanlite.errors import UserError
 from titanlite.optim import build_optimizer

@@ -126,12 +126,13 @@ class CheckpointReader:
 
     def reader(self, load_step: int) -> Callable[[Path], tuple]:
         def read(folder: Path) -> tuple:
-            from titanlite.checkpoint import CheckpointManager
+            from conftest import checkpointed_training
+            from titanlite.checkpoint.manager import CheckpointManager
 
             self.cfg.job.dump_folder, self.cfg.checkpoint.load_step = str(folder), load_step
             for tensor in self.run.model.parameters():  # what a load leaves unset must show in the digest
                 tensor.data.fill_(float("nan"))
-            manager = CheckpointManager(self.run, self.optimizer, self.scheduler, self.dataloader)
+            manager = CheckpointManager(self.run, checkpointed_training(self.optimizer, self.scheduler, self.dataloader))
             try:
                 state = manager.load()
             finally:

@@ -72,10 +72,11 @@ def dpo_flags(folders, dump, steps, *extra) -> list[str]:
 
 
 def completion_logp(model, tokenizer, prompt, completion) -> float:
-    """The summed log-probability of the completion's tokens through its <|im_end|>, by transformers alone."""
+    """The summed log-probability of what the completion adds to the prompt with its generation prompt (through the
+    <|im_end|> and the newline after it, as TRL scores it), by transformers alone."""
     ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True)["input_ids"]
     start = len(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
-    end = ids.index(tokenizer.convert_tokens_to_ids("<|im_end|>"), start) + 1
+    end = len(ids)
     with torch.no_grad():
         logps = F.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
     targets = torch.tensor(ids[1:])
@@ -177,7 +178,7 @@ def test_plain_text_pairs_render_as_one_user_and_one_assistant_turn(folders, tmp
     (inputs, labels), (talk_inputs, talk_labels) = batches
     assert inputs.shape == labels.shape == (2, 32) and torch.equal(inputs, talk_inputs) and torch.equal(labels, talk_labels)
     trained = [tokenizer.decode(row[row != -100].tolist()) for row in labels]
-    assert trained == ["Yes.<|im_end|>", "No.<|im_end|>"]  # the completion through its end of turn, as SFT trains it
+    assert trained == ["Yes.<|im_end|>\n", "No.<|im_end|>\n"]  # all the completion adds to the prompt, as TRL scores it
 
 
 @pytest.mark.parametrize("case, message", [
@@ -185,6 +186,11 @@ def test_plain_text_pairs_render_as_one_user_and_one_assistant_turn(folders, tmp
     ("other_shapes", "cannot be the reference (the Hugging Face folder"),
     ("pipeline", "training.dataset_format preference (DPO) with parallelism.pipeline_parallel_degree 2 is not supported yet"),
     ("text", "dpo.beta applies to training.dataset_format preference only"),
+    ("mixed", "record 2 (counting from 1) is plain text where record 1 is message lists; write every record of the file "
+              "in one form"),
+    ("same", "every pair's chosen and rejected completions are the same, so the DPO loss is constant with no gradient and "
+             "nothing would train; give each pair a different rejected completion"),
+    ("train_flag", "record 1 (counting from 1) has a chosen message with a train flag, which preference data does not read"),
 ])
 def test_errors_are_one_sentence_exit_2(folders, tmp_path, capsys, case, message):
     flags = dpo_flags(folders, tmp_path, 1)
@@ -193,13 +199,33 @@ def test_errors_are_one_sentence_exit_2(folders, tmp_path, capsys, case, message
              "other_shapes": ["--dpo.reference", str(folders["other"])],
              "pipeline": ["--parallelism.pipeline_parallel_degree", "2"],
              "text": ["--training.dataset_format", "text", "--training.dataset", "synthetic", "--training.dataset_path", "",
-                      "--dpo.beta", "0.5"]}[case]
+                      "--dpo.beta", "0.5"],
+             "mixed": ["--training.dataset_path", str(write_jsonl(tmp_path / "mixed.jsonl", [
+                 PAIRS[0], {"prompt": "Hi.", "chosen": "Hello.", "rejected": "Go."}]))],
+             "same": ["--training.dataset_path", str(write_jsonl(tmp_path / "same.jsonl", [
+                 {**pair, "rejected": pair["chosen"]} for pair in PAIRS]))],
+             "train_flag": ["--training.dataset_path", str(write_jsonl(tmp_path / "flag.jsonl", [
+                 {**PAIRS[0], "chosen": [{**PAIRS[0]["chosen"][0], "train": False}]}]))]}[case]
     assert main([*flags, *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
     if case == "other_shapes":
         assert "does not fit llama3/hf: its config.json has hidden_size 32 where this model has 64); point dpo.reference" in err
+
+
+def test_pairs_likely_not_meant_train_with_a_warning(folders, tmp_path, capsys):
+    """Some pairs with chosen equal to rejected, or every rejected completion empty, train, and say so before step 1."""
+    some_same = write_jsonl(tmp_path / "some_same.jsonl", [{**PAIRS[0], "rejected": PAIRS[0]["chosen"]}, *PAIRS[1:]])
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{**pair, "rejected": [turn("assistant", "")]} for pair in PAIRS])
+    warnings = {some_same: "1 of 4 pairs have the same chosen and rejected completion; they add a constant to the loss and "
+                           "nothing to its gradient",
+                empty: "every rejected completion is empty, so DPO only teaches the model not to end its turn at once; "
+                       "check that the rejected field holds the answers"}
+    for data, warning in warnings.items():
+        assert main(dpo_flags(folders, tmp_path / data.stem, 1, "--training.dataset_path", data)) == 0
+        err = capsys.readouterr().err
+        assert warning in err and err.index(warning) < err.index("step: 1 ")
 
 
 def test_the_planner_counts_the_reference_and_both_sequences_of_a_pair():
@@ -231,7 +257,7 @@ def test_a_resume_continues_the_losses_of_an_uninterrupted_run(folders, tmp_path
 
 def test_ipo_and_label_smoothing_follow_their_formulas():
     from titanlite.config_sections import DPO
-    from titanlite.dpo import preference_loss
+    from titanlite.objectives.dpo import preference_loss
 
     policy, reference = torch.tensor([-4.0, -9.0, -6.0, -5.0]), torch.tensor([-5.0, -8.0, -6.5, -4.0])
     counts = torch.tensor([2, 3, 4, 5])

@@ -5,15 +5,19 @@ the same log-likelihoods within 1e-6 (relative); bad input is one sentence, exit
 
 import contextlib
 import json
+import re
+from types import SimpleNamespace
 import shutil
 
 import pytest
 
 from test_generate import transformers_folder
+from titanlite.config import load_config
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.eval import main
-from titanlite.eval_tasks import evaluate_tasks, metric_scalars
-from titanlite.inference import build_inference_run
+from titanlite.inference.eval_job import evaluate_model
+from titanlite.inference.model import build_inference_model
+from titanlite.inference.tasks import metric_scalars
 from titanlite.parallel.dist import close_distributed, init_distributed
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -64,24 +68,19 @@ def both(setup):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from titanlite.eval_model import TitanliteLM
-
     theirs = simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=list(TASKS),
                              task_manager=TaskManager(include_path=str(tasks), include_defaults=False), log_samples=True, batch_size=4,
                              device="cpu")
-    try:
-        lm = TitanliteLM.create_from_arg_obj({"hf_assets_path": str(folder), "job.device": "cpu"}, {"batch_size": 4})
-        ours = evaluate_tasks(lm, list(TASKS), str(tasks), log_samples=True)
-    finally:
-        close_distributed()
+    with one_process_run(load_config(["--model.hf_assets_path", str(folder), "--job.device", "cpu"])) as loaded:
+        ours = evaluate_model(loaded, list(TASKS), str(tasks), batch_size=4, log_samples=True)
     return theirs, ours
 
 
 @contextlib.contextmanager
 def one_process_run(cfg):
-    """The generate/eval Run of `cfg` in this process (a world of one)."""
+    """The generate/eval model of `cfg` in this process (a world of one)."""
     try:
-        yield build_inference_run(cfg, init_distributed("cpu", 60))
+        yield build_inference_model(cfg, init_distributed("cpu", 60))
     finally:
         close_distributed()
 
@@ -129,10 +128,9 @@ def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_pat
     import torch
 
     from conftest import ON_CPU, tensorboard_scalars
-    from titanlite.config import load_config
-    from titanlite.eval_loop import InLoopEvaluator
+    from titanlite.inference.evaluator import InLoopEvaluator
     from titanlite.metrics import MetricsLogger
-    from titanlite.tensorboard import run_folder
+    from titanlite.metrics.tensorboard import run_folder
 
     folder, tasks = setup
     prompts = tmp_path / "samples.jsonl"
@@ -144,7 +142,7 @@ def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_pat
     with one_process_run(cfg) as run:
         metrics = MetricsLogger(cfg.metrics, 0, torch.device("cpu"), 0.0)
         metrics.start_tensorboard(run_folder(cfg, 0, 0), cfg, 0, {})
-        evaluator = InLoopEvaluator(run, metrics)
+        evaluator = InLoopEvaluator(run, SimpleNamespace(metrics=metrics, steps=7))  # what it reads of a Training
         assert [step for step in range(1, 8) if evaluator.should_evaluate(step)] == [3, 6, 7]
         run.model.train()
         started = metrics.started
@@ -181,6 +179,50 @@ def test_bad_tasks_and_weights_are_one_sentence(setup, tmp_path, capsys):
                                         f"hf_assets_path={other},job.device=cpu"], capsys)
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--limit", "0"], "--limit 0 leaves no examples to evaluate"),
+    (["--limit", "-3"], "--limit -3 leaves no examples to evaluate"),
+    (["--batch_size", "0"], "--batch_size 0: titanlite takes a number of sequences per forward of at least 1"),
+    (["--batch_size", "auto"], "--batch_size auto: titanlite takes a number"),
+])
+def test_bad_eval_flags_are_one_sentence(setup, capsys, flags, expected):
+    folder, tasks = setup
+    argv = ["--tasks", "tiny_mc", "--include_path", str(tasks), "--model_args", f"hf_assets_path={folder},job.device=cpu"]
+    assert expected in error_of([*argv, *flags], capsys)
+
+
+def test_the_cli_prints_lm_evals_table_and_records_the_evaluation_time(setup, tmp_path, capsys):
+    folder, tasks = setup
+    assert main(["--tasks", "tiny_mc", "--include_path", str(tasks), "--limit", "4", "--output_path", str(tmp_path),
+                 "--model_args", f"hf_assets_path={folder},job.device=cpu"]) == 0
+    captured = capsys.readouterr()
+    table = captured.out
+    assert re.search(r"evaluated tiny_mc in [\d.]+s: prefill [\d.]+ tokens/s \(\d+ tokens in [\d.]+s\), decode none", captured.err)
+    assert "| Tasks |" in table and "tiny_mc" in table and "|acc_norm|" in table
+    written = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
+    assert 0.05 < float(written["total_evaluation_time_seconds"]) < 120  # the model's forwards, not the save alone
+
+
+def test_an_unknown_eval_task_stops_the_run_before_its_first_step(tmp_path):
+    """[eval] tasks are checked when the trainer builds its evaluator, before step 1 (not at the first evaluation,
+    after the steps before it trained unsaved)."""
+    from conftest import run_titanlite
+
+    out = run_titanlite(["--job.dump_folder", str(tmp_path), "--training.steps", "2", "--eval.tasks", "nosuchtask",
+                         "--eval.at_end", "true"])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("error: unknown task 'nosuchtask'")
+    assert "step: 1" not in out.stdout + out.stderr
+
+
+def test_eval_tasks_that_would_never_run_are_refused():
+    from titanlite.errors import UserError
+
+    with pytest.raises(UserError, match="eval.tasks is set but eval.interval is 0 and eval.at_end false"):
+        load_config(["--eval.tasks", "hellaswag"])
+    assert load_config(["--eval.tasks", "hellaswag", "--eval.at_end", "true"]).eval.tasks == ["hellaswag"]
+
+
 def test_bad_generation_input_is_one_sentence(setup, tmp_path, capsys):
     from titanlite.generate import main as generate
 
@@ -190,6 +232,10 @@ def test_bad_generation_input_is_one_sentence(setup, tmp_path, capsys):
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"token_ids": [5] * 256}) + "\n")
     assert "the model's context is 256" in error_of([*flags, "--generate.prompts_file", str(long)], capsys, generate)
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(json.dumps({"token_ids": [5, 100000]}) + "\n")
+    assert f'generate.prompts_file {outside} line 1: "token_ids" holds 100000, outside the tokenizer\'s vocabulary' in \
+        error_of([*flags, "--generate.prompts_file", str(outside)], capsys, generate)
     assert "eval.interval" in error_of([*flags, "--generate.prompt", "x", "--eval.interval", "10"], capsys, generate)
 
 
@@ -199,7 +245,7 @@ def test_two_fsdp_ranks_share_the_requests_and_generate_as_one_process(setup, bo
     lockstep, gives the greedy tokens one process gives for that prompt."""
     from conftest import torchrun_json
     from eval_fsdp_run import NEW_TOKENS, PROMPTS, inference_config
-    from titanlite.generation import Sampling, generate_ids
+    from titanlite.inference.decode import Sampling, generate_ids
 
     folder, tasks = setup
     sharded = torchrun_json("eval_fsdp_run.py", tmp_path, str(folder), str(tasks))

@@ -4,6 +4,7 @@ deepseek_v3 with YaRN), two prompts of different lengths in one batch (left-padd
 are transformers' own. Sampling is reproducible from its seed; bad input is one sentence, exit 2."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -85,3 +86,104 @@ def test_generation_on_cuda_gives_the_cpu_tokens(tmp_path, tokenizer_folder):
     cpu = run_generate(tmp_path, folder)
     gpu = run_generate(tmp_path, folder, "--job.device", "cuda")
     assert [record["token_ids"] for record in gpu] == [record["token_ids"] for record in cpu]
+
+
+def generate_error(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("line, expected", [
+    ('{"token_ids": [1, -3, 7]}', 'line 2: "token_ids" holds -3; token ids start at 0'),
+    ('{"token_ids": [true, 2]}', 'line 2: "token_ids" must be a non-empty list of integers (not [true, 2])'),
+    ('{"token_ids": []}', 'line 2: "token_ids" must be a non-empty list of integers'),
+    ('{"prompt": 5}', 'line 2: "prompt" is 5, not a string; quote the text'),
+    ('{"messages": "hi"}', 'line 2: "messages" must be a non-empty list'),
+    ('{"messages": [{"role": "wizard", "content": "hi"}]}', "has a message of unknown role 'wizard'"),
+    ('{"prompt": "a", "token_ids": [1]}', 'line 2 must hold exactly one of "prompt", "messages" or "token_ids"'),
+])
+def test_a_bad_prompt_line_is_one_sentence_naming_the_file_and_line(tmp_path, capsys, line, expected):
+    """Checked when the file is read, before the model is built (nothing here would load)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n' + line + "\n")
+    err = generate_error([*ON_CPU, "--generate.prompts_file", str(prompts)], capsys)
+    assert f"generate.prompts_file {prompts}" in err and expected in err
+
+
+def test_an_empty_prompts_file_is_named_as_empty(tmp_path, capsys):
+    for text in ("", "\n  \n"):
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(text)
+        err = generate_error([*ON_CPU, "--generate.prompts_file", str(prompts)], capsys)
+        assert f"generate.prompts_file {prompts} is empty; write one JSON object per line" in err
+    assert "nothing to generate from" in generate_error([*ON_CPU], capsys)
+
+
+def test_weights_of_another_kind_are_named_before_generating(tmp_path, tokenizer_folder, capsys):
+    """An adapters-only LoRA checkpoint under a job without [lora] names lora.rank; a checkpoint of another family
+    with the same shapes (a mistral run's, under llama3) is refused by the family, not loaded."""
+    from titanlite.train import main as train
+
+    folder = tmp_path / "mistral"
+    transformers_folder("mistral", folder, tokenizer_folder)
+    run = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "1", "--checkpoint.enable",
+           "--job.dump_folder"]
+    assert train([*ON_CPU, "--model.hf_assets_path", str(folder), *run, str(tmp_path / "lora"), "--lora.rank", "4"]) == 0
+    assert train([*ON_CPU, "--model.name", "mistral", "--model.flavor", "debugmodel", *run, str(tmp_path / "full")]) == 0
+    capsys.readouterr()
+    err = generate_error([*ON_CPU, "--generate.prompt", "the", "--model.hf_assets_path", str(folder), "--generate.checkpoint",
+                          str(tmp_path / "lora" / "checkpoint" / "step-1")], capsys)
+    assert "holds LoRA adapters only (rank 4), but lora.rank is 0 here; set lora.rank 4" in err
+    err = generate_error([*ON_CPU, "--generate.prompt", "the", "--model.name", "llama3", "--model.flavor", "debugmodel",
+                          "--generate.checkpoint", str(tmp_path / "full" / "checkpoint" / "step-1")], capsys)
+    assert "holds the weights of mistral/debugmodel" in err and "another model family than this job's llama3/" in err
+
+
+def test_each_prompt_is_rendered_as_training_renders_it(tmp_path, tokenizer_folder, capsys):
+    """Messages give apply_chat_template(add_generation_prompt=True)'s ids exactly (this tokenizer has no bos: none
+    is added, not even its eos in the bos's place), text the text pipeline's bos + ids, token ids as given; every
+    output line carries them as prompt_token_ids."""
+    folder = tmp_path / "llama3"
+    transformers_folder("llama3", folder, tokenizer_folder)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the list module"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in
+                               [{"messages": messages}, {"prompt": "the list module"}, {"token_ids": [5, 17, 300]}]))
+    output = tmp_path / "out.jsonl"
+    assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
+                 "--generate.max_new_tokens", "2", "--generate.output", str(output)]) == 0
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    speed = re.search(r"generated 3 completions: prefill [\d.]+ tokens/s \((\d+) tokens in [\d.]+s\), decode [\d.]+ "
+                      r"tokens/s \((\d+) tokens", capsys.readouterr().err)
+    assert int(speed[1]) == sum(len(line["prompt_token_ids"]) for line in lines)
+    assert int(speed[2]) == sum(len(line["token_ids"]) for line in lines) - 3  # the first tokens come from the prefill
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    templated = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    templated = templated["input_ids"] if hasattr(templated, "keys") else templated
+    eos = theirs.convert_tokens_to_ids("<|im_end|>")
+    assert lines[0]["prompt_token_ids"] == list(templated) and lines[0]["prompt"].endswith("<|im_start|>assistant\n")
+    assert lines[1]["prompt_token_ids"] == [eos] + theirs.encode("the list module", add_special_tokens=False)
+    assert lines[2]["prompt_token_ids"] == [5, 17, 300]
+
+
+def test_sampling_is_seeded_per_prompt(tmp_path, tokenizer_folder):
+    """Completion i depends on (seed, i, prompt) only: the same prompt three times gives three samples, the same
+    ones in batches of 1 or 3 and with a fourth prompt after them; another seed gives others."""
+    folder = tmp_path / "llama3"
+    transformers_folder("llama3", folder, tokenizer_folder)
+
+    def sampled(count: int, batch_size: int, seed: int = 0) -> list[list[int]]:
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text((json.dumps({"token_ids": PROMPTS[0]}) + "\n") * count)
+        output = tmp_path / "out.jsonl"
+        assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
+                     "--generate.max_new_tokens", "8", "--generate.temperature", "1", "--generate.batch_size",
+                     str(batch_size), "--generate.seed", str(seed), "--generate.output", str(output)]) == 0
+        return [json.loads(line)["token_ids"] for line in output.read_text().splitlines()]
+
+    alone = sampled(3, 1)
+    assert len({tuple(ids) for ids in alone}) == 3
+    assert sampled(3, 3) == alone and sampled(4, 4)[:3] == alone
+    assert sampled(3, 1, seed=1) != alone

@@ -1,6 +1,6 @@
 """The layering the code promises (docs/design.md, README "Layout"): no import cycle in the package,
-the planner never imports the trainer's entry point, parallel/ does not reach up into models/, and no
-file outgrows what one reading can hold."""
+the planner never imports the trainer's entry point, no library module imports an entry point, a training run
+does not import lm-eval, parallel/ does not reach up into models/, and no file outgrows what one reading can hold."""
 
 import ast
 import subprocess
@@ -123,7 +123,7 @@ def test_no_function_is_long_or_takes_a_dozen_parameters():
 
 def test_an_observer_runs_no_collective():
     """An observer that fails turns itself off on its own rank: a collective inside it would leave the other ranks
-    waiting (titanlite/observers.py). Collectives run outside, on every rank alike."""
+    waiting (titanlite/metrics/observers.py). Collectives run outside, on every rank alike."""
     found = []
     for path in PACKAGE.rglob("*.py"):
         for node in functions(path):
@@ -149,6 +149,31 @@ def test_starting_a_run_imports_no_library_that_only_some_runs_use():
             "print(sorted(m for m in ('datasets', 'pyarrow', 'torch.distributed.pipelining') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_a_training_run_does_not_import_lm_eval():
+    """lm-eval (with its datasets, evaluate and sacrebleu imports) is imported only where evaluation runs: by
+    python -m titanlite.eval, or by the in-loop evaluator of a run whose [eval] evaluates."""
+    code = "import sys, titanlite.train; print('lm_eval' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+ENTRY_POINTS = {"titanlite.train", "titanlite.generate", "titanlite.eval", "titanlite.convert", "titanlite.plan.__main__",
+                "titanlite.models.__main__", "titanlite.data.prepare"}
+
+
+def test_every_entry_point_named_is_run_as_a_program():
+    run = {module_name(path) for path in PACKAGE.rglob("*.py") if '__name__ == "__main__"' in path.read_text()}
+    assert ENTRY_POINTS - run - {"titanlite.plan.__main__", "titanlite.models.__main__"} == set()
+
+
+def test_no_library_module_imports_an_entry_point():
+    """An entry point parses arguments, opens and closes the process group and exits; the library it calls never
+    imports it back (eval_loop.py once imported generate.py for its prompt reader)."""
+    graph = import_graph()
+    assert {(name, target) for name, targets in graph.items() if name not in ENTRY_POINTS
+            for target in targets & ENTRY_POINTS} == set()
 
 
 def test_parallel_does_not_import_models():
@@ -177,3 +202,21 @@ def test_the_readme_is_short_and_links_every_docs_page():
     assert len(readme.splitlines()) <= 300
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     assert {name for name in pages if f"(docs/{name}" not in readme} == set()
+
+
+def test_only_the_objectives_builder_compares_the_data_format():
+    """The objective is chosen once (titanlite/objectives/__init__.py); the step, the build, the planner and the
+    checkpoint ask it. Outside data/ and the config, no other module compares training.dataset_format."""
+    allowed = {"titanlite/objectives/__init__.py", "titanlite/config.py", "titanlite/config_rules.py",
+               "titanlite/config_sections.py"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        name = path.relative_to(ROOT).as_posix()
+        if name in allowed or name.startswith("titanlite/data/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(side, ast.Attribute) and side.attr == "dataset_format"
+                                                     for side in [node.left, *node.comparators]):
+                found.append(f"{name}:{node.lineno}")
+    assert found == []
+

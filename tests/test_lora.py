@@ -13,7 +13,7 @@ from conftest import DEBUG_CONFIG, ON_CPU, logged_losses, run_titanlite, tensorb
 from test_pipeline_parallel import launch
 from titanlite.config_sections import LoRA
 from titanlite.errors import UserError
-from titanlite.lora import LoRALinear, apply_lora
+from titanlite.models.lora import LoRALinear, apply_lora
 from titanlite.train import main
 
 LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "wq,wk,wv,wo,w1,w2,w3",
@@ -207,7 +207,7 @@ def test_adapters_start_the_same_with_or_without_activation_checkpointing(world_
     """Each A is drawn from its state-dict name, AC's wrapper left out: turning AC on changes no starting value."""
     from titanlite.build import build_run
     from titanlite.config import load_config
-    from titanlite.lora import adapted_layers
+    from titanlite.models.lora import adapted_layers
     from titanlite.parallel.dist import DistInfo
 
     starts = []

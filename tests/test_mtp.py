@@ -39,14 +39,14 @@ def test_the_rolled_window_is_the_truncated_one():
     T - 1 positions with the next tokens' embeddings, predicting the tokens two places ahead."""
     model = model_of(small_args()).train()
     tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
-    model(tokens)
+    _, extra = model(tokens, extra_losses=True)
     layer = model.mtp["0"]
     with torch.no_grad():
-        h = model.run_main_blocks(model.tok_embeddings(tokens), model.rope_cos, model.rope_sin, attention_mask(None, None, "cpu"))
+        h, _ = model.run_main_blocks(model.tok_embeddings(tokens), model.rope_cos, model.rope_sin, attention_mask(None, None, "cpu"))
         short = layer(h[:, :-1], model.tok_embeddings(tokens[:, 1:]), model.rope_cos, model.rope_sin, None)
         logits = model.output(layer.norm(short[:, :-1]))
         expected = F.cross_entropy(logits.flatten(0, 1), tokens[:, 2:].flatten())
-    torch.testing.assert_close(model.mtp_loss.detach(), 0.3 * expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(extra["mtp"].detach(), 0.3 * expected, rtol=1e-6, atol=1e-6)
     assert model.extra_metrics()["loss/mtp"] == pytest.approx(expected.item(), rel=1e-6)
 
 
@@ -132,3 +132,24 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path):
             assert sharded[step] == pytest.approx(single[step], rel=1e-5, abs=1e-5), (tag, step)
     assert_planned_state(one, 1, first.stderr)  # the planner counts the MTP layer's parameters and state
     assert_planned_state(two, 2, second.stderr)
+
+
+def test_mtp_layers_a_run_leaves_out_are_said_once(tmp_path, caplog):
+    """Issue 53: a folder holding an MTP layer, read with model.mtp_layers 0, loses the layer from the run and its
+    export: the load says so in one line, naming the key that keeps it."""
+    args = small_args()
+    tensors = transformers_folder_with_an_mtp_layer(tmp_path / "in", args)
+    without = dataclasses.replace(args, mtp_layers=0)
+    model = model_of(without)
+    with caplog.at_level("WARNING", logger="titanlite"):
+        load_model_from_hf(model.state_dict(), tmp_path / "in", ADAPTER, without, "deepseek_v3/test")
+    said = [r.getMessage() for r in caplog.records if "multi-token prediction" in r.getMessage()]
+    assert said == [f"the Hugging Face folder {tmp_path / 'in'} holds 1 multi-token prediction layer(s) beyond model.mtp_layers 0 "
+                    "(config.json num_nextn_predict_layers 1): they are not trained, and this run's exports leave them out; "
+                    "set model.mtp_layers 1 to keep them"]
+    save_model_as_hf(model.state_dict(), tmp_path / "out", ADAPTER, without, torch.float32, writer_rank=True)
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == sorted(n for n in tensors if not n.startswith("model.layers.2."))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="titanlite"):  # read with its MTP layer: nothing left out, nothing said
+        load_model_from_hf(model_of(args).state_dict(), tmp_path / "in", ADAPTER, args, "deepseek_v3/test")
+    assert not [r for r in caplog.records if "multi-token prediction" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""Muon (titanlite/muon.py): the Newton-Schulz iteration, which parameters it trains, FSDP2 against one process,
+"""Muon (titanlite/optim/muon.py): the Newton-Schulz iteration, which parameters it trains, FSDP2 against one process,
 an exact resume, the planner's count of its state, and its refusals."""
 
 import shutil
@@ -12,7 +12,7 @@ from titanlite.config import load_config
 from titanlite.config_sections import Optimizer
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
-from titanlite.muon import Muon, newton_schulz
+from titanlite.optim.muon import Muon, newton_schulz
 from titanlite.optim import build_optimizer
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import titanlite.step
+import titanlite.objectives.lm
 from conftest import logged_losses, tensorboard_scalars
 from titanlite.train import main
 
@@ -26,7 +26,7 @@ class NanGradient(torch.autograd.Function):
 
 def inject(monkeypatch, at_calls: set[int], what: str):
     """Micro-batch losses (one per step here) at the given calls made NaN, or their gradients made NaN."""
-    real, calls = titanlite.step.micro_batch_loss, [0]
+    real, calls = titanlite.objectives.lm.micro_batch_loss, [0]
 
     def poisoned(*args, **kwargs):
         calls[0] += 1
@@ -35,7 +35,7 @@ def inject(monkeypatch, at_calls: set[int], what: str):
             return loss
         return loss * float("nan") if what == "loss" else NanGradient.apply(loss)
 
-    monkeypatch.setattr(titanlite.step, "micro_batch_loss", poisoned)
+    monkeypatch.setattr(titanlite.objectives.lm, "micro_batch_loss", poisoned)
 
 
 def state_at(dump, step, tmp_path):

@@ -1,4 +1,4 @@
-"""Observers never stop training (titanlite/observers.py): a failure injected into each of them (from
+"""Observers never stop training (titanlite/metrics/observers.py): a failure injected into each of them (from
 outside the package, through monkeypatch) is logged once, that observer turns itself off, and the run
 finishes with exactly the weights of an untouched run; and the save-cost accounting of a save every
 step, which once crashed a run at about step 38, reports every save."""
@@ -49,8 +49,8 @@ INJECTIONS = {
     "save-cost accounting": ("titanlite.checkpoint.cost.SaveCost._clean_steps", True),
     "metrics": ("titanlite.metrics.memory_usage", False),
     "TensorBoard": (SummaryWriter, "add_scalar"),
-    "profiling": ("titanlite.profiling.StepProfiler._save_trace", True),
-    "run summary": ("titanlite.profiling.peak_memory_gib", True),
+    "profiling": ("titanlite.metrics.profiling.StepProfiler._save_trace", True),
+    "run summary": ("titanlite.metrics.profiling.peak_memory_gib", True),
     "the planner's start-up prediction": ("titanlite.train.predict_on_gpu", True),
 }
 

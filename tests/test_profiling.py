@@ -9,7 +9,7 @@ import torch
 from conftest import run_titanlite
 from titanlite.config_sections import Profiling
 from titanlite.errors import UserError
-from titanlite.profiling import RunSummary, StepProfiler
+from titanlite.metrics.profiling import RunSummary, StepProfiler
 
 SUMMARY = re.compile(r"run summary: 2 steps after 2 warm-up  tps: [\d,]+  step: [\d.]+s  .*state_per_rank: params ")
 

@@ -18,8 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import DEBUG_CONFIG, ROOT, checkpointed_run, logged_losses, run_titanlite
-from titanlite.checkpoint import CheckpointManager
+from conftest import DEBUG_CONFIG, ROOT, checkpointed_run, checkpointed_training, logged_losses, run_titanlite
+from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.config_sections import Checkpoint
 from titanlite.log import init_logger
@@ -103,8 +103,10 @@ def test_two_rank_dashboard_read_over_http(tmp_path):
         layout = get("/data/plugin/custom_scalars/layout")
         charts = {c["title"]: c["multiline"]["tag"] for cat in layout["category"] for c in cat["chart"]}
         assert charts["loss: train and validation"] == [r"^loss/(train|validation)$"]
-        assert {"tokens per second per device", "MFU (%)", "memory against the device's capacity (GiB)",
-                "lr and grad_norm"} <= set(charts)
+        assert {"tokens per second per device", "memory against the device's capacity (GiB)", "learning rate",
+                "grad_norm (before clipping)"} <= set(charts)
+        assert charts["no MFU: cpu has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device"] == [
+            r"^throughput/tflops$"]
 
         (text,) = get(f"/data/plugin/text/text?run={job.name}/rank0&tag=config/text_summary")
         assert "seq_len = 64" in text["text"] and 'description = "dash test"' in text["text"]
@@ -180,6 +182,53 @@ def test_kill_resume_and_rewind_draw_one_line(tmp_path):
         assert [e["step"] for e in configs] == sorted({0, 3} | ({resumed_at} if resumed_at < 3 else set()))
 
 
+def written_layout(folder: Path) -> dict[str, dict[str, list[str]]]:
+    """The CUSTOM SCALARS layout TensorBoard draws from a run's event file (the last one written):
+    {category: {chart title: its tag patterns}}."""
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+    from tensorboard.util import tensor_util
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    last = events.Tensors(metadata.CONFIG_SUMMARY_TAG)[-1]
+    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(last.tensor_proto).item())
+    return {category.title: {chart.title: list(chart.multiline.tag) for chart in category.chart}
+            for category in layout.category}
+
+
+@pytest.mark.parametrize("peak", [0.0, 989.0])
+def test_the_dashboard_has_a_chart_for_every_group_a_run_writes(tmp_path, peak):
+    """The lr alone on its chart; eval (a chart per task), DPO and RL charts join the layout when their first tag is
+    written; without a known peak the MFU chart says why and draws the achieved TFLOP/s instead."""
+    from titanlite.config import load_config
+    from titanlite.metrics import MetricsLogger
+
+    job = load_config(["--job.config_file", DEBUG_CONFIG, "--metrics.peak_tflops", str(peak)])
+    metrics = MetricsLogger(job.metrics, 0, torch.device("cpu"), flops_per_token=1.0)
+    metrics.start_tensorboard(tmp_path, job, 0, {"lr": job.optimizer.lr})
+    metrics.write_scalars(1, {"loss/train": 8.0, "optim/lr": 8e-4, "optim/grad_norm": 1.0}, flush=True)
+    (charts,) = written_layout(tmp_path).values()
+    assert charts["learning rate"] == [r"^optim/lr$"] and charts["grad_norm (before clipping)"] == [r"^optim/grad_norm$"]
+    mfu = {title: tags for title, tags in charts.items() if "MFU" in title}
+    assert list(charts)[2] in mfu  # beside tps, where it is either way
+    assert mfu == ({"MFU (%)": [r"^throughput/mfu$"]} if peak > 0 else {
+        "no MFU: cpu has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device": [r"^throughput/tflops$"]})
+    assert set(written_layout(tmp_path)) == {"titanlite"}  # no empty charts for groups the run has not written
+
+    metrics.write_scalars(2, {"dpo/reward_accuracy": 0.5, "dpo/margin": 0.1, "eval/arc_easy/acc": 0.3,
+                              "eval/arc_easy/acc_norm": 0.3, "eval/mmlu_anatomy/acc": 0.2, "rl/reward": 1.0}, flush=True)
+    metrics.write_scalars(3, {"eval/arc_easy/acc": 0.4, "dpo/margin": 0.2}, flush=True)  # nothing new: no new layout
+    layout = written_layout(tmp_path)
+    assert layout["titanlite"] == charts
+    assert layout["DPO"] == {"DPO: reward accuracy": [r"^dpo/reward_accuracy$"],
+                             "DPO: chosen and rejected rewards, margin": [r"^dpo/(chosen_reward|rejected_reward|margin)$"]}
+    assert layout["eval"] == {"eval: arc_easy": [r"^eval/arc_easy/"], "eval: mmlu_anatomy": [r"^eval/mmlu_anatomy/"]}
+    assert layout["RL"] == {"RL": [r"^rl/"]}
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert len(events.Tensors("custom_scalars__config__")) == 2  # the start's layout, then once with the new groups
+
+
 def test_save_cost_is_the_extra_time_of_the_steps_it_touched():
     reported = {}
     cost = SaveCost(lambda step, values: reported.update({step: values}), warmup_steps=1)
@@ -203,8 +252,9 @@ def test_a_save_that_waits_for_the_previous_write_says_so_once(tmp_path, world_o
     model = torch.nn.Linear(512, 512)
     optimizer = torch.optim.AdamW(model.parameters())
     manager = CheckpointManager(
-        checkpointed_run(model, Checkpoint(enable=True, interval=1, async_mode="async"), tmp_path), optimizer,
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), StatefulDataLoader(list(range(4))),
+        checkpointed_run(model, Checkpoint(enable=True, interval=1, async_mode="async"), tmp_path),
+        checkpointed_training(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                              StatefulDataLoader(list(range(4)))),
     )
     for step in (1, 2, 3):  # no training between the saves: each one starts while the previous one writes
         manager.maybe_save(step)

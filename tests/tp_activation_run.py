@@ -36,7 +36,7 @@ def peak_of_a_step(cfg) -> int:
     def step():
         with loss_parallel_context(not cfg.parallelism.disable_loss_parallel):
             context = mixed_precision_context(dims, cfg.training.mixed_precision_param, "cpu")
-            micro_batch_loss(model, tokens, tokens, {}, loss_fn, context).backward()
+            micro_batch_loss(model, tokens, tokens, {}, loss_fn, context)[0].backward()
 
     step()  # the first step makes what later steps reuse
     model.zero_grad(set_to_none=True)

@@ -16,9 +16,13 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.dims import ParallelDims
-from titanlite.build import Run, build_model, resolve_model_args
+from titanlite.build import build_model, forward_settings, resolve_model_args, step_settings
+from titanlite.config_sections import FaultTolerance
+from titanlite.fault_tolerance import join_replica_groups
 from titanlite.loss import cross_entropy_loss
-from titanlite.step import ForwardSettings, StepSettings, train_step
+from titanlite.objectives.lm import LanguageModelling
+from titanlite.run import Run, Training
+from titanlite.step import train_step
 
 STEPS, BATCH, SEQ = 5, 2, 64
 
@@ -33,17 +37,20 @@ def losses(name: str, world: int, flags: tuple[str, ...] = ()) -> list[float]:
     if world > 1:
         dims.build_mesh("cpu")
     model, *_ = build_model(cfg, spec, args, dims, torch.device("cpu"), cross_entropy_loss)
+    objective = LanguageModelling()
     run = Run(cfg, types.SimpleNamespace(device=torch.device("cpu")), dims, spec, args, tokenizer, model, None,
-              cross_entropy_loss, ForwardSettings.of(cfg, dims, torch.device("cpu"), tokenizer), StepSettings.of(cfg, 1), 0, 0.0)
+              cross_entropy_loss, forward_settings(cfg, dims, torch.device("cpu"), tokenizer), step_settings(cfg, 1, objective),
+              0, 0.0, objective)
     optimizer = build_optimizer(model, cfg.optimizer, "cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
+    training = Training(optimizer, scheduler, None, STEPS, metrics, join_replica_groups(FaultTolerance(), None, 0))
     generator = torch.Generator().manual_seed(0)  # the same batches for both runs
     windows = [torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
     for w in windows:  # documents starting at bos tokens, so the block-causal mask (the default) splits
         w[:, 10::23] = tokenizer.bos_id
     batches = iter([(w[:, :-1], w[:, 1:]) for w in windows])
-    metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
-    return [train_step(run, optimizer, scheduler, batches, metrics)[0].item() for _ in range(STEPS)]
+    return [train_step(run, training, batches)[0].item() for _ in range(STEPS)]
 
 
 def write_from_rank0(out_path: str, results) -> None:

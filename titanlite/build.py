@@ -12,67 +12,40 @@ import torch
 from torch import nn
 
 from titanlite.config_rules import check_context_parallel
-from titanlite.config_sections import JobConfig, LoRA, Model, Training
+from titanlite.config_sections import JobConfig, LoRA, Model
+from titanlite.config_sections import Training as TrainingSection
 from titanlite.data.datasets import DataSpec
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.dpo import PreferenceObjective, build_preference
 from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
 from titanlite.loss import build_loss
-from titanlite.lora import apply_lora, init_lora
-from titanlite.models import ModelSpec, get_model_args, get_model_spec
+from titanlite.metrics import MetricsLogger
+from titanlite.models.attention import document_delimiters
+from titanlite.objectives import build_objective, objective_class
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallel.cp import sequence_shard
+from titanlite.parallel.float8 import register_float8_scale_precompute
+from titanlite.parallel.offload import HeldBytes, optimizer_device_type
+from titanlite.data.datasets import build_dataloader
+from titanlite.data.global_order import steps_for_epochs
+from titanlite.fault_tolerance import replica_groups
+from titanlite.models.lora import apply_lora, init_lora
+from titanlite.models import get_model_args, get_model_spec
 from titanlite.models.hf_folder import is_model_folder, read_model_folder
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo
 from titanlite.parallel.ep import EXPERT_WEIGHTS, is_moe
 from titanlite.parallel.offload import note_if_offload_saves_nothing
 from titanlite.parallel.parallelize import ParallelizeSettings, parallelize_decoder
-from titanlite.parallel.pp import Pipeline, build_pipeline
+from titanlite.parallel.pp import build_pipeline
 from titanlite.parallel.tp import place_grads_like_params
-from titanlite.step import ForwardSettings, StepSettings
-from titanlite.validation import check_validation
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """Everything a job builds before its loop, once: the trainer's step, validation, the checkpoint
-    manager, the planner's start-up prediction, the generator and the evaluator read it from here instead
-    of each threading its own copies."""
-
-    cfg: JobConfig
-    info: DistInfo  # this process: rank, world size, device
-    dims: ParallelDims  # the mesh and its degrees
-    spec: ModelSpec  # the model family
-    args: object  # the family's model args (flavor or HF folder, vocab and depth resolved)
-    tokenizer: object
-    model: nn.Module  # this rank's model: sharded as the layout says; under PP its stage(s)
-    pipeline: Pipeline | None  # None without pipeline parallelism
-    loss_fn: Callable
-    forward: ForwardSettings
-    step: StepSettings
-    num_params: int  # the whole model's
-    flops_per_token: float  # training FLOPs per token (metrics.py's MFU)
-    dpo: PreferenceObjective | None = None  # training.dataset_format preference: the DPO loss and its reference
-
-    @property
-    def device(self) -> torch.device:
-        return self.info.device
-
-    @property
-    def label(self) -> str:
-        return model_label(self.cfg.model)
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens of one optimizer step over all data-parallel ranks."""
-        training = self.cfg.training
-        rows = training.local_batch_size * (2 if self.dpo else 1)  # a preference pair is two sequences
-        return rows * training.seq_len * self.dims.dp_degree * self.step.accum_steps
+from titanlite.run import ForwardSettings, Run, StepSettings, Training, model_label
+from titanlite.metrics.validation import check_validation
 
 
 def build_run(cfg: JobConfig, info: DistInfo) -> Run:
     """config -> mesh -> tokenizer -> model args -> the model, parallelized, allocated and initialised
-    (weights are loaded afterwards, by the checkpoint manager) -> the step's and forward's settings."""
+    (weights are loaded afterwards, by the checkpoint manager) -> the objective -> the step's and forward's settings."""
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)  # degrees the world cannot hold: said first
     check_context_parallel(cfg.training.seq_len, dims.cp)
     dims.build_mesh(info.device.type)
@@ -85,14 +58,41 @@ def build_run(cfg: JobConfig, info: DistInfo) -> Run:
     loss_fn = build_loss(cfg.training, cfg.compile)
     model, num_params, flops_per_token, pipeline = build_model(cfg, spec, args, dims, info.device, loss_fn)
     note_if_offload_saves_nothing(cfg.activation_checkpoint.offload_activations, info.device.type)
+    # a reference model is built and sharded like the policy, without adapters
+    copy = functools.partial(build_model, dataclasses.replace(cfg, lora=LoRA()), spec, args, dims, info.device, loss_fn)
+    objective = build_objective(cfg, lambda: copy()[0], spec.hf_adapter, args, model_label(cfg.model), info.device)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
-    dpo = None
-    if cfg.training.dataset_format == "preference":  # DPO (dpo.py): a reference built and sharded like the policy
-        copy = functools.partial(build_model, dataclasses.replace(cfg, lora=LoRA()), spec, args, dims, info.device, loss_fn)
-        dpo = build_preference(cfg, lambda: copy()[0], spec.hf_adapter, args, model_label(cfg.model), info.device)
-    return Run(cfg, info, dims, spec, args, tokenizer, model, pipeline, loss_fn,
-               ForwardSettings.of(cfg, dims, info.device, tokenizer), StepSettings.of(cfg, accum_steps),
-               num_params, flops_per_token, dpo)
+    return Run(cfg, info, dims, spec, args, tokenizer, model, pipeline, loss_fn, forward_settings(cfg, dims, info.device, tokenizer),
+               step_settings(cfg, accum_steps, objective), num_params, flops_per_token, objective)
+
+
+def forward_settings(cfg: JobConfig, dims: ParallelDims, device: torch.device, tokenizer) -> ForwardSettings:
+    offload = cfg.activation_checkpoint.offload_activations
+    return ForwardSettings(cfg.training.mixed_precision_param, dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+                           document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset),
+                           sequence_shard(cfg.training.seq_len, dims.cp_mesh, device) if dims.cp_enabled else None,
+                           HeldBytes() if offload else None)
+
+
+def step_settings(cfg: JobConfig, accum_steps: int, objective) -> StepSettings:
+    return StepSettings(accum_steps, cfg.training.max_norm, cfg.model.moe_aux_loss_coeff, cfg.training.on_nonfinite == "skip",
+                        objective.per_trained_token, cfg.model.moe_bias_update_rate)
+
+
+def build_training(run: Run) -> Training:
+    """What moves while the run trains: the optimizer, the lr schedule over the settled number of steps, the data
+    loader (under fault tolerance this replica group's share of the global order), the metrics and the replica groups."""
+    cfg, info = run.cfg, run.info
+    replicas = replica_groups(cfg.fault_tolerance)  # met after the checkpoint's load (train.py), every rule checked first
+    optimizer = build_optimizer(run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
+    register_float8_scale_precompute(optimizer, run.model, cfg.float8)
+    dataloader = build_dataloader(training_data(cfg.training), run.tokenizer, replicas.data_rank(run.dims),
+                                  replicas.data_world(run.dims), cfg.job.seed)
+    steps = cfg.training.steps
+    if cfg.training.epochs:  # the steps every reader (schedule, loop, evaluation) then sees
+        steps = steps_for_epochs(cfg.training.epochs, dataloader, run.step.accum_steps, steps)
+    return Training(optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler, steps), dataloader, steps,
+                    MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token), replicas)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -103,16 +103,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def model_label(cfg: Model) -> str:
-    """The model as logs, errors and checkpoints name it; a depth override is part of the name."""
-    label = f"{cfg.name}/{cfg.flavor}"
-    return f"{label} with model.n_layers {cfg.n_layers}" if cfg.n_layers else label
-
-
 def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
     """The training job's model args (model_args), with model.reset_position_ids always on for chat data (each
     conversation starts at position 0, as at inference) and training.seq_len checked against the model's context."""
-    reset = cfg.model.reset_position_ids or cfg.training.dataset_format != "text"
+    reset = cfg.model.reset_position_ids or objective_class(cfg).resets_positions
     args = dataclasses.replace(model_args(cfg.model, spec, tokenizer_vocab), reset_position_ids=reset)
     if cfg.training.seq_len > args.max_seq_len:
         raise UserError(f"training.seq_len {cfg.training.seq_len} exceeds the context of {model_label(cfg.model)} "
@@ -146,14 +140,14 @@ def model_args(cfg: Model, spec, tokenizer_vocab: int):
     return args
 
 
-def training_data(cfg: Training) -> DataSpec:
+def training_data(cfg: TrainingSection) -> DataSpec:
     """The [training] section's data keys, as the data loader takes them."""
     return DataSpec(cfg.dataset, cfg.dataset_path, cfg.seq_len, cfg.local_batch_size, text_field=cfg.dataset_text_field,
                     num_workers=cfg.num_workers, dataset_mix=cfg.dataset_mix, dataset_format=cfg.dataset_format,
                     train_on=cfg.train_on, chat_template=cfg.chat_template)
 
 
-def grad_accumulation_steps(cfg: Training, dp_degree: int) -> int:
+def grad_accumulation_steps(cfg: TrainingSection, dp_degree: int) -> int:
     """Micro-steps per optimizer step so that local x dp x micro-steps = global batch."""
     per_micro_step = cfg.local_batch_size * dp_degree
     if cfg.global_batch_size == -1:

@@ -254,6 +254,10 @@ def check_eval(cfg: JobConfig) -> None:
                 raise UserError(f"in-loop evaluation ([eval]) runs on data-parallel layouts only, but parallelism.{key} is "
                                 f"{getattr(par, key)}; set eval.interval 0 and eval.at_end false, and evaluate the checkpoint "
                                 "with python -m titanlite.eval")
+    if not (ev.interval or ev.at_end) and (ev.tasks or ev.sample_prompts):
+        key = "eval.tasks" if ev.tasks else "eval.sample_prompts"
+        raise UserError(f"{key} is set but eval.interval is 0 and eval.at_end false, so the run would never evaluate; set "
+                        f"eval.interval N or eval.at_end true, or leave {key} empty")
 
 
 DPO_UNSUPPORTED_DEGREES = ("pipeline_parallel_degree", "context_parallel_degree")

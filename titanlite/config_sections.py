@@ -51,13 +51,13 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16); Muon orthogonalizes the momentum of the blocks' matrices (titanlite/muon.py) and runs AdamW on the rest", choices=("AdamW", "Adam", "AdamWBF16Kahan", "Muon"))
+    name: str = opt("AdamW", "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16); Muon orthogonalizes the momentum of the blocks' matrices (titanlite/optim/muon.py) and runs AdamW on the rest", choices=("AdamW", "Adam", "AdamWBF16Kahan", "Muon"))
     lr: float = opt(8e-4, "peak learning rate; 0 keeps the weights as they are", at_least=0)
     betas: list[float] = opt([0.9, 0.95], "Adam betas, comma-separated on the CLI", at_least=0, below=1, length=2)
     eps: float = opt(1e-8, "Adam epsilon", above=0)
     weight_decay: float = opt(0.1, "decoupled weight decay", at_least=0)
     implementation: str = opt("auto", "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: one compiled fused kernel per parameter on CUDA, the same math op by op on the CPU; auto or fused; Muon: auto only, one parameter at a time)", choices=("auto", "fused", "foreach", "for-loop"))
-    muon_lr: float = opt(-1.0, "Muon: peak learning rate of the blocks' matrices (their update is scaled to AdamW's RMS, so optimizer.lr usually serves); -1 = optimizer.lr", at_least=0, sentinels=(-1,))
+    muon_lr: float = opt(-1.0, "Muon: peak learning rate of the blocks' matrices, whose update is scaled to AdamW's RMS on long runs (Moonshot); -1 = optimizer.lr, right for long runs of large models; short runs of small models want about 25-30x optimizer.lr (the debug model: 0.02, docs/optimizers.md)", at_least=0, sentinels=(-1,))
     muon_momentum: float = opt(0.95, "Muon: momentum of the matrices' update", at_least=0, below=1)
     muon_nesterov: bool = opt(True, "Muon: Nesterov momentum (the gradient plus momentum times the buffer is orthogonalized)")
     muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations orthogonalizing each matrix's update", at_least=1, at_most=20)
@@ -148,8 +148,9 @@ class Checkpoint:
     initial_load_path: str = opt("", "DCP checkpoint (or Hugging Face folder, see initial_load_in_hf) to start from when the folder holds no checkpoint; empty = model.hf_assets_path where that is a model folder (config.json), read in Hugging Face format")
     initial_load_model_only: bool = opt(True, "load only the model from initial_load_path (false: also optimizer, schedule, step and data position)")
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder (config.json + safetensors)")
-    last_save_in_hf: bool = opt(False, "also write the final model in Hugging Face format to <folder>/step-N-hf, with the run's tokenizer files (a folder transformers, vLLM and model.hf_assets_path load)")
+    last_save_in_hf: bool = opt(False, "also write the final model in Hugging Face format to <folder>/step-N-hf, with the run's tokenizer files (a folder transformers, vLLM and model.hf_assets_path load); needs enable, which turns every save off")
     create_seed_checkpoint: bool = opt(False, "write the initialised model as <folder>/step-0 on one process and exit")
+    allow_unverified: bool = opt(False, "load a checkpoint that has no checksums folder (written by another tool or a titanlite before checksums, or the folder lost), without verifying its files; false = refuse it in one sentence")
 
 
 @dataclass
@@ -221,7 +222,7 @@ class LoRA:
 
 @dataclass
 class DPO:
-    """Direct preference optimization, for training.dataset_format preference (titanlite/dpo.py)."""
+    """Direct preference optimization, for training.dataset_format preference (titanlite/objectives/dpo.py)."""
 
     beta: float = opt(0.1, "a completion's reward is beta x (its log-probability under the policy - under the reference), log-probabilities summed over its trained tokens; a higher beta keeps the policy nearer the reference", above=0)
     loss_type: str = opt("sigmoid", "sigmoid (the DPO paper: -log sigmoid of the chosen reward minus the rejected one) or ipo (IPO: the squared distance of the log-ratio margin, with log-probabilities averaged over the completion's tokens as TRL does, from 1 / (2 beta))", choices=("sigmoid", "ipo"))

@@ -11,8 +11,9 @@ as config.json, so a run started from a Hugging Face folder exports too): flags 
 and flags naming another model are refused.
 dcp-to-hf reads any titanlite checkpoint (full or model-only; only the model is converted) a
 layer at a time and writes safetensors shards of at most --max_shard_mb, with
-model.safetensors.index.json when there is more than one, plus config.json. hf-to-dcp writes a
-model-only DCP checkpoint, usable as checkpoint.initial_load_path; it holds the model in memory.
+model.safetensors.index.json when there is more than one, plus config.json; it verifies the checkpoint's
+checksums as a resume does (checkpoint.allow_unverified for one without them). hf-to-dcp writes a model-only
+DCP checkpoint with its checksums, usable as checkpoint.initial_load_path; it holds the model in memory.
 The destination must be a new or empty folder: one holding files (a checkpoint of a run, above
 all) is written over only with --overwrite.
 """
@@ -20,6 +21,7 @@ all) is written over only with --overwrite.
 import dataclasses
 import json
 import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -29,11 +31,12 @@ import torch.distributed.checkpoint as dcp
 
 from titanlite.checkpoint.fit import check_model_fits, load_in_place, model_tensors, read_metadata
 from titanlite.checkpoint.folders import METADATA, is_complete
-from titanlite.checkpoint.integrity import verify_checksums
+from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, verify_checksums
 from titanlite.checkpoint.hf_io import DEFAULT_MAX_SHARD_BYTES, HFReader, layer_groups, read_hf_tensors, write_hf_folder
 from titanlite.config import load_config
 from titanlite.errors import UserError, exit_code
 from titanlite.models import get_model_args, get_model_spec
+from titanlite.models.hf_folder import is_model_folder, read_model_folder
 from titanlite.dtypes import DTYPES
 
 USAGE = """usage: python -m titanlite.convert {hf-to-dcp,dcp-to-hf} SOURCE DESTINATION [--model.name N] [--model.flavor F]
@@ -48,8 +51,15 @@ def model_shapes(spec, args) -> dict[str, tuple]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def resolve_args(spec, flavor: str, vocab_size: int | None, source: Path):
-    args = get_model_args(spec, flavor)
+def job_model_args(cfg, spec):
+    """The model the flags or the job's config.toml name: its flavor, or the Hugging Face folder the run started from
+    (model.hf_assets_path with a config.json, whose run's config.toml says model.flavor hf)."""
+    if is_model_folder(cfg.model.hf_assets_path):
+        return read_model_folder(cfg.model.hf_assets_path, cfg.model.name).args
+    return get_model_args(spec, cfg.model.flavor)
+
+
+def resolve_args(args, vocab_size: int | None, source: Path):
     if args.vocab_size == -1:
         if vocab_size is None:
             raise UserError(f"cannot tell the vocabulary size of {source}; use a flavor with a fixed vocabulary")
@@ -96,12 +106,13 @@ def model_from_checkpoint(source: Path, metadata, named: str | None):
     return spec, dataclasses.replace(args, n_layers=int(layers.group(1))) if layers else args, label
 
 
-def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: str, max_shard_bytes: int, overwrite: bool,
-              named: bool = False) -> None:
-    """`named`: the flags name the model (else the checkpoint's record alone does)."""
+def dcp_to_hf(source: Path, destination: Path, spec, cfg, max_shard_bytes: int, overwrite: bool, named: bool = False) -> None:
+    """`cfg`: the job's config (the model's flavor or folder, checkpoint.export_dtype and allow_unverified); `named`: the
+    flags name the model (else the checkpoint's record alone does)."""
     if not is_complete(source):
         raise UserError(f"{source} is not a complete DCP checkpoint: it has no {METADATA}")
-    verify_checksums(source)  # as a resume does: a file changed on disk is named, never exported
+    verify_checksums(source, cfg.checkpoint.allow_unverified)  # as a resume does: a file changed on disk is named, never exported
+    flavor = cfg.model.flavor
     metadata = read_metadata(source)
     saved = model_tensors(metadata)
     embedding = saved.get("tok_embeddings.weight")
@@ -111,7 +122,8 @@ def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: st
         if args.vocab_size == -1 and embedding:
             args = dataclasses.replace(args, vocab_size=embedding.size[0])
     else:
-        args, model_name = resolve_args(spec, flavor, embedding.size[0] if embedding else None, source), f"{spec.name}/{flavor}"
+        args = resolve_args(job_model_args(cfg, spec), embedding.size[0] if embedding else None, source)
+        model_name = f"{spec.name}/{flavor}"
     shapes = model_shapes(spec, args)
     check_model_fits(metadata, shapes, source, model_name)
     check_destination(destination, overwrite)
@@ -122,17 +134,20 @@ def dcp_to_hf(source: Path, destination: Path, spec, flavor: str, dtype_name: st
             load_in_place(source, state)
             yield state
 
-    write_hf_folder(layers(), destination, spec.hf_adapter, args, DTYPES[dtype_name], max_shard_bytes)
+    write_hf_folder(layers(), destination, spec.hf_adapter, args, DTYPES[cfg.checkpoint.export_dtype], max_shard_bytes)
 
 
-def hf_to_dcp(source: Path, destination: Path, spec, flavor: str, overwrite: bool) -> None:
+def hf_to_dcp(source: Path, destination: Path, spec, cfg, overwrite: bool) -> None:
     reader = HFReader(source)
     check_destination(destination, overwrite)  # before the model is read into memory
-    args = resolve_args(spec, flavor, reader.config.get("vocab_size"), source)
-    model_name = f"{spec.name}/{flavor}"
+    args = resolve_args(job_model_args(cfg, spec), reader.config.get("vocab_size"), source)
+    model_name = f"{spec.name}/{cfg.model.flavor}"
     state = dict(read_hf_tensors(reader, model_shapes(spec, args), spec.hf_adapter, args, model_name))
-    (destination / METADATA).unlink(missing_ok=True)
+    shutil.rmtree(destination / CHECKSUMS, ignore_errors=True)  # as a save does (manager.py): old records, the
+    (destination / METADATA).unlink(missing_ok=True)  # .metadata, then an empty checksums folder before any file
+    (destination / CHECKSUMS).mkdir(parents=True)
     dcp.save(state, checkpoint_id=str(destination), no_dist=True)
+    record_checksums(destination, 0)
 
 
 def _pop_option(argv: list[str], name: str, default: str) -> tuple[list[str], str]:
@@ -167,12 +182,12 @@ def run(argv: list[str]) -> None:
     spec = get_model_spec(cfg.model.name)
     if spec.hf_adapter is None:
         raise UserError(f"model family {spec.name} has no Hugging Face adapter yet")
-    get_model_args(spec, cfg.model.flavor)  # an unknown flavor fails here, before any file is touched
+    job_model_args(cfg, spec)  # an unknown flavor fails here, before any file is touched
     if command == "dcp-to-hf":
         named = any(flag.split("=")[0] in ("--model.name", "--model.flavor", "--job.config_file") for flag in flags)
-        dcp_to_hf(source, destination, spec, cfg.model.flavor, cfg.checkpoint.export_dtype, max_shard_bytes, overwrite, named)
+        dcp_to_hf(source, destination, spec, cfg, max_shard_bytes, overwrite, named)
     else:
-        hf_to_dcp(source, destination, spec, cfg.model.flavor, overwrite)
+        hf_to_dcp(source, destination, spec, cfg, overwrite)
     print(f"wrote {destination}")
 
 

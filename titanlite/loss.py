@@ -189,18 +189,30 @@ def local_loss(loss: torch.Tensor) -> torch.Tensor:
 
 
 def micro_batch_loss(model, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
-                     forward_context) -> torch.Tensor:
-    """The mean loss of a micro-batch (a plain tensor), as the train step, validation and the planner run
-    it; `model_kwargs` are the model's keyword inputs (document_ids, sequence_shard: parallel/cp.py's
-    split_batch). The chunked loss runs inside the model's forward (under forward_context); any other
-    loss_fn takes the logits after it (outside: activation offload is for the model's activations, not
-    the loss's). Under loss parallel the caller holds loss_parallel_context over this and the backward."""
+                     forward_context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the mean loss of a micro-batch (a plain tensor), the extra losses its forward returned: with_extra_losses),
+    as the train step, validation and the planner run it; `model_kwargs` are the model's keyword inputs
+    (document_ids, sequence_shard: parallel/cp.py's split_batch). The chunked loss runs inside the model's forward
+    (under forward_context); any other loss_fn takes the logits after it (outside: activation offload is for the
+    model's activations, not the loss's). Under loss parallel the caller holds loss_parallel_context over this and
+    the backward."""
     if computed_in_forward(loss_fn):
         with forward_context:
-            return model(inputs, output_loss=loss_fn.against(labels), **model_kwargs)
+            return model(inputs, output_loss=loss_fn.against(labels), extra_losses=True, **model_kwargs)
     with forward_context:
-        logits = model(inputs, **model_kwargs)
-    return local_loss(loss_fn(logits, labels))
+        logits, extra = model(inputs, extra_losses=True, **model_kwargs)
+    return local_loss(loss_fn(logits, labels)), extra
+
+
+def with_extra_losses(loss: torch.Tensor, extra: dict[str, torch.Tensor], scale: "LossScale",
+                      aux_loss_coeff: float) -> torch.Tensor:
+    """A micro-batch's share of the step's objective: its scaled loss plus the extra losses its forward returned,
+    each as the same share: MoE's balance loss "moe_aux" weighted by model.moe_aux_loss_coeff, DeepSeek-V3's
+    multi-token prediction "mtp" as the model weighted it (model.mtp_loss_weight)."""
+    weights = {"moe_aux": aux_loss_coeff, "mtp": 1.0}
+    for name, value in extra.items():
+        loss = loss + scale.aux_term(value, weights[name])
+    return loss
 
 
 def stage_forward(forward, chunked_loss: ChunkedCrossEntropy | None, h, labels=None, **model_kwargs):
@@ -221,4 +233,4 @@ def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: di
              loss_parallel_enabled: bool) -> torch.Tensor:
     """The sum of a batch's token losses (validation, under no_grad): its mean times its trained tokens."""
     with loss_parallel_context(loss_parallel_enabled):
-        return micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, forward_context) * trained_tokens(labels)
+        return micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, forward_context)[0] * trained_tokens(labels)

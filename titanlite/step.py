@@ -4,55 +4,18 @@ clipping, the optimizer and the lr schedule."""
 import contextlib
 import functools
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from titanlite.config_sections import JobConfig
-from titanlite.loss import LossScale, loss_parallel_context, micro_batch_loss, per_trained_token
-from titanlite.models.attention import document_delimiters, document_ids
-from titanlite.parallel.cp import SequenceShard, sequence_shard, split_batch
+from titanlite.loss import LossScale, loss_parallel_context, per_trained_token, with_extra_losses
+from titanlite.models.attention import document_ids
+from titanlite.parallel.cp import split_batch
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import mixed_precision_context
-from titanlite.parallel.offload import HeldBytes, activation_offload_context
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """What a training step needs to know of the job, besides its forward (ForwardSettings)."""
-
-    accum_steps: int  # micro-batches per optimizer step
-    max_norm: float  # training.max_norm: gradient clipping
-    aux_loss_coeff: float  # model.moe_aux_loss_coeff: the weight of a model's balance loss
-    skip_nonfinite: bool = False  # training.on_nonfinite skip: a step with NaN or inf applies no update
-    per_trained_token: bool = False  # chat data: the loss is over the trained tokens of the whole global batch (DPO: over pairs)
-    bias_update_rate: float = 0.0  # model.moe_bias_update_rate: aux-loss-free balancing (balance_experts)
-
-    @classmethod
-    def of(cls, cfg: JobConfig, accum_steps: int) -> "StepSettings":
-        return cls(accum_steps, cfg.training.max_norm, cfg.model.moe_aux_loss_coeff, cfg.training.on_nonfinite == "skip",
-                   cfg.training.dataset_format not in ("text", "preference"), cfg.model.moe_bias_update_rate)
-
-
-@dataclass(frozen=True)
-class ForwardSettings:
-    """What every training forward runs under, and how its batch is split."""
-
-    param_dtype: str  # training.mixed_precision_param: autocast's dtype where FSDP does not cast
-    loss_parallel: bool  # TP's vocab-sharded loss (tensor parallelism on, loss parallel not disabled)
-    delimiters: tuple[int, int] | None = None  # (bos, eos) split windows into documents (block-causal); None = causal
-    shard: SequenceShard | None = None  # context parallelism: this rank's positions of every window; None = all
-    offloaded: HeldBytes | None = None  # activation offload: what it holds in host memory; None = no offload
-
-    @classmethod
-    def of(cls, cfg: JobConfig, dims: ParallelDims, device: torch.device, tokenizer) -> "ForwardSettings":
-        offload = cfg.activation_checkpoint.offload_activations
-        return cls(cfg.training.mixed_precision_param, dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-                   document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset),
-                   sequence_shard(cfg.training.seq_len, dims.cp_mesh, device) if dims.cp_enabled else None,
-                   HeldBytes() if offload else None)
+from titanlite.parallel.offload import activation_offload_context
+from titanlite.run import ForwardSettings, Run, StepSettings, Training
 
 
 @contextlib.contextmanager
@@ -63,17 +26,18 @@ def forward_context(settings: ForwardSettings, dims: ParallelDims, device_type: 
         yield
 
 
-def train_step(run, optimizer, scheduler, batches, metrics, replicas=None):
+def train_step(run: Run, training: Training, batches):
     """One optimizer step over run.step.accum_steps micro-batches of `batches`; returns (loss, grad_norm,
     lr used, skipped). With skip_nonfinite a step whose loss or gradient norm is NaN or inf on any rank is
     skipped: its gradients are dropped and neither the optimizer nor the lr schedule steps (skipped True).
-    `replicas` (fault_tolerance/): the gradients and loss are averaged with the other replica groups before
-    clipping, and the update is applied only if the quorum commits the step.
+    Under fault tolerance (training.replicas, fault_tolerance/) the gradients and loss are averaged with the other
+    replica groups before clipping, and the update is applied only if the quorum commits the step.
     Each micro-batch's mean loss enters the step as loss.py's LossScale says, so the loss and the gradients
     are those of one process holding the whole batch, whatever the layout (`run` is build.py's Run).
     Under pipeline parallelism the pipeline's schedule runs each micro-batch's forward and backward.
     """
     settings, dims, device, pipeline, model = run.step, run.dims, run.device, run.pipeline, run.model
+    optimizer, scheduler, metrics, replicas = training.optimizer, training.scheduler, training.metrics, training.replicas
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
     micro_batches = []
@@ -88,25 +52,21 @@ def train_step(run, optimizer, scheduler, batches, metrics, replicas=None):
                 total_loss += pipeline.train_microstep(inputs, labels, scale, settings.aux_loss_coeff, model_kwargs)
             continue
         with loss_parallel_context(run.forward.loss_parallel):
-            loss = scale.apply(micro_batch_loss(model, inputs, labels, model_kwargs, run.loss_fn, context()) if run.dpo is None
-                               else run.dpo.loss(model, inputs, labels, model_kwargs, context), labels)
-            aux_loss = getattr(model, "aux_loss", None)  # set by each forward of models with one (MoE balance)
-            objective = loss if aux_loss is None else loss + scale.aux_term(aux_loss, settings.aux_loss_coeff)
-            mtp_loss = getattr(model, "mtp_loss", None)  # DeepSeek-V3's multi-token prediction, weighted already
-            (objective if mtp_loss is None else objective + scale.aux_term(mtp_loss, 1.0)).backward()
+            loss, extra = run.objective.loss(model, inputs, labels, model_kwargs, run.loss_fn, context)
+            loss = scale.apply(loss, labels)
+            with_extra_losses(loss, extra, scale, settings.aux_loss_coeff).backward()
         total_loss += loss.detach()
     if pipeline is not None:
         pipeline.sum_tied_grads()
     loads = expert_loads(model, pipeline, settings.bias_update_rate, device, settings.accum_steps)
-    if replicas is not None:
-        replicas.average(model, total_loss, loads)
+    replicas.average(model, total_loss, loads)
     grad_norm = clip_grad_norm_(model.parameters(), settings.max_norm, pipeline.group if pipeline else None,
                                 uncounted=pipeline.uncounted if pipeline else ())
     lr = scheduler.get_last_lr()[0]
     if settings.skip_nonfinite and not finite_on_every_rank(total_loss, grad_norm):
         optimizer.zero_grad(set_to_none=True)  # the skipped step's expert counts are dropped with it
         return total_loss, grad_norm, lr, True
-    if replicas is not None and not replicas.should_commit():  # the quorum failed: nothing applied
+    if not replicas.should_commit():  # the quorum failed: nothing applied
         optimizer.zero_grad(set_to_none=True)
         return total_loss, grad_norm, lr, False
     optimizer.step()

@@ -11,32 +11,28 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.build import Run, build_run, training_data
-from titanlite.checkpoint import CheckpointManager, StopFlags, TrainState
-from titanlite.checkpoint.cost import SaveCost
+from titanlite.build import build_run, build_training
+from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.lock import dump_folder_lock
-from titanlite.checkpoint.stopping import NonfiniteSkips, nothing_to_train
+from titanlite.checkpoint.stopping import NonfiniteSkips, StopFlags, nothing_to_train
 from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig
-from titanlite.data.datasets import build_dataloader
-from titanlite.data.global_order import epochs_done, steps_for_epochs
+from titanlite.data.global_order import epochs_done
 from titanlite.errors import UserError, sentence
-from titanlite.eval_loop import InLoopEvaluator
-from titanlite.fault_tolerance import Alone, QuorumEnded, replica_groups
+from titanlite.fault_tolerance import QuorumEnded
+from titanlite.inference.evaluator import InLoopEvaluator
 from titanlite.log import init_logger, logger
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
                                speed_features, speed_settings)
-from titanlite.observers import observe
-from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.output_folders import check_output_folders
+from titanlite.metrics.observers import observe
+from titanlite.checkpoint.output_folders import check_output_folders
 from titanlite.parallel.dist import DistInfo, close_distributed, exit_process, init_distributed, say_user_error
-from titanlite.parallel.float8 import register_float8_scale_precompute
-from titanlite.parallel.offload import optimizer_device_type
 from titanlite.plan.startup import predict_on_gpu
-from titanlite.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
+from titanlite.run import Run, Training
+from titanlite.metrics.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
 from titanlite.step import train_step
-from titanlite.tensorboard import hyperparameters, run_folder
-from titanlite.validation import Validator
+from titanlite.metrics.tensorboard import hyperparameters, run_folder
+from titanlite.metrics.validation import Validator
 from titanlite.watchdog import HangWatchdog
 
 
@@ -57,80 +53,78 @@ def log_start(run: Run, metrics: MetricsLogger) -> None:
 
 @dataclass
 class Loop:
-    """What the step loop drives, built once by train()."""
+    """What the step loop drives besides the run and its training state, built once by train()."""
 
     run: Run
-    optimizer: object
-    scheduler: object
-    dataloader: object
-    metrics: MetricsLogger
+    training: Training
     validator: Validator | None
     evaluator: InLoopEvaluator | None  # [eval]: lm-eval tasks on the live model
     checkpointer: CheckpointManager
     profiler: StepProfiler
     stop: StopFlags
     watchdog: HangWatchdog
-    replicas: Alone  # the other replica groups under fault tolerance (alone: every call a no-op)
 
-    def run_steps(self, state: TrainState, summary: RunSummary) -> None:
-        skips = NonfiniteSkips(self.run.cfg.training.max_nonfinite_skips, self.metrics.write_scalars)
-        replicas, last, first = self.replicas, self.run.cfg.training.steps, state.step
+    def run_steps(self, summary: RunSummary) -> None:
+        training = self.training
+        skips = NonfiniteSkips(self.run.cfg.training.max_nonfinite_skips, training.metrics.write_scalars)
+        replicas, state, first = training.replicas, training.state, training.state.step
         self.restart_batches()
         with replicas.synchronizing():  # DiLoCo's hooks on the optimizer while the loop runs
-            while state.step < last:
+            while state.step < training.steps:
                 self.watchdog.step_began(state.step + 1)  # the quorum's wait included
-                summary.step_began(self.metrics)  # the step's time too
+                summary.step_began(training.metrics)  # the step's time too
                 if not replicas.start_step(state.step + 1):  # no quorum: a stop signal or no lighthouse
-                    self.save_last_committed(state.step, first)
+                    self.save_last_committed(first)
                     break
                 self.took_recovery()  # a peer's state, its step and its data position (fault_tolerance/)
-                if state.step >= last:  # recovered at the peers' last step
+                if state.step >= training.steps:  # recovered at the peers' last step
                     break
                 try:
-                    preempted = self.one_step(state, skips, summary)
+                    preempted = self.one_step(skips, summary)
                 except QuorumEnded:  # in DiLoCo's synchronization: the inner update is applied, not counted
-                    self.save_last_committed(state.step, first)
+                    self.save_last_committed(first)
                     break
                 self.watchdog.step_ended(state.step)
                 if preempted:
                     break
         replicas.raise_if_lost()
 
-    def save_last_committed(self, step: int, first: int) -> None:
+    def save_last_committed(self, first: int) -> None:
         """A quorum's wait ended without one (a stop signal, or no lighthouse): the last counted step is saved."""
-        if step > first:
-            self.checkpointer.maybe_save(step, force=True)
+        if self.training.state.step > first:
+            self.checkpointer.maybe_save(self.training.state.step, force=True)
 
     def restart_batches(self) -> None:
-        self.batches = self.metrics.counting_trained(iter(self.dataloader), self.run.dims.batch_sharing_degree)
+        training = self.training
+        self.batches = training.metrics.counting_trained(iter(training.dataloader), self.run.dims.batch_sharing_degree)
 
     def took_recovery(self) -> bool:
         """Whether a recovery from a peer moved the train state: the batches restart at the peer's data position,
         and the jumped steps, never trained here, are left out of the step line's per-step counts."""
-        jump = self.replicas.take_recovery()
+        jump = self.training.replicas.take_recovery()
         if jump is None:
             return False
         self.restart_batches()
-        self.metrics.last_step += jump
+        self.training.metrics.last_step += jump
         return True
 
-    def one_step(self, state: TrainState, skips: NonfiniteSkips, summary: RunSummary) -> bool:
+    def one_step(self, skips: NonfiniteSkips, summary: RunSummary) -> bool:
         """Train, log, validate and save one step; returns whether a stop signal or a NaN ends the run here."""
-        run, metrics, checkpointer = self.run, self.metrics, self.checkpointer
+        run, training, checkpointer = self.run, self.training, self.checkpointer
+        metrics, state = training.metrics, training.state
         began, validation_seconds = time.perf_counter(), 0.0
         if (state.step + 1) % run.cfg.training.gc_freq == 0:
             gc.collect(1)
-        loss, grad_norm, lr, skipped = train_step(run, self.optimizer, self.scheduler, self.batches, metrics,
-                                                  replicas=self.replicas)
+        loss, grad_norm, lr, skipped = train_step(run, training, self.batches)
         summary.step_ended(metrics)
-        if not self.replicas.committed:  # logged as not committed; the same step is trained again on the next data
+        if not training.replicas.committed:  # logged as not committed; the same step is trained again on the next data
             return False
         skips.record(state.step + 1, skipped)
         # a DiLoCo synchronization in the step may have recovered a peer's step, from which the count goes on
         recovered = self.took_recovery()
         state.step, state.tokens_seen = state.step + 1, state.tokens_seen + run.tokens_per_step
         step = state.step
-        last, logged = step == run.cfg.training.steps, metrics.should_log(step) and not recovered
+        last, logged = step == training.steps, metrics.should_log(step) and not recovered
         validating = self.validator is not None and self.validator.should_validate(step)
         # A step that is logged, validated or saved must be known finite now; the others are
         # checked one step later, so the host need not wait for the GPU every step.
@@ -138,9 +132,8 @@ class Loop:
         preempted = self.stop.should_stop(step, loss, grad_norm, settle)
         if logged:
             metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
-                        extra=(model_metrics(run.model) or {}) | source_scalars(self.dataloader)
-                        | (run.dpo.scalars() if run.dpo else {}),
-                        trained=metrics.trained_per_step(step), epoch=epochs_done(self.dataloader))
+                        extra=(model_metrics(run.model) or {}) | source_scalars(training.dataloader) | run.objective.scalars(),
+                        trained=metrics.trained_per_step(step), epoch=epochs_done(training.dataloader))
         if validating and not preempted:
             validation_seconds = time.perf_counter()
             self.validator.validate(run.model, step)
@@ -169,26 +162,14 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
         logger.info(info.allocator_note)
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, info.rank, info.device)  # memory history from here on
     run = build_run(cfg, info)
-    replicas = replica_groups(cfg.fault_tolerance)  # met after the checkpoint's load, every rule checked first
+    training = build_training(run)
     if info.rank == 0:
         write_resolved_config(cfg, Path(cfg.job.dump_folder))
-    optimizer = build_optimizer(run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
-    register_float8_scale_precompute(optimizer, run.model, cfg.float8)
-    # Under fault tolerance each replica group reads its own share of the global order.
-    dataloader = build_dataloader(training_data(cfg.training), run.tokenizer, replicas.data_rank(run.dims),
-                                  replicas.data_world(run.dims), cfg.job.seed)
-    if cfg.training.epochs:  # the steps every reader of training.steps (schedule, loop, evaluation) then sees
-        cfg.training.steps = steps_for_epochs(cfg.training.epochs, dataloader, run.step.accum_steps,
-                                              cfg.training.steps)
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
-    metrics = MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token)
+    metrics = training.metrics
     log_start(run, metrics)
     validator = Validator(run, metrics) if cfg.validation.enable else None  # its own loader: never moves training's
-    evaluator = InLoopEvaluator(run, metrics) if cfg.eval.interval or cfg.eval.at_end else None
-    checkpointer = CheckpointManager(run, optimizer, scheduler, dataloader,
-                                     cost=SaveCost(metrics.write_scalars, warmup_steps=cfg.metrics.summary_warmup_steps),
-                                     claims_save=replicas.claims_save,  # one replica group writes each checkpoint
-                                     outer_optimizer=replicas.outer_optimizer(run.model))
+    evaluator = InLoopEvaluator(run, training) if cfg.eval.interval or cfg.eval.at_end else None
+    checkpointer = CheckpointManager(run, training)
     if cfg.checkpoint.create_seed_checkpoint:
         checkpointer.save_seed()
         checkpointer.close()
@@ -196,41 +177,41 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
     # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
     stop = StopFlags(info.device, check_finite=cfg.training.on_nonfinite == "stop" and not cfg.training.skip_nan_check)
     watchdog = HangWatchdog(cfg.job.hang_timeout_seconds, info.rank, info.world_size, cfg.job.dump_folder)
-    loop = Loop(run, optimizer, scheduler, dataloader, metrics, validator, evaluator, checkpointer, profiler, stop, watchdog,
-                replicas)
+    loop = Loop(run, training, validator, evaluator, checkpointer, profiler, stop, watchdog)
+    state = training.state
     try:
-        state = checkpointer.load()  # resume: model, optimizer, schedule, data position, step
-        if nothing_to_train(stop, state.step, cfg.training.steps):
+        checkpointer.load()  # resume: model, optimizer, schedule, data position, step (into training.state)
+        if nothing_to_train(stop, state.step, training.steps):
             metrics.close()
             return
         # The lighthouse; a recovering peer receives this group's checkpoint objects, and this group takes a peer's.
-        replicas.join(info, cfg.job.init_timeout_seconds, model=run.model, dataloader=dataloader,
-                      objects=checkpointer.objects, write_scalars=metrics.write_scalars,
-                      stopping=lambda: stop.signal is not None)
+        training.replicas.join(info, cfg.job.init_timeout_seconds, model=run.model, dataloader=training.dataloader,
+                               objects=checkpointer.objects, write_scalars=metrics.write_scalars,
+                               stopping=lambda: stop.signal is not None)
         hparams = hyperparameters(cfg, info.world_size, run.dims.layout, run.tokens_per_step // cfg.training.seq_len,
                                   speed_settings(cfg))
         metrics.start_tensorboard(run_folder(cfg, info.rank, state.step), cfg, state.step, hparams)
         # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
         gc.disable()
-        summary = RunSummary(cfg.metrics.summary_warmup_steps, cfg.training.steps - state.step, info.device,
+        summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,
                              predicted=observe("the planner's start-up prediction", predict_on_gpu, run))
         watchdog.start(state.step)
         with profiler:
-            loop.run_steps(state, summary)
+            loop.run_steps(summary)
     finally:
-        replicas.close()
+        training.replicas.close()
         watchdog.stop()
         checkpointer.close()  # waits for the last async save
         stop.close()
-    summary.log(state_peaks_over_ranks(run.model, optimizer, run.forward.offloaded),
+    summary.log(state_peaks_over_ranks(run.model, training.optimizer, run.forward.offloaded),
                 run.tokens_per_step // info.world_size, metrics, checkpointer.cost, run.forward.offloaded)
-    observe("metrics", log_tokens_by_source, dataloader)
+    observe("metrics", log_tokens_by_source, training.dataloader)
     metrics.close()
     gc.enable()
     if stop.signal:
         logger.info(f"stopped at step {state.step} on {stop.signal}; exiting")
     else:
-        logger.info(f"training finished after {cfg.training.steps} steps")
+        logger.info(f"training finished after {training.steps} steps")
 
 
 def main(argv: list[str]) -> int:

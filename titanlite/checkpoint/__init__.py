@@ -1,7 +1,2 @@
-"""Checkpoints: DCP save / resume (manager.py), preemption (stopping.py), Hugging Face files (hf_io.py)."""
-
-from titanlite.checkpoint.manager import CheckpointManager
-from titanlite.checkpoint.state import TrainState
-from titanlite.checkpoint.stopping import StopFlags
-
-__all__ = ["CheckpointManager", "StopFlags", "TrainState"]
+"""Checkpoints: DCP save / resume (manager.py), the one checked weight loader (weights.py), preemption (stopping.py),
+Hugging Face files (hf_io.py), LoRA adapters in checkpoints and PEFT exports (lora.py)."""

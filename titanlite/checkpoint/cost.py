@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from titanlite.log import logger
-from titanlite.observers import observer
+from titanlite.metrics.observers import observer
 
 STEADY_WINDOW = 20  # recent untouched steps whose median is the steady step time
 CLEAN_AFTER = 3  # untouched steps after a save's write before it is reported (the steady time includes them)

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from titanlite.checkpoint.export_files import write_generation_ids
 from titanlite.errors import UserError
+from titanlite.log import logger
 from titanlite.models.init import full_tensor, local_view  # (local shard, its offset in the full tensor)
 
 INDEX = "model.safetensors.index.json"
@@ -181,6 +182,9 @@ def read_hf_tensors(reader: HFReader, shapes: dict[str, tuple], adapter, args, m
     mismatch = adapter.config_mismatch(reader.config, args)
     if mismatch:
         raise UserError(f"the Hugging Face folder {reader.folder} does not fit {model_name}: {mismatch}")
+    left_out = adapter.left_out(reader.config, args)
+    if left_out:
+        logger.warning(f"the Hugging Face folder {reader.folder} holds {left_out}")
     for name, shape in shapes.items():
         hf = {hf_name: reader.get(hf_name) for hf_name in adapter.hf_names(name, args)}
         full = adapter.from_hf(hf, args)[name]

@@ -4,9 +4,13 @@ is found at load and named, instead of loading silently wrong weights.
 After a save, each rank records the 64-bit XXH3 hash of the `.distcp` files it wrote (rank 0 also the `.metadata`)
 in `<step>/checksums/rank<R>.json`; an async save does it on its own writer thread, after the write, so
 training never waits for it. A load first verifies every recorded file, the ranks sharing the reading, and
-stops in one sentence naming the first damaged file. A checkpoint written before checksums existed (no
-`checksums/` folder) loads as before; one whose save was cut off after its `.metadata` but before a rank's
-record has no record for that rank's files, which are then not verified (their sizes are still DCP's).
+stops in one sentence naming the first damaged file.
+
+A save creates the empty `checksums/` folder before it writes anything, so a checkpoint without one cannot be
+verified at all: its records were lost, or another tool (or a titanlite before checksums) wrote it. It is refused
+in one sentence unless checkpoint.allow_unverified says to load it as it is. A save cut off after its `.metadata`
+but before a rank's record (kill -9 while it hashes) has the folder but no record for that rank's files: those
+load unverified, with a warning naming them (their sizes are still DCP's).
 """
 
 import json
@@ -17,6 +21,7 @@ import torch.distributed as dist
 import xxhash
 
 from titanlite.errors import UserError
+from titanlite.log import logger
 
 CHECKSUMS = "checksums"
 # XXH3 rather than CRC-32: both find any bit rot a disk makes, and XXH3 hashes about 7 GB/s on one core
@@ -62,9 +67,38 @@ def damaged_files(folder: Path, names: list[str], recorded: dict[str, str]) -> l
     return [name for name in names if not (folder / name).is_file() or file_hash(folder / name) != recorded[name]]
 
 
-def verify_checksums(folder: Path) -> None:
-    """Every file recorded at save must read back with its checksum; each rank reads a share of them."""
+def data_files(folder: Path) -> list[str]:
+    """The files a checkpoint's checksums cover: DCP's data files and its .metadata."""
+    return sorted(p.name for p in folder.glob("*.distcp")) + [".metadata"]
+
+
+def verifiable(folder: Path, allow_unverified: bool) -> bool:
+    """Whether the checkpoint can be verified; a checkpoint without a checksums folder stops the load in one sentence,
+    unless `allow_unverified` (checkpoint.allow_unverified) lets it load, said in a warning."""
+    if (folder / CHECKSUMS).is_dir():
+        return True
+    if not allow_unverified:
+        raise UserError(
+            f"checkpoint {folder} cannot be verified: it has no {CHECKSUMS} folder (lost, or the checkpoint was written by "
+            f"another tool or a titanlite before checksums), so damage in its files would load unnoticed; restore that "
+            f"folder, delete {folder} (an earlier checkpoint then loads), or set checkpoint.allow_unverified true to load "
+            "it unverified"
+        )
+    logger.warning(f"checkpoint {folder} has no {CHECKSUMS} folder: it loads unverified (checkpoint.allow_unverified)")
+    return False
+
+
+def verify_checksums(folder: Path, allow_unverified: bool) -> None:
+    """Every file recorded at save must read back with its checksum; each rank reads a share of them. Files without a
+    record are named in a warning; a checkpoint without records at all is refused (verifiable)."""
+    if not verifiable(folder, allow_unverified):
+        return
     recorded = recorded_checksums(folder)
+    unrecorded = [name for name in data_files(folder) if name not in recorded]
+    if unrecorded:
+        more = f" and {len(unrecorded) - 1} more" if len(unrecorded) > 1 else ""
+        logger.warning(f"checkpoint {folder}: {unrecorded[0]}{more} {'have' if more else 'has'} no checksum record (the save "
+                       "was cut off before recording them, or the record was lost), so they load unverified")
     names = sorted(recorded)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     damaged = damaged_files(folder, names[rank::world], recorded)

@@ -6,9 +6,15 @@ A second run finding the lock stops in one sentence, unless the lock is stale: i
 host, pid not alive), it was not touched for STALE seconds (a run killed on another host), or it belongs
 to the same job (an elastic restart or a requeue of it, whose old rank 0 is gone). A stale lock is taken
 over with a log line.
+
+Of any number of runs starting together exactly one takes the lock: it is created with O_EXCL (atomic, NFS
+included), and a stale one is judged and rewritten under flock, one taker at a time, so the others then find
+it live.
 """
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -51,33 +57,83 @@ def stale_reason(holder: dict, age: float) -> str | None:
     return None
 
 
-def read_holder(path: Path) -> dict:
+def parse_holder(text: bytes) -> dict:
     try:
-        holder = json.loads(path.read_text())
+        holder = json.loads(text)
         return holder if isinstance(holder, dict) else {}
-    except (ValueError, UnicodeDecodeError, OSError):
+    except (ValueError, UnicodeDecodeError):
         return {}  # a half-written or damaged lock says nothing of a live run: it ages into staleness
 
 
-def take_lock(folder: Path) -> Path:
-    path = folder / LOCK
-    if path.exists():
-        holder, age = read_holder(path), time.time() - path.stat().st_mtime
+def read_holder(path: Path) -> dict:
+    try:
+        return parse_holder(path.read_bytes())
+    except OSError:
+        return {}
+
+
+def refusal(folder: Path, path: Path, holder: dict) -> UserError:
+    return UserError(
+        f"job.dump_folder {folder} is in use by another run (host {holder.get('host', '?')}, pid "
+        f"{holder.get('pid', '?')}, started {holder.get('started', '?')}): two runs in one folder would overwrite "
+        f"each other's checkpoints; give this run another job.dump_folder, or stop that run (its lock {path} "
+        f"is taken over once {STALE:.0f} s old)"
+    )
+
+
+def serialized(file, folder: Path) -> None:
+    """flock the lock file: the takers of a stale lock judge and rewrite it one at a time. A file system without
+    flock (Lustre mounted without -o flock) takes over unserialized, as it says."""
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX)
+    except OSError as error:
+        if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        logger.warning(f"the file system of job.dump_folder {folder} has no flock ({error.strerror}): two runs taking "
+                       "over its stale lock at the same moment could both take it")
+
+
+def take_over_if_stale(folder: Path, path: Path, record: bytes) -> bool:
+    """Rewrite the lock `path` with `record` if its run is gone; False where the file went away meanwhile (its run
+    ended: create it anew). Refuses where its run may still be running."""
+    try:
+        file = open(path, "r+b")
+    except FileNotFoundError:
+        return False
+    with file:
+        serialized(file, folder)
+        try:
+            if os.stat(path).st_ino != os.fstat(file.fileno()).st_ino:
+                return False  # removed and created anew since we opened it: judge the new one
+        except FileNotFoundError:
+            return False
+        holder, age = parse_holder(file.read()), time.time() - os.fstat(file.fileno()).st_mtime
         reason = stale_reason(holder, age)
         if reason is None:
-            raise UserError(
-                f"job.dump_folder {folder} is in use by another run (host {holder.get('host', '?')}, pid "
-                f"{holder.get('pid', '?')}, started {holder.get('started', '?')}): two runs in one folder would overwrite "
-                f"each other's checkpoints; give this run another job.dump_folder, or stop that run (its lock {path} "
-                f"is taken over once {STALE:.0f} s old)"
-            )
+            raise refusal(folder, path, holder)
         logger.info(f"taking over the lock {path} of an earlier run: {reason}")
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(record))
-    partial.replace(path)
-    return path
+        file.seek(0)
+        file.truncate()
+        file.write(record)
+    return True
+
+
+def take_lock(folder: Path) -> Path:
+    """Exactly one of any number of runs starting together takes the lock: it is created exclusively (O_EXCL), and a
+    stale one is taken over under flock; every other run is refused in one sentence."""
+    path = folder / LOCK
+    record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(),
+                         "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+    while True:
+        try:
+            created = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            if take_over_if_stale(folder, path, record):
+                return path
+            continue
+        with open(created, "wb") as file:
+            file.write(record)
+        return path
 
 
 @contextlib.contextmanager
@@ -102,4 +158,13 @@ def dump_folder_lock(folder: str, rank: int):
         stopped.set()
         beating.join()
         if read_holder(path).get("pid") == os.getpid():
-            path.unlink(missing_ok=True)
+            release(path)
+
+
+def release(path: Path) -> None:
+    """Remove the lock; where that fails (the folder turned read-only) the run's own error still comes first, and the
+    next run takes the lock over as stale (its process is gone)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        logger.warning(f"the lock {path} could not be removed ({error.strerror}); the next run takes it over as stale")

@@ -17,43 +17,43 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlite.checkpoint.cost import SaveCost
-from titanlite.checkpoint.fit import (check_model_fits, choose_load_step, holds_training_state, load_in_place, model_tensors,
-                                     newest_resumable, read_metadata)
-from titanlite.checkpoint.folders import (METADATA, REWOUND, is_complete, list_steps, purge_old, rewind_to, rewound_before,
-                                         step_folder)
-from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, refuse_lost_metadata, verify_checksums
-from titanlite.checkpoint.hf_io import copy_tokenizer, load_model_from_hf, save_model_as_hf
+from titanlite.checkpoint.fit import choose_load_step, holds_training_state, load_in_place, newest_resumable
+from titanlite.checkpoint.folders import METADATA, REWOUND, list_steps, purge_old, rewind_to, rewound_before, step_folder
+from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, refuse_lost_metadata
+from titanlite.checkpoint.hf_io import copy_tokenizer, save_model_as_hf
 from titanlite.checkpoint.async_save import AsyncSaver, Save
 from titanlite.checkpoint.save_errors import stop_if_disk_failure
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, OuterOptimizerState, RngState, SavedKeys,
                                         SchedulerState, TrainState, TrainStateLineage, load_targets, restore_all, saved_state)
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.lora import base_record, check_adapters_fit, has_lora, merge_lora, save_peft_adapter
+from titanlite.checkpoint.lora import base_record, merge_lora, save_peft_adapter
+from titanlite.checkpoint.weights import ModelIdentity, check_dcp_checkpoint, load_weights
+from titanlite.models.lora import has_lora
+from titanlite.run import Run, Training
 from titanlite.dtypes import DTYPES
-from titanlite.profiling import model_state_bytes
+from titanlite.metrics.profiling import model_state_bytes
 
 
 class CheckpointManager:
-    def __init__(self, run, optimizer, lr_scheduler, dataloader, cost: SaveCost | None = None,
-                 claims_save: Callable[[Path], bool] | None = None, outer_optimizer=None):
-        """Checkpoints of build.py's `run` as its [checkpoint] section says, with the training state
-        around it: the optimizer, the lr schedule and the data loader. `claims_save` (fault tolerance's): whether
-        this replica group writes the checkpoint at a path; None = it writes every one. `outer_optimizer`: DiLoCo's
-        outer SGD (fault tolerance's), saved beside the optimizer. Generation and evaluation
-        pass no optimizer, schedule or loader: such a manager only loads the model (load_model) and never saves."""
+    def __init__(self, run: Run, training: Training):
+        """Checkpoints of build.py's `run` as its [checkpoint] section says, with the training state around it
+        (`training`: the optimizer, the lr schedule, the data loader and the train state, which a load restores in
+        place). Under fault tolerance one replica group writes each checkpoint (replicas.claims_save), and DiLoCo's
+        outer SGD is saved beside the optimizer. What a save costs the steps is measured into the run's metrics."""
         self.cfg = cfg = run.cfg.checkpoint
         self.root = Path(run.cfg.job.dump_folder) / cfg.folder
+        optimizer, replicas = training.optimizer, training.replicas
         self.model, self.optimizer = run.model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.model_name, self.model_args, self.hf_adapter = run.label, run.args, run.spec.hf_adapter
+        self.model_args, self.hf_adapter = run.args, run.spec.hf_adapter
+        self.identity = ModelIdentity(run.label, run.spec.hf_adapter, run.args)  # what every load checks (weights.py)
         # copied into Hugging Face exports
         self.tokenizer_file, self.chat_template = run.tokenizer.path, run.cfg.training.chat_template
         # LoRA: checkpoints hold the adapters; the base they were trained on is named in the train state.
@@ -62,22 +62,23 @@ class CheckpointManager:
         self._base_record: str | None = None
         # the model's shape as config.json: `convert dcp-to-hf` exports a run whose shape is no registered flavor
         model_config = json.dumps(self.hf_adapter.hf_config(self.model_args)) if self.hf_adapter else None
-        self.lineage = TrainStateLineage(run.label, run.dims.dp_degree, self.world_size,
+        self.lineage = TrainStateLineage(training.state, run.label, run.dims.dp_degree, self.world_size,
                                          self.base_record if self.adapters_only else None, model_config)
         self.objects = {  # the checkpoint's keys, in the order a save writes them (the model's first: see _full_state)
             "model": ModelState(run.model, self.adapters_only),
             "optimizer": OptimizerState(run.model, optimizer),
-            "lr_scheduler": SchedulerState(lr_scheduler),
+            "lr_scheduler": SchedulerState(training.scheduler),
             "train_state": self.lineage,
-            "dataloader": DataState(dataloader, run.dims.dp_rank, run.dims.dp_degree),
+            "dataloader": DataState(training.dataloader, run.dims.dp_rank, run.dims.dp_degree),
             "rng": RngState(self.rank, self.lineage),
         }
+        outer_optimizer = replicas.outer_optimizer(run.model)
         if outer_optimizer is not None:
             self.objects["outer_optimizer"] = OuterOptimizerState(run.model, outer_optimizer)
-        self.cost = cost or SaveCost()
+        self.cost = SaveCost(training.metrics.write_scalars, warmup_steps=run.cfg.metrics.summary_warmup_steps)
         self.saver = None
-        self.claims_save = claims_save
-        saves = cfg.enable and optimizer is not None
+        self.claims_save = replicas.claims_save  # one replica group writes each checkpoint
+        saves = cfg.enable
         if saves and cfg.async_mode != "disabled":
             self.saver = AsyncSaver(pinned=cfg.async_mode == "async_with_pinned_mem", optimizer=optimizer)
         # Old checkpoints are deleted by rank 0 in the background, after a newer one completed.
@@ -122,7 +123,10 @@ class CheckpointManager:
                 self._save(step, self._export_state, wait=True, note=f"model only, {cfg.export_dtype}")
             else:
                 self._save(step, self._full_state, wait=force or last)
-        if last and cfg.last_save_in_hf:  # after the checkpoint: a failing export never costs the run's state
+        if last and cfg.last_save_in_hf and not cfg.enable:
+            logger.warning(f"no Hugging Face export of step {step}: checkpoint.enable is false, which turns every save off "
+                           "(checkpoint.last_save_in_hf too); set checkpoint.enable true to write it")
+        elif last and cfg.last_save_in_hf:  # after the checkpoint: a failing export never costs the run's state
             self._save_hf(step)
 
     def saves_at(self, step: int) -> bool:
@@ -151,6 +155,11 @@ class CheckpointManager:
             # checkpoint made again): its old .metadata must not vouch for half-written new files.
             shutil.rmtree(path / CHECKSUMS, ignore_errors=True)  # nor old checksums the new files (removed first:
             (path / METADATA).unlink(missing_ok=True)  # a record naming a missing .metadata means damage, integrity.py)
+            try:  # before any file: a checkpoint without it cannot be verified (integrity.py)
+                (path / CHECKSUMS).mkdir(parents=True)
+            except OSError as error:
+                self._stop_if_disk_failure(step, error)
+                raise
         save = Save(step, time.perf_counter(), note=f" ({note})" if note else "")
         state = build_state()
         if wait or self.saver is None:
@@ -244,27 +253,6 @@ class CheckpointManager:
         self._load_initial()
         return self.state
 
-    def load_model(self, folder: Path | None) -> str:
-        """Only the model's weights (generation, evaluation): from the step folder `folder`, else from the checkpoint a
-        run's checkpoint folder holds (checkpoint.load_step, else the newest complete step, a final model-only export
-        too; rewinding nothing), else from those a new run starts from (checkpoint.initial_load_path). Returns where
-        they came from."""
-        cfg = self.cfg
-        if folder is None and cfg.enable and self.root.is_dir():
-            complete, _ = list_steps(self.root)
-            if cfg.load_step != -1:
-                folder = step_folder(self.root, choose_load_step(self.root, complete, cfg.load_step))
-            elif complete:
-                folder = step_folder(self.root, complete[-1])
-        if folder is None and not cfg.initial_load_path:
-            raise UserError("there are no weights to load: set generate.checkpoint to a step folder, model.hf_assets_path to "
-                            "a Hugging Face model folder, or checkpoint.enable true with the run's job.dump_folder")
-        if folder is None or self.adapters_only:  # LoRA: the frozen base first, the checkpoint holds only the adapters
-            self._load_initial(resume=False)
-        if folder is not None:
-            self._load_dcp(folder, resume=False)
-        return str(folder or cfg.initial_load_path)
-
     def _load_step(self) -> int:
         """checkpoint.load_step, once: where this run rewound to that step already, the newest checkpoint."""
         step, rewound_at = self.cfg.load_step, rewound_before(self.root, self.cfg.load_step)
@@ -285,20 +273,17 @@ class CheckpointManager:
             return
         path = Path(cfg.initial_load_path)
         if cfg.initial_load_in_hf:
-            load_model_from_hf(self._model_state("base"), path, self.hf_adapter, self.model_args, self.model_name)
-            logger.info(f"loaded the model from the Hugging Face folder {path}")
+            load_weights(ModelState(self.model, self.adapters_only, "base"), path, self.identity, "checkpoint.initial_load_path")
         else:
-            if not is_complete(path):
-                raise UserError(f"checkpoint.initial_load_path {path} is not a complete DCP checkpoint (no {METADATA} in it)")
             self._load_dcp(path, resume=resume and not cfg.initial_load_model_only, kind="base")
 
     def _load_dcp(self, path: Path, resume: bool, kind: str = "run") -> None:
         started = time.perf_counter()
-        verify_checksums(path)
-        metadata = read_metadata(path)
-        keys = SavedKeys(metadata.state_dict_metadata, path)
         model = ModelState(self.model, self.adapters_only, kind)
-        self._check_fits(path, metadata, model, resume)
+        key = "checkpoint.initial_load_path" if kind == "base" else "checkpoint.folder"
+        metadata = check_dcp_checkpoint(path, model, self.identity, key, resume=resume, transplant=kind == "base",
+                                        allow_unverified=self.cfg.allow_unverified)
+        keys = SavedKeys(metadata.state_dict_metadata, path)
         if not holds_training_state(metadata):
             resume = False  # a seed checkpoint or a model-only export: weights, then step 1
         elif resume and "train_state.step" not in keys:
@@ -313,25 +298,3 @@ class CheckpointManager:
             f"resumed from {path} at step {self.state.step} ({self.state.tokens_seen:,} tokens seen) "
             f"in {time.perf_counter() - started:.2f}s"
         )
-
-    def _check_fits(self, path: Path, metadata, model: ModelState, resume: bool) -> None:
-        """The checkpoint's tensors must fit the model, and a resume must be of the same model."""
-        keys = metadata.state_dict_metadata
-        saved_from = ""
-        if "train_state.model" in keys:
-            saved_from = load_in_place(path, {"train_state": {"model": ""}})["train_state"]["model"]
-        # Pipeline stages each hold a share of the model: the checkpoint must fit the union of the ranks' shares.
-        shares = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, {fqn: tuple(t.shape) for fqn, t in model.target(None).items()})
-        shapes = {fqn: shape for share in shares for fqn, shape in share.items()}
-        if self.adapters_only and model.kind == "run":
-            check_adapters_fit({fqn: tuple(m.size) for fqn, m in model_tensors(metadata).items()}, shapes, path)
-        check_model_fits(metadata, shapes, path, self.model_name, saved_from)
-        if saved_from and saved_from != self.model_name:  # the same shapes, another model
-            if resume:
-                raise UserError(
-                    f"checkpoint {path} was saved from {saved_from}, but this run is {self.model_name}; set model.name and "
-                    f"model.flavor to {saved_from}, or start the new model from those weights with checkpoint.initial_load_path "
-                    f"{path} and checkpoint.initial_load_model_only true in another job.dump_folder"
-                )
-            logger.warning(f"loading the weights of {saved_from} from {path} into {self.model_name} (checkpoint.initial_load_model_only)")

@@ -16,7 +16,6 @@ place, and a save and a load can never disagree about it.
 """
 
 import pickle
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,13 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.checkpoint.fit import rng_state, set_rng_state
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.lora import check_same_base, is_adapter
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps completed
-    tokens_seen: int = 0  # over all data-parallel ranks
+from titanlite.checkpoint.lora import check_same_base
+from titanlite.models.lora import is_adapter
+from titanlite.run import TrainState
 
 
 class ModelState:
@@ -156,13 +151,14 @@ class TrainStateLineage:
 
     top_level = False
 
-    def __init__(self, model_name: str, dp_degree: int, world_size: int, base: Callable[[], str] | None,
+    def __init__(self, state: TrainState, model_name: str, dp_degree: int, world_size: int, base: Callable[[], str] | None,
                  model_config: str | None = None):
-        """`base`: the LoRA base's record (lora.base_record: path and content), None without LoRA; `model_config`:
-        the model's shape as HF config.json text, which `convert dcp-to-hf` exports by."""
+        """`state`: the run's train state, which a load restores in place; `base`: the LoRA base's record
+        (lora.base_record: path and content), None without LoRA; `model_config`: the model's shape as HF config.json
+        text, which `convert dcp-to-hf` exports by."""
         self.model_name, self.dp_degree, self.world_size, self.base = model_name, dp_degree, world_size, base
         self.model_config = model_config
-        self.state = TrainState()
+        self.state = state
         self.saved_world_size = world_size
 
     def saved(self) -> dict:
@@ -179,7 +175,6 @@ class TrainStateLineage:
         loaded = state["train_state"]
         if self.base is not None:
             check_same_base(loaded["base"], self.base(), self.path)
-        # in place: the loop holds this object, and a fault-tolerance peer's state is restored into it mid-run
         self.state.step, self.state.tokens_seen = loaded["step"], loaded["tokens_seen"]
         self.saved_world_size = loaded["world_size"]
 

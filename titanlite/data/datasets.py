@@ -20,6 +20,7 @@ import functools
 import warnings
 from pathlib import Path
 
+import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.data.chat import ChatRenderer, Conversations, chat_record, conversation_store, tokenize_conversation
@@ -102,7 +103,9 @@ class DataParallelLoader(StatefulDataLoader):
     """
 
     def __init__(self, windows, *, batch_size: int, num_workers: int, layout: dict):
-        super().__init__(windows, batch_size=batch_size, num_workers=num_workers)
+        # A generator of its own: each iter() draws its workers' base seed from it, not from the training's RNG,
+        # which a resume restores exactly (checkpoint/state.py RngState). The data draws nothing random itself.
+        super().__init__(windows, batch_size=batch_size, num_workers=num_workers, generator=torch.Generator())
         self.layout = layout
 
     def state_dict(self) -> dict:

@@ -174,7 +174,8 @@ class GlobalOrderLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         per_micro_batch = self.batch_size * self.dp_world
         sampler = RankBatches(self.consumed // per_micro_batch, self.batch_size, self.dp_rank, self.dp_world, self.limit)
-        for batch in DataLoader(self.windows, batch_sampler=sampler, num_workers=self.num_workers):
+        # Its own generator: iter() then draws nothing from the training's RNG, which a resume restores exactly.
+        for batch in DataLoader(self.windows, batch_sampler=sampler, num_workers=self.num_workers, generator=torch.Generator()):
             self.consumed += per_micro_batch
             yield batch
         self.consumed = 0  # a finite pass ended: the next starts over

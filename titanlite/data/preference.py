@@ -2,9 +2,12 @@
 
 A record is TRL's preference form: conversational, {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
 (the completions usually one assistant message each), or plain text, {"prompt": str, "chosen": str, "rejected": str},
-which is read as one user turn answered by one assistant turn. Each completion is rendered after its prompt with the
-chat template, exactly as SFT renders a conversation (chat.py), and trains the tokens SFT would train of its assistant
-turns, through the end-of-turn token; assistant turns inside the prompt are context, never trained.
+which is read as one user turn answered by one assistant turn; one file holds one form (TRL reads the form of the
+first record for all). Each completion is rendered after its prompt with the chat template, and its trained tokens
+are those TRL's DPOTrainer scores: everything the completion adds to the prompt rendered with the generation prompt
+(`Yes.<|im_end|>\n` after `...<|im_start|>assistant\n` in ChatML: the end of turn and the newline the template writes
+after it), found as TRL finds it, where the tokens of the prompt alone and of the prompt with each completion first
+differ. The prompt, its assistant turns included, is context, never trained.
 
 Layout: pair g of the stream is two rows, chosen then rejected, each one whole sequence padded with eos to
 seq_len + 1 tokens (labels IGNORED outside the completion). A pair is never packed with another: the DPO loss needs
@@ -16,14 +19,15 @@ training.local_batch_size counts pairs, so a micro-batch holds 2 x local_batch_s
 training.epochs too: E passes are round(E x pairs) pairs, and the steps they make are rounded up, as for chat data.
 """
 
-import functools
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from titanlite.data.chat import ChatRenderer, Conversations, chat_record, checked_message, tokenize_conversation
+from titanlite.data.chat import ChatRenderer, Conversations, chat_record, checked_message
+from titanlite.data.chat_spans import literal_contents
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.data.documents import seeded_rng
 from titanlite.data.global_order import GlobalOrderLoader
@@ -32,6 +36,16 @@ from titanlite.errors import UserError
 from titanlite.log import logger
 
 HALVES = ("chosen", "rejected")
+# The trained tokens as a store or a resume records them: what each completion adds to its prompt (tokenize_pair).
+TRAIN_ON = "completion"
+
+
+class Pair(NamedTuple):
+    """One checked record: the prompt's messages, the chosen and the rejected completion's, and its form."""
+
+    prompt: list[dict]
+    completions: tuple[list[dict], list[dict]]  # chosen, rejected
+    conversational: bool  # message lists, not plain text
 
 
 def messages_of(value, field: str, number: int, where: str) -> list[dict]:
@@ -39,30 +53,83 @@ def messages_of(value, field: str, number: int, where: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise UserError(f"{where}: record {number} (counting from 1) has a {field} that is neither text nor a non-empty "
                         "list of messages; fix or remove it")
-    return [checked_message(message, number, where) for message in value]
+    messages = [checked_message(message, number, where) for message in value]
+    if any("train" in message for message in messages):
+        raise UserError(f"{where}: record {number} (counting from 1) has a {field} message with a train flag, which "
+                        "preference data does not read (every token of a completion trains, none of the prompt); remove it")
+    return messages
 
 
-def preference_pair(record: dict, dataset_format: str, number: int, where: str) -> tuple[list[dict], list[dict]]:
-    """(chosen conversation, rejected conversation) of one record: the prompt's messages (its assistant turns left
-    out of the loss) followed by each completion's."""
+def preference_pair(record: dict, dataset_format: str, number: int, where: str) -> Pair:
+    """The prompt and completions of one record, checked."""
     at = f"{where}: record {number} (counting from 1)"
     for field in ("prompt", *HALVES):
         if record[field] is None:
             raise UserError(f"{at} has no {field}; give every record a prompt, a chosen and a rejected completion")
     if all(isinstance(record[field], str) for field in ("prompt", *HALVES)):
         prompt = [{"role": "user", "content": record["prompt"]}]
-        completions = [[{"role": "assistant", "content": record[half]}] for half in HALVES]
-    elif any(isinstance(record[field], str) for field in ("prompt", *HALVES)):
+        completions = tuple([{"role": "assistant", "content": record[half]}] for half in HALVES)
+        return Pair(prompt, completions, conversational=False)
+    if any(isinstance(record[field], str) for field in ("prompt", *HALVES)):
         raise UserError(f"{at} mixes text and message lists among prompt, chosen and rejected; use one form for all three")
-    else:
-        prompt = [{**message, "train": False} if message["role"] == "assistant" else message
-                  for message in messages_of(record["prompt"], "prompt", number, where)]
-        completions = [messages_of(record[half], half, number, where) for half in HALVES]
+    completions = tuple(messages_of(record[half], half, number, where) for half in HALVES)
     for half, completion in zip(HALVES, completions):
         if not any(message["role"] == "assistant" for message in completion):
             raise UserError(f"{at} has a {half} completion without an assistant message, so nothing of it would be "
                             "trained; fix or remove the record")
-    return prompt + completions[0], prompt + completions[1]
+    return Pair(messages_of(record["prompt"], "prompt", number, where), completions, conversational=True)
+
+
+def check_one_form(pairs: list[Pair], where: str) -> None:
+    """Every record plain text or every record message lists: TRL takes the first record's form for the whole file."""
+    forms = [pair.conversational for pair in pairs]
+    if len(set(forms)) > 1:
+        number = forms.index(not forms[0]) + 1
+        name = {True: "message lists", False: "plain text"}
+        raise UserError(f"{where}: record {number} (counting from 1) is {name[forms[number - 1]]} where record 1 is "
+                        f"{name[forms[0]]}; write every record of the file in one form")
+
+
+def is_empty(completion: list[dict]) -> bool:
+    return all(not message["content"].strip() and not message.get("tool_calls") for message in completion)
+
+
+def check_pairs(pairs: list[Pair], encoded: list[tuple], where: str) -> None:
+    """A pair whose chosen and rejected are the same sequence has a constant loss (ln 2 for sigmoid) and no gradient:
+    a file of nothing else is refused, since nothing would train. Some such pairs, or one half empty in every pair
+    (a field missing its answers, say), do train, though likely not as meant, so the log says so."""
+    same = sum(chosen[0] == rejected[0] for chosen, rejected in encoded)
+    if same == len(encoded):
+        raise UserError(f"{where}: every pair's chosen and rejected completions are the same, so the DPO loss is constant "
+                        "with no gradient and nothing would train; give each pair a different rejected completion")
+    if same:
+        logger.warning(f"{where}: {same:,} of {len(encoded):,} pairs have the same chosen and rejected completion; they "
+                       "add a constant to the loss and nothing to its gradient")
+    for index, half in enumerate(HALVES):
+        if all(is_empty(pair.completions[index]) for pair in pairs):
+            logger.warning(f"{where}: every {half} completion is empty, so DPO only teaches the model "
+                           f"{'to end its turn at once' if half == 'chosen' else 'not to end its turn at once'}; "
+                           f"check that the {half} field holds the answers")
+
+
+def rendered_ids(renderer: ChatRenderer, tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """The ids of the conversation rendered with the template (as chat.py tokenizes a rendering)."""
+    text = renderer.render(messages, add_generation_prompt)
+    return tokenizer.encode_with_offsets(text, literal_contents(text, messages, renderer.specials))[0]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def tokenize_pair(renderer: ChatRenderer, tokenizer, pair: Pair) -> tuple[tuple[list[int], list[bool]], ...]:
+    """(ids, trained flags) of the prompt followed by each completion. As TRL's DPOTrainer finds it, a completion
+    starts where the ids of the prompt rendered alone with the generation prompt and of the prompt with the
+    completion first differ (the earlier of the two halves), and runs to the end of the rendering."""
+    prompt = rendered_ids(renderer, tokenizer, pair.prompt, add_generation_prompt=True)
+    wholes = [rendered_ids(renderer, tokenizer, pair.prompt + completion) for completion in pair.completions]
+    start = min(common_prefix(prompt, ids) for ids in wholes)
+    return tuple((ids, [i >= start for i in range(len(ids))]) for ids in wholes)
 
 
 class PreferencePairs(Dataset):
@@ -135,12 +202,14 @@ class PairLoader(GlobalOrderLoader):
 def preference_loader(data, tokenizer, dp_rank: int, dp_world: int, seed: int) -> PairLoader:
     """Preference records at data.dataset_path (datasets.py's DataSpec), rendered with the chat template."""
     key, path = f"{data.section}.dataset_path", data.dataset_path
+    where = f"{key} {path}"
     renderer = ChatRenderer(tokenizer, data.chat_template)
-    records = Conversations(path, "preference", key, parse=preference_pair)
-    encode = functools.partial(tokenize_conversation, renderer, tokenizer, train_on="assistant")
-    pairs = [tuple(encode(messages) for messages in pair) for pair in records]
-    windows = PreferencePairs(pairs, data.seq_len, seed, tokenizer.eos_id, f"{key} {path}")
+    records = list(Conversations(path, "preference", key, parse=preference_pair))
+    check_one_form(records, where)
+    pairs = [tokenize_pair(renderer, tokenizer, pair) for pair in records]
+    check_pairs(records, pairs, where)
+    windows = PreferencePairs(pairs, data.seq_len, seed, tokenizer.eos_id, where)
     identity = {"sources": [str(Path(path).resolve())], "seed": seed, "seq_len": data.seq_len,
-                **chat_record(renderer, "preference", "assistant")}
+                **chat_record(renderer, "preference", TRAIN_ON)}
     return PairLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world, num_workers=data.num_workers,
                       finite=not data.infinite, identity=identity, source_names=[Path(path).name], seq_len=data.seq_len)

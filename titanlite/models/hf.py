@@ -166,6 +166,11 @@ class HFAdapter(abc.ABC):
             return f"its config.json has {key} {theirs!r} where titanlite's model computes {ours!r}"
         return None
 
+    def left_out(self, config: dict, args) -> str | None:
+        """What of the folder `config` describes the model built from `args` does not read (so neither trains nor
+        exports), as a phrase naming the key that keeps it; None: it reads all of it."""
+        return None
+
     def config_mismatch(self, config: dict, args) -> str | None:
         """The first shape-defining config.json value that differs from `args`, as a phrase; None if all fit."""
         expected = self.hf_config(args)

@@ -216,12 +216,14 @@ class Pipeline:
         """The tied matrix's last-stage copies: clipped, but left out of the norm (the first stage counts it once)."""
         return self.tied[1:] if self.has_first else self.tied
 
-    def _add_aux_grad(self, module, _inputs, output):
-        """Forward hook of a stage part: each block's balance loss is a share of the whole model's mean."""
-        aux_loss = getattr(module, "aux_loss", None)
+    def part_forward(self, forward, part: nn.Module, *args, **kwargs) -> torch.Tensor:
+        """A stage part's forward: its output alone (what the schedule sends on), with the balance loss its forward
+        returned (MoE) spliced into the output's backward, as a share of the whole model's mean."""
+        output, extra = forward(*args, extra_losses=True, **kwargs)
+        aux_loss = extra.get("moe_aux")
         if aux_loss is None or not torch.is_grad_enabled():
             return output
-        share = len(module.layers) / module.args.n_layers  # the part's mean of its blocks -> the model's mean
+        share = len(part.layers) / part.args.n_layers  # the part's mean of its blocks -> the model's mean
         return AuxLossGrad.apply(output, aux_loss, self.aux_weight * share)
 
 
@@ -278,10 +280,11 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
                         loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
                         chunked=computed_in_forward(loss_fn))
     for stage_id, part in parts.items():
+        forward = functools.partial(pipeline.part_forward, part.forward, part)
         if pipeline.chunked:
-            part.forward = functools.partial(stage_forward, part.forward, loss_fn if stage_id == num_stages - 1 else None)
+            forward = functools.partial(stage_forward, forward, loss_fn if stage_id == num_stages - 1 else None)
+        part.forward = forward
         materialize(part)
-        part.register_forward_hook(pipeline._add_aux_grad)
         pipeline.parts.append(part)
         pipeline.stages.append(PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
     if getattr(model.args, "tie_embeddings", False):

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.dtypes import DTYPES
-from titanlite.lora import apply_lora
+from titanlite.models.lora import apply_lora
 from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.models.attention import GatheredKeys
 from titanlite.models.init import local_tensor
@@ -285,10 +285,10 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
             saved = tally.purge()
             hidden.backward(torch.ones_like(hidden))  # the gradient the next stage sends back
         else:
-            loss = micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, context)
-            mtp_loss = getattr(model, "mtp_loss", None)  # DeepSeek-V3's MTP depths, whose backward train_step runs too
+            loss, extra = micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, context)
             saved = tally.purge()
-            (loss if mtp_loss is None else loss + mtp_loss).backward()
+            # DeepSeek-V3's MTP depths, whose backward train_step runs too (the balance loss adds no activations)
+            (loss + extra["mtp"] if "mtp" in extra else loss).backward()
     return Activations(saved // dims.tp, tally.peak)
 
 

@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titanlite.build import meta_model, parallelizer
 from titanlite.config_sections import JobConfig
 from titanlite.models.init import local_tensor
-from titanlite.muon import muon_trains
+from titanlite.optim.muon import muon_trains
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.parallelize import ParallelizeSettings
 from titanlite.parallel.pp import RankModel, stage_parts

@@ -8,7 +8,7 @@ from titanlite.build import meta_model, resolve_model_args
 from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import JobConfig, LoRA
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.dpo import as_sequences, holds_reference_copy
+from titanlite.objectives import as_sequences, holds_reference_copy
 from titanlite.errors import UserError
 from titanlite.models import get_model_spec
 from titanlite.plan.activations import activations, middle_stage_transient, per_block_and_ends

@@ -37,6 +37,7 @@ from torch import nn
 
 from titanlite.build import grad_accumulation_steps
 from titanlite.config_sections import JobConfig
+from titanlite.objectives import objective_class
 from titanlite.parallel.ac import every_nth
 from titanlite.parallel.dims import ParallelDims
 from titanlite.dtypes import DTYPES
@@ -135,7 +136,7 @@ def recompute(cfg: JobConfig) -> Recompute:
     """AC's recompute; DPO adds the reference model's forward on every sequence, a third more of each kind (counted
     with the recompute, though it runs before the policy's forward)."""
     ac = cfg.activation_checkpoint
-    reference = 1 / 3 if cfg.training.dataset_format == "preference" else 0.0
+    reference = 1 / 3 if objective_class(cfg).runs_reference_forward else 0.0
     if ac.mode == "full":
         return Recompute(1 / 3 + reference, 1 / 3 + reference, 1 / 3 + reference)
     if ac.mode == "selective":

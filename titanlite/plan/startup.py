@@ -13,8 +13,8 @@ def predict_on_gpu(run) -> JobPlan | None:
     cfg, spec, args, dims, model = run.cfg, run.spec, run.args, run.dims, run.model
     pp_rank = dims.mesh["pp"].get_local_rank() if dims.pp_enabled else 0
     state = state_bytes(model, cfg.optimizer.name)
-    if run.dpo is not None and run.dpo.reference is not None:  # DPO's frozen copy
-        state["reference"] = state_bytes(run.dpo.reference, cfg.optimizer.name)["params"]
+    if run.objective.reference is not None:  # DPO's frozen copy
+        state["reference"] = state_bytes(run.objective.reference, cfg.optimizer.name)["params"]
     planned = predict(cfg, spec, args, dims, {pp_rank: state})
     logger.info(f"plan on {cfg.plan.gpu}: predicted peak memory {planned.memory.peak / 2**30:.2f}GiB "
                 f"({100 * planned.memory.share:.0f}% of the GPU with margin), {planned.speed.tps:,.0f} tps per GPU")

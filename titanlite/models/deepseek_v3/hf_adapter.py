@@ -156,6 +156,14 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
             rope_theta=float(rope["rope_theta"]), rope_scaling=yarn, max_seq_len=config.get("max_position_embeddings", 4096),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
+    def left_out(self, config: dict, args) -> str | None:
+        held = config.get("num_nextn_predict_layers") or 0
+        if held <= args.mtp_layers:
+            return None
+        return (f"{held - args.mtp_layers} multi-token prediction layer(s) beyond model.mtp_layers {args.mtp_layers} "
+                f"(config.json num_nextn_predict_layers {held}): they are not trained, and this run's exports leave them "
+                f"out; set model.mtp_layers {held} to keep them")
+
     def config_mismatch(self, config: dict, args) -> str | None:
         """As the shapes, the routing and RoPE settings must agree (absent keys take transformers'
         defaults, which are DeepSeek-V3's)."""

@@ -45,12 +45,14 @@ class DeepSeekV3(MultiTokenPrediction, Mixtral):
         """The MoE blocks of the whole model (a pipeline stage holds some of them)."""
         return max(0, self.args.n_layers - self.args.n_dense_layers)
 
-    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
-        h = self.run_main_blocks(h, rope_cos, rope_sin, mask)
-        self.add_mtp_loss(h, rope_cos, rope_sin, mask)
-        return h
+    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                   mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h, losses = self.run_main_blocks(h, rope_cos, rope_sin, mask)
+        mtp = self.weighted_mtp_loss(h, rope_cos, rope_sin, mask)
+        return h, losses if mtp is None else {**losses, "mtp": mtp}
 
-    def run_main_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
+    def run_main_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                        mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         aux_losses, loads = [], {}
         for layer_id, block in self.layers.items():
             if self.is_moe(layer_id):
@@ -59,15 +61,14 @@ class DeepSeekV3(MultiTokenPrediction, Mixtral):
             else:
                 h = block(h, rope_cos, rope_sin, mask)
         if not aux_losses:  # a pipeline stage of dense blocks only
-            self.aux_loss = None
-            return h
+            return h, {}
         # The mean over the model's MoE blocks. pp.py weighs a stage's aux_loss by the stage's share of
         # all blocks (len(layers) / n_layers), so a stage's sum is scaled by the inverse of that share.
-        self.aux_loss = torch.stack(aux_losses).sum() / self.moe_blocks() * (self.args.n_layers / len(self.layers))
-        self.record_routing(self.aux_loss, torch.stack(list(loads.values())))
+        aux_loss = torch.stack(aux_losses).sum() / self.moe_blocks() * (self.args.n_layers / len(self.layers))
+        self.record_routing(aux_loss, torch.stack(list(loads.values())))
         if self.training:
             self._step_loads.append(loads)
-        return h
+        return h, {"moe_aux": aux_loss}
 
     def take_step_loads(self, forwards: int) -> dict[str, torch.Tensor]:
         """Tokens per expert [E] of each MoE block over the step's last `forwards` training forwards,

@@ -72,29 +72,28 @@ def mtp_loss(layers: nn.ModuleDict, h: torch.Tensor, tokens: torch.Tensor, embed
 
 class MultiTokenPrediction:
     """Mixed into DeepSeekV3 (before its decoder base): the MTP layers as model.mtp (FQNs mtp.<k>.*), their loss
-    after the main blocks in training forwards (model.mtp_loss, weighted by args.mtp_loss_weight, which the
-    trainer adds to the loss), and its unweighted mean as loss/mtp in the logged metrics."""
+    after the main blocks in training forwards (the forward's extra loss "mtp", weighted by args.mtp_loss_weight,
+    which the trainer adds to the loss), and its unweighted mean as loss/mtp in the logged metrics."""
 
     def build_mtp(self, args) -> None:
         layers = {str(k): MTPLayer(args.dim, args.norm_eps, self.build_block(args.n_layers + k, args))
                   for k in range(args.mtp_layers)}
         self.mtp = nn.ModuleDict(layers) if layers else None
-        self.mtp_loss: torch.Tensor | None = None
         self._mtp_sum, self._mtp_forwards = None, 0
 
     def forward(self, tokens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self._tokens = tokens  # the depths embed the window's later tokens
         return super().forward(tokens, *args, **kwargs)
 
-    def add_mtp_loss(self, h: torch.Tensor, rope_cos, rope_sin, mask) -> None:
-        """Called with the main blocks' output; validation and generation forwards (eval mode) skip the depths."""
-        self.mtp_loss = None
+    def weighted_mtp_loss(self, h: torch.Tensor, rope_cos, rope_sin, mask) -> torch.Tensor | None:
+        """Called with the main blocks' output: the depths' loss times args.mtp_loss_weight; None in validation and
+        generation forwards (eval mode), which skip the depths, and without depths."""
         if self.mtp is None or not self.training:
-            return
+            return None
         loss = mtp_loss(self.mtp, h, self._tokens, self.tok_embeddings, self.output, rope_cos, rope_sin, mask)
-        self.mtp_loss = self.args.mtp_loss_weight * loss
         self._mtp_sum = loss.detach() + (self._mtp_sum if self._mtp_forwards else 0)
         self._mtp_forwards += 1
+        return self.args.mtp_loss_weight * loss
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

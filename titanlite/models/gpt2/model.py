@@ -84,7 +84,7 @@ class GPT2(KeepsTiedEmbeddings):
         self.output.weight = self.tok_embeddings.weight  # tied, as in GPT-2
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None,
-                sequence_shard: SequenceShard | None = None, cache: CacheStep | None = None) -> torch.Tensor:
+                sequence_shard: SequenceShard | None = None, cache: CacheStep | None = None, extra_losses: bool = False):
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
         given (KeepsTiedEmbeddings.head). With a `cache` step (generation, models/kv_cache.py) the tokens
         follow the cached ones at its positions, and only the last position's logits [B, 1, vocab] are computed. With `document_ids` [B, T]
@@ -93,7 +93,8 @@ class GPT2(KeepsTiedEmbeddings):
         parallelism `sequence_shard` says which positions of the window `tokens` are.
 
         A pipeline stage lacks the modules of the other stages (None): a stage after the first takes
-        the previous stage's hidden states as `tokens`, one before the last returns its hidden states."""
+        the previous stage's hidden states as `tokens`, one before the last returns its hidden states.
+        With `extra_losses` it returns (that output, {}), as every family does (GPT-2 adds no loss of its own)."""
         if cache is not None:
             h = self.tok_embeddings(tokens) + self.pos_embeddings(cache.positions)
             for block in self.layers.values():
@@ -109,7 +110,8 @@ class GPT2(KeepsTiedEmbeddings):
         mask = attention_mask(document_ids, None, tokens.device, sequence_shard)  # built once, shared by every block
         for block in self.layers.values():
             h = block(h, mask)
-        return h if self.output is None else self.head(h, output_loss)
+        out = h if self.output is None else self.head(h, output_loss)
+        return (out, {}) if extra_losses else out
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -217,7 +217,7 @@ class Transformer(KeepsTiedEmbeddings):
         return rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None,
-                sequence_shard: SequenceShard | None = None, cache: CacheStep | None = None) -> torch.Tensor:
+                sequence_shard: SequenceShard | None = None, cache: CacheStep | None = None, extra_losses: bool = False):
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
         given (head()). With a `cache` step (generation, models/kv_cache.py) the tokens follow the cached
         ones at its positions, and only the last position's logits [B, 1, vocab] are computed. With `document_ids` [B, T]
@@ -228,9 +228,12 @@ class Transformer(KeepsTiedEmbeddings):
 
         A pipeline stage lacks the modules of the other stages (None): a stage after the first takes
         the previous stage's hidden states as `tokens`, one before the last returns its hidden states.
+
+        With `extra_losses` it returns (that output, {name: loss}): the losses a family adds to the training
+        objective (extra_loss_names below), {} where it has none.
         """
         if cache is not None:
-            h = self.run_blocks(self.tok_embeddings(tokens), self.rope_cos[cache.positions], self.rope_sin[cache.positions], cache)
+            h, _ = self.run_blocks(self.tok_embeddings(tokens), self.rope_cos[cache.positions], self.rope_sin[cache.positions], cache)
             return self.head(h[:, -1:])
         h = tokens
         if self.tok_embeddings is not None:
@@ -242,14 +245,17 @@ class Transformer(KeepsTiedEmbeddings):
             rope_cos, rope_sin = self.rope_cos[positions], self.rope_sin[positions]  # [B or none, T, head_dim // 2]
         # Built once here and shared by every block; Mistral and Mixtral args carry a sliding window.
         mask = attention_mask(document_ids, getattr(self.args, "sliding_window", None), tokens.device, sequence_shard)
-        h = self.run_blocks(h, rope_cos, rope_sin, mask)
-        return h if self.output is None else self.head(h, output_loss)
+        h, losses = self.run_blocks(h, rope_cos, rope_sin, mask)
+        out = h if self.output is None else self.head(h, output_loss)
+        return (out, losses) if extra_losses else out
 
-    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
-        """The blocks in order; families whose blocks return more than h (Mixtral) override it."""
+    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                   mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The blocks in order -> (h, the family's extra losses); families whose blocks return more than h (Mixtral)
+        override it."""
         for block in self.layers.values():
             h = block(h, rope_cos, rope_sin, mask)
-        return h
+        return h, {}
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -1,8 +1,8 @@
 """Mixtral: Mistral's decoder with each block's feed-forward replaced by routed experts.
 
-Besides logits, every forward sets `aux_loss`, the router load-balancing loss averaged over the
-blocks, which the trainer adds to the loss (weighted by model.moe_aux_loss_coeff), and adds to
-router statistics that `extra_metrics()` hands to the metrics logger.
+Besides logits, a forward asked for its extra losses returns `moe_aux`, the router load-balancing loss averaged
+over the blocks, which the trainer adds to the loss (weighted by model.moe_aux_loss_coeff); every training forward
+also adds to router statistics that `extra_metrics()` hands to the metrics logger.
 """
 
 import torch
@@ -31,7 +31,6 @@ class MixtralBlock(TransformerBlock):
 class Mixtral(Transformer):
     def __init__(self, args: MixtralArgs):
         super().__init__(args)
-        self.aux_loss: torch.Tensor | None = None
         self._forwards = 0  # since the last extra_metrics()
         self._aux_loss_sum: torch.Tensor | None = None
         self._load_sum: torch.Tensor | None = None  # [layers, experts] tokens routed
@@ -39,15 +38,16 @@ class Mixtral(Transformer):
     def build_block(self, layer_id: int, args: MixtralArgs) -> MixtralBlock:
         return MixtralBlock(layer_id, args)
 
-    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask) -> torch.Tensor:
+    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                   mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         aux_losses, loads = [], []
         for block in self.layers.values():
             h, aux_loss, load = block(h, rope_cos, rope_sin, mask)
             aux_losses.append(aux_loss)
             loads.append(load)
-        self.aux_loss = torch.stack(aux_losses).mean()
-        self.record_routing(self.aux_loss, torch.stack(loads))
-        return h
+        aux_loss = torch.stack(aux_losses).mean()
+        self.record_routing(aux_loss, torch.stack(loads))
+        return h, {"moe_aux": aux_loss}
 
     def record_routing(self, aux_loss: torch.Tensor, loads: torch.Tensor) -> None:
         """Add one forward's balance loss and tokens per expert [MoE blocks, experts] to the statistics

@@ -1,13 +1,16 @@
 """Token generation with the KV cache (models/kv_cache.py): prompts of different lengths left-padded into
 one batch, one prefill forward, then one forward per new token, greedy or sampled (temperature, top-k,
 top-p), each row ending at the tokenizer's eos or an end-of-turn token, at a stop string, or at
-max_new_tokens. python -m titanlite.generate and the lm-eval model (eval.py) both call `generate_ids`.
+max_new_tokens. python -m titanlite.generate (generate_job.py), the lm-eval model (lm_eval_model.py) and the
+in-loop evaluator's sample prompts all call `generate_ids`.
 
 Ranks that each generate for their own prompts on a sharded (FSDP) model run in lockstep (`lockstep`): every
 forward gathers weights from all ranks, so a rank whose rows are finished runs idle one-token forwards (without
 its cache) until every rank is finished.
 """
 
+import hashlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +49,22 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def pick_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, vocab] -> the next token of each row [B]."""
+def prompt_generators(sampling: Sampling, indices: list[int], device: torch.device) -> list[torch.Generator] | None:
+    """One generator per prompt, seeded from (generate.seed, the prompt's index among all prompts): a completion
+    depends on neither the batch it runs in nor the number of prompts or ranks. None when greedy."""
+    if sampling.temperature == 0:
+        return None
+    return [torch.Generator(device=device).manual_seed(prompt_seed(sampling.seed, index)) for index in indices]
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """A 32-bit seed for (seed, index): the CPU generator (mt19937) keeps only a seed's low 32 bits, so the two are
+    hashed together rather than packed side by side."""
+    return int.from_bytes(hashlib.sha256(f"{seed},{index}".encode()).digest()[:4], "little")
+
+
+def pick_tokens(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator] | None) -> torch.Tensor:
+    """logits [B, vocab] -> the next token of each row [B], row i sampled with generators[i]."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / sampling.temperature
@@ -60,7 +77,8 @@ def pick_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
         # A token is dropped once the more likely ones already reach top_p; the most likely always stays.
         dropped = (before >= sampling.top_p).scatter(-1, order, before >= sampling.top_p)
         logits = logits.masked_fill(dropped, float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(dim=-1)
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
 
 
 def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +109,32 @@ def stopped_by_text(new_ids: list[int], tokenizer, stop: tuple[str, ...]) -> boo
     return any(s in text for s in stop)
 
 
+@dataclass
+class Speed:
+    """Tokens the model read and seconds it took, for the prefill (prompts, and lm-eval's scored sequences) and
+    the decode steps (one token per unfinished row per forward); each phase ends at a host sync."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    def line(self) -> str:
+        def rate(tokens: int, seconds: float) -> str:
+            return f"{tokens / seconds:.1f} tokens/s ({tokens} tokens in {seconds:.2f}s)" if seconds else "none"
+
+        return (f"prefill {rate(self.prefill_tokens, self.prefill_seconds)}, "
+                f"decode {rate(self.decode_tokens, self.decode_seconds)}")
+
+
 @torch.no_grad()
 def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling,
-                 lockstep: bool = False) -> list[list[int]]:
+                 lockstep: bool = False, indices: list[int] | None = None, speed: Speed | None = None) -> list[list[int]]:
     """The new tokens of each prompt, one batch: up to (excluding) the first stop token, or up to and
     including the token that completed a stop string (the caller cuts the text), or max_new_tokens,
-    or the model's context (said once). With `lockstep`, every rank of the world calls this together."""
+    or the model's context (said once). With `lockstep`, every rank of the world calls this together.
+    indices: each prompt's place among all prompts, which seeds its sampling (default 0, 1, ...); `speed`, where
+    given, adds this batch's tokens and seconds."""
     check_prompts(prompts, args.max_seq_len, args.vocab_size)
     device = next(model.parameters()).device
     budget = min(sampling.max_new_tokens, args.max_seq_len - max(map(len, prompts)))
@@ -104,30 +142,37 @@ def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sa
         logger.info(f"generating at most {budget} tokens: the longest prompt and max_new_tokens would pass the model's "
                     f"context of {args.max_seq_len}")
     stops = torch.tensor(stop_token_ids(tokenizer) if sampling.stop_ids is None else list(sampling.stop_ids), device=device)
-    generator = None
-    if sampling.temperature > 0:
-        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    generators = prompt_generators(sampling, list(range(len(prompts))) if indices is None else indices, device)
+    started = time.perf_counter()
     tokens, valid = left_padded(prompts, tokenizer.eos_id, device)
     cache = KVCache(getattr(args, "sliding_window", None))
     logits = model(tokens, cache=cache.step(valid))[:, -1]
     new: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
+    prefilled, decoded = None, 0
     while True:
         if budget and not all(done):
             budget -= 1
-            picked = pick_tokens(logits, sampling, generator)
+            picked = pick_tokens(logits, sampling, generators)
             for row, (token, stopping) in enumerate(zip(picked.tolist(), torch.isin(picked, stops).tolist())):
                 if done[row] or stopping:
                     done[row] = True
                     continue
                 new[row].append(token)
                 done[row] = bool(sampling.stop) and stopped_by_text(new[row], tokenizer, sampling.stop)
+        prefilled = prefilled or time.perf_counter()  # the first tokens' .tolist() waited for the prefill
         finished = all(done) or not budget
         if all_finished(finished, lockstep, device):
+            if speed is not None:
+                speed.prefill_tokens += sum(map(len, prompts))
+                speed.prefill_seconds += prefilled - started
+                speed.decode_tokens += decoded
+                speed.decode_seconds += time.perf_counter() - prefilled
             return new
         if finished:
             idle_forward(model, device)
         else:
+            decoded += done.count(False)
             logits = model(picked[:, None], cache=cache.step(torch.ones_like(picked[:, None], dtype=torch.bool)))[:, -1]
 
 

@@ -19,7 +19,6 @@ like the policy), or from the Hugging Face folder or DCP step folder dpo.referen
 """
 
 import contextlib
-import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -29,15 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.checkpoint.fit import check_model_fits, load_in_place, read_metadata
-from titanlite.checkpoint.folders import METADATA
-from titanlite.checkpoint.hf_io import load_model_from_hf
 from titanlite.checkpoint.state import ModelState
+from titanlite.checkpoint.weights import ModelIdentity, load_weights
 from titanlite.config_sections import DPO, JobConfig
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.lora import adapters_off
+from titanlite.models.lora import adapters_off
 from titanlite.models.init import local_tensor
 
 SCALARS = ("dpo/reward_accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward")
@@ -72,16 +69,39 @@ def preference_loss(policy: torch.Tensor, reference: torch.Tensor, counts: torch
     return losses.mean(), stats
 
 
-class PreferenceObjective:
+class Preference:
     """The DPO loss of a micro-batch against the reference, and its statistics since the last log."""
+
+    name = "preference"
+    rows_per_example = 2  # rows 2i (chosen) and 2i + 1 (rejected)
+    per_trained_token = False  # the step's loss is the mean over pairs
+    resets_positions = True  # each sequence starts at position 0, as at inference
+    runs_reference_forward = True  # on every sequence, before the policy's (under LoRA: the base, adapters off)
+
+    @classmethod
+    def needs_reference_copy(cls, cfg: JobConfig) -> bool:
+        """Every reference but the LoRA base's own (which is the policy with its adapters off) is a second model."""
+        return not (cfg.dpo.reference == "initial" and cfg.lora.rank > 0)
+
+    @classmethod
+    def build(cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
+              device: torch.device) -> "Preference":
+        """The DPO objective with its reference: the policy's base under LoRA with dpo.reference initial, else
+        `copy()`, a model built and sharded like the policy (no adapters, initialised from job.seed), frozen and
+        loaded through the one checked weight loader."""
+        if not cls.needs_reference_copy(cfg):
+            logger.info("DPO reference: the LoRA base with its adapters switched off (no second copy)")
+            return cls(cfg.dpo, None, device)
+        return cls(cfg.dpo, reference_model(cfg, copy, hf_adapter, args, label), device)
 
     def __init__(self, cfg: DPO, reference: nn.Module | None, device: torch.device):
         self.cfg, self.reference = cfg, reference  # None: the policy with its LoRA adapters off
         self.totals = torch.zeros(5, device=device)
 
-    def logits(self, model: nn.Module, inputs: torch.Tensor, model_kwargs: dict, forward_context: Callable):
+    def forward(self, model: nn.Module, inputs: torch.Tensor, model_kwargs: dict, forward_context: Callable):
+        """(logits, the forward's extra losses)."""
         with forward_context():
-            return model(inputs, **model_kwargs)
+            return model(inputs, extra_losses=True, **model_kwargs)
 
     @contextlib.contextmanager
     def reference_of(self, policy: nn.Module):
@@ -98,16 +118,18 @@ class PreferenceObjective:
         finally:
             policy.train()
 
-    def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict,
-             forward_context: Callable) -> torch.Tensor:
-        """The mean DPO loss of the micro-batch's pairs (the reference's forward first, so that what a forward
-        leaves on the model, such as MoE's aux_loss, is the policy's)."""
+    def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
+             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the mean DPO loss of the micro-batch's pairs, the policy forward's extra losses such as MoE's balance
+        loss). DPO scores whole completions itself, so the run's token loss_fn is not used."""
         with self.reference_of(model) as reference_model:
-            reference, _ = completion_logps(self.logits(reference_model, inputs, model_kwargs, forward_context), labels)
-        policy, counts = completion_logps(self.logits(model, inputs, model_kwargs, forward_context), labels)
+            reference_logits, _ = self.forward(reference_model, inputs, model_kwargs, forward_context)
+            reference, _ = completion_logps(reference_logits, labels)
+        logits, extra = self.forward(model, inputs, model_kwargs, forward_context)
+        policy, counts = completion_logps(logits, labels)
         loss, stats = preference_loss(policy, reference, counts, self.cfg)
         self.totals += stats
-        return loss
+        return loss, extra
 
     def scalars(self) -> dict[str, float]:
         """The dpo/* means over every pair since the last call, on all ranks (a collective: every rank calls it)."""
@@ -120,62 +142,33 @@ class PreferenceObjective:
         return dict(zip(SCALARS, (correct, margin, chosen, rejected)))
 
 
-def holds_reference_copy(cfg: JobConfig) -> bool:
-    """Whether DPO keeps a second, frozen model (every reference but the LoRA base's own, which is the policy)."""
-    return cfg.training.dataset_format == "preference" and not (cfg.dpo.reference == "initial" and cfg.lora.rank > 0)
-
-
-def as_sequences(cfg: JobConfig) -> JobConfig:
-    """The job with its batch keys counting sequences: preference data holds two per pair (the planner's view)."""
-    if cfg.training.dataset_format != "preference":
-        return cfg
-    training = cfg.training
-    doubled = dataclasses.replace(training, local_batch_size=2 * training.local_batch_size,
-                                  global_batch_size=2 * training.global_batch_size if training.global_batch_size > 0 else -1)
-    return dataclasses.replace(cfg, training=doubled)
-
-
 def local_bytes(model: nn.Module) -> int:
     return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
 
-def load_reference(reference: nn.Module, path: Path, in_hf: bool, key: str, hf_adapter, args, label: str) -> None:
-    """The weights of a Hugging Face folder or a DCP checkpoint into the reference, in place; shapes that differ
-    from the model's are one sentence naming `key`."""
-    state = ModelState(reference, adapters_only=False)
+def load_reference(reference: nn.Module, path: Path, key: str, identity: ModelIdentity, allow_unverified: bool) -> None:
+    """The reference's weights through the one checked loader: the policy's own start (initial) may be another
+    model's weights, as the policy's initial load allows; a named reference must be of this model family."""
     try:
-        if in_hf:
-            load_model_from_hf(state.target(None), path, hf_adapter, args, label)
-            return
-        if not (path / METADATA).is_file():
-            raise UserError(f"{path} is neither a Hugging Face folder (config.json) nor a complete DCP checkpoint ({METADATA})")
-        check_model_fits(read_metadata(path), {fqn: tuple(t.shape) for fqn, t in state.target(None).items()}, path, label)
-        state.restore(load_in_place(path, state.target(None)))
+        load_weights(ModelState(reference, adapters_only=False), path, identity, key, transplant=key != "dpo.reference",
+                     allow_unverified=allow_unverified)
     except UserError as error:
         raise UserError(f"{key} {path} cannot be the reference ({str(error).split('; ')[0]}); point {key} at a Hugging Face "
                         "folder or a DCP step folder of this model, or set dpo.reference initial") from None
 
 
-def build_preference(cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
-                     device: torch.device) -> PreferenceObjective:
-    """The DPO objective with its reference: the policy's base under LoRA with dpo.reference initial, else `copy()`,
-    a model built and sharded like the policy (no adapters, initialised from job.seed), frozen and loaded."""
-    dpo = cfg.dpo
-    if not holds_reference_copy(cfg):
-        logger.info("DPO reference: the LoRA base with its adapters switched off (no second copy)")
-        return PreferenceObjective(dpo, None, device)
+def reference_model(cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str) -> nn.Module:
+    """A frozen copy of the policy's model, loaded from dpo.reference (or the policy's own start)."""
     reference = copy().requires_grad_(False).eval()  # eval: its forwards stay out of MoE's training statistics
-    if dpo.reference == "initial":
+    if cfg.dpo.reference == "initial":
         source, key = cfg.checkpoint.initial_load_path, "checkpoint.initial_load_path"
-        in_hf = cfg.checkpoint.initial_load_in_hf
     else:
-        source, key = dpo.reference, "dpo.reference"
-        in_hf = (Path(source) / "config.json").is_file()
+        source, key = cfg.dpo.reference, "dpo.reference"
         if not Path(source).is_dir():
             raise UserError(f"dpo.reference {source} is not a folder; set it to initial, a Hugging Face folder or a DCP step folder")
     if source:
-        load_reference(reference, Path(source), in_hf, key, hf_adapter, args, label)
+        load_reference(reference, Path(source), key, ModelIdentity(label, hf_adapter, args), cfg.checkpoint.allow_unverified)
     origin = source or "job.seed's initialisation"
     logger.info(f"DPO reference: a frozen copy of {origin}, sharded like the policy: {local_bytes(reference) / 2**30:.3f} GiB "
                 "of parameters per rank, no gradients or optimizer state")
-    return PreferenceObjective(dpo, reference, device)
+    return reference

@@ -1,11 +1,12 @@
 """lm-eval tasks run on a titanlite model: the task names and task files checked first (one sentence each,
 where lm-eval itself would skip a file that does not parse and then call its task unknown), lm-eval's
 simple_evaluate, its results JSON written by its EvaluationTracker, and the metrics as {task/metric: value}
-scalars for TensorBoard."""
+scalars for TensorBoard. lm-eval is imported inside the functions that need it: only where evaluation runs."""
 
 import functools
 import logging
 import math
+import time
 from pathlib import Path
 
 import yaml
@@ -77,7 +78,7 @@ def task_manager(tasks: tuple[str, ...], include_path: str | None):
 
 def evaluate_tasks(lm, tasks: list[str], include_path: str | None, *, limit: float | None = None,
                    num_fewshot: int | None = None, log_samples: bool = False) -> dict:
-    """lm-eval's results dict for `tasks` run on `lm` (a TitanliteLM)."""
+    """lm-eval's results dict for `tasks` run on `lm` (lm_eval_model.TitanliteLM)."""
     from lm_eval import simple_evaluate
 
     manager = task_manager(tuple(tasks), include_path)
@@ -97,6 +98,8 @@ def write_results(results: dict, output_path: str, log_samples: bool, model_args
     named = simple_parse_args_string(model_args)
     weights = named.get("checkpoint") or named.get("hf_assets_path") or named.get("config_file") or "titanlite"
     tracker = EvaluationTracker(output_path=output_path)
+    # The tracker times from its own creation; the evaluation began total_evaluation_time_seconds ago (eval_job.py).
+    tracker.general_config_tracker.start_time = time.perf_counter() - float(results.get("total_evaluation_time_seconds", 0))
     tracker.general_config_tracker.log_experiment_args(model_source="titanlite", model_args={"model": weights},
                                                        system_instruction=None, chat_template=None, fewshot_as_multiturn=False)
     tracker.save_results_aggregated(results=results, samples=samples)

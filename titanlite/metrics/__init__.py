@@ -22,8 +22,8 @@ import torch.distributed as dist
 from titanlite.config_sections import JobConfig, Metrics
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.log import logger
-from titanlite.observers import observer
-from titanlite.tensorboard import describe_run, open_writer
+from titanlite.metrics.observers import observer
+from titanlite.metrics.tensorboard import describe_run, open_writer
 
 # Dense bf16 TFLOP/s (no sparsity), matched against torch.cuda.get_device_name().
 PEAK_BF16_TFLOPS = [
@@ -80,6 +80,7 @@ class MetricsLogger:
         self.flops_per_token = flops_per_token
         self.peak = peak_tflops(device, cfg.peak_tflops)
         self.writer = None
+        self.dashboard = None  # rank 0's CUSTOM SCALARS layout (tensorboard.py), which grows as tag groups appear
         self.last_step = 0  # the step of the last line (or the one resumed from): lines cover the steps since
         self.reset()
 
@@ -92,13 +93,15 @@ class MetricsLogger:
             return
         self.writer = open_writer(folder, self.rank, resumed_step)
         if self.rank == 0:
-            describe_run(self.writer, job, hparams, resumed_step)
+            self.dashboard = describe_run(self.writer, job, hparams, resumed_step, self.peak is not None, self.device.type)
 
     @observer("TensorBoard")
     def write_scalars(self, step: int, values: dict[str, float], flush: bool = False) -> None:
         if self.writer:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
+            if self.dashboard:
+                self.dashboard.saw(values)
             if flush:
                 self.writer.flush()  # a killed run keeps what it has drawn (SummaryWriter flushes every 2 minutes)
 

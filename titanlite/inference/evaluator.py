@@ -1,35 +1,41 @@
 """In-loop evaluation ([eval]): lm-eval tasks and sample prompts on the live model every eval.interval steps
 and after the last (eval.at_end).
 
-Every rank takes part: the data-parallel ranks share the requests as lm-eval shares them (eval_model.py, in
+Every rank takes part: the data-parallel ranks share the requests as lm-eval shares them (lm_eval_model.py, in
 lockstep, as a sharded model's collectives need), and lm-eval gathers the values to rank 0, the same values one
 process gets. Scalars go to TensorBoard as eval/<task>/<metric> and to
 the console; sample prompts' greedy completions to TensorBoard's text tab. The seconds spent are printed and
 left out of the next tps and MFU.
+
+The trainer builds the evaluator only when [eval] evaluates (eval.interval or eval.at_end): then the task names
+are checked when it is built, before step 1, and lm-eval is imported for that; a run without [eval] never
+imports it.
 """
 
 import time
 
 import torch
 
-from titanlite.config_sections import Eval
-from titanlite.data.chat import ChatRenderer
-from titanlite.eval_model import TitanliteLM
-from titanlite.eval_tasks import evaluate_tasks, metric_scalars
-from titanlite.generate import completion_text, prompt_ids, read_prompt_lines
-from titanlite.generation import Sampling, generate_ids
+from titanlite.inference.decode import Sampling, generate_ids
+from titanlite.inference.prompts import completion_text, read_prompt_lines, render_prompts
+from titanlite.inference.tasks import evaluate_tasks, metric_scalars, task_manager
 from titanlite.log import logger
 
 
 class InLoopEvaluator:
-    def __init__(self, run, metrics):
-        """The [eval] section of build.py's `run`, on its tokenizer and model args (max_seq_len, sliding_window);
-        metrics: the run's MetricsLogger. Sample prompts given as messages take training.chat_template."""
-        self.run, self.cfg, self.tokenizer, self.args, self.metrics = run, run.cfg.eval, run.tokenizer, run.args, metrics
-        self.last_step, self.chat_template = run.cfg.training.steps, run.cfg.training.chat_template
+    def __init__(self, run, training):
+        """The [eval] section of `run` (build.py's Run, or an InferenceModel), on its tokenizer and model args
+        (max_seq_len, sliding_window), written to `training`'s metrics (build.py's Training, or anything with its
+        metrics and steps); at_end evaluates after its last step. Sample prompts given as messages take
+        training.chat_template."""
+        self.run, self.cfg, self.tokenizer, self.args = run, run.cfg.eval, run.tokenizer, run.args
+        self.metrics, self.last_step = training.metrics, training.steps
         cfg = self.cfg
-        # Read now: a bad file stops the run before its first step, not at the first evaluation.
-        self.samples = read_prompt_lines(cfg.sample_prompts, key="eval.sample_prompts") if cfg.sample_prompts else []
+        # Checked now: a bad task name, file or prompt stops the run before its first step, not at the first evaluation.
+        if cfg.tasks:
+            task_manager(tuple(cfg.tasks), cfg.include_path or None)
+        records = read_prompt_lines(cfg.sample_prompts, key="eval.sample_prompts") if cfg.sample_prompts else []
+        self.samples = render_prompts(records, run.tokenizer, run.cfg.training.chat_template)
 
     def should_evaluate(self, step: int) -> bool:
         return bool(self.cfg.interval and step % self.cfg.interval == 0) or (self.cfg.at_end and step == self.last_step)
@@ -44,6 +50,8 @@ class InLoopEvaluator:
         try:
             scalars = {}
             if self.cfg.tasks:
+                from titanlite.inference.lm_eval_model import TitanliteLM
+
                 lm = TitanliteLM(self.run, batch_size=self.cfg.batch_size)
                 results = evaluate_tasks(lm, self.cfg.tasks, self.cfg.include_path or None,
                                          limit=None if self.cfg.limit == -1 else self.cfg.limit,
@@ -62,11 +70,10 @@ class InLoopEvaluator:
         return scalars
 
     def write_samples(self, model: torch.nn.Module, step: int) -> None:
-        prompts = [prompt_ids(record, self.tokenizer, lambda: ChatRenderer(self.tokenizer, self.chat_template))
-                   for record in self.samples]
-        new = generate_ids(model, self.args, self.tokenizer, [ids for _, ids in prompts], Sampling(self.cfg.max_new_tokens))
+        new = generate_ids(model, self.args, self.tokenizer, [prompt.ids for prompt in self.samples],
+                           Sampling(self.cfg.max_new_tokens))
         if self.metrics.writer is None:
             return
-        for number, ((text, _), ids) in enumerate(zip(prompts, new)):
+        for number, (prompt, ids) in enumerate(zip(self.samples, new)):
             completion = completion_text(ids, self.tokenizer, [])
-            self.metrics.writer.add_text(f"eval/sample/{number}", f"{text}\n\n---\n\n{completion}", step)
+            self.metrics.writer.add_text(f"eval/sample/{number}", f"{prompt.text}\n\n---\n\n{completion}", step)

@@ -7,8 +7,8 @@ a kill -9 or a rewind via checkpoint.load_step abandoned) and the job draws one 
 With metrics.save_for_all_ranks each rank writes its own run, <run folder>/rank<N>.
 
 At start, rank 0's run receives the resolved config as text, the hyper-parameters (HPARAMS tab,
-with the final loss, tps and MFU as metrics) and a custom-scalars layout (CUSTOM SCALARS tab).
-Scalar tags are grouped by their first path part, which TensorBoard lays out as sections.
+with the final loss, tps and MFU as metrics) and a custom-scalars layout (CUSTOM SCALARS tab,
+Dashboard). Scalar tags are grouped by their first path part, which TensorBoard lays out as sections.
 """
 
 import re
@@ -20,18 +20,25 @@ import torch.distributed as dist
 from titanlite.config import to_toml
 from titanlite.config_sections import JobConfig
 from titanlite.log import logger
-from titanlite.observers import observe
+from titanlite.metrics.observers import observe
 
-# The charts of the CUSTOM SCALARS tab; each lists the regular expressions of the tags it draws.
-LAYOUT = {
-    "titanlite": {
-        "loss: train and validation": ["Multiline", [r"^loss/(train|validation)$"]],
-        "tokens per second per device": ["Multiline", [r"^throughput/tps$"]],
-        "MFU (%)": ["Multiline", [r"^throughput/mfu$"]],
-        "memory against the device's capacity (GiB)": ["Multiline", [r"^memory/(reserved|capacity)_gib$"]],
-        "lr and grad_norm": ["Multiline", [r"^optim/(lr|grad_norm)$"]],
-        "checkpoint: save time and training lost (s)": ["Multiline", [r"^checkpoint/"]],
-    },
+# The charts of the CUSTOM SCALARS tab; each lists the regular expressions of the tags it draws. The lr has a chart
+# of its own: beside grad_norm (about 1) a peak of 1e-3 draws as a flat 0.
+CHARTS = {
+    "loss: train and validation": ["Multiline", [r"^loss/(train|validation)$"]],
+    "tokens per second per device": ["Multiline", [r"^throughput/tps$"]],
+    "MFU (%)": ["Multiline", [r"^throughput/mfu$"]],  # where the device's peak is known (titanlite_charts)
+    "memory against the device's capacity (GiB)": ["Multiline", [r"^memory/(reserved|capacity)_gib$"]],
+    "learning rate": ["Multiline", [r"^optim/lr$"]],
+    "grad_norm (before clipping)": ["Multiline", [r"^optim/grad_norm$"]],
+    "checkpoint: save time and training lost (s)": ["Multiline", [r"^checkpoint/"]],
+}
+# The charts of a tag group that only some runs write (an objective's, or [eval]'s per task), by its first path
+# part: added to the layout when the group's first tag is written, so a run shows exactly the charts it has data for.
+GROUP_CHARTS = {
+    "dpo": ("DPO", {"DPO: reward accuracy": [r"^dpo/reward_accuracy$"],
+                    "DPO: chosen and rejected rewards, margin": [r"^dpo/(chosen_reward|rejected_reward|margin)$"]}),
+    "rl": ("RL", {"RL": [r"^rl/"]}),
 }
 # The HPARAMS tab's metrics: the last value of these tags in each run.
 HPARAM_METRICS = ("loss/train", "throughput/tps", "throughput/mfu")
@@ -77,7 +84,51 @@ def open_writer(folder: Path, rank: int, resumed_step: int):
     return SummaryWriter(str(folder), purge_step=resumed_step + 1 if resumed_step else None)
 
 
-def describe_run(writer, cfg: JobConfig, hparams: dict, step: int) -> None:
+def titanlite_charts(peak_known: bool, device_type: str) -> dict:
+    """CHARTS; where the device has no known peak, the MFU chart's place draws the achieved TFLOP/s under a title
+    that says why, rather than an empty chart."""
+    if peak_known:
+        return dict(CHARTS)
+    no_mfu = (f"no MFU: {device_type} has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device",
+              ["Multiline", [r"^throughput/tflops$"]])
+    return dict(no_mfu if title == "MFU (%)" else (title, chart) for title, chart in CHARTS.items())
+
+
+def group_charts(tag: str) -> tuple[str, dict] | None:
+    """(the category, its charts) that draw `tag`'s group, or None for a tag of the fixed charts: eval/<task>/...
+    has a chart per task."""
+    head, _, rest = tag.partition("/")
+    if head == "eval":
+        task = rest.split("/")[0]
+        return "eval", {f"eval: {task}": ["Multiline", [rf"^eval/{re.escape(task)}/"]]}
+    if head in GROUP_CHARTS:
+        category, charts = GROUP_CHARTS[head]
+        return category, {title: ["Multiline", patterns] for title, patterns in charts.items()}
+    return None
+
+
+class Dashboard:
+    """The CUSTOM SCALARS layout of rank 0's run: the fixed charts from the start, and each group's (GROUP_CHARTS,
+    eval) from its first tag on. TensorBoard draws the last layout a run wrote, so the layout is written again
+    whenever a chart joins it."""
+
+    def __init__(self, writer, peak_known: bool, device_type: str):
+        self.writer = writer
+        self.layout = {"titanlite": titanlite_charts(peak_known, device_type)}
+        self.writer.add_custom_scalars(self.layout)
+
+    def saw(self, tags) -> None:
+        added = False
+        for tag in tags:
+            found = group_charts(tag)
+            if found and not found[1].keys() <= self.layout.get(found[0], {}).keys():
+                self.layout.setdefault(found[0], {}).update(found[1])
+                added = True
+        if added:
+            self.writer.add_custom_scalars(self.layout)
+
+
+def describe_run(writer, cfg: JobConfig, hparams: dict, step: int, peak_known: bool, device_type: str) -> Dashboard:
     """The config as text, the hyper-parameters and the custom-scalars layout (rank 0's run), at
     the step the run starts from: a resumed run's config shows beside the first one's."""
     from torch.utils.tensorboard.summary import hparams as hparams_summaries
@@ -86,7 +137,7 @@ def describe_run(writer, cfg: JobConfig, hparams: dict, step: int) -> None:
     writer.add_text("config", "\n".join("    " + line for line in to_toml(cfg).splitlines()), step)
     for summary in hparams_summaries(hparams, dict.fromkeys(HPARAM_METRICS, 0.0)):
         writer.file_writer.add_summary(summary, step)
-    writer.add_custom_scalars(LAYOUT)
+    return Dashboard(writer, peak_known, device_type)
 
 
 def hyperparameters(cfg: JobConfig, world_size: int, mesh: str, batch: int, speed: dict[str, str]) -> dict:

@@ -26,7 +26,7 @@ from titanlite.config_sections import Profiling
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.models.init import local_tensor
-from titanlite.observers import observer
+from titanlite.metrics.observers import observer
 
 _PROFILER_WARMUP = 3  # steps the profiler runs unrecorded before the recorded one
 _SNAPSHOT_ENTRIES = 100_000  # allocation events kept by the CUDA allocator's history

@@ -1,68 +1,38 @@
-"""titanlite as an lm-eval 0.4 model ("titanlite" in lm-eval's registry): loglikelihood, loglikelihood_rolling
-and generate_until on a titanlite model, the text split into tokens as lm-eval's own hf model splits it (no bos
-or eos added; an empty context is the tokenizer's bos, which is its eos where it has none), so the two score
-the same tokens.
+"""titanlite as an lm-eval 0.4 model: loglikelihood, loglikelihood_rolling and generate_until on a titanlite
+model, the text split into tokens as lm-eval's own hf model splits it (no bos or eos added; an empty context is the
+tokenizer's bos, which is its eos where it has none), so the two score the same tokens.
 
-`TitanliteLM(run)` wraps the live model of build.py's Run: the one a job's config builds (inference.py, through
-create_from_arg_obj) or the trainer's own (eval_loop.py). Under data parallelism (the only layouts either allows)
-the ranks share the requests as lm-eval shares them among its ranks (its rank and world size are the run's), and
-lm-eval gathers the per-document metrics to rank 0. The forwards of a sharded model are collectives every rank
-must join: each rank pads its forwards to the most any rank runs (idle one-token forwards), and generates in
-lockstep (generation.py).
+`TitanliteLM(run)` wraps a live model: an InferenceModel (model.py; python -m titanlite.eval) or the trainer's own
+build.py Run (the in-loop evaluator, evaluator.py). This module imports lm-eval: it is imported only where
+evaluation runs. Under data parallelism (the only layouts either allows) the ranks share the requests as lm-eval
+shares them among its ranks (its rank and world size are the run's), and lm-eval gathers the per-document metrics
+to rank 0. The forwards of a sharded model are collectives every rank must join: each rank pads its forwards to the
+most any rank runs (idle one-token forwards), and generates in lockstep (decode.py).
 """
+
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from titanlite.config import load_config
-from titanlite.errors import UserError
-from titanlite.generation import Sampling, generate_ids, idle_forward
-from titanlite.inference import build_inference_run
-from titanlite.parallel.dist import init_distributed
+from titanlite.inference.decode import Sampling, Speed, generate_ids, idle_forward
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's default where a task sets no max_gen_toks
 
-# --model_args keys that are not section.key overrides, and the config key each one sets.
-MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file", "checkpoint": "generate.checkpoint"}
 
-
-def config_argv(arg_dict: dict) -> list[str]:
-    """--model_args as titanlite.config command-line flags."""
-    argv = []
-    for key, value in arg_dict.items():
-        dotted = MODEL_ARG_KEYS.get(key, key)
-        if "." not in dotted:
-            raise UserError(f"--model_args {key}={value}: titanlite takes {', '.join(MODEL_ARG_KEYS)} or section.key=value "
-                            "overrides of its config (e.g. training.param_dtype=bfloat16)")
-        argv += [f"--{dotted}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return argv
-
-
-def model_from_args(cls, arg_dict: dict, additional: dict):
-    """A TitanliteLM (cls) for lm-eval's model_args: the job's Run with its weights (inference.py), on this process
-    or, under torchrun, on every rank (the process group is started here unless the caller started it)."""
-    batch_size = additional.get("batch_size") or 1
-    if not str(batch_size).isdigit():
-        raise UserError(f"--batch_size {batch_size}: titanlite takes a number of sequences per forward")
-    cfg = load_config(config_argv(arg_dict))
-    return cls(build_inference_run(cfg, init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)),
-               batch_size=int(batch_size))
-
-
-@register_model("titanlite")
 class TitanliteLM(TemplateLM):
     def __init__(self, run, batch_size: int = 1):
-        """run: build.py's Run, its model in eval mode taking tokens [B, T] to logits [B, T, vocab]."""
+        """run: an InferenceModel or build.py's Run, its model in eval mode taking tokens [B, T] to logits [B, T, vocab]."""
         super().__init__()
         self.model, self.tokenizer, self.args = run.model, run.tokenizer, run.args
         self.batch_size = batch_size
         self.max_length = run.args.max_seq_len
         self._rank, self._world_size, self._device = run.info.rank, run.info.world_size, run.device
+        self.speed = Speed()  # scored sequences count as prefill
 
     @property
     def lockstep(self) -> bool:
@@ -81,11 +51,6 @@ class TitanliteLM(TemplateLM):
 
     def barrier(self) -> None:
         dist.barrier()
-
-    @classmethod
-    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "TitanliteLM":
-        """lm-eval's --model_args: the weights and config of a titanlite job (model_from_args)."""
-        return model_from_args(cls, arg_dict, additional_config or {})
 
     @property
     def eot_token_id(self) -> int:
@@ -106,6 +71,7 @@ class TitanliteLM(TemplateLM):
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i]))
         out: list[torch.Tensor | None] = [None] * len(windows)
         starts = range(0, len(order), self.batch_size)
+        started = time.perf_counter()
         for start in starts:
             chunk = order[start:start + self.batch_size]
             width = len(windows[chunk[0]])
@@ -115,6 +81,8 @@ class TitanliteLM(TemplateLM):
             logits = self.model(tokens.to(device))
             for row, i in enumerate(chunk):
                 out[i] = F.log_softmax(logits[row, :len(windows[i])].float(), dim=-1).cpu()
+        self.speed.prefill_tokens += sum(map(len, windows))
+        self.speed.prefill_seconds += time.perf_counter() - started  # .cpu() waited for the forwards
         self.pad_forwards(len(starts))
         return out
 
@@ -154,7 +122,7 @@ class TitanliteLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Each context's continuation (generation.py), ended by the task's `until` strings or the eos token and cut
+        """Each context's continuation (decode.py), ended by the task's `until` strings or the eos token and cut
         before them; contexts left-truncated to leave room for max_gen_toks, as lm-eval's hf model does."""
         eos = self.tokenizer.decode([self.eot_token_id])
         results = []
@@ -166,6 +134,7 @@ class TitanliteLM(TemplateLM):
             sampling = Sampling(max_new, float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
                                 float(kwargs.get("top_p", 1.0)), int(kwargs.get("top_k", 0) or 0), stop=tuple(until),
                                 stop_ids=(self.eot_token_id,))
-            new = generate_ids(self.model, self.args, self.tokenizer, [ids], sampling, lockstep=self.lockstep)[0]
+            new = generate_ids(self.model, self.args, self.tokenizer, [ids], sampling, lockstep=self.lockstep,
+                               speed=self.speed)[0]
             results.append(postprocess_generated_text(self.tokenizer.decode(new), until, None))
         return results

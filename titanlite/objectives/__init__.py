@@ -1,0 +1,57 @@
+"""What a run trains for, chosen once from the data format: language modelling on text or conversations (lm.py),
+or preference tuning (DPO, dpo.py). Outside data/ and the config, this is the one module that reads
+training.dataset_format; the step, the planner and the checkpoint ask the objective.
+
+An objective has:
+    rows_per_example      batch rows per example (a preference pair is two sequences)
+    per_trained_token     whether the step's loss is the mean over the global batch's trained tokens
+    resets_positions      whether each example starts at position 0 (conversations, as at inference)
+    runs_reference_forward  whether every step also runs a reference model's forward (the planner counts it)
+    reference             its frozen second model (DPO's reference), or None
+    needs_reference_copy(cfg)  whether a job's objective keeps such a copy (before it is built: the planner)
+    loss(model, inputs, labels, model_kwargs, loss_fn, forward_context)
+                          (a micro-batch's mean loss, the extra losses the policy's forward returned: MoE, MTP)
+    scalars()             its TensorBoard scalars since the last log (a collective: every rank calls it)
+"""
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from titanlite.config_sections import JobConfig
+from titanlite.objectives.dpo import Preference
+from titanlite.objectives.lm import Conversations, LanguageModelling
+
+
+def objective_class(cfg: JobConfig) -> type:
+    """The objective's class, whose static facts the build and the planner read before any model exists."""
+    if cfg.training.dataset_format == "preference":
+        return Preference
+    return LanguageModelling if cfg.training.dataset_format == "text" else Conversations
+
+
+def holds_reference_copy(cfg: JobConfig) -> bool:
+    """Whether the objective keeps a frozen second model (the planner counts its bytes)."""
+    return objective_class(cfg).needs_reference_copy(cfg)
+
+
+def as_sequences(cfg: JobConfig) -> JobConfig:
+    """The job with its batch keys counting sequences, not examples (the planner's view): a preference pair is two."""
+    rows = objective_class(cfg).rows_per_example
+    if rows == 1:
+        return cfg
+    training = cfg.training
+    counted = dataclasses.replace(training, local_batch_size=rows * training.local_batch_size,
+                                  global_batch_size=rows * training.global_batch_size if training.global_batch_size > 0 else -1)
+    return dataclasses.replace(cfg, training=counted)
+
+
+def build_objective(cfg: JobConfig, copy_model: Callable[[], nn.Module], hf_adapter, args, label: str,
+                    device: torch.device):
+    """The run's objective; `copy_model()` builds a model sharded like the policy, for a reference that needs one."""
+    kind = objective_class(cfg)
+    if kind is Preference:
+        return Preference.build(cfg, copy_model, hf_adapter, args, label, device)
+    return kind()

@@ -1,0 +1,43 @@
+"""Language modelling: next-token cross-entropy, on text (every token trained) or on conversations (chat and
+prompt/completion data: only the tokens the template marks are trained, and the step's loss is their mean over
+the whole global batch, loss.py's per_trained_token)."""
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from titanlite.loss import micro_batch_loss
+
+
+class LanguageModelling:
+    """Text: every window's tokens are trained, positions run on across the documents of a window unless
+    model.reset_position_ids says otherwise."""
+
+    name = "text"
+    rows_per_example = 1  # a batch row is one window
+    per_trained_token = False  # each micro-batch's mean enters the step as one of its equal parts
+    resets_positions = False
+    runs_reference_forward = False
+    reference = None
+
+    @classmethod
+    def needs_reference_copy(cls, cfg) -> bool:
+        return False
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
+             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the mean loss of the micro-batch's trained tokens, the extra losses the model's forward returned)."""
+        return micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, forward_context())
+
+    def scalars(self) -> dict[str, float]:
+        return {}
+
+
+class Conversations(LanguageModelling):
+    """Chat and prompt/completion data: the loss over the trained tokens of the whole global batch, each
+    conversation at positions from 0, as at inference."""
+
+    name = "conversations"
+    per_trained_token = True
+    resets_positions = True
