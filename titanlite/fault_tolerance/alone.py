@@ -1,20 +1,24 @@
 """A job alone (fault_tolerance.enable false): the step loop's view of the other replica groups when there are none.
 
 Alone declares the interface the loop drives, each call a no-op; ReplicaGroups (replicas.py) and DiLoCoGroups
-(diloco.py) fill it in. The loop's order (train.py):
+(diloco.py) fill it in. Who calls what, when:
 
-    replicas = replica_groups(cfg.fault_tolerance)            # no network yet
-    dataloader reads as reader replicas.data_rank(dims) of replicas.data_world(dims)
-    CheckpointManager(..., claims_save=replicas.claims_save, outer_optimizer=replicas.outer_optimizer(model))
-    state = checkpointer.load()
-    replicas.join(...)                                        # every rule checked, then the lighthouse
-    with replicas.synchronizing():                            # DiLoCo's hooks on the optimizer, removed after
-        while state.step < last:
-            if not replicas.start_step(state.step + 1): save state.step, stop   # the quorum's wait ended without one
-            take_recovery() not None: restart the batches at the peer's data position
-            train_step calls replicas.average and replicas.should_commit; QuorumEnded out of it (DiLoCo's
-            synchronization): save state.step, stop; replicas.committed false: the attempt is not counted
-    replicas.raise_if_lost(); replicas.close()
+    build_training: replicas = replica_groups(cfg.fault_tolerance)   # no network yet
+                    the data loader reads as reader replicas.data_rank(dims) of replicas.data_world(dims)
+    CheckpointManager(run, training): replicas.outer_optimizer(model) (DiLoCo's, saved), replicas.claims_save
+    train.py, after checkpointer.load(): replicas.join(...)          # every rule checked, then the lighthouse
+    the loop:
+        with replicas.synchronizing():                                # DiLoCo's hooks on the optimizer, removed after
+            while state.step < steps:
+                watchdog.step_began(state.step + 1); summary.step_began(...)   # the quorum's wait is in the step
+                if not replicas.start_step(state.step + 1): save state.step, stop   # the wait ended without a quorum
+                take_recovery() not None: restart the batches at the peer's data position, add the jump to last_step
+                train_step calls replicas.average (before clipping) and replicas.should_commit (before the update);
+                    QuorumEnded out of it (DiLoCo's synchronization): save state.step, stop
+                replicas.committed false: the attempt is not counted, logged or saved; train the same step again
+                take_recovery() not None after it (DiLoCo): as above, and no loss line for this step
+        replicas.raise_if_lost()        # LighthouseLost, after the save
+    finally: replicas.close()
 """
 
 import contextlib
