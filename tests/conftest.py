@@ -186,11 +186,10 @@ def checkpointed_training(optimizer, scheduler, dataloader):
     """build.py's Training around what a test built itself: a job alone (no replica groups), no metrics written."""
     from types import SimpleNamespace
 
-    from titanlite.config_sections import FaultTolerance
-    from titanlite.fault_tolerance import join_replica_groups
+    from titanlite.fault_tolerance import Alone
     from titanlite.run import Training
 
-    alone = join_replica_groups(FaultTolerance(), None, 0)
+    alone = Alone()
     return Training(optimizer, scheduler, dataloader, steps=0, metrics=SimpleNamespace(write_scalars=None), replicas=alone)
 
 

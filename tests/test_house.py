@@ -220,3 +220,10 @@ def test_only_the_objectives_builder_compares_the_data_format():
                 found.append(f"{name}:{node.lineno}")
     assert found == []
 
+
+
+def test_at_most_sixteen_modules_sit_flat_in_the_package():
+    """Entry points and the few modules every room uses sit in titanlite/; the rest live in packages named for
+    their room (docs/design.md)."""
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= 16, flat

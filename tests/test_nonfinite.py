@@ -30,10 +30,10 @@ def inject(monkeypatch, at_calls: set[int], what: str):
 
     def poisoned(*args, **kwargs):
         calls[0] += 1
-        loss = real(*args, **kwargs)
+        loss, extra = real(*args, **kwargs)
         if calls[0] not in at_calls:
-            return loss
-        return loss * float("nan") if what == "loss" else NanGradient.apply(loss)
+            return loss, extra
+        return (loss * float("nan") if what == "loss" else NanGradient.apply(loss)), extra
 
     monkeypatch.setattr(titanlite.objectives.lm, "micro_batch_loss", poisoned)
 

@@ -17,8 +17,7 @@ from titanlite.models import get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.dims import ParallelDims
 from titanlite.build import build_model, forward_settings, resolve_model_args, step_settings
-from titanlite.config_sections import FaultTolerance
-from titanlite.fault_tolerance import join_replica_groups
+from titanlite.fault_tolerance import Alone
 from titanlite.loss import cross_entropy_loss
 from titanlite.objectives.lm import LanguageModelling
 from titanlite.run import Run, Training
@@ -44,7 +43,7 @@ def losses(name: str, world: int, flags: tuple[str, ...] = ()) -> list[float]:
     optimizer = build_optimizer(model, cfg.optimizer, "cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
-    training = Training(optimizer, scheduler, None, STEPS, metrics, join_replica_groups(FaultTolerance(), None, 0))
+    training = Training(optimizer, scheduler, None, STEPS, metrics, Alone())
     generator = torch.Generator().manual_seed(0)  # the same batches for both runs
     windows = [torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
     for w in windows:  # documents starting at bos tokens, so the block-causal mask (the default) splits
