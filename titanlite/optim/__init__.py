@@ -109,8 +109,9 @@ def _group_norm(group: list) -> torch.Tensor:
     error that grows with the tensor (7.6e-5 relative on the debug model's 577k-element output
     gradient, against 1e-7 on CUDA's tree reduction), which made one process's norm, and so its
     clipping, differ from the same batch's under FSDP (whose shards are summed apart); there the norms
-    are taken in float64 and the total returned in the gradients' dtype. One foreach call: a vector_norm per
-    tensor with dtype float64 took 100x longer on the CPU (it was most of the trainer's overhead over a bare loop)."""
+    are taken in float64 and the total returned in the gradients' dtype. One foreach call, not a vector_norm per
+    tensor: each of those is a parallel region of its own, and on a busy 2-core machine their 57 barriers took
+    98 ms per debug-model step against 1.7 ms (4.1 against 3.8 ms on a quiet one)."""
     if group[0].device.type != "cpu":
         return torch.nn.utils.get_total_norm(group, foreach=True)
     norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64))
