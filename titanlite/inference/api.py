@@ -52,7 +52,7 @@ class LM:
         self.run, self.model, self.tokenizer, self.args = run, run.model, run.tokenizer, run.args
         self.device = run.info.device
         self.speed = Speed()  # every call's prefill and decode tokens and seconds, added up
-        self.step = torch.compile(decode_step, fullgraph=True) if compile else decode_step
+        self.step = compiled_step(self.device) if compile else decode_step
 
     def render(self, prompts: list) -> list[Prompt]:
         """Each prompt (a str, a list of {"role", "content"} messages or a list of token ids) as training renders it:
@@ -111,6 +111,14 @@ class LM:
         batch = tokens if tokens.dim() == 2 else tokens[None]
         out = self.model(batch.to(self.device)).float()
         return out if tokens.dim() == 2 else out[0]
+
+
+def compiled_step(device: torch.device):
+    """decode_step under torch.compile. On the CPU inductor freezes the weights (folds them in as constants, its
+    linears prepacked for oneDNN): here that made the compiled step about 1.5x faster at batch 8 than compiling without
+    it, and compiled in seconds instead of half a minute. A frozen step keeps the weights of its first call: an LM
+    whose weights change afterwards (training between calls) needs compile=False or a new LM."""
+    return torch.compile(decode_step, fullgraph=True, options={"freezing": True} if device.type == "cpu" else None)
 
 
 def check_sampling(max_new_tokens, temperature, top_p, top_k, seed, batch_size) -> None:
