@@ -10,10 +10,11 @@ alone (decode.py), and the decode loop runs on the static KV cache (models/kv_ca
 compiled where `compile` says so. python -m titanlite.generate (generate_job.py) and the lm-eval model
 (lm_eval_model.py) are layers over `LM`.
 
-Process group: the model build (its device mesh) runs on a process group. load() in a process without one opens a
-1-rank gloo group on an in-memory store (no port, no environment variables) and leaves it open for the process's
-life; a process that already has a 1-rank group keeps it. A group of more ranks is refused: sharded generation runs
-in lockstep under torchrun through python -m titanlite.generate.
+Process group: building the model needs one (its device mesh); generating and scoring in one process do not (no
+collective runs). load() in a process without one opens a 1-rank gloo group on an in-memory store (no port, no
+environment variables) for the build and closes it after, leaving the process as it was; a process that already
+has a 1-rank group keeps it. A group of more ranks is refused: sharded generation runs in lockstep under torchrun
+through python -m titanlite.generate.
 """
 
 import json
@@ -29,7 +30,7 @@ from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling, Speed, decode_step, generate_ids
 from titanlite.inference.model import InferenceModel, build_inference_model
 from titanlite.inference.prompts import Prompt, checked_record, completion_text, render_prompts
-from titanlite.parallel.dist import DistInfo, init_distributed
+from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16"}
@@ -177,7 +178,7 @@ def dtype_name(dtype) -> str | None:
 
 
 def process_group(device: str) -> DistInfo:
-    """This process's place: a 1-rank group opened here where none is (module docstring)."""
+    """This process's place: a 1-rank group opened where none is (the caller closes it; module docstring)."""
     if not dist.is_initialized():
         return init_distributed(device, 60)
     if dist.get_world_size() > 1:
@@ -190,10 +191,16 @@ def process_group(device: str) -> DistInfo:
 def load(path, compile: bool = False, dtype=None, device: str = "auto") -> LM:
     """The model at `path` (config_argv), ready to generate. dtype: torch.float32 or torch.bfloat16, None = the
     weights' own; device: auto (CUDA where a GPU is visible), cuda or cpu; compile: torch.compile the decode step."""
-    path = Path(path).expanduser()
+    path, name = Path(path).expanduser(), dtype_name(dtype)
     argv = config_argv(path) + ["--job.device", device]
-    name = dtype_name(dtype) or weights_dtype(path)
+    name = name or weights_dtype(path)
     if name:
         argv += ["--training.param_dtype", name]
     cfg = load_config(argv)
-    return LM(build_inference_model(cfg, process_group(device)), compile=compile)
+    opened = not dist.is_initialized()
+    try:
+        loaded = build_inference_model(cfg, process_group(device))
+    finally:
+        if opened:  # one process's model runs no collective: the process is left as it was
+            close_distributed()
+    return LM(loaded, compile=compile)
