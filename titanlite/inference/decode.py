@@ -1,12 +1,13 @@
-"""Token generation with the KV cache (models/kv_cache.py): prompts of different lengths left-padded into
-one batch, one prefill forward, then one forward per new token, greedy or sampled (temperature, top-k,
-top-p), each row ending at the tokenizer's eos or an end-of-turn token, at a stop string, or at
-max_new_tokens. python -m titanlite.generate (generate_job.py), the lm-eval model (lm_eval_model.py) and the
-in-loop evaluator's sample prompts all call `generate_ids`.
+"""Token generation with the static KV cache (models/kv_cache.py): prompts of different lengths left-padded into
+one batch, one prefill forward, then one decode step (one token per row) per new token, greedy or sampled
+(temperature, top-k, top-p; each prompt with its own generator), each row ending at the tokenizer's eos or an
+end-of-turn token, at a stop string, or at max_new_tokens. The tokens, their log-probabilities and each row's first
+stop token stay on the device; the host looks every CHECK_EVERY steps. api.LM (which python -m titanlite.generate,
+the lm-eval model and the in-loop evaluator's sample prompts use) calls `generate_ids`.
 
 Ranks that each generate for their own prompts on a sharded (FSDP) model run in lockstep (`lockstep`): every
-forward gathers weights from all ranks, so a rank whose rows are finished runs idle one-token forwards (without
-its cache) until every rank is finished.
+forward gathers weights from all ranks, so the ranks look at the same steps, and a rank whose rows are finished
+runs idle one-token forwards (without its cache) until every rank is finished.
 """
 
 import hashlib
