@@ -113,6 +113,8 @@ def check_prompts(prompts: list[list[int]], max_seq_len: int, vocab_size: int) -
 def text_stop_index(ids: list[int], tokenizer, stop: tuple[str, ...], start: int) -> int | None:
     """The index of the first token of `ids` at or after `start` whose text completes a stop string (the tokens
     before `start` were checked already), None where none does."""
+    if not any(s in tokenizer.decode(ids) for s in stop):  # the usual case: one decode, not one per token
+        return None
     for end in range(start, len(ids)):
         text = tokenizer.decode(ids[:end + 1])
         if any(s in text for s in stop):
