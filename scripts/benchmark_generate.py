@@ -7,7 +7,7 @@ in-process on the same random fp32 Llama folder, greedy, every new token made (n
 For each batch size: batch 1 is one 32-token prompt; larger batches alternate prompts of 32 and 64 tokens
 (left-padded). Each comparison runs one warm-up pair, then --pairs pairs, the two sides' order alternating from
 pair to pair so that a machine that gets busier meanwhile slows both; every pair is printed, and the speed-up is the
-median of the pairs' ratios (their spread shown). The greedy tokens of both sides are checked to be the same.
+median of the pairs' ratios (every pair's ratio shown). The greedy tokens of both sides are checked to be the same.
 
 Comparisons: titanlite eager against transformers' default generate (its dynamic cache); with --compiled also
 titanlite's compiled decode step (compile=True) against that default and against transformers' static cache with
@@ -18,6 +18,7 @@ versions, date and command.
 
 import argparse
 import datetime
+import os
 import platform
 import shlex
 import shutil
@@ -72,7 +73,7 @@ def compare(label: str, ours, theirs, batch: int, new_tokens: int, pairs: int) -
     median = statistics.median(ratios)
     o, t = statistics.median(o for o, _ in times), statistics.median(t for _, t in times)
     row = (f"| {label} | {batch} | {', '.join(map(str, sorted(set(prompt_lengths(batch)))))} | {tokens / o:.0f} | "
-           f"{tokens / t:.0f} | **{median:.2f}x** | {min(ratios):.2f}-{max(ratios):.2f}x |")
+           f"{tokens / t:.0f} | **{median:.2f}x** | {', '.join(f'{r:.2f}' for r in ratios)} |")
     print(f"{label}, batch {batch}: median {median:.2f}x (pairs {', '.join(f'{r:.2f}' for r in ratios)})")
     return row, median
 
@@ -111,6 +112,7 @@ def main() -> None:
               f"transformers {transformers.__version__}; Llama {CONFIG['num_hidden_layers']} layers dim "
               f"{CONFIG['hidden_size']} vocab {CONFIG['vocab_size']}, {args.new_tokens} new tokens, greedy fp32, "
               f"median of {args.pairs} alternated pairs after a warm-up pair")
+        load = f"{os.getloadavg()[0]:.1f}"
         rows = []
         for batch in map(int, args.batches.split(",")):
             generator = torch.Generator().manual_seed(batch)
@@ -136,20 +138,24 @@ def main() -> None:
                 same = results["titanlite"] == results["transformers"]
                 print(f"  same greedy tokens: {same}")
                 rows.append(row + (" yes |" if same else " **no** |"))
+        load += f" to {os.getloadavg()[0]:.1f}"
+        print(f"load average (1 minute) {load}: other processes on the machine slow both sides unevenly")
         if args.write:
-            write_rows(Path(args.write), rows, args.threads)
+            write_rows(Path(args.write), rows, args.threads, load)
     finally:
         shutil.rmtree(folder)
 
 
-def write_rows(path: Path, rows: list[str], threads: int) -> None:
-    """The rows, under a line naming the device, versions, date and command, between the file's markers."""
+def write_rows(path: Path, rows: list[str], threads: int, load: str) -> None:
+    """The rows, under a line naming the device, versions, date, the machine's load and the command, between the
+    file's markers."""
     import transformers
 
     command = "python " + shlex.join(["scripts/benchmark_generate.py", *sys.argv[1:]])
-    header = (f"{datetime.date.today()}, CPU ({platform.machine()}, {threads} thread(s)), torch {torch.__version__}, "
-              f"transformers {transformers.__version__}: `{command}`\n\n"
-              "| titanlite vs transformers | batch | prompt tokens | titanlite tok/s | transformers tok/s | speed-up (median) | pairs' range | "
+    header = (f"{datetime.date.today()}, CPU ({platform.machine()}, {os.cpu_count()} cores, {threads} thread(s) used, "
+              f"load average {load} during the run), torch {torch.__version__}, transformers {transformers.__version__}: "
+              f"`{command}`\n\n"
+              "| titanlite vs transformers | batch | prompt tokens | titanlite tok/s | transformers tok/s | speed-up (median) | pairs | "
               "same tokens |\n|---|---|---|---|---|---|---|---|\n")
     text = path.read_text()
     start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
