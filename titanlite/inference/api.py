@@ -28,7 +28,7 @@ import torch.distributed as dist
 from titanlite.config import load_config
 from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling, Speed, decode_step, generate_ids
-from titanlite.inference.model import InferenceModel, build_inference_model
+from titanlite.inference.model import build_inference_model
 from titanlite.inference.prompts import Prompt, checked_record, completion_text, render_prompts
 from titanlite.parallel.dist import DistInfo, close_distributed, init_distributed
 
