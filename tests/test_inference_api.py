@@ -110,6 +110,8 @@ def test_the_docs_example_runs(llama, capsys):
     (lambda lm: titanlite.load(Path("/nonexistent/run")), "that is neither a Hugging Face model folder"),
     (lambda lm: titanlite.load(ROOT / "docs", dtype=torch.float16), "dtype=torch.float16: titanlite holds weights"),
     (lambda lm: lm.generate("one prompt"), "wrap a single prompt in a list"),
+    (lambda lm: lm.generate([5, 17, 300]), "wrap a single prompt in a list"),
+    (lambda lm: lm.generate([{"role": "user", "content": "hi"}]), "wrap a single prompt in a list"),
     (lambda lm: lm.generate([[1, -2]]), 'prompts[0]: "token_ids" holds -2'),
     (lambda lm: lm.generate([[1]], temperature=-1), "temperature=-1: give 0 (greedy) or more"),
     (lambda lm: lm.generate([[1]], batch_size=0), "batch_size=0: give a whole number of at least 1"),

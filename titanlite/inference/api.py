@@ -58,7 +58,8 @@ class LM:
     def render(self, prompts: list) -> list[Prompt]:
         """Each prompt (a str, a list of {"role", "content"} messages or a list of token ids) as training renders it:
         text after the tokenizer's bos, messages through the chat template with the generation prompt, ids as given."""
-        if isinstance(prompts, (str, dict)) or not isinstance(prompts, (list, tuple)):
+        if (isinstance(prompts, (str, dict)) or not isinstance(prompts, (list, tuple))
+                or any(isinstance(p, (int, dict)) for p in prompts)):
             raise UserError("generate takes a list of prompts (each a string, a list of messages or a list of token ids); "
                             "wrap a single prompt in a list")
         records = []
@@ -69,7 +70,7 @@ class LM:
                 kind = "messages"
             else:
                 kind = "token_ids"
-            records.append(checked_record({kind: list(prompt) if kind != "prompt" else prompt}, f"prompts[{number}]"))
+            records.append(checked_record({kind: list(prompt) if isinstance(prompt, tuple) else prompt}, f"prompts[{number}]"))
         return render_prompts(records, self.tokenizer, self.run.cfg.training.chat_template)
 
     def generate(self, prompts: list, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
