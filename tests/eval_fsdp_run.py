@@ -37,7 +37,7 @@ def main(out: str, folder: str, tasks: str) -> None:
     metrics = MetricsLogger(cfg.metrics, info.rank, info.device, 0.0)
     scalars = InLoopEvaluator(run, SimpleNamespace(metrics=metrics, steps=1)).evaluate(1)  # what it reads of a Training
     new = generate_ids(run.model, run.args, run.tokenizer, [PROMPTS[info.rank]], Sampling(NEW_TOKENS[info.rank], stop_ids=()),
-                       lockstep=True)[0]
+                       lockstep=True)[0].token_ids
     generated = [None] * info.world_size
     dist.all_gather_object(generated, new)
     if info.rank == 0:

@@ -253,6 +253,6 @@ def test_two_fsdp_ranks_share_the_requests_and_generate_as_one_process(setup, bo
     assert sharded["scalars"].keys() == expected.keys()
     assert sharded["scalars"] == pytest.approx(expected, rel=1e-9)
     with one_process_run(inference_config(str(folder))) as run:
-        alone = [generate_ids(run.model, run.args, run.tokenizer, [prompt], Sampling(count, stop_ids=()))[0]
+        alone = [generate_ids(run.model, run.args, run.tokenizer, [prompt], Sampling(count, stop_ids=()))[0].token_ids
                  for prompt, count in zip(PROMPTS, NEW_TOKENS)]
     assert sharded["generated"] == alone and [len(ids) for ids in alone] == NEW_TOKENS

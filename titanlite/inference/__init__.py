@@ -2,7 +2,8 @@
 titanlite/eval.py) and the trainer's in-loop [eval] call:
 
 - model.py: the model with its weights, built from the [model] section and stopped before the loss (InferenceModel)
-- decode.py: the decode loop (KV cache of models/kv_cache.py), greedy or sampled, stop tokens and strings
+- api.py: titanlite.load and LM, the Python API the two entry points, the lm-eval model and the in-loop samples go through
+- decode.py: the decode loop (static KV cache of models/kv_cache.py, the host looking every 16 steps), greedy or sampled, stop tokens and strings
 - prompts.py: prompts files read and checked, prompts rendered as training renders them
 - generate_job.py: python -m titanlite.generate's prompts in, JSON lines out
 - lm_eval_model.py: TitanliteLM, the lm-eval model (imports lm-eval)

@@ -1,12 +1,13 @@
-"""Token generation with the KV cache (models/kv_cache.py): prompts of different lengths left-padded into
-one batch, one prefill forward, then one forward per new token, greedy or sampled (temperature, top-k,
-top-p), each row ending at the tokenizer's eos or an end-of-turn token, at a stop string, or at
-max_new_tokens. python -m titanlite.generate (generate_job.py), the lm-eval model (lm_eval_model.py) and the
-in-loop evaluator's sample prompts all call `generate_ids`.
+"""Token generation with the static KV cache (models/kv_cache.py): prompts of different lengths left-padded into
+one batch, one prefill forward, then one decode step (one token per row) per new token, greedy or sampled
+(temperature, top-k, top-p; each prompt with its own generator), each row ending at the tokenizer's eos or an
+end-of-turn token, at a stop string, or at max_new_tokens. The tokens, their log-probabilities and each row's first
+stop token stay on the device; the host looks every CHECK_EVERY steps. api.LM (which python -m titanlite.generate,
+the lm-eval model and the in-loop evaluator's sample prompts use) calls `generate_ids`.
 
 Ranks that each generate for their own prompts on a sharded (FSDP) model run in lockstep (`lockstep`): every
-forward gathers weights from all ranks, so a rank whose rows are finished runs idle one-token forwards (without
-its cache) until every rank is finished.
+forward gathers weights from all ranks, so the ranks look at the same steps, and a rank whose rows are finished
+runs idle one-token forwards (without its cache) until every rank is finished.
 """
 
 import hashlib
@@ -63,10 +64,14 @@ def prompt_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed},{index}".encode()).digest()[:4], "little")
 
 
-def pick_tokens(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator] | None) -> torch.Tensor:
-    """logits [B, vocab] -> the next token of each row [B], row i sampled with generators[i]."""
+def pick_tokens(logits: torch.Tensor, sampling: Sampling,
+                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, vocab] -> (the next token of each row [B], row i sampled with generators[i]; its log-probability
+    under the model at temperature 1 [B], float32). No host sync."""
+    logprobs = logits.float().log_softmax(dim=-1)
     if sampling.temperature == 0:
-        return logits.argmax(dim=-1)
+        picked = logits.argmax(dim=-1)
+        return picked, logprobs.gather(-1, picked[:, None])[:, 0]
     logits = logits.float() / sampling.temperature
     if sampling.top_k:
         kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -78,7 +83,8 @@ def pick_tokens(logits: torch.Tensor, sampling: Sampling, generators: list[torch
         dropped = (before >= sampling.top_p).scatter(-1, order, before >= sampling.top_p)
         logits = logits.masked_fill(dropped, float("-inf"))
     probs = logits.softmax(dim=-1)
-    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+    picked = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+    return picked, logprobs.gather(-1, picked[:, None])[:, 0]
 
 
 def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,9 +110,64 @@ def check_prompts(prompts: list[list[int]], max_seq_len: int, vocab_size: int) -
                             f"the model's vocabulary of {vocab_size}; use ids from 0 to {vocab_size - 1}")
 
 
-def stopped_by_text(new_ids: list[int], tokenizer, stop: tuple[str, ...]) -> bool:
-    text = tokenizer.decode(new_ids)
-    return any(s in text for s in stop)
+def text_stop_index(ids: list[int], tokenizer, stop: tuple[str, ...], start: int) -> int | None:
+    """The index of the first token of `ids` at or after `start` whose text completes a stop string (the tokens
+    before `start` were checked already), None where none does."""
+    if not any(s in tokenizer.decode(ids) for s in stop):  # the usual case: one decode, not one per token
+        return None
+    for end in range(start, len(ids)):
+        text = tokenizer.decode(ids[:end + 1])
+        if any(s in text for s in stop):
+            return end
+    return None
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One prompt's new tokens, each one's log-probability under the model at temperature 1, and why it ended:
+    "eos" (a stop token, not included), "stop" (a stop string; the token completing it included, the caller cuts
+    the text) or "length" (max_new_tokens or the model's context)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class Rows:
+    """The host's view of the batch's rows, brought up to date at each check: where each stopped, by a stop token
+    (eos_at) or a stop string (text_at), as an index into its new tokens."""
+
+    def __init__(self, count: int, tokenizer, stop: tuple[str, ...]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.eos_at: list[int | None] = [None] * count
+        self.text_at: list[int | None] = [None] * count
+        self.ids: list[list[int]] = [[] for _ in range(count)]
+        self.checked = 0  # tokens of every row already searched for stop strings
+
+    def update(self, ids: list[list[int]], eos_at: list[int], made: int) -> None:
+        """ids: every row's `made` tokens so far; eos_at: each row's first stop token (made or more = none yet)."""
+        self.ids = ids
+        for row, at in enumerate(eos_at):
+            self.eos_at[row] = at if at < made else None
+            if self.stop and self.text_at[row] is None:
+                end = made if self.eos_at[row] is None else self.eos_at[row]
+                self.text_at[row] = text_stop_index(ids[row][:end], self.tokenizer, self.stop, min(self.checked, end))
+        self.checked = made
+
+    def done(self) -> bool:
+        return all(e is not None or t is not None for e, t in zip(self.eos_at, self.text_at))
+
+    def results(self, logprobs: list[list[float]]) -> list[Generated]:
+        out = []
+        for row, ids in enumerate(self.ids):
+            eos, text = self.eos_at[row], self.text_at[row]
+            if text is not None:  # found before any stop token
+                out.append(Generated(ids[:text + 1], logprobs[row][:text + 1], "stop"))
+            elif eos is not None:
+                out.append(Generated(ids[:eos], logprobs[row][:eos], "eos"))
+            else:
+                out.append(Generated(ids, logprobs[row][:len(ids)], "length"))
+        return out
 
 
 @dataclass
@@ -127,53 +188,84 @@ class Speed:
                 f"decode {rate(self.decode_tokens, self.decode_seconds)}")
 
 
+CHECK_EVERY = 16  # decode steps between the host's looks at the rows (stop tokens, stop strings, lockstep)
+
+
+def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+    """One token per row [B] -> the next token's logits [B, vocab]: the function `compile` compiles."""
+    return model(tokens[:, None], cache=cache.decode())[:, -1]
+
+
+def cache_capacity(width: int, budget: int) -> int:
+    """Columns the cache holds: the prompts' width and the new tokens, rounded up to a multiple of 64, so that
+    calls with nearby lengths share one shape (and one compiled decode step)."""
+    return -(-(width + budget) // 64) * 64
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
 def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling,
-                 lockstep: bool = False, indices: list[int] | None = None, speed: Speed | None = None) -> list[list[int]]:
-    """The new tokens of each prompt, one batch: up to (excluding) the first stop token, or up to and
-    including the token that completed a stop string (the caller cuts the text), or max_new_tokens,
-    or the model's context (said once). With `lockstep`, every rank of the world calls this together.
+                 lockstep: bool = False, indices: list[int] | None = None, speed: Speed | None = None,
+                 step=decode_step) -> list[Generated]:
+    """Each prompt's Generated, one batch: the new tokens up to (excluding) the first stop token, or up to and
+    including the token that completed a stop string (the caller cuts the text), or max_new_tokens, or the model's
+    context (said once). With `lockstep`, every rank of the world calls this together.
     indices: each prompt's place among all prompts, which seeds its sampling (default 0, 1, ...); `speed`, where
-    given, adds this batch's tokens and seconds."""
+    given, adds this batch's tokens and seconds; `step`: decode_step, or it compiled.
+
+    The tokens stay on the device while they are made: the host looks every CHECK_EVERY steps (and when the budget
+    is spent), and a row finished meanwhile keeps decoding until then, its extra tokens dropped."""
     check_prompts(prompts, args.max_seq_len, args.vocab_size)
     device = next(model.parameters()).device
     budget = min(sampling.max_new_tokens, args.max_seq_len - max(map(len, prompts)))
     if budget < sampling.max_new_tokens:
         logger.info(f"generating at most {budget} tokens: the longest prompt and max_new_tokens would pass the model's "
                     f"context of {args.max_seq_len}")
-    stops = torch.tensor(stop_token_ids(tokenizer) if sampling.stop_ids is None else list(sampling.stop_ids), device=device)
+    stops = torch.tensor(stop_token_ids(tokenizer) if sampling.stop_ids is None else list(sampling.stop_ids),
+                         dtype=torch.long, device=device)
     generators = prompt_generators(sampling, list(range(len(prompts))) if indices is None else indices, device)
     started = time.perf_counter()
     tokens, valid = left_padded(prompts, tokenizer.eos_id, device)
-    cache = KVCache(getattr(args, "sliding_window", None))
-    logits = model(tokens, cache=cache.step(valid))[:, -1]
-    new: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    prefilled, decoded = None, 0
+    cache = KVCache(len(prompts), cache_capacity(tokens.shape[1], budget), getattr(args, "sliding_window", None), device)
+    logits = model(tokens, cache=cache.prefill(valid))[:, -1]
+    synchronize(device)
+    prefilled = time.perf_counter()
+    new = torch.zeros(len(prompts), budget, dtype=torch.long, device=device)
+    logprobs = torch.zeros(len(prompts), budget, device=device)
+    eos_at = torch.full((len(prompts),), budget, dtype=torch.long, device=device)  # each row's first stop token
+    rows = Rows(len(prompts), tokenizer, sampling.stop)
+    made, forwards, finished = 0, 0, False
     while True:
-        if budget and not all(done):
-            budget -= 1
-            picked = pick_tokens(logits, sampling, generators)
-            for row, (token, stopping) in enumerate(zip(picked.tolist(), torch.isin(picked, stops).tolist())):
-                if done[row] or stopping:
-                    done[row] = True
-                    continue
-                new[row].append(token)
-                done[row] = bool(sampling.stop) and stopped_by_text(new[row], tokenizer, sampling.stop)
-        prefilled = prefilled or time.perf_counter()  # the first tokens' .tolist() waited for the prefill
-        finished = all(done) or not budget
-        if all_finished(finished, lockstep, device):
-            if speed is not None:
-                speed.prefill_tokens += sum(map(len, prompts))
-                speed.prefill_seconds += prefilled - started
-                speed.decode_tokens += decoded
-                speed.decode_seconds += time.perf_counter() - prefilled
-            return new
-        if finished:
+        if not finished:
+            picked, picked_logprobs = pick_tokens(logits, sampling, generators)
+            new[:, made], logprobs[:, made] = picked, picked_logprobs
+            eos_at = torch.where(torch.isin(picked, stops) & (eos_at == budget), made, eos_at)
+            made += 1
+        # In lockstep every rank looks at the same forwards; alone, also when the budget is spent.
+        if forwards % CHECK_EVERY == 0 or (made == budget and not lockstep):
+            if rows.checked < made:
+                rows.update(new[:, :made].tolist(), eos_at.tolist(), made)
+            finished = finished or rows.done() or made == budget
+            if all_finished(finished, lockstep, device):
+                break
+        if finished or made == budget:  # lockstep: this rank's share of the others' forwards
+            finished = True
             idle_forward(model, device)
         else:
-            decoded += done.count(False)
-            logits = model(picked[:, None], cache=cache.step(torch.ones_like(picked[:, None], dtype=torch.bool)))[:, -1]
+            logits = step(model, cache, new[:, made - 1])
+        forwards += 1
+    results = rows.results(logprobs[:, :made].tolist())
+    if speed is not None:
+        speed.prefill_tokens += sum(map(len, prompts))
+        speed.prefill_seconds += prefilled - started
+        # The decode forwards' tokens that went into a completion (the first new token came from the prefill).
+        speed.decode_tokens += sum(len(r.token_ids) - (r.finish_reason != "eos") for r in results)
+        speed.decode_seconds += time.perf_counter() - prefilled
+    return results
 
 
 def all_finished(finished: bool, lockstep: bool, device: torch.device) -> bool:

@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from titanlite.inference.decode import Sampling, generate_ids
-from titanlite.inference.prompts import completion_text, read_prompt_lines, render_prompts
+from titanlite.inference.api import LM
+from titanlite.inference.decode import Sampling
+from titanlite.inference.prompts import read_prompt_lines, render_prompts
 from titanlite.inference.tasks import evaluate_tasks, metric_scalars, task_manager
 from titanlite.log import logger
 
@@ -60,7 +61,7 @@ class InLoopEvaluator:
                 scalars = metric_scalars(results) if results is not None else {}
             self.metrics.write_scalars(step, {f"eval/{name}": value for name, value in scalars.items()}, flush=True)
             if self.samples:
-                self.write_samples(model, step)
+                self.write_samples(step)
         finally:
             model.train(was_training)
         seconds = time.perf_counter() - started
@@ -69,11 +70,9 @@ class InLoopEvaluator:
         self.metrics.started += seconds  # evaluation is not training time: the next tps and MFU leave it out
         return scalars
 
-    def write_samples(self, model: torch.nn.Module, step: int) -> None:
-        new = generate_ids(model, self.args, self.tokenizer, [prompt.ids for prompt in self.samples],
-                           Sampling(self.cfg.max_new_tokens))
+    def write_samples(self, step: int) -> None:
+        completions = LM(self.run).complete(self.samples, Sampling(self.cfg.max_new_tokens))
         if self.metrics.writer is None:
             return
-        for number, (prompt, ids) in enumerate(zip(self.samples, new)):
-            completion = completion_text(ids, self.tokenizer, [])
-            self.metrics.writer.add_text(f"eval/sample/{number}", f"{prompt.text}\n\n---\n\n{completion}", step)
+        for number, completion in enumerate(completions):
+            self.metrics.writer.add_text(f"eval/sample/{number}", f"{completion.prompt}\n\n---\n\n{completion.text}", step)

@@ -1,5 +1,5 @@
 """What python -m titanlite.generate does between its arguments and its exit: the prompts of [generate] (checked
-before the model is built), their completions on an InferenceModel (model.py) in batches of generate.batch_size,
+before the model is built), their completions by api.LM in batches of generate.batch_size,
 and one JSON line per prompt to generate.output or stdout: {"prompt", "prompt_token_ids", "completion",
 "token_ids"}, token_ids holding only the new tokens."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 from titanlite.config_sections import Generate
 from titanlite.errors import UserError
-from titanlite.inference.decode import Sampling, Speed, generate_ids
-from titanlite.inference.model import InferenceModel
-from titanlite.inference.prompts import PromptRecord, checked_record, completion_text, read_prompt_lines, render_prompts
+from titanlite.inference.api import LM
+from titanlite.inference.decode import Sampling
+from titanlite.inference.prompts import PromptRecord, checked_record, read_prompt_lines, render_prompts
 
 
 def prompt_records(settings: Generate) -> list[PromptRecord]:
@@ -23,23 +23,14 @@ def prompt_records(settings: Generate) -> list[PromptRecord]:
     raise UserError("there is nothing to generate from: set generate.prompt or generate.prompts_file")
 
 
-def generate_records(loaded: InferenceModel, records: list[PromptRecord], settings: Generate,
-                     speed: Speed | None = None) -> list[dict]:
-    """One {"prompt", "prompt_token_ids", "completion", "token_ids"} per record, in order; `speed` adds the tokens
-    and seconds of the prefills and decode steps."""
-    tokenizer = loaded.tokenizer
-    prompts = render_prompts(records, tokenizer, loaded.cfg.training.chat_template)
+def generate_records(lm: LM, records: list[PromptRecord], settings: Generate) -> list[dict]:
+    """One {"prompt", "prompt_token_ids", "completion", "token_ids"} per record, in order, in batches of
+    generate.batch_size (lm.speed adds their tokens and seconds)."""
+    prompts = render_prompts(records, lm.tokenizer, lm.run.cfg.training.chat_template)
     sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.seed,
                         tuple(settings.stop))
-    results = []
-    for start in range(0, len(prompts), settings.batch_size):
-        batch = prompts[start:start + settings.batch_size]
-        new = generate_ids(loaded.model, loaded.args, tokenizer, [prompt.ids for prompt in batch], sampling,
-                           indices=list(range(start, start + len(batch))), speed=speed)
-        results += [{"prompt": prompt.text, "prompt_token_ids": prompt.ids,
-                     "completion": completion_text(ids, tokenizer, settings.stop), "token_ids": ids}
-                    for prompt, ids in zip(batch, new)]
-    return results
+    return [{"prompt": c.prompt, "prompt_token_ids": c.prompt_token_ids, "completion": c.text, "token_ids": c.token_ids}
+            for c in lm.complete(prompts, sampling, settings.batch_size)]
 
 
 def write_records(records: list[dict], output: str) -> None:

@@ -19,7 +19,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from titanlite.inference.decode import Sampling, Speed, generate_ids, idle_forward
+from titanlite.inference.api import LM
+from titanlite.inference.decode import Sampling, idle_forward
+from titanlite.inference.prompts import Prompt
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's default where a task sets no max_gen_toks
 
@@ -28,11 +30,12 @@ class TitanliteLM(TemplateLM):
     def __init__(self, run, batch_size: int = 1):
         """run: an InferenceModel or build.py's Run, its model in eval mode taking tokens [B, T] to logits [B, T, vocab]."""
         super().__init__()
+        self.lm = LM(run)  # generation and logits go through the Python API
         self.model, self.tokenizer, self.args = run.model, run.tokenizer, run.args
         self.batch_size = batch_size
         self.max_length = run.args.max_seq_len
         self._rank, self._world_size, self._device = run.info.rank, run.info.world_size, run.device
-        self.speed = Speed()  # scored sequences count as prefill
+        self.speed = self.lm.speed  # scored sequences count as prefill
 
     @property
     def lockstep(self) -> bool:
@@ -67,7 +70,6 @@ class TitanliteLM(TemplateLM):
     def logprobs(self, windows: list[list[int]]) -> list[torch.Tensor]:
         """Each token sequence's [T, vocab] float32 log-probabilities of the next token, batch_size sequences per
         forward (right-padded: a causal model's earlier positions never see the padding)."""
-        device = self._device
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i]))
         out: list[torch.Tensor | None] = [None] * len(windows)
         starts = range(0, len(order), self.batch_size)
@@ -78,7 +80,7 @@ class TitanliteLM(TemplateLM):
             tokens = torch.zeros(len(chunk), width, dtype=torch.long)
             for row, i in enumerate(chunk):
                 tokens[row, :len(windows[i])] = torch.tensor(windows[i])
-            logits = self.model(tokens.to(device))
+            logits = self.lm.logits(tokens)
             for row, i in enumerate(chunk):
                 out[i] = F.log_softmax(logits[row, :len(windows[i])].float(), dim=-1).cpu()
         self.speed.prefill_tokens += sum(map(len, windows))
@@ -134,7 +136,6 @@ class TitanliteLM(TemplateLM):
             sampling = Sampling(max_new, float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
                                 float(kwargs.get("top_p", 1.0)), int(kwargs.get("top_k", 0) or 0), stop=tuple(until),
                                 stop_ids=(self.eot_token_id,))
-            new = generate_ids(self.model, self.args, self.tokenizer, [ids], sampling, lockstep=self.lockstep,
-                               speed=self.speed)[0]
+            new = self.lm.complete([Prompt(context, ids)], sampling, lockstep=self.lockstep)[0].token_ids
             results.append(postprocess_generated_text(self.tokenizer.decode(new), until, None))
         return results

@@ -159,6 +159,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
         k, v, mask = mask.gather(k), mask.gather(v), mask.mask
     elif isinstance(mask, CacheStep):  # generation: the earlier tokens' keys and values come first
         (k, v), mask = mask.extend(k, v), mask.mask
+        if k.shape[1] < q.shape[1]:
+            return grouped_attention(q, k, v, mask, scale)
     if k.shape[1] < q.shape[1]:
         # An explicit repeat works on every SDPA backend, unlike enable_gqa, which some kernels do not support.
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -171,3 +173,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
         attention = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
         return attention(q, k, v, block_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+    """Grouped-query attention without repeating the keys and values (generation reads the whole cache every step):
+    the query heads that share a key/value head become one longer sequence of queries, the mask [B, 1, T, S]
+    repeated for each; q [B, heads, T, d] -> [B, heads, T, v_dim]."""
+    batch, heads, length, dim = q.shape
+    groups = heads // k.shape[1]
+    mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * length, mask.shape[-1])
+    out = F.scaled_dot_product_attention(q.reshape(batch, k.shape[1], groups * length, dim), k, v, attn_mask=mask,
+                                         scale=scale)
+    return out.view(batch, heads, length, v.shape[-1])

@@ -1,83 +1,105 @@
 """The key/value cache generation runs the decoders with: each block's keys and values of the tokens
 already seen, so a new token costs one position's work instead of the whole sequence's.
 
-A batch holds prompts of different lengths left-padded, as transformers batches them: every row's
-next token sits in the same column, so one forward feeds all rows. Each row counts its positions from
-its first real token (RoPE, GPT-2's table) and no query attends to padding. A padded query attends to
-itself only (its output is never read): a row of nothing but masked keys would give NaN, and a NaN in
-a padded value would reach real queries through 0 * NaN.
+The cache is static, as gpt-fast's: every layer's buffers are allocated once, at the prefill, with room for
+`capacity` columns, and each decode step writes its token into its slot in place (no torch.cat, no new shapes),
+so the decode step can be compiled once and replayed. Under a sliding window (Mistral) the capacity is at most the
+window and the slots are a ring: column c goes to slot c % capacity, overwriting a column the window no longer
+reaches.
 
-Training never passes a cache; with one, the model's forward hands a `CacheStep` down to the blocks
-in place of the mask (`attend` and DeepSeek's latent attention recognise it), so the blocks and their
-signatures are the training ones. The cache counts the attention calls of one forward: the n-th call is
-block n, since every decoder runs its blocks in order.
+A batch holds prompts of different lengths left-padded, as transformers batches them: every row's next token sits
+in the same column, so one forward feeds all rows. Each row counts its positions from its first real token (RoPE,
+GPT-2's table), and each slot remembers its position in its row (-1 = padding or empty): the mask is computed from
+those positions, so no query attends to padding, to an empty slot or beyond the window. A padded query of the
+prefill attends to itself only (its output is never read): a row of nothing but masked keys would give NaN, and a
+NaN in a padded value would reach real queries through 0 * NaN.
 
-Each layer keeps tensors whose sequence dimension is -2: keys and values [B, kv_heads, S, head_dim],
-or DeepSeek's normalised latent [B, S, kv_lora_rank] and its shared RoPE key [B, S, rope_dim], which
-is what DeepSeek's inference caches. Under a sliding window (Mistral) only the last window - 1 slots are
-kept after each forward: a later query, window or more positions on, never reads the older ones.
+Two kinds of forward use it: the prefill (`prefill`: the prompts [B, T] on an empty cache, attending among
+themselves, their last `capacity` columns stored) and the decode step (`decode`: one token per row, attending to
+every slot). Training never passes a cache; with one, the model's forward hands a `CacheStep` down to the blocks
+in place of the mask (`attend` and DeepSeek's latent attention recognise it), so the blocks and their signatures
+are the training ones. The cache counts the attention calls of one forward: the n-th call is block n, since every
+decoder runs its blocks in order.
+
+Each layer keeps tensors whose sequence dimension is -2: keys and values [B, kv_heads, S, head_dim], or DeepSeek's
+normalised latent [B, S, kv_lora_rank] and its shared RoPE key [B, S, rope_dim], which is what DeepSeek's
+inference caches.
 """
 
 import torch
 
 
 class KVCache:
-    def __init__(self, window: int | None = None):
-        """window: the model's sliding window (args.sliding_window), None = keep every position."""
+    def __init__(self, batch: int, capacity: int, window: int | None, device: torch.device):
+        """Room for `capacity` columns (the prompts' width plus the new tokens); window: the model's sliding window
+        (args.sliding_window), None = every position stays reachable."""
+        self.capacity = min(capacity, window) if window is not None else capacity
         self.window = window
         self.layers: list[tuple[torch.Tensor, ...]] = []
-        self.key_positions: torch.Tensor | None = None  # [B, S] each slot's position in its row, -1 = padding
-        self.next_positions: torch.Tensor | None = None  # [B] the position of each row's next token
+        self.key_positions = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)
+        self.next_positions = torch.zeros(batch, dtype=torch.long, device=device)  # each row's next token's position
+        self.column = torch.zeros((), dtype=torch.long, device=device)  # the next token's column (same in every row)
         self.next_layer = 0  # the block the next attention call of this forward belongs to
+        self.writes: torch.Tensor | None = None  # this forward: the slots its new columns go to
+        self.kept: torch.Tensor | None = None  # the prefill: which of its columns are stored (the last `capacity`)
+        self.decoding = False  # whether the forward under way is a decode step (else the prefill)
 
-    def step(self, valid: torch.Tensor) -> "CacheStep":
-        """The step for a forward of new tokens [B, T], `valid` [B, T] False at left padding: their
-        positions and the mask of their queries over every cached slot and themselves."""
-        batch, new = valid.shape
-        start = self.next_positions if self.next_positions is not None else valid.new_zeros(batch, dtype=torch.long)
-        positions = start[:, None] + valid.long().cumsum(dim=1) - 1
-        self.next_positions = positions[:, -1] + 1
-        new_keys = torch.where(valid, positions, -1)
-        keys = new_keys if self.key_positions is None else torch.cat([self.key_positions, new_keys], dim=1)
-        queries = positions[:, :, None]
-        allowed = (keys[:, None, :] >= 0) & (keys[:, None, :] <= queries)
+    def allowed(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """[B, T, S] True where a query at query_positions [B, T] may read a key at key_positions [B, S]."""
+        keys, queries = key_positions[:, None, :], query_positions[:, :, None]
+        allowed = (keys >= 0) & (keys <= queries)
         if self.window is not None:
-            allowed &= queries - keys[:, None, :] < self.window
-        slots = torch.arange(keys.shape[1], device=valid.device)
-        own_slot = slots[None, :] == slots[-new:, None]  # [T, S]: query i's own slot
-        allowed |= own_slot & ~valid[:, :, None]
-        self.key_positions = self.kept(keys, dim=-1)
-        self.next_layer = 0
+            allowed &= queries - keys < self.window
+        return allowed
+
+    def prefill(self, valid: torch.Tensor) -> "CacheStep":
+        """The step for the prompts [B, T] on the empty cache, `valid` [B, T] False at left padding: their positions
+        and the mask of their queries over themselves."""
+        width = valid.shape[1]
+        positions = valid.long().cumsum(dim=1) - 1
+        keys = torch.where(valid, positions, -1)
+        allowed = self.allowed(keys, positions)
+        allowed |= torch.eye(width, dtype=torch.bool, device=valid.device) & ~valid[:, :, None]
+        self.kept = torch.arange(max(0, width - self.capacity), width, device=valid.device)
+        self.writes = self.kept % self.capacity
+        self.key_positions[:, self.writes] = keys[:, self.kept]
+        self.next_positions.copy_(positions[:, -1] + 1)
+        self.column.fill_(width)
+        self.next_layer, self.decoding = 0, False
         return CacheStep(self, positions.clamp(min=0), allowed[:, None])
 
-    def kept(self, full: torch.Tensor, dim: int = -2) -> torch.Tensor:
-        """What stays of a tensor whose sequence dimension is `dim` after a forward: all of it, or the
-        last window - 1 slots."""
-        if self.window is None:
-            return full
-        return full.narrow(dim, max(0, full.shape[dim] - (self.window - 1)), min(full.shape[dim], self.window - 1))
+    def decode(self) -> "CacheStep":
+        """The step for one new token per row: its position, its slot written, the mask over every slot. Only
+        tensor operations, in place: the step compiles to one graph."""
+        positions = self.next_positions[:, None].clone()
+        self.writes = (self.column % self.capacity)[None]
+        self.key_positions.index_copy_(1, self.writes, positions)
+        self.next_positions += 1
+        self.column += 1
+        self.next_layer, self.decoding = 0, True
+        return CacheStep(self, positions, self.allowed(self.key_positions, positions)[:, None])
 
     def extend(self, layer: int, new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Layer `layer`'s cached tensors followed by `new` (sequence dimension -2), which the cache keeps."""
-        if layer == len(self.layers):
-            full = new
-            self.layers.append(tuple(self.kept(t) for t in full))
-        else:
-            full = tuple(torch.cat([old, t], dim=-2) for old, t in zip(self.layers[layer], new))
-            self.layers[layer] = tuple(self.kept(t) for t in full)
-        return full
+        """Layer `layer`'s keys and values for this forward's attention, `new` (sequence dimension -2) stored: at the
+        prefill the new ones alone (the cache held nothing), at a decode step every slot."""
+        if layer == len(self.layers):  # the prefill allocates the layer's buffers
+            self.layers.append(tuple(t.new_zeros(*t.shape[:-2], self.capacity, t.shape[-1]) for t in new))
+        for buffer, t in zip(self.layers[layer], new):
+            stored = t if self.decoding else t.index_select(-2, self.kept)
+            buffer.index_copy_(buffer.dim() - 2, self.writes, stored)
+        return self.layers[layer] if self.decoding else new
 
 
 class CacheStep:
     """One forward's view of the cache: positions [B, T] of the new tokens (0 at padding) and the mask
-    [B, 1, T, S] (True = attend) over the cached slots and the new ones. The count of blocks served lives
+    [B, 1, T, S] (True = attend) over the keys the attention reads. The count of blocks served lives
     in the cache: wrappers (FSDP's input casts) may hand each block a copy of the step."""
 
     def __init__(self, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor):
         self.cache, self.positions, self.mask = cache, positions, mask
 
     def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The calling block's cached tensors with `new` appended (each sequence dimension -2)."""
+        """The calling block's keys and values to attend to, `new` stored in the cache (each sequence dimension -2)."""
         full = self.cache.extend(self.cache.next_layer, new)
         self.cache.next_layer += 1
         return full
