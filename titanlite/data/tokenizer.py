@@ -18,7 +18,6 @@ from pathlib import Path
 
 import tiktoken
 
-import titanlite
 from titanlite.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer
 from titanlite.errors import UserError
 
@@ -40,7 +39,7 @@ SPECIAL_TOKENS = [
     "<|eot_id|>",
 ] + [f"<|reserved_special_token_{i}|>" for i in range(5, 251)]
 
-SHIPPED_TOKENIZER = Path(titanlite.__file__).parent.parent / "assets" / "tokenizer.model"
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "tokenizer.model"  # the repository's assets/
 
 
 def read_bpe_ranks(path: Path) -> dict[bytes, int]:

@@ -91,8 +91,9 @@ class LM:
         completions = []
         for start in range(0, len(prompts), size):
             batch = prompts[start:start + size]
-            generated = generate_ids(self.model, self.args, self.tokenizer, [p.ids for p in batch], sampling, lockstep,
-                                     list(range(start, start + len(batch))), self.speed, self.step)
+            generated = generate_ids(self.model, self.args, self.tokenizer, [p.ids for p in batch], sampling,
+                                     lockstep=lockstep, indices=list(range(start, start + len(batch))), speed=self.speed,
+                                     step=self.step)
             completions += [Completion(p.text, p.ids, completion_text(g.token_ids, self.tokenizer, sampling.stop),
                                        g.token_ids, g.logprobs, g.finish_reason) for p, g in zip(batch, generated)]
         return completions

@@ -208,7 +208,7 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling,
+def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling, *,
                  lockstep: bool = False, indices: list[int] | None = None, speed: Speed | None = None,
                  step=decode_step) -> list[Generated]:
     """Each prompt's Generated, one batch: the new tokens up to (excluding) the first stop token, or up to and
