@@ -78,6 +78,15 @@ def test_greedy_tokens_are_transformers_generate(tmp_path, tokenizer_folder, fam
     assert any(len(row) > 3 for row in theirs)  # not stopped at once: the comparison covers the cached steps
 
 
+@pytest.mark.extended
+def test_the_command_with_generate_compile_gives_the_greedy_tokens_of_transformers(tmp_path, tokenizer_folder):
+    """--generate.compile reaches the LM: the compiled decode step's tokens are transformers' greedy ones (the
+    compiled step itself is checked family by family in test_inference_api.py)."""
+    folder = tmp_path / "llama3"
+    theirs = transformers_greedy(transformers_folder("llama3", folder, tokenizer_folder), PROMPTS)
+    assert [record["token_ids"] for record in run_generate(tmp_path, folder, "--generate.compile")] == theirs
+
+
 @pytest.mark.cuda
 def test_generation_on_cuda_gives_the_cpu_tokens(tmp_path, tokenizer_folder):
     """The generate Run on one GPU (KV cache on the device, fp32): the greedy tokens of the same run on the CPU."""

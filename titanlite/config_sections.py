@@ -259,6 +259,7 @@ class Generate:
     seed: int = opt(0, "seed of the sampling; the same seed, prompts and weights give the same completions", at_least=0, at_most=2**32 - 1)
     stop: list[str] = opt([], "strings that end a completion (cut off before them); generation also ends at the tokenizer's eos and end-of-turn tokens")
     batch_size: int = opt(8, "prompts generated together (left-padded to the longest of them)", at_least=1)
+    compile: bool = opt(False, "torch.compile the decode step (CPU inductor with frozen weights, or CUDA): faster from the second batch of a shape on, after a compile of tens of seconds")
     output: str = opt("", "JSON-lines file written with one {\"prompt\", \"completion\", \"token_ids\"} per prompt (token_ids: the new tokens only); empty = stdout")
 
 
