@@ -65,3 +65,32 @@ def test_a_dpo_reference_of_another_architecture_with_equal_shapes_is_refused(tm
     assert code == 2 and "Traceback" not in err
     assert f"dpo.reference {tmp_path / 'mistral'} cannot be the reference (dpo.reference {tmp_path / 'mistral'} holds a " \
            "MistralForCausalLM model, not llama3 (LlamaForCausalLM)" in err
+
+
+def test_a_peer_of_another_model_is_refused_and_one_of_this_model_restores_every_object(world_of_one, tmp_path):
+    """Fault tolerance's recovery goes through the checkpoint's objects and the same model check as a resume."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from conftest import checkpointed_run, checkpointed_training
+    from titanlite.checkpoint.manager import CheckpointManager
+    from titanlite.config_sections import Checkpoint
+    from titanlite.errors import UserError
+    from titanlite.fault_tolerance.peer_state import load_peer_state, peer_state
+
+    def objects(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters())
+        training = checkpointed_training(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                                         StatefulDataLoader(list(range(4))))
+        return CheckpointManager(checkpointed_run(model, Checkpoint(), tmp_path / str(seed)), training).objects
+
+    peer, ours = objects(0), objects(1)
+    sent = peer_state(peer)
+    sent["train_state"]["step"] = 7
+    other = {**sent, "train_state": {**sent["train_state"], "model": "mistral/debugmodel"}}
+    with pytest.raises(UserError, match="a live peer replica group trains mistral/debugmodel, but this group is linear"):
+        load_peer_state(ours, other)
+    load_peer_state(ours, sent)
+    assert torch.equal(ours["model"].model.weight, peer["model"].model.weight)
+    assert ours["train_state"].state.step == 7

@@ -100,6 +100,14 @@ def check_same_model(origin: str, label: str, path: Path, key: str, resume: bool
     logger.warning(f"loading the weights of {origin} from {path} into {label}")
 
 
+def check_peer_model(origin: str, label: str) -> None:
+    """A fault-tolerance peer's live state (no files: nothing to checksum) is taken only from the same model, as a
+    resume takes only its own model's checkpoint."""
+    if origin != label:
+        raise UserError(f"a live peer replica group trains {origin}, but this group is {label}; start every replica group "
+                        "with the same [model] section (and the same model.n_layers)")
+
+
 def check_hf_family(path: Path, identity: ModelIdentity, key: str) -> None:
     """A Hugging Face folder of another architecture with equal shapes is another model: refused by name."""
     config = HFReader(path).config

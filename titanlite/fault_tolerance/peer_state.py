@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from titanlite.checkpoint.state import ModelState, SavedKeys, load_targets, restore_all
+from titanlite.checkpoint.weights import check_peer_model
 
 PEER = "a live peer"  # where the state came from, in the objects' sentences
 
@@ -28,6 +29,7 @@ def peer_state(objects: dict) -> dict:
 
 def load_peer_state(objects: dict, state: dict) -> None:
     """Restore every checkpoint object from a peer's peer_state(), as a checkpoint load would."""
+    check_peer_model(state["train_state"]["model"], objects["train_state"].model_name)
     model = objects["model"]
     # a ModelState keeps its load target for the load it serves: each recovery asks a fresh one
     objects = {**objects, "model": ModelState(model.model, model.adapters_only, model.kind)}
