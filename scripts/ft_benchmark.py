@@ -90,10 +90,15 @@ def pair_step_seconds(common: list[str], work: Path, name: str, mode: list[str])
                      "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(r),
                      "--fault_tolerance.min_replica_size", "2", "--job.dump_folder", str(work / f"{name}{r}"), *mode]
                     for r in (0, 1)]
+    # Each group's output goes to a file: read from pipes one after the other, a group whose pipe filled (torchft
+    # logs every quorum) would block on its next line, miss its quorum and end the other group's run too.
+    logs = [work / f"{name}{r}.log" for r in (0, 1)]
     try:
-        groups = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                  for command in commands]
-        return step_seconds([group.communicate()[0] for group in groups])
+        groups = [subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+                  for command, log in zip(commands, logs)]
+        for group in groups:
+            group.wait()
+        return step_seconds([log.read_text() for log in logs])
     finally:
         if lighthouse is not None:
             lighthouse.kill()
