@@ -113,7 +113,7 @@ def baseline_worker(rank: int, port: int, mode: str, train_args: list[str]) -> i
     import titanlite.build
     import titanlite.train
     from titanlite.fault_tolerance import Alone
-    from titanlite.fault_tolerance.peer_state import local
+    from titanlite.models.init import local_tensor
 
     class PlainAverage(Alone):
         group_size = 2
@@ -123,7 +123,7 @@ def baseline_worker(rank: int, port: int, mode: str, train_args: list[str]) -> i
             self.pg = dist.ProcessGroupGloo(dist.TCPStore("127.0.0.1", port, 2, rank == 0), rank, 2)
 
         def average(self, model, loss, expert_loads=None) -> None:
-            tensors = [local(param.grad) for param in model.parameters() if param.grad is not None] + [loss.view(1)]
+            tensors = [local_tensor(param.grad) for param in model.parameters() if param.grad is not None] + [loss.view(1)]
             if mode == "flat":
                 flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
                 self.pg.allreduce([flat]).wait()

@@ -14,7 +14,8 @@ from torch import nn
 from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import JobConfig, LoRA, Model
 from titanlite.config_sections import Training as TrainingSection
-from titanlite.data.datasets import DataSpec
+from titanlite.data.datasets import DataSpec, build_dataloader
+from titanlite.data.global_order import steps_for_epochs
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
@@ -25,17 +26,14 @@ from titanlite.objectives import build_objective, objective_class
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.cp import sequence_shard
 from titanlite.parallel.float8 import register_float8_scale_precompute
-from titanlite.parallel.offload import HeldBytes, optimizer_device_type
-from titanlite.data.datasets import build_dataloader
-from titanlite.data.global_order import steps_for_epochs
 from titanlite.fault_tolerance import replica_groups
-from titanlite.models.lora import apply_lora, init_lora
 from titanlite.models import get_model_args, get_model_spec
+from titanlite.models.lora import apply_lora, init_lora
 from titanlite.models.hf_folder import is_model_folder, read_model_folder
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo
 from titanlite.parallel.ep import EXPERT_WEIGHTS, is_moe
-from titanlite.parallel.offload import note_if_offload_saves_nothing
+from titanlite.parallel.offload import HeldBytes, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.parallel.parallelize import ParallelizeSettings, parallelize_decoder
 from titanlite.parallel.pp import build_pipeline
 from titanlite.parallel.tp import place_grads_like_params

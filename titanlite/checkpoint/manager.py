@@ -52,8 +52,8 @@ class CheckpointManager:
         optimizer, replicas = training.optimizer, training.replicas
         self.model, self.optimizer = run.model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.model_args, self.hf_adapter = run.args, run.spec.hf_adapter
-        self.identity = ModelIdentity(run.label, run.spec.hf_adapter, run.args)  # what every load checks (weights.py)
+        # what every load checks (weights.py), and what Hugging Face exports are written by
+        self.identity = ModelIdentity(run.label, run.spec.hf_adapter, run.args)
         # copied into Hugging Face exports
         self.tokenizer_file, self.chat_template = run.tokenizer.path, run.cfg.training.chat_template
         # LoRA: checkpoints hold the adapters; the base they were trained on is named in the train state.
@@ -61,7 +61,8 @@ class CheckpointManager:
         self.base = (cfg.initial_load_path or "initialised from job.seed") if self.adapters_only else None
         self._base_record: str | None = None
         # the model's shape as config.json: `convert dcp-to-hf` exports a run whose shape is no registered flavor
-        model_config = json.dumps(self.hf_adapter.hf_config(self.model_args)) if self.hf_adapter else None
+        adapter = self.identity.hf_adapter
+        model_config = json.dumps(adapter.hf_config(run.args)) if adapter else None
         self.lineage = TrainStateLineage(training.state, run.label, run.dims.dp_degree, self.world_size,
                                          self.base_record if self.adapters_only else None, model_config)
         self.objects = {  # the checkpoint's keys, in the order a save writes them (the model's first: see _full_state)
@@ -210,12 +211,12 @@ class CheckpointManager:
         cfg = self.cfg
         path = self.root / f"step-{step}-hf"
         started = time.perf_counter()
-        save_model_as_hf(self._model_state("all"), path, self.hf_adapter, self.model_args, DTYPES[cfg.export_dtype],
+        save_model_as_hf(self._model_state("all"), path, self.identity.hf_adapter, self.identity.args, DTYPES[cfg.export_dtype],
                          writer_rank=self.rank == 0, merge=functools.partial(merge_lora, model=self.model))
         if self.rank == 0 and self.tokenizer_file is not None:
             copy_tokenizer(self.tokenizer_file, path, self.chat_template)
         if self.adapters_only:
-            save_peft_adapter(self._model_state(), self.root / f"step-{step}-peft", self.hf_adapter, self.model_args,
+            save_peft_adapter(self._model_state(), self.root / f"step-{step}-peft", self.identity.hf_adapter, self.identity.args,
                               self.model, self.base, writer_rank=self.rank == 0)
             if self.rank == 0 and self.tokenizer_file is not None:
                 copy_tokenizer(self.tokenizer_file, self.root / f"step-{step}-peft", self.chat_template, generation=False)

@@ -7,24 +7,19 @@ ones); the receiver asks its objects for their load targets, as a checkpoint loa
 them in place (DCP's load does the same), and hands them back to the objects."""
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from titanlite.checkpoint.state import ModelState, SavedKeys, load_targets, restore_all
 from titanlite.checkpoint.weights import check_peer_model
+from titanlite.models.init import local_tensor
 
 PEER = "a live peer"  # where the state came from, in the objects' sentences
-
-
-def local(tensor):
-    """This rank's shard of a DTensor; a plain tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def peer_state(objects: dict) -> dict:
     """This group's live state for a recovering peer, one entry per checkpoint object (called on torchft's quorum
     thread while the loop waits for the quorum)."""
-    return {key: tree_map(local, item.saved()) for key, item in objects.items()}
+    return {key: tree_map(local_tensor, item.saved()) for key, item in objects.items()}
 
 
 def load_peer_state(objects: dict, state: dict) -> None:
@@ -65,6 +60,6 @@ def fill(target, source):
         return [fill(value, item) for value, item in zip(target, source)]
     if isinstance(target, torch.Tensor):
         with torch.no_grad():
-            local(target).copy_(source)
+            local_tensor(target).copy_(source)
         return target
     return source

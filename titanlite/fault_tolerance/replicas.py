@@ -32,7 +32,8 @@ from titanlite.errors import UserError
 from titanlite.fault_tolerance.torchft_adapter import import_torchft, new_manager, process_group_name, quorum_id
 from titanlite.fault_tolerance.alone import Alone
 from titanlite.fault_tolerance.join import group_store, lighthouse_address, wait_for_lighthouse
-from titanlite.fault_tolerance.peer_state import load_peer_state, local, peer_state
+from titanlite.fault_tolerance.peer_state import load_peer_state, peer_state
+from titanlite.models.init import local_tensor
 from titanlite.log import logger
 
 CLAIM_FILE = ".replica_group"  # in a step folder: the replica group that writes that checkpoint
@@ -145,7 +146,7 @@ class ReplicaGroups(Alone):
         counts of the quorum's whole batch, as one process would."""
         self.loss = loss
         works = [] if expert_loads is None else [self.manager.allreduce(expert_loads, reduce_op=dist.ReduceOp.SUM)]
-        works += [self.manager.allreduce(local(param.grad)) for param in model.parameters() if param.grad is not None]
+        works += [self.manager.allreduce(local_tensor(param.grad)) for param in model.parameters() if param.grad is not None]
         works.append(self.manager.allreduce(loss.view(1)))  # a view: the loss is averaged in place too
         for work in works:
             work.wait()
