@@ -112,9 +112,9 @@ class CheckpointReader:
     restored (step, tokens seen, model and optimizer tensors, data position)."""
 
     def __init__(self, flags: list[str]):
-        from titanlite.build import build_run, training_data
+        from titanlite.build import build_run
         from titanlite.config import load_config
-        from titanlite.data.datasets import build_dataloader
+        from titanlite.data.datasets import build_dataloader, training_data
         from titanlite.optim import build_lr_scheduler, build_optimizer
         from titanlite.parallel.dist import init_distributed
 

@@ -14,7 +14,6 @@ from torch import nn
 from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import JobConfig, LoRA, Model
 from titanlite.config_sections import Training as TrainingSection
-from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.global_order import steps_for_epochs
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.dtypes import DTYPES
@@ -67,14 +66,15 @@ def build_run(cfg: JobConfig, info: DistInfo) -> Run:
 def forward_settings(cfg: JobConfig, dims: ParallelDims, device: torch.device, tokenizer) -> ForwardSettings:
     offload = cfg.activation_checkpoint.offload_activations
     return ForwardSettings(cfg.training.mixed_precision_param, dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-                           document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset),
+                           document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
+                           if objective_class(cfg).rows_may_pack else None,
                            sequence_shard(cfg.training.seq_len, dims.cp_mesh, device) if dims.cp_enabled else None,
                            HeldBytes() if offload else None)
 
 
 def step_settings(cfg: JobConfig, accum_steps: int, objective) -> StepSettings:
     return StepSettings(accum_steps, cfg.training.max_norm, cfg.model.moe_aux_loss_coeff, cfg.training.on_nonfinite == "skip",
-                        objective.per_trained_token, cfg.model.moe_bias_update_rate)
+                        objective.per_trained_token, cfg.model.moe_bias_update_rate, objective.returns_share)
 
 
 def build_training(run: Run) -> Training:
@@ -84,8 +84,7 @@ def build_training(run: Run) -> Training:
     replicas = replica_groups(cfg.fault_tolerance)  # met after the checkpoint's load (train.py), every rule checked first
     optimizer = build_optimizer(run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
     register_float8_scale_precompute(optimizer, run.model, cfg.float8)
-    dataloader = build_dataloader(training_data(cfg.training), run.tokenizer, replicas.data_rank(run.dims),
-                                  replicas.data_world(run.dims), cfg.job.seed)
+    dataloader = run.objective.dataloader(run, replicas.data_rank(run.dims), replicas.data_world(run.dims))
     steps = cfg.training.steps
     if cfg.training.epochs:  # the steps every reader (schedule, loop, evaluation) then sees
         steps = steps_for_epochs(cfg.training.epochs, dataloader, run.step.accum_steps, steps)
@@ -136,13 +135,6 @@ def model_args(cfg: Model, spec, tokenizer_vocab: int):
             "use that model's own tokenizer (model.tokenizer_path) or a debugmodel flavor"
         )
     return args
-
-
-def training_data(cfg: TrainingSection) -> DataSpec:
-    """The [training] section's data keys, as the data loader takes them."""
-    return DataSpec(cfg.dataset, cfg.dataset_path, cfg.seq_len, cfg.local_batch_size, text_field=cfg.dataset_text_field,
-                    num_workers=cfg.num_workers, dataset_mix=cfg.dataset_mix, dataset_format=cfg.dataset_format,
-                    train_on=cfg.train_on, chat_template=cfg.chat_template)
 
 
 def grad_accumulation_steps(cfg: TrainingSection, dp_degree: int) -> int:

@@ -92,7 +92,7 @@ class Training:
     dataset_path: str = opt("", "file or folder of local data (jsonl/json/parquet/arrow or .txt files) or a token store (python -m titanlite.data.prepare, read in one order at any scale); setting it means dataset = local")
     dataset_mix: list[DataSource] = opt([], "weighted sources instead of dataset/dataset_path, a TOML array of tables [{ path = \"a\", weight = 0.7 }, ...] (stores or raw files); read in one order at any scale")
     dataset_text_field: str = opt("text", "field holding the text in json/parquet/arrow records")
-    dataset_format: str = opt("text", "text (documents in dataset_text_field), chat (records with messages, a list of {role, content}: system/user/assistant), prompt_completion (records with prompt and completion) or preference (records with prompt, chosen and rejected, trained with DPO: the [dpo] section); chat and prompt_completion are rendered with the chat template and packed whole, in one order at any scale, and dataset_path may also be a chat store (python -m titanlite.data.prepare --format chat); preference pairs are rendered with the chat template, one sequence per row", choices=("text", "chat", "prompt_completion", "preference"))
+    dataset_format: str = opt("text", "text (documents in dataset_text_field), chat (records with messages, a list of {role, content}: system/user/assistant), prompt_completion (records with prompt and completion) or preference (records with prompt, chosen and rejected, trained with DPO: the [dpo] section); chat and prompt_completion are rendered with the chat template and packed whole, in one order at any scale, and dataset_path may also be a chat store (python -m titanlite.data.prepare --format chat); preference pairs are rendered with the chat template, one sequence per row; prompts (records with a prompt, text or a list of messages, and any fields the reward functions read) are trained with reinforcement learning: the [rl] section", choices=("text", "chat", "prompt_completion", "preference", "prompts"))
     train_on: str = opt("assistant", "with dataset_format chat or prompt_completion, the tokens in the loss: every assistant turn, the last_assistant turn only, or all of the conversation", choices=("assistant", "last_assistant", "all"))
     chat_template: str = opt("", "jinja chat template file for dataset_format chat, prompt_completion or preference; empty = the chat_template of the tokenizer_config.json in model.hf_assets_path")
     num_workers: int = opt(0, "data-loading worker processes per rank", at_least=0)
@@ -231,6 +231,29 @@ class DPO:
 
 
 @dataclass
+class RL:
+    """Reinforcement learning with verifiable rewards, for training.dataset_format prompts (titanlite/objectives/grpo.py)."""
+
+    algorithm: str = opt("grpo", "grpo: group relative policy optimization (DeepSeekMath), each completion's advantage its reward against the other completions of its prompt", choices=("grpo",))
+    num_generations: int = opt(8, "completions sampled per prompt (the group); training.global_batch_size counts completions and must be a multiple of it", at_least=2)
+    max_new_tokens: int = opt(256, "tokens generated at most per completion (the prompt and they must fit in training.seq_len)", at_least=1)
+    temperature: float = opt(1.0, "sampling temperature of the rollouts; the log-probabilities trained on are those of the logits divided by it, as sampled", above=0)
+    top_p: float = opt(1.0, "sample from the smallest set of most likely tokens whose probabilities reach top_p; 1 = all", above=0, at_most=1)
+    top_k: int = opt(0, "sample from the k most likely tokens only; 0 = all", at_least=0)
+    epsilon: float = opt(0.2, "the probability ratio of a token (policy / the policy that sampled it) is clipped below at 1 - epsilon", above=0, below=1)
+    epsilon_high: float = opt(-1.0, "and above at 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28); -1 = epsilon", above=0, sentinels=(-1.0,))
+    beta: float = opt(0.0, "weight of the KL penalty against the reference (the k3 estimator); 0 = none and no reference model", at_least=0)
+    reference: str = opt("initial", "with beta above 0, the frozen reference: initial (the weights training starts from; under LoRA the base with the adapters switched off, no second copy) or the path of a Hugging Face folder or a DCP step folder of the same model")
+    num_iterations: int = opt(1, "optimizer steps on each batch of rollouts (their old log-probabilities computed once, before the first)", at_least=1)
+    loss_type: str = opt("dapo", "how token losses make the step's loss, with TRL's meanings: grpo (each completion's mean, averaged), bnpo and dapo (the sum over the global batch's completion tokens divided by their number: the same here, where the batch is always the global one), dr_grpo (the sum divided by completions x max_new_tokens)", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    scale_rewards: str = opt("group", "advantages are rewards minus their group's mean, divided by the std of the group, of the whole batch, or by nothing (none: Dr. GRPO)", choices=("group", "batch", "none"))
+    reward_functions: list[str] = opt([], "reward functions, each path/to/file.py:function or module:function, called as TRL calls them (docs/rewards.md), e.g. titanlite.rewards:math_answer")
+    reward_weights: list[float] = opt([], "each reward function's weight in the reward; empty = 1 each")
+    mask_truncated_completions: bool = opt(False, "completions cut at max_new_tokens (no eos) are left out of the loss")
+    log_rollouts: bool = opt(False, "write every completion (step, prompt_ids, completion_ids, rewards, reward, advantage) to <dump_folder>/rollouts.jsonl")
+
+
+@dataclass
 class FaultTolerance:
     """Replica groups that survive one another's loss (torchft); the lighthouse address is TORCHFT_LIGHTHOUSE."""
 
@@ -294,6 +317,7 @@ class JobConfig:
     plan: Plan = field(default_factory=Plan)
     lora: LoRA = field(default_factory=LoRA)
     dpo: DPO = field(default_factory=DPO)
+    rl: RL = field(default_factory=RL)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     generate: Generate = field(default_factory=Generate)
     eval: Eval = field(default_factory=Eval)

@@ -129,13 +129,17 @@ class LossScale:
     Text trains on every token and each micro-batch holds as many (packed windows): every mean is divided
     by `means`, the number of means summed in a step (micro-steps x a pipeline's microbatches). Chat data
     trains on some tokens only: each mean is weighted by its trained tokens times `per_token`, the weight
-    of one trained token (`per_trained_token`)."""
+    of one trained token (`per_trained_token`). An objective that computes its share of the global batch's loss
+    itself (GRPO) has it multiplied by `share_degree`, what FSDP's gradient average divides by."""
 
     means: int
     per_token: torch.Tensor | None = None
+    share_degree: int | None = None
 
     def apply(self, loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's mean loss (against `labels`) as its share of the step's loss."""
+        """A micro-batch's mean loss (against `labels`), or its share, as its share of the step's loss."""
+        if self.share_degree is not None:
+            return loss * self.share_degree
         if self.per_token is None:
             return loss / self.means
         return loss * (trained_tokens(labels) * self.per_token)

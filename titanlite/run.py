@@ -32,6 +32,7 @@ class StepSettings:
     skip_nonfinite: bool = False  # training.on_nonfinite skip: a step with NaN or inf applies no update
     per_trained_token: bool = False  # the objective's: the loss is over the trained tokens of the whole global batch
     bias_update_rate: float = 0.0  # model.moe_bias_update_rate: aux-loss-free balancing (balance_experts)
+    returns_share: bool = False  # the objective's: its loss is already a micro-batch's share of the global batch's
 
 
 @dataclass(frozen=True)

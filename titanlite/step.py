@@ -42,17 +42,18 @@ def train_step(run: Run, training: Training, batches):
     total_loss = torch.zeros((), device=device)
     micro_batches = []
     for _ in range(settings.accum_steps):
-        inputs, labels = next_batch(batches, device, metrics, dims)
-        micro_batches.append(split_batch(inputs, labels, document_ids(inputs, run.forward.delimiters), run.forward.shard))
+        inputs, labels, extras = next_batch(batches, device, metrics, dims)
+        micro_batches.append((*split_batch(inputs, labels, document_ids(inputs, run.forward.delimiters), run.forward.shard),
+                              extras))
     scale = step_loss_scale(micro_batches, settings, dims, pipeline)
     context = functools.partial(forward_context, run.forward, dims, device.type)
-    for inputs, labels, model_kwargs in micro_batches:
+    for inputs, labels, model_kwargs, extras in micro_batches:
         if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
             with context():
                 total_loss += pipeline.train_microstep(inputs, labels, scale, settings.aux_loss_coeff, model_kwargs)
             continue
         with loss_parallel_context(run.forward.loss_parallel):
-            loss, extra = run.objective.loss(model, inputs, labels, model_kwargs, run.loss_fn, context)
+            loss, extra = run.objective.loss(model, inputs, labels, model_kwargs, run.loss_fn, context, extras)
             loss = scale.apply(loss, labels)
             with_extra_losses(loss, extra, scale, settings.aux_loss_coeff).backward()
         total_loss += loss.detach()
@@ -80,11 +81,13 @@ def train_step(run: Run, training: Training, batches):
 def step_loss_scale(micro_batches: list, settings: StepSettings, dims: ParallelDims, pipeline) -> LossScale:
     """How each micro-batch (or a pipeline's microbatch) mean enters this step's loss (loss.py)."""
     means = settings.accum_steps * (pipeline.n_microbatches if pipeline is not None else 1)
+    if settings.returns_share:  # FSDP's average divides by the data-parallel ranks (the only layout GRPO runs under)
+        return LossScale(means, share_degree=dims.gradient_average_degree)
     if not settings.per_trained_token:
         return LossScale(means)
     # FSDP's gradient average divides by the data-parallel x context-parallel ranks; a TP/PP group shares one batch.
     degree = dims.gradient_average_degree * dims.model_parallel_degree
-    return LossScale(means, per_trained_token([labels for _, labels, _ in micro_batches], degree))
+    return LossScale(means, per_trained_token([labels for _, labels, _, _ in micro_batches], degree))
 
 
 def expert_loads(model, pipeline, rate: float, device, accum_steps: int) -> torch.Tensor | None:
@@ -110,12 +113,14 @@ def expert_loads(model, pipeline, rate: float, device, accum_steps: int) -> torc
     return loads
 
 
-def next_batch(batches, device, metrics, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
+def next_batch(batches, device, metrics, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(inputs, labels, extras) of the next micro-batch, inputs and labels on the device; extras: what the batch
+    carries besides them for its objective (GRPO's advantages, log-probabilities), {} for most."""
     waited = time.perf_counter()
-    inputs, labels = next(batches)
+    inputs, labels, *rest = next(batches)
     metrics.data_seconds += time.perf_counter() - waited
     metrics.tokens += labels.numel() // dims.batch_sharing_degree  # a TP/PP group (and its cp ranks) shares one batch
-    return inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    return inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True), rest[0] if rest else {}
 
 
 def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:

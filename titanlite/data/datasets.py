@@ -141,6 +141,18 @@ class DataSpec:
     chat_template: str = ""
 
 
+def training_data(cfg) -> DataSpec:
+    """The [training] section's data keys, as the data loader takes them."""
+    return DataSpec(cfg.dataset, cfg.dataset_path, cfg.seq_len, cfg.local_batch_size, text_field=cfg.dataset_text_field,
+                    num_workers=cfg.num_workers, dataset_mix=cfg.dataset_mix, dataset_format=cfg.dataset_format,
+                    train_on=cfg.train_on, chat_template=cfg.chat_template)
+
+
+def training_loader(run, dp_rank: int, dp_world: int):
+    """The batches of the run's [training] data for one data-parallel rank (an objective's dataloader)."""
+    return build_dataloader(training_data(run.cfg.training), run.tokenizer, dp_rank, dp_world, run.cfg.job.seed)
+
+
 def build_dataloader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int,
                      seed: int) -> StatefulDataLoader | GlobalOrderLoader:
     """Batches of (inputs, labels) for one data-parallel rank; the same arguments give the same data.

@@ -131,6 +131,7 @@ class Generated:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    stop_token: int | None = None  # the stop token that ended it (finish_reason "eos"), left out of token_ids
 
 
 class Rows:
@@ -164,7 +165,7 @@ class Rows:
             if text is not None:  # found before any stop token
                 out.append(Generated(ids[:text + 1], logprobs[row][:text + 1], "stop"))
             elif eos is not None:
-                out.append(Generated(ids[:eos], logprobs[row][:eos], "eos"))
+                out.append(Generated(ids[:eos], logprobs[row][:eos], "eos", ids[eos]))
             else:
                 out.append(Generated(ids, logprobs[row][:len(ids)], "length"))
         return out

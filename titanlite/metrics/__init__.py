@@ -69,6 +69,9 @@ def memory_usage(device: torch.device) -> tuple[float, float]:
     return used / 2**30, total / 2**30
 
 
+CONSOLE_EXTRAS = {"rl/reward": "reward"}  # an objective's scalars that the step line shows too
+
+
 class MetricsLogger:
     """Accumulates tokens and time between log steps, prints the line, writes TensorBoard
     (from start_tensorboard() on: the run folder depends on the step the job resumed from)."""
@@ -108,9 +111,9 @@ class MetricsLogger:
     def counting_trained(self, batches, sharing_degree: int):
         """The batches, each one's trained labels (not IGNORED) counted as it is drawn: the labels are still on
         the host, so counting waits for no device. `sharing_degree` ranks (a TP/PP group) share one batch."""
-        for inputs, labels in batches:
-            self.trained += int((labels != IGNORED).sum()) / sharing_degree
-            yield inputs, labels
+        for batch in batches:
+            self.trained += int((batch[1] != IGNORED).sum()) / sharing_degree  # (inputs, labels[, extras])
+            yield batch
 
     def trained_per_step(self, step: int) -> float:
         """The trained tokens of the whole global batch, per step since the last line: an all-reduce every rank
@@ -159,6 +162,7 @@ class MetricsLogger:
             f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({100 * values['memory_share']:.2f}%)  "
             f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%  trained: {trained:,.0f}"
             + ("" if epoch is None else f"  epoch: {epoch:.3f}")
+            + "".join(f"  {label}: {extra[tag]:.4f}" for tag, label in CONSOLE_EXTRAS.items() if tag in (extra or {}))
         )
         # A model's own figures (MoE: moe/*) arrive under their tags already.
         self.write_scalars(step, {TB_TAGS[name]: value for name, value in values.items()} | (extra or {}), flush=True)

@@ -1,16 +1,20 @@
 """What a run trains for, chosen once from the data format: language modelling on text or conversations (lm.py),
-or preference tuning (DPO, dpo.py). Outside data/ and the config, this is the one module that reads
+preference tuning (DPO, dpo.py) or reinforcement learning on prompts (GRPO, grpo.py). Outside data/ and the config, this is the one module that reads
 training.dataset_format; the step, the planner and the checkpoint ask the objective.
 
 An objective has:
     rows_per_example      batch rows per example (a preference pair is two sequences)
     per_trained_token     whether the step's loss is the mean over the global batch's trained tokens
+    returns_share         whether loss() gives its micro-batch's share of the global batch's loss itself
+    rows_may_pack         whether a row may hold several documents, told apart by their bos (block_causal)
     resets_positions      whether each example starts at position 0 (conversations, as at inference)
     runs_reference_forward  whether every step also runs a reference model's forward (the planner counts it)
     reference             its frozen second model (DPO's reference), or None
     needs_reference_copy(cfg)  whether a job's objective keeps such a copy (before it is built: the planner)
-    loss(model, inputs, labels, model_kwargs, loss_fn, forward_context)
-                          (a micro-batch's mean loss, the extra losses the policy's forward returned: MoE, MTP)
+    dataloader(run, dp_rank, dp_world)  its micro-batches: (inputs, labels[, extras]) (GRPO: rollouts)
+    loss(model, inputs, labels, model_kwargs, loss_fn, forward_context, extras)
+                          (a micro-batch's mean loss, the extra losses the policy's forward returned: MoE, MTP);
+                          extras: what the batch carries besides (GRPO: advantages, old and reference log-probs)
     scalars()             its TensorBoard scalars since the last log (a collective: every rank calls it)
 """
 
@@ -22,6 +26,7 @@ from torch import nn
 
 from titanlite.config_sections import JobConfig
 from titanlite.objectives.dpo import Preference
+from titanlite.objectives.grpo import GRPO
 from titanlite.objectives.lm import Conversations, LanguageModelling
 
 
@@ -29,6 +34,8 @@ def objective_class(cfg: JobConfig) -> type:
     """The objective's class, whose static facts the build and the planner read before any model exists."""
     if cfg.training.dataset_format == "preference":
         return Preference
+    if cfg.training.dataset_format == "prompts":
+        return GRPO
     return LanguageModelling if cfg.training.dataset_format == "text" else Conversations
 
 
@@ -52,6 +59,6 @@ def build_objective(cfg: JobConfig, copy_model: Callable[[], nn.Module], hf_adap
                     device: torch.device):
     """The run's objective; `copy_model()` builds a model sharded like the policy, for a reference that needs one."""
     kind = objective_class(cfg)
-    if kind is Preference:
-        return Preference.build(cfg, copy_model, hf_adapter, args, label, device)
+    if kind in (Preference, GRPO):
+        return kind.build(cfg, copy_model, hf_adapter, args, label, device)
     return kind()

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from titanlite.data.datasets import training_loader
 from titanlite.loss import micro_batch_loss
 
 
@@ -17,6 +18,8 @@ class LanguageModelling:
     name = "text"
     rows_per_example = 1  # a batch row is one window
     per_trained_token = False  # each micro-batch's mean enters the step as one of its equal parts
+    returns_share = False
+    rows_may_pack = True  # a window may hold several documents, told apart by their bos (model.attention_mask)
     resets_positions = False
     runs_reference_forward = False
     reference = None
@@ -25,8 +28,11 @@ class LanguageModelling:
     def needs_reference_copy(cls, cfg) -> bool:
         return False
 
+    def dataloader(self, run, dp_rank: int, dp_world: int):
+        return training_loader(run, dp_rank, dp_world)
+
     def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
-             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             forward_context: Callable, extras: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the mean loss of the micro-batch's trained tokens, the extra losses the model's forward returned)."""
         return micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, forward_context())
 
