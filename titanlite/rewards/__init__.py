@@ -32,7 +32,7 @@ def completion_text(completion: str | list[dict]) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} in text (braces inside it balanced), or None where there is none."""
+    """The content of the last \\boxed{...} in text (braces inside it balanced), or None where there is none or it is open."""
     start = text.rfind(BOXED)
     if start < 0:
         return None
@@ -41,14 +41,15 @@ def last_boxed(text: str) -> str | None:
         depth += {"{": 1, "}": -1}.get(text[position], 0)
         if depth == 0:
             return text[begin:position]
-    return None  # an unclosed box (a truncated completion): no answer
+    return None
 
 
 def final_answer(text: str) -> str | None:
-    """What math_answer checks: the last \\boxed{...} (as written, boxed) or, where there is none, the final number."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return f"{BOXED}{boxed}}}"
+    """What math_answer checks: the last \\boxed{...} (as written, boxed) or, where there is none, the final number.
+    A last box left open (a completion cut off inside it) is no answer: its digits are not taken for one."""
+    if BOXED in text:
+        boxed = last_boxed(text)
+        return None if boxed is None else f"{BOXED}{boxed}}}"
     numbers = FINAL_NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
