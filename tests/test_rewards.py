@@ -150,7 +150,7 @@ def correct(completions, answer, **kwargs):
 
 
 def short(completions, **kwargs):
-    return np.array([float(len(c) < 4) for c in completions])  # a numpy array, as some users return
+    return np.array([len(c) < 4 for c in completions])  # a numpy array of bools, as some users return
 
 
 def half(completions, answer, **kwargs):

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from titanlite.errors import UserError
@@ -58,10 +59,8 @@ def load_file(path: Path, spec: str, key: str):
     sys.modules[name] = module  # before running it, as an import does (dataclasses and pickling look it up)
     try:
         module_spec.loader.exec_module(module)
-    except BaseException as error:
+    except Exception as error:
         del sys.modules[name]
-        if not isinstance(error, Exception):
-            raise
         raise UserError(f"{key} entry {spec!r}: importing {path} failed ({first_line(error)}); fix the file") from None
     return module
 
@@ -128,7 +127,8 @@ def checked_rewards(output, function: RewardFunction, count: int) -> list[float]
                         "return one per completion, in order (None where it does not apply)")
     rewards = []
     for index, value in enumerate(output):
-        value = value.item() if isinstance(value, torch.Tensor) else value
+        if isinstance(value, np.generic) or isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()  # numpy's and torch's scalars (a numpy bool is no numbers.Real) as Python's
         value = math.nan if value is None else value
         if not isinstance(value, numbers.Real):
             raise UserError(f"reward function {function.spec} returned {value!r:.60} (a {type(value).__name__}) for "
