@@ -49,9 +49,12 @@ def test_math_answer_checks_the_last_box_or_the_final_number():
 
 
 def test_math_answer_without_an_answer_field_names_it():
+    """Its sentence reaches the user as it is, not as "raised UserError"."""
+    function = RewardFunction(spec="titanlite.rewards:math_answer", name="math_answer", function=math_answer)
     with pytest.raises(UserError) as error:
-        math_answer(completions=["\\boxed{1}"], prompts=["q"])
-    assert "`answer` field" in str(error.value) and "rl.reward_functions" in str(error.value)
+        score([function], reward_weights([], 1), ["q"], ["\\boxed{1}"], [[1]], {"tests": [None]})
+    assert str(error.value).startswith("titanlite.rewards:math_answer compares each completion with its prompt record's "
+                                       "`answer` field, which these records lack; add `answer`")
 
 
 def test_math_answer_agrees_with_trls_accuracy_reward_on_boxed_answers():
