@@ -148,12 +148,17 @@ def test_advantages_by_hand():
 def test_token_logps_at_a_temperature(dtype, monkeypatch):
     """log_softmax(logits / 0.7) gathered and its entropy, in fp32 whatever the logits' dtype, several chunks of rows
     at a time (the chunk made small), and the gradient autograd gives for the same formula."""
-    monkeypatch.setattr(grpo_loss, "CHUNK_ELEMENTS", 3 * 50)  # chunks of 3 rows of the 8
+    monkeypatch.setattr(grpo_loss, "CHUNK_ELEMENTS", 3 * 50)  # pieces of 3 positions, and of 1 at the end of a row
     torch.manual_seed(0)
     logits = (3 * torch.randn(2, 4, 50)).to(dtype).requires_grad_()
     targets = torch.randint(0, 50, (2, 4))
-    logps, entropy = token_logps(logits, targets, TEMPERATURE)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logps, entropy = token_logps(logits, targets, TEMPERATURE)
     assert logps.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
+    # kept for backward: the logits themselves (no fp32 copy), the targets and each position's logsumexp
+    assert [t.shape for t in saved] == [logits.shape, targets.shape, targets.shape]
+    assert saved[0].data_ptr() == logits.data_ptr()
 
     reference = torch.log_softmax(logits.float() / TEMPERATURE, -1)
     expected = reference.gather(-1, targets[..., None]).squeeze(-1)

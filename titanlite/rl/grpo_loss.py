@@ -3,7 +3,7 @@ for the advantages, _compute_loss for the loss); docs/grpo.md has the formulas.
 
     group_advantages   the global batch's rewards -> each completion's advantage (and whether its std was zero)
     token_logps        logits -> the targets' log-probs and the entropy, of logits / temperature
-    per_token_loss     clipped surrogate + beta x k3 KL per token, and the clip indicators
+    per_token_loss     the clipped surrogate + beta x ratio x k3 KL per token, and the clip indicators
     reduce_loss        a micro-batch's share of the step's loss, normalised by the GLOBAL batch's counts, so that
                        the shares of every micro-batch on every data-parallel rank add up to the loss one process
                        computes over the whole batch (2 ranks = 1 process, any accumulation = none)
@@ -58,23 +58,29 @@ def group_advantages(rewards: torch.Tensor, num_generations: int,
     return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
 
 
+def _chunks(logits: torch.Tensor):
+    """(row, positions) pieces of logits [B, T, V] of about CHUNK_ELEMENTS each: views, even of a sliced tensor."""
+    positions = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    for row in range(logits.shape[0]):
+        for start in range(0, logits.shape[1], positions):
+            yield row, slice(start, start + positions)
+
+
 class _TokenLogps(torch.autograd.Function):
-    """log_softmax(logits / temperature) at the targets, and the entropy of that distribution, a chunk of rows
-    at a time: no fp32 copy of all the logits is made or kept for backward (only the rows' logsumexp is), and the
+    """log_softmax(logits / temperature) at the targets, and the entropy of that distribution, a chunk at a time:
+    no fp32 copy of all the logits is made or kept for backward (only each position's logsumexp is), and the
     backward recomputes each chunk's softmax. The entropy is a statistic: it carries no gradient."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature):
-        rows = max(1, CHUNK_ELEMENTS // logits.shape[-1])
         lse = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         logps, entropy = torch.empty_like(lse), torch.empty_like(lse)
-        for start in range(0, len(targets), rows):
-            part = slice(start, start + rows)
-            x = logits[part].float() / temperature
-            lse[part] = torch.logsumexp(x, dim=-1)
-            logps[part] = x.gather(-1, targets[part, None]).squeeze(-1) - lse[part]
+        for row, part in _chunks(logits):
+            x = logits[row, part].float() / temperature
+            lse[row, part] = torch.logsumexp(x, dim=-1)
+            logps[row, part] = x.gather(-1, targets[row, part, None]).squeeze(-1) - lse[row, part]
             # H = lse - sum_v p_v x_v, the expectation computed in place of x's copy
-            entropy[part] = lse[part] - x.mul_(torch.softmax(x, dim=-1)).sum(-1)
+            entropy[row, part] = lse[row, part] - x.mul_(torch.softmax(x, dim=-1)).sum(-1)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
@@ -84,15 +90,13 @@ class _TokenLogps(torch.autograd.Function):
     def backward(ctx, grad_logps, _):
         logits, targets, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        rows = max(1, CHUNK_ELEMENTS // logits.shape[-1])
-        for start in range(0, len(targets), rows):
-            part = slice(start, start + rows)
+        for row, part in _chunks(logits):
             # d logp_t / d logit_v = (onehot_t(v) - p_v) / temperature
-            p = (logits[part].float() / ctx.temperature).sub_(lse[part, None]).exp_()
-            scale = grad_logps[part, None] / ctx.temperature
+            p = (logits[row, part].float() / ctx.temperature).sub_(lse[row, part, None]).exp_()
+            scale = grad_logps[row, part, None] / ctx.temperature
             g = p.mul_(-scale)
-            g.scatter_add_(-1, targets[part, None], scale)
-            grad[part] = g
+            g.scatter_add_(-1, targets[row, part, None], scale)
+            grad[row, part] = g
         return grad, None, None
 
 
@@ -103,15 +107,15 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor,
     Every target must be a vocabulary id: a masked position's value is meaningless and reduce_loss drops it."""
     if temperature <= 0:
         raise ValueError(f"temperature is {temperature}; it must be positive.")
-    logps, entropy = _TokenLogps.apply(logits.flatten(0, 1), targets.flatten(), float(temperature))
-    return logps.view(targets.shape), entropy.view(targets.shape)
+    return _TokenLogps.apply(logits, targets, float(temperature))
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenStats:
-    """Per-token statistics of per_token_loss, for the metrics (masked means over the global batch):
-    kl the k3 estimate times the ratio, as TRL logs it (None when beta is 0); low/high/region TRL's clip indicators: the ratio below 1 - epsilon_low
-    with a negative advantage, above 1 + epsilon_high with a positive one, either (rl/clip_ratio)."""
+    """Per-token statistics of per_token_loss, for the metrics (masked means over the global batch), detached:
+    kl the KL term without beta, as TRL logs it (None when beta is 0); TRL's clip indicators: low the ratio below
+    1 - epsilon_low with a negative advantage, high above 1 + epsilon_high with a positive one, region either
+    (rl/clip_ratio)."""
     kl: torch.Tensor | None
     low_clipped: torch.Tensor
     high_clipped: torch.Tensor
@@ -159,10 +163,8 @@ def reduce_loss(loss: torch.Tensor, mask: torch.Tensor, loss_type: str, norm: No
     grpo: the mean over completions of each one's masked token mean; bnpo and dapo: the masked token sum over the
     global batch's tokens; dr_grpo: the masked token sum over completions x max_completion_length.
 
-    bnpo and dapo coincide here: TRL's bnpo divides by the tokens of the batch one process holds, which for the
-    whole batch on one process is the global count that dapo divides by (TRL's dapo normalises by the generation
-    batch's tokens across processes; its bnpo's local count is what makes the two differ there, and an equivalence
-    of 2 ranks with 1 process leaves only the global count)."""
+    bnpo and dapo coincide here: TRL's bnpo divides by the tokens of the micro-batch one process holds, its dapo by
+    the whole batch's; on one process holding the whole batch both are the global count (docs/grpo.md)."""
     mask = mask.to(loss.dtype)
     masked = loss * mask
     if loss_type == "grpo":
