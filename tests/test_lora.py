@@ -227,7 +227,8 @@ def test_flops_per_token_under_lora_count_what_a_token_uses(family):
     E (all 16 made this count negative). The norms are frozen but no matmuls: they count 6 like every
     parameter, as the family formula counts them. Llama's count is the one before MoE's share (all frozen matrices).
     Tied embeddings change nothing: the one matrix is the frozen output projection (its embedding side is a lookup)."""
-    from titanlite.build import meta_model, model_flops_per_token
+    from titanlite.build import model_flops_per_token
+    from titanlite.models.construct import meta_model
     from titanlite.models import get_model_spec
     from titanlite.models.llama.args import ModelArgs
     from titanlite.models.mixtral.args import MixtralArgs

@@ -19,7 +19,7 @@ from titanlite.plan.__main__ import main as plan_main
 from titanlite.plan.activations import activations, measure
 from titanlite.parallel.pp import keep_stage
 from titanlite.plan.job import model_args, plan_job
-from titanlite.build import meta_model, parallelizer
+from titanlite.models.construct import meta_model, parallelizer
 from titanlite.loss import build_loss
 from titanlite.parallel.parallelize import ParallelizeSettings
 

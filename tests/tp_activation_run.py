@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titanlite.build import meta_model, parallelizer
+from titanlite.models.construct import meta_model, parallelizer
 from titanlite.config import load_config
 from titanlite.loss import build_loss, loss_parallel_context, micro_batch_loss
 from titanlite.models import get_model_spec

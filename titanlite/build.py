@@ -5,18 +5,15 @@ counts, because both call these functions."""
 
 import dataclasses
 import functools
-import os
-from typing import Callable
 
 import torch
 from torch import nn
 
 from titanlite.config_rules import check_context_parallel
-from titanlite.config_sections import JobConfig, LoRA, Model
+from titanlite.config_sections import JobConfig, LoRA
 from titanlite.config_sections import Training as TrainingSection
 from titanlite.data.global_order import steps_for_epochs
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
 from titanlite.loss import build_loss
 from titanlite.metrics import MetricsLogger
@@ -26,17 +23,15 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.cp import sequence_shard
 from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.fault_tolerance import replica_groups
-from titanlite.models import get_model_args, get_model_spec
-from titanlite.models.lora import apply_lora, init_lora
-from titanlite.models.hf_folder import is_model_folder, read_model_folder
+from titanlite.models import get_model_spec
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo
 from titanlite.parallel.ep import EXPERT_WEIGHTS, is_moe
 from titanlite.parallel.offload import HeldBytes, note_if_offload_saves_nothing, optimizer_device_type
-from titanlite.parallel.parallelize import ParallelizeSettings, parallelize_decoder
+from titanlite.parallel.parallelize import ParallelizeSettings
 from titanlite.parallel.pp import build_pipeline
-from titanlite.parallel.tp import place_grads_like_params
 from titanlite.run import ForwardSettings, Run, StepSettings, Training, model_label
+from titanlite.models.construct import materialize, meta_model, model_args, parallelizer, seed_everything
 from titanlite.metrics.validation import check_validation
 
 
@@ -92,14 +87,6 @@ def build_training(run: Run) -> Training:
                     MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token), replicas)
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
-    torch.manual_seed(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-
-
 def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
     """The training job's model args (model_args), with model.reset_position_ids always on for chat data (each
     conversation starts at position 0, as at inference) and training.seq_len checked against the model's context."""
@@ -108,32 +95,6 @@ def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
     if cfg.training.seq_len > args.max_seq_len:
         raise UserError(f"training.seq_len {cfg.training.seq_len} exceeds the context of {model_label(cfg.model)} "
                         f"({args.max_seq_len}); lower training.seq_len")
-    return args
-
-
-def model_args(cfg: Model, spec, tokenizer_vocab: int):
-    """The [model] section's args: the flavor's (or those of the Hugging Face folder model.hf_assets_path's
-    config.json) with the vocab taken from the tokenizer where the flavor leaves it open, model.n_layers blocks where
-    it is set, and model.mtp_layers; what training adds is resolve_model_args'. Generation starts here."""
-    if is_model_folder(cfg.hf_assets_path):
-        args = read_model_folder(cfg.hf_assets_path, cfg.name).args
-    else:
-        args = get_model_args(spec, cfg.flavor)
-    args = dataclasses.replace(args, reset_position_ids=cfg.reset_position_ids)
-    if cfg.n_layers:
-        args = dataclasses.replace(args, n_layers=cfg.n_layers)
-    where = model_label(cfg)
-    if cfg.mtp_layers:  # recipes (issue 46): DeepSeek-V3 multi-token prediction, models/deepseek_v3/mtp.py
-        if not hasattr(args, "mtp_layers"):
-            raise UserError(f"model.mtp_layers {cfg.mtp_layers}: {where} has no multi-token prediction; set model.mtp_layers 0")
-        args = dataclasses.replace(args, mtp_layers=cfg.mtp_layers, mtp_loss_weight=cfg.mtp_loss_weight)
-    if args.vocab_size == -1:
-        args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
-    elif args.vocab_size < tokenizer_vocab:
-        raise UserError(
-            f"the tokenizer has {tokenizer_vocab} tokens but {where} has a vocabulary of {args.vocab_size}; "
-            "use that model's own tokenizer (model.tokenizer_path) or a debugmodel flavor"
-        )
     return args
 
 
@@ -150,16 +111,6 @@ def grad_accumulation_steps(cfg: TrainingSection, dp_degree: int) -> int:
     return cfg.global_batch_size // per_micro_step
 
 
-def meta_model(spec, args, param_dtype: str, lora: LoRA) -> nn.Module:
-    """The whole model on the meta device, in the parameter dtype (init_weights keeps RoPE tables in fp32),
-    with LoRA adapters where [lora] asks for them."""
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model.to(dtype=DTYPES[param_dtype])
-    apply_lora(model, lora)
-    return model
-
-
 def model_flops_per_token(spec, model: nn.Module, seq_len: int) -> float:
     """The family's training FLOPs per token, less what frozen weights (LoRA's base) do not cost: their
     gradient, 2 FLOPs per weight and token, is never computed. The token embedding is a lookup, never counted.
@@ -170,23 +121,6 @@ def model_flops_per_token(spec, model: nn.Module, seq_len: int) -> float:
     frozen = [used.get(id(p), p.numel()) for name, p in model.named_parameters(remove_duplicate=False)
               if not p.requires_grad and p.dim() == 2 and "tok_embeddings" not in name]
     return spec.flops_per_token(model, seq_len) - 2.0 * sum(frozen)
-
-
-def parallelizer(spec, dims: ParallelDims, settings: ParallelizeSettings) -> Callable[[nn.Module], nn.Module]:
-    """model -> the model parallelized with the family's TP plan (a whole model, or a pipeline stage)."""
-    return functools.partial(parallelize_decoder, dims=dims, settings=settings, apply_tp=spec.apply_tp)
-
-
-def materialize(part: nn.Module, seed: int, device: torch.device, tp_enabled: bool) -> nn.Module:
-    """A parallelized meta model (or one pipeline stage of it) allocated on the device, only this rank's
-    shards, and initialised from the seed (its LoRA adapters too), in training mode."""
-    part.to_empty(device=device)
-    if tp_enabled:
-        place_grads_like_params(part)
-    part.init_weights(seed=seed)
-    init_lora(part, seed)
-    part.train()
-    return part
 
 
 def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.device, loss_fn):

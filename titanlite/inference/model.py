@@ -1,4 +1,4 @@
-"""The model generation and evaluation run: the [model] section's model (build.py's model_args, meta_model,
+"""The model generation and evaluation run: the [model] section's model (models/construct.py's model_args, meta_model,
 parallelizer, materialize), sharded over the data-parallel ranks as the [parallelism] section says, with only its
 weights loaded, in eval mode. It stops before the loss: no training window, global batch, validation, optimizer,
 data loader or DPO reference is built or checked.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titanlite.build import materialize, meta_model, model_args, parallelizer, seed_everything
+from titanlite.models.construct import materialize, meta_model, model_args, parallelizer, seed_everything
 from titanlite.checkpoint.weights import ModelIdentity, load_trained_weights
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.data.tokenizer import build_tokenizer
@@ -42,7 +42,7 @@ class InferenceModel:
 
     cfg: JobConfig
     info: DistInfo  # this process: rank, world size, device
-    args: object  # the family's model args (build.model_args)
+    args: object  # the family's model args (models/construct.py's model_args)
     tokenizer: object
     model: nn.Module  # in eval mode
 

@@ -11,6 +11,7 @@ An objective has:
     runs_reference_forward  whether every step also runs a reference model's forward (the planner counts it)
     reference             its frozen second model (DPO's reference), or None
     needs_reference_copy(cfg)  whether a job's objective keeps such a copy (before it is built: the planner)
+    plan_note(cfg)        what the planner leaves out of its step, or None
     dataloader(run, dp_rank, dp_world)  its micro-batches: (inputs, labels[, extras]) (GRPO: rollouts)
     loss(model, inputs, labels, model_kwargs, loss_fn, forward_context, extras)
                           (a micro-batch's mean loss, the extra losses the policy's forward returned: MoE, MTP);

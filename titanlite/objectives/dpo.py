@@ -77,6 +77,10 @@ class Preference:
         return needs_copy(cfg.dpo.reference, cfg)
 
     @classmethod
+    def plan_note(cls, cfg) -> str | None:
+        return None
+
+    @classmethod
     def build(cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
               device: torch.device) -> "Preference":
         """The DPO objective with its reference (objectives/reference.py); `copy()` builds a model sharded like the policy."""

@@ -16,10 +16,10 @@ from torch import nn
 
 from titanlite.config_sections import JobConfig
 from titanlite.data.conversation_windows import IGNORED
-from titanlite.data.prompts import PromptOrder, PromptSet
+from titanlite.rl.prompts import PromptOrder, PromptSet
 from titanlite.errors import UserError
 from titanlite.objectives.reference import Reference, needs_copy
-from titanlite.rewards.functions import checked_weights, load_reward_functions
+from titanlite.rewards.functions import load_reward_functions, reward_weights
 from titanlite.rl.grpo_loss import group_advantages, per_token_loss, reduce_loss, token_logps
 from titanlite.rl.rollout import RolloutLoader
 
@@ -41,6 +41,18 @@ class GRPO:
         return cfg.rl.beta > 0 and needs_copy(cfg.rl.reference, cfg)
 
     @classmethod
+    def plan_note(cls, cfg: JobConfig) -> str:
+        """What the planner leaves out of a GRPO step: making its rollouts."""
+        rl = cfg.rl
+        forwards = " and ".join(part for part, on in (("the old policy's", rl.num_iterations > 1),
+                                                      ("the reference's", rl.beta > 0)) if on)
+        extra = f", {forwards} forward over them" if forwards else ""
+        return (f"a GRPO step is counted as its training forward and backward only: generating its rollouts "
+                f"({rl.num_generations} completions of up to {rl.max_new_tokens} tokens per prompt, one decode step per "
+                f"token, with a KV cache left out of the memory rows){extra} and scoring them come on top (the run logs "
+                "rl/generate_seconds)")
+
+    @classmethod
     def build(cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
               device: torch.device) -> "GRPO":
         frozen = (Reference.build(cfg.rl.reference, "rl.reference", cfg, copy, hf_adapter, args, label, "GRPO")
@@ -52,7 +64,7 @@ class GRPO:
         self.reference = frozen.model if frozen is not None else None
         self.reward_functions = load_reward_functions(cfg.rl.reward_functions, "rl.reward_functions")
         self.reward_names = [function.name for function in self.reward_functions]
-        self.reward_weights = checked_weights(cfg.rl.reward_weights, len(self.reward_functions))
+        self.reward_weights = reward_weights(cfg.rl.reward_weights, len(self.reward_functions))
         self.sums = torch.zeros(len(TOKEN_SUMS), device=device, dtype=torch.float64)
         self.loader: RolloutLoader | None = None
 
@@ -114,8 +126,8 @@ class GRPO:
         per_token, stats = per_token_loss(logps, old, extras["advantages"].to(device), self.rl.epsilon, epsilon_high,
                                           self.rl.beta, ref)
         with torch.no_grad():
-            kl = stats["kl"][mask].sum() if "kl" in stats else torch.zeros((), device=device)
-            self.sums += torch.stack([mask.sum(), entropy[mask].sum(), stats["clipped"][mask].float().sum(), kl]).double()
+            kl = stats.kl[mask].sum() if stats.kl is not None else torch.zeros((), device=device)
+            self.sums += torch.stack([mask.sum(), entropy[mask].sum(), stats.region_clipped[mask].sum(), kl]).double()
         return reduce_loss(per_token, mask, self.rl.loss_type, extras["norm"]), extra
 
     def scalars(self) -> dict[str, float]:

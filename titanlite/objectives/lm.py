@@ -28,6 +28,10 @@ class LanguageModelling:
     def needs_reference_copy(cls, cfg) -> bool:
         return False
 
+    @classmethod
+    def plan_note(cls, cfg) -> str | None:
+        return None
+
     def dataloader(self, run, dp_rank: int, dp_world: int):
         return training_loader(run, dp_rank, dp_world)
 

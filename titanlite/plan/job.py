@@ -4,7 +4,8 @@ when it does not fit, the change that makes it fit at the best predicted speed."
 import dataclasses
 from dataclasses import dataclass
 
-from titanlite.build import meta_model, resolve_model_args
+from titanlite.build import resolve_model_args
+from titanlite.models.construct import meta_model
 from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import JobConfig, LoRA
 from titanlite.data.tokenizer import build_tokenizer
@@ -86,7 +87,7 @@ def plan_states(cfg: JobConfig, world: int) -> dict[int, dict[str, int]]:
     other holding more blocks than the first (ZBV's V over uneven stages). The others hold no more than
     the first (no embedding) and no more microbatches in flight (plan/pipeline.py): they are bounded.
     Memoized on everything the build reads."""
-    key = repr((cfg.model, cfg.training, cfg.lora, cfg.dpo, cfg.optimizer.name, buildable(cfg), world))
+    key = repr((cfg.model, cfg.training, cfg.lora, cfg.dpo, cfg.rl, cfg.optimizer.name, buildable(cfg), world))
     if key not in STATES:
         STATES[key] = build_states(cfg, world)
     return STATES[key]

@@ -4,6 +4,7 @@ docs/benchmarks.md "When float8 pays"), and how it counts a compiled step's memo
 """
 
 from titanlite.config_sections import JobConfig
+from titanlite.objectives import objective_class
 from titanlite.plan.hardware import Gpu
 from titanlite.plan.memory import COMPILED_KEPT
 
@@ -54,4 +55,6 @@ def tp_span_note(cfg: JobConfig) -> str | None:
 
 
 def plan_notes(cfg: JobConfig, dim: int, gpu: Gpu) -> list[str]:
-    return [note for note in (float8_note(cfg, dim, gpu), compile_memory_note(cfg), tp_span_note(cfg)) if note]
+    return [note for note in (float8_note(cfg, dim, gpu), compile_memory_note(cfg), tp_span_note(cfg),
+                                              objective_class(cfg).plan_note(cfg))
+            if note]

@@ -19,7 +19,7 @@ STD_EPS = 1e-4  # TRL's: (reward - mean) / (std + 1e-4)
 CHUNK_ELEMENTS = 2**24  # logits upcast to fp32 this many at a time (64 MiB)
 
 
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """The unbiased standard deviation ignoring NaNs (TRL's nanstd: torch.std where nothing is NaN, NaN where
     fewer than two values are not)."""
     keep = dict(dim=dim, keepdim=True) if dim is not None else {}
@@ -48,9 +48,9 @@ def group_advantages(rewards: torch.Tensor, num_generations: int,
     groups = rewards.view(-1, num_generations)
     mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
     if scale_rewards == "batch":
-        std = _nanstd(rewards).expand_as(rewards) if len(rewards) > 1 else torch.zeros_like(rewards)
+        std = nanstd(rewards).expand_as(rewards) if len(rewards) > 1 else torch.zeros_like(rewards)
     else:
-        std = (_nanstd(groups, dim=1).repeat_interleave(num_generations) if num_generations > 1
+        std = (nanstd(groups, dim=1).repeat_interleave(num_generations) if num_generations > 1
                else torch.zeros_like(rewards))
     advantages = rewards - mean
     if scale_rewards != "none":

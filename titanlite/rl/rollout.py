@@ -1,4 +1,4 @@
-"""GRPO's rollouts: the batches of one optimizer step, made from that step's prompts (data/prompts.py).
+"""GRPO's rollouts: the batches of one optimizer step, made from that step's prompts (rl/prompts.py).
 
 Each rank samples rl.num_generations completions for each of its prompts with the policy as it is, sharded as it
 trains (FSDP: the ranks generate in lockstep, inference/decode.py), completion j of the prompt at global index p
@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 from titanlite.config_sections import RL
 from titanlite.data.conversation_windows import IGNORED
-from titanlite.data.prompts import PromptItem, PromptOrder
+from titanlite.rl.prompts import PromptItem, PromptOrder
 from titanlite.inference.decode import Generated, Sampling, generate_ids
 from titanlite.inference.prompts import completion_text
 from titanlite.rewards.functions import score
-from titanlite.rl.grpo_loss import Normalizers, group_advantages
+from titanlite.rl.grpo_loss import Normalizers, nanstd
 
 WIDTH_MULTIPLE = 64  # rows are padded to the longest of the step, rounded up to this (fewer shapes to compile)
 
@@ -102,12 +102,17 @@ def batch_stats(per_function: torch.Tensor, total: torch.Tensor, zero_std: torch
                 names: list[str], groups: int) -> dict[str, float]:
     """The rl/* statistics of the global batch (TRL's): the mean reward and each function's, the mean std of the
     groups' rewards, the share of groups whose rewards are all equal, the mean completion length."""
-    stats = {"rl/reward": total.mean().item(), "rl/reward_std": total.view(-1, groups).std(dim=1).mean().item(),
+    stats = {"rl/reward": total.nanmean().item(), "rl/reward_std": nanstd(total.view(-1, groups), dim=1).nanmean().item(),
              "rl/frac_reward_zero_std": zero_std.float().mean().item(),
              "rl/completion_length": lengths.float().mean().item()}
     for name, column in zip(names, per_function.T):
         stats[f"rl/reward/{name}"] = column.nanmean().item()
     return stats
+
+
+def number(value: float) -> float | None:
+    """A reward as JSON has it: None where no function scored (NaN)."""
+    return None if value != value else value
 
 
 class RolloutLoader:
@@ -122,7 +127,7 @@ class RolloutLoader:
         self.current: Rollouts | None = None
         self.served = 0  # optimizer steps the current rollouts have served
         self.log_path = Path(run.cfg.job.dump_folder) / "rollouts.jsonl" if self.rl.log_rollouts else None
-        self.stats: list[dict[str, float]] = []  # each rollout batch's since the last take_stats
+        self.stats: list[dict[str, float]] = []  # the statistics of the rollouts each step since take_stats trained on
 
     def take_stats(self) -> list[dict[str, float]]:
         stats, self.stats = self.stats, []
@@ -140,6 +145,7 @@ class RolloutLoader:
             if self.current is None or self.served == self.rl.num_iterations:
                 self.current, self.served = self.roll_out(), 0
             self.served += 1  # counted before the step's batches are handed out: a save after the step sees it
+            self.stats.append(self.current.stats)
             for k in range(self.accum_steps):
                 yield self.current.micro_batch(k, self.size)
 
@@ -161,7 +167,7 @@ class RolloutLoader:
         inputs, labels = rows(prompts, completions, trained, run.tokenizer.eos_id, run.cfg.training.seq_len)
         lengths = gathered(torch.tensor([len(c) for c in completions]))
         tokens = gathered(torch.tensor([int((labels != IGNORED).sum())])).sum().item()
-        norm = Normalizers(completions=len(all_total), completion_tokens=max(int(tokens), 1),
+        norm = Normalizers(completions=len(all_total), tokens=int(tokens),
                            max_completion_length=rl.max_new_tokens)
         stats = batch_stats(all_functions, all_total, zero_std, lengths, objective.reward_names, groups)
         local_advantages = advantages[rank * n:(rank + 1) * n]
@@ -170,7 +176,6 @@ class RolloutLoader:
         stats["rl/score_seconds"] = time.perf_counter() - generated_at
         if self.log_path is not None:
             self.log(step, prompts, completions, per_function, total, local_advantages)
-        self.stats.append(stats)
         return Rollouts(inputs, labels, local_advantages, old, ref, norm, stats)
 
     def score(self, items: list[PromptItem], generated: list[Generated],
@@ -189,8 +194,8 @@ class RolloutLoader:
         """Every rank's completions of this rollout batch, one JSON line each, written by rank 0."""
         names = self.objective.reward_names
         lines = [json.dumps({"step": step, "prompt_ids": p, "completion_ids": c,
-                             "rewards": {name: (None if value != value else value) for name, value in zip(names, rewards)},
-                             "reward": r, "advantage": a})
+                             "rewards": {name: number(value) for name, value in zip(names, rewards)},
+                             "reward": number(r), "advantage": a})
                  for p, c, rewards, r, a in zip(prompts, completions, per_function.tolist(), total.tolist(),
                                                 advantages.tolist())]
         everyone = [None] * dist.get_world_size() if dist.is_initialized() else [lines]

@@ -8,7 +8,7 @@ through the chat template with the generation prompt.
 Epoch e visits the prompts in the order of a permutation drawn from (seed, e); the epochs follow one another.
 Optimizer step s reads prompts [s P, (s + 1) P) of that stream, P = training.global_batch_size / rl.num_generations,
 and data-parallel rank r of D takes the P / D from s P + r P / D: every layout reads the same prompts, and a
-prompt's place in the stream (its global index) seeds its completions (rl/rollout.py).
+prompt's place in the stream (its global index) seeds its completions (rollout.py).
 """
 
 from dataclasses import dataclass

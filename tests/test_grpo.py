@@ -1,0 +1,120 @@
+"""GRPO (training.dataset_format prompts, [rl]) on the debug model: the rollouts written to rollouts.jsonl carry TRL's
+group advantages of their rewards and end with their stop token; the rl/* scalars and the step line's reward; a resume
+inside a rollout batch's updates trains on the very same rows as an uninterrupted run; 2 FSDP ranks equal one process;
+LoRA's reference is the base with its adapters off; errors are one sentence. The loss and advantage formulas are
+tested against TRL in test_grpo_loss.py, the reward functions in test_rewards.py."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import DEBUG_CONFIG, ON_CPU, run_test_script, tensorboard_scalars
+from titanlite.train import main
+
+LETTERS = "tests/grpo_rewards.py:letter_share"
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("grpo") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Question {i}: say eeee", "answer": str(i)}) + "\n" for i in range(12)))
+    return path
+
+
+def grpo_flags(prompts, dump, steps, *extra) -> list[str]:
+    return [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--training.dataset_format",
+            "prompts", "--training.dataset_path", str(prompts), "--training.seq_len", "48", "--training.steps", str(steps),
+            "--training.local_batch_size", "4", "--training.global_batch_size", "8", "--rl.num_generations", "4",
+            "--rl.max_new_tokens", "12", "--rl.reward_functions", LETTERS, "--training.mixed_precision_param", "float32",
+            "--lr_scheduler.warmup_steps", "0", "--optimizer.lr", "0.003", "--metrics.log_freq", "1",
+            "--metrics.enable_tensorboard", *map(str, extra)]
+
+
+def rollouts(dump) -> list[dict]:
+    return [json.loads(line) for line in (dump / "rollouts.jsonl").read_text().splitlines()]
+
+
+def test_rollouts_carry_group_advantages_and_the_scalars_are_written(prompts, tmp_path, capsys):
+    assert main(grpo_flags(prompts, tmp_path, 2, "--rl.log_rollouts", "--rl.beta", "0.1")) == 0
+    lines = rollouts(tmp_path)
+    assert [line["step"] for line in lines] == [1] * 8 + [2] * 8
+    for group in range(4):  # 2 steps x 2 prompts x 4 completions
+        rows = lines[4 * group:4 * group + 4]
+        assert len({tuple(row["prompt_ids"]) for row in rows}) == 1
+        rewards = torch.tensor([row["rewards"]["letter_share"] for row in rows])
+        assert [row["reward"] for row in rows] == pytest.approx(rewards.tolist())
+        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+        assert [row["advantage"] for row in rows] == pytest.approx(expected.tolist(), abs=1e-5)
+    for row in lines:  # as sampled: a completion shorter than max_new_tokens ends with its stop token
+        assert len(row["completion_ids"]) <= 12
+    scalars = {tag: tensorboard_scalars(tmp_path / "tb", tag) for tag in
+               ("rl/reward", "rl/reward/letter_share", "rl/reward_std", "rl/kl", "rl/clip_ratio", "rl/entropy",
+                "rl/completion_length", "rl/frac_reward_zero_std", "rl/generate_seconds")}
+    assert all(sorted(values) == [1, 2] for values in scalars.values()), scalars
+    step_one = [row["reward"] for row in lines[:8]]
+    assert scalars["rl/reward"][1] == pytest.approx(sum(step_one) / 8, abs=1e-6)
+    assert scalars["rl/kl"][1] == pytest.approx(0.0, abs=1e-7)  # the reference is the starting policy
+    assert scalars["rl/completion_length"][1] == pytest.approx(sum(len(r["completion_ids"]) for r in lines[:8]) / 8)
+    assert f"reward: {scalars['rl/reward'][2]:.4f}" in capsys.readouterr().err
+
+
+def test_a_resume_inside_a_rollout_batch_trains_on_the_same_rows(prompts, tmp_path):
+    """num_iterations 2: the checkpoint at step 3 holds the rollouts that step 4 trains on again."""
+    flags = ["--rl.num_iterations", "2", "--checkpoint.enable", "--checkpoint.interval", "3",
+             "--checkpoint.last_save_model_only", "false", "--rl.log_rollouts"]
+    assert main(grpo_flags(prompts, tmp_path / "whole", 5, *flags)) == 0
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-3", tmp_path / "resumed" / "checkpoint" / "step-3")
+    assert main(grpo_flags(prompts, tmp_path / "resumed", 5, *flags)) == 0
+    whole, resumed = (tensorboard_scalars(tmp_path / run / "tb", "loss/train") for run in ("whole", "resumed"))
+    assert sorted(resumed) == [4, 5] and all(resumed[s] == pytest.approx(whole[s], abs=1e-6) for s in (4, 5))
+    assert rollouts(tmp_path / "resumed") == [row for row in rollouts(tmp_path / "whole") if row["step"] == 5]
+
+
+def test_two_fsdp_ranks_equal_one_process(prompts, tmp_path):
+    """The same 2 prompts x 4 completions per step: one process (accumulating 2 micro-batches) and 2 FSDP ranks."""
+    flags = ["--rl.log_rollouts", "--rl.loss_type", "grpo", "--rl.beta", "0.05", "--rl.num_iterations", "2"]
+    assert main(grpo_flags(prompts, tmp_path / "one", 3, *flags)) == 0
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps([{"argv": grpo_flags(prompts, tmp_path / "fsdp", 3, *flags)}]))
+    out = run_test_script("layout_runs.py", str(spec), nproc=2, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for tag in ("loss/train", "rl/reward", "rl/entropy", "rl/kl"):
+        one, fsdp = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in ("one", "fsdp"))
+        assert sorted(fsdp) == [1, 2, 3] and all(fsdp[s] == pytest.approx(one[s], abs=1e-5) for s in one), (tag, one, fsdp)
+    one, fsdp = rollouts(tmp_path / "one"), rollouts(tmp_path / "fsdp")
+    assert [r["completion_ids"] for r in fsdp] == [r["completion_ids"] for r in one]
+
+
+def test_lora_grpo_keeps_the_base_as_its_reference(prompts, tmp_path, capsys):
+    lora = ["--lora.rank", "4", "--lora.target_modules", "wq,wv", "--rl.beta", "0.1", "--optimizer.lr", "0.02"]
+    assert main(grpo_flags(prompts, tmp_path, 3, *lora)) == 0
+    assert "GRPO reference: the LoRA base with its adapters switched off (no second copy)" in capsys.readouterr().err
+    kl = tensorboard_scalars(tmp_path / "tb", "rl/kl")
+    assert kl[1] == pytest.approx(0.0, abs=1e-7) and kl[3] > 0  # the adapters moved the policy off its base
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rl.reward_functions", ""], "training.dataset_format prompts needs rl.reward_functions"),
+    (["--training.global_batch_size", "6"], "training.global_batch_size (6) counts completions under GRPO"),
+    (["--parallelism.tensor_parallel_degree", "2"], "with parallelism.tensor_parallel_degree 2 is not supported yet"),
+    (["--rl.reward_functions", "tests/grpo_rewards.py:wrong_length"], "wrong_length"),
+    (["--rl.max_new_tokens", "64"], "raise training.seq_len or lower rl.max_new_tokens"),
+])
+def test_errors_are_one_sentence_exit_2(prompts, tmp_path, capsys, extra, message):
+    assert main(grpo_flags(prompts, tmp_path, 1, *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_rl_keys_apply_to_prompts_only(tmp_path, capsys):
+    assert main([*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--rl.beta", "0.1"]) == 2
+    assert "rl.beta applies to training.dataset_format prompts only" in capsys.readouterr().err
+
+
+def test_record_fields_reach_the_reward_functions(prompts, tmp_path):
+    assert main(grpo_flags(prompts, tmp_path, 1, "--rl.reward_functions", "tests/grpo_rewards.py:by_answer",
+                           "--rl.log_rollouts")) == 0
+    lines = rollouts(tmp_path)
+    assert all(line["rewards"]["by_answer"] in (0.0, 1.0) for line in lines)
