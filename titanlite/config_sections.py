@@ -248,7 +248,7 @@ class RL:
     loss_type: str = opt("dapo", "how token losses make the step's loss, with TRL's meanings: grpo (each completion's mean, averaged), bnpo and dapo (the sum over the global batch's completion tokens divided by their number: the same here, where the batch is always the global one), dr_grpo (the sum divided by completions x max_new_tokens)", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
     scale_rewards: str = opt("group", "advantages are rewards minus their group's mean, divided by the std of the group, of the whole batch, or by nothing (none: Dr. GRPO)", choices=("group", "batch", "none"))
     reward_functions: list[str] = opt([], "reward functions, each path/to/file.py:function or module:function, called as TRL calls them (docs/rewards.md), e.g. titanlite.rewards:math_answer")
-    reward_weights: list[float] = opt([], "each reward function's weight in the reward; empty = 1 each")
+    reward_weights: list[float] = opt([], "each reward function's weight in the reward (negative: a penalty); empty = 1 each", at_least=-1000, at_most=1000)
     mask_truncated_completions: bool = opt(False, "completions cut at max_new_tokens (no eos) are left out of the loss")
     log_rollouts: bool = opt(False, "write every completion (step, prompt_ids, completion_ids, rewards, reward, advantage) to <dump_folder>/rollouts.jsonl")
 
