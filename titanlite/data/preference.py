@@ -15,8 +15,9 @@ each sequence's log-probability on its own, and one sequence per row gives it fr
 no document bookkeeping; the two rows of a pair sit in the same micro-batch, so the loss of every pair is computed
 where both its halves are. Each micro-batch is then cut to its longest sequence rounded up to a multiple of
 PAD_MULTIPLE (at most seq_len), as TRL pads a batch to its longest: what is cut off is padding after every row's
-last trained token, which a causal forward never lets change a log-probability. Epoch e visits the pairs in the order of a permutation drawn from (seed, e), and
-global_order.py deals pair g to the ranks as it deals window g: any split of the global batch reads the same pairs.
+last trained token, which a causal forward never lets change a log-probability. Epoch e visits the pairs in the
+order of a permutation drawn from (seed, e), and global_order.py deals pair g to the ranks as it deals window g:
+any split of the global batch reads the same pairs.
 training.local_batch_size counts pairs, so a micro-batch holds 2 x local_batch_size rows. The pair is the unit of
 training.epochs too: E passes are round(E x pairs) pairs, and the steps they make are rounded up, as for chat data.
 """
