@@ -1,7 +1,8 @@
 """DPO (training.dataset_format preference, [dpo]): step 1's loss equals the DPO formula computed with transformers on
 the policy and reference folders; reference initial gives ln 2; reward accuracy rises on a learnable set; LoRA's
 reference (the base, adapters off) equals a separate copy of the base; 2 FSDP ranks and TP 2 equal one process;
-the export is a folder transformers loads; errors are one sentence."""
+a micro-batch is cut to its longest pair rounded up to 64 with the losses of padding to seq_len; the export is a
+folder transformers loads; errors are one sentence."""
 
 import json
 import math
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from conftest import ON_CPU, run_test_script, tensorboard_scalars
 from titanlite.config_sections import Model
+from titanlite.data import preference
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
@@ -39,6 +41,10 @@ PAIRS = [
      "rejected": [turn("assistant", "No.")]},
     {"prompt": [turn("user", "Can you?")], "chosen": [turn("assistant", "Yes.")], "rejected": [turn("assistant", "No, never.")]},
 ]
+
+# Longer than 64 tokens, as is PAIRS[1]: with one pair per micro-batch the widths differ (64, 128).
+LONG = {"prompt": [turn("user", "Count the words, please: " + " ".join(["one two three"] * 4))],
+        "chosen": [turn("assistant", "There are " + " ".join(["many"] * 10) + ".")], "rejected": [turn("assistant", "No.")]}
 
 
 def write_jsonl(path, records):
@@ -165,6 +171,51 @@ def test_epochs_count_pairs_and_the_step_line_says_the_epoch(folders, tmp_path, 
     epochs = {int(s): float(e) for s, e in re.findall(r"step: (\d+) .*epoch: ([\d.]+)", err)}
     assert epochs == {1: 0.5, 2: 1.0, 3: 1.5}
     assert tensorboard_scalars(tmp_path / "tb", "data/epoch") == {1: 0.5, 2: 1.0, 3: 1.5}
+
+
+def test_a_micro_batch_is_cut_to_its_longest_pair_rounded_up_to_64(folders, tmp_path):
+    """Each micro-batch's width is its longest sequence (less the last token, which is only a label) rounded up to
+    64, at most seq_len, read from the rendered lengths; the rows are those padded to seq_len, cut after their
+    padding began. The template's eos (<|im_end|>, the pad id) is in every sequence, so the ids cannot say where one
+    ends."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", [*PAIRS, LONG])
+    tokenizer = build_tokenizer(Model(hf_assets_path=str(folders["policy"])))
+    for seq_len, pairs_per_batch in ((256, 1), (256, 2), (96, 1)):
+        spec = DataSpec("sample", str(data), seq_len, pairs_per_batch, infinite=False, dataset_format="preference")
+        loader = build_dataloader(spec, tokenizer, 0, 1, 0)
+        windows = loader.windows
+        lengths = [max(len(ids) for ids, _ in windows.pairs[g]) for g in windows.order(0)]  # the pairs in epoch 0's order
+        widths = []
+        for k, (inputs, labels) in enumerate(loader):
+            longest = max(lengths[k * pairs_per_batch:(k + 1) * pairs_per_batch]) - 1
+            widths.append(inputs.shape[1])
+            assert inputs.shape == labels.shape == (2 * pairs_per_batch, min(seq_len, -(-longest // 64) * 64))
+            full_inputs, full_labels = (torch.cat([windows[g][i] for g in range(k * pairs_per_batch, (k + 1) * pairs_per_batch)])
+                                        for i in (0, 1))
+            assert torch.equal(inputs, full_inputs[:, :inputs.shape[1]]) and torch.equal(labels, full_labels[:, :inputs.shape[1]])
+            # What is cut off is padding: the last real token is only a label, and no label after it trains.
+            assert (full_inputs[:, longest + 1:] == tokenizer.eos_id).all() and (full_labels[:, longest:] == -100).all()
+            assert (inputs[:, :longest] == tokenizer.eos_id).any(dim=1).all()  # the pad id is a real token of every row
+        expected = {(256, 1): [64, 64, 64, 128, 128], (256, 2): [64, 128], (96, 1): [64, 64, 64, 96, 96]}[seq_len, pairs_per_batch]
+        assert sorted(widths) == expected, (seq_len, pairs_per_batch, widths)
+
+
+def test_cut_micro_batches_give_the_losses_of_padding_to_seq_len(folders, tmp_path, monkeypatch):
+    """4 steps of one pair each (widths 64, 128, 64, 64 of seq_len 192), with a reference model that runs on the same
+    cut rows: the losses and rewards equal those of rows padded to seq_len (PAD_MULTIPLE = seq_len) within fp32
+    roundoff. A causal forward cannot see padding after a row's tokens, so at equal weights the losses agree (bit for
+    bit on the CPU here: steps 1 and 2); the weights' gradients, though, are sums over the batch's positions, and
+    the padding's zero terms change how the matmul groups the real ones, so from step 3 they differ by about 4e-7."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", [*PAIRS, LONG])
+    flags = ["--training.dataset_path", data, "--training.seq_len", "192", "--training.local_batch_size", "1",
+             "--dpo.reference", folders["reference"]]
+    assert main(dpo_flags(folders, tmp_path / "cut", 4, *flags)) == 0
+    monkeypatch.setattr(preference, "PAD_MULTIPLE", 192)
+    assert main(dpo_flags(folders, tmp_path / "padded", 4, *flags)) == 0
+    for tag in ("loss/train", "dpo/chosen_reward", "dpo/rejected_reward"):
+        cut, padded = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in ("cut", "padded"))
+        assert sorted(cut) == sorted(padded) == [1, 2, 3, 4], tag
+        assert all(cut[s] == pytest.approx(padded[s], rel=1e-5, abs=1e-6) for s in cut), (tag, cut, padded)
 
 
 def test_plain_text_pairs_render_as_one_user_and_one_assistant_turn(folders, tmp_path):

@@ -34,14 +34,16 @@ def test_memory_snapshot_needs_cuda(tmp_path):
 def test_summary_counts_only_the_steps_after_warmup():
     class Metrics:
         data_seconds = 0.0
+        tokens = 0
 
     metrics = Metrics()
     summary = RunSummary(warmup=2, steps_to_run=5, device=torch.device("cpu"))
     for step in range(5):
         summary.step_began(metrics)
         metrics.data_seconds += 1.0
+        metrics.tokens += 64 * (step + 1)  # as next_batch counts them: DPO's widths vary from step to step
         summary.step_ended(metrics)
-    assert summary.steps == 3 and summary.data_seconds == 3.0
+    assert summary.steps == 3 and summary.data_seconds == 3.0 and summary.tokens == 64 * (3 + 4 + 5)
     assert summary.started is not None and summary.ended >= summary.started
     assert RunSummary(warmup=10, steps_to_run=4, device=torch.device("cpu")).warmup == 3  # at least one step counts
 

@@ -203,8 +203,8 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
         watchdog.stop()
         checkpointer.close()  # waits for the last async save
         stop.close()
-    summary.log(state_peaks_over_ranks(run.model, training.optimizer, run.forward.offloaded),
-                run.tokens_per_step // info.world_size, metrics, checkpointer.cost, run.forward.offloaded)
+    summary.log(state_peaks_over_ranks(run.model, training.optimizer, run.forward.offloaded), metrics, checkpointer.cost,
+                run.forward.offloaded)
     observe("metrics", log_tokens_by_source, training.dataloader)
     metrics.close()
     gc.enable()

@@ -13,8 +13,11 @@ Layout: pair g of the stream is two rows, chosen then rejected, each one whole s
 seq_len + 1 tokens (labels IGNORED outside the completion). A pair is never packed with another: the DPO loss needs
 each sequence's log-probability on its own, and one sequence per row gives it from the plain causal forward with
 no document bookkeeping; the two rows of a pair sit in the same micro-batch, so the loss of every pair is computed
-where both its halves are. Epoch e visits the pairs in the order of a permutation drawn from (seed, e), and
-global_order.py deals pair g to the ranks as it deals window g: any split of the global batch reads the same pairs.
+where both its halves are. Each micro-batch is then cut to its longest sequence rounded up to a multiple of
+PAD_MULTIPLE (at most seq_len), as TRL pads a batch to its longest: what is cut off is padding after every row's
+last trained token, which a causal forward never lets change a log-probability. Epoch e visits the pairs in the
+order of a permutation drawn from (seed, e), and global_order.py deals pair g to the ranks as it deals window g:
+any split of the global batch reads the same pairs.
 training.local_batch_size counts pairs, so a micro-batch holds 2 x local_batch_size rows. The pair is the unit of
 training.epochs too: E passes are round(E x pairs) pairs, and the steps they make are rounded up, as for chat data.
 """
@@ -38,6 +41,9 @@ from titanlite.log import logger
 HALVES = ("chosen", "rejected")
 # The trained tokens as a store or a resume records them: what each completion adds to its prompt (tokenize_pair).
 TRAIN_ON = "completion"
+# A micro-batch's width is rounded up to a multiple of this: the GPU's matmul and attention kernels work in tiles of
+# 64 or 128, and few distinct widths (seq_len / 64 at most) keep compile's graphs and the allocator's blocks few.
+PAD_MULTIPLE = 64
 
 
 class Pair(NamedTuple):
@@ -187,13 +193,24 @@ class PreferencePairs(Dataset):
         return torch.stack([inputs for inputs, _ in rows]), torch.stack([labels for _, labels in rows])
 
 
+def cut_to_longest(inputs: torch.Tensor, labels: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of a micro-batch up to its longest sequence, rounded up to PAD_MULTIPLE and at most seq_len.
+    A completion runs to the end of its sequence (tokenize_pair), so a row's last trained label is its last real
+    token, whatever the token (eos, the pad id, may be one of the template's): read from the labels, not the ids.
+    Every kept pair has a trained token in both rows (PreferencePairs), so the longest is at least 1."""
+    trained = (labels != IGNORED).any(dim=0)
+    longest = int(trained.nonzero().max()) + 1
+    width = min(seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+    return inputs[:, :width].contiguous(), labels[:, :width].contiguous()
+
+
 class PairLoader(GlobalOrderLoader):
-    """A GlobalOrderLoader of pairs whose batches are [2 x pairs, seq_len]: rows 2i and 2i + 1 are pair i's chosen
-    and rejected (dpo.py reads them so)."""
+    """A GlobalOrderLoader of pairs whose batches are [2 x pairs, width]: rows 2i and 2i + 1 are pair i's chosen
+    and rejected (dpo.py reads them so), cut to the micro-batch's longest sequence (cut_to_longest)."""
 
     def __iter__(self):
         for inputs, labels in super().__iter__():
-            yield inputs.flatten(0, 1), labels.flatten(0, 1)
+            yield cut_to_longest(inputs.flatten(0, 1), labels.flatten(0, 1), self.seq_len)
 
     def tokens_by_source(self) -> dict[str, int]:
         return {name: 2 * tokens for name, tokens in super().tokens_by_source().items()}

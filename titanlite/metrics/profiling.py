@@ -142,7 +142,8 @@ class RunSummary:
     Call step_began(metrics) and step_ended(metrics) around each training step. The clock runs from the start
     of the first step after `warmup` steps (compilation, allocator warm-up) to the end of the last
     step, so the logging, stop checks and gc between steps are inside it. On CUDA it is read
-    after a synchronize, at those two moments only.
+    after a synchronize, at those two moments only. Its tokens are those the step line counts (step.py's
+    next_batch): a DPO micro-batch is as wide as its longest pair, not seq_len.
     """
 
     def __init__(self, warmup: int, steps_to_run: int, device: torch.device, predicted=None):
@@ -154,6 +155,8 @@ class RunSummary:
         self.seen = 0  # steps run so far
         self.data_seconds = 0.0
         self.data_before = 0.0
+        self.tokens = 0  # this rank's, in the timed steps
+        self.tokens_before = 0
         self.started: float | None = None
         self.ended: float | None = None
 
@@ -170,19 +173,20 @@ class RunSummary:
     def step_began(self, metrics) -> None:
         if self.seen == self.warmup:
             self.started = self._now()
-        self.data_before = metrics.data_seconds  # train_step adds its wait for data
+        self.data_before = metrics.data_seconds  # train_step adds its wait for data, and the tokens it reads
+        self.tokens_before = metrics.tokens
 
     @observer("run summary")
     def step_ended(self, metrics) -> None:
         self.seen += 1
         if self.seen > self.warmup:
             self.data_seconds += metrics.data_seconds - self.data_before
+            self.tokens += metrics.tokens - self.tokens_before
             if self.seen == self.steps_to_run:
                 self.ended = self._now()
 
     @observer("run summary")
-    def log(self, state_peaks: dict[str, int], tokens_per_step_per_rank: int, metrics, save_cost=None,
-            offloaded=None) -> None:
+    def log(self, state_peaks: dict[str, int], metrics, save_cost=None, offloaded=None) -> None:
         """`state_peaks` (state_peaks_over_ranks, computed outside this observer: a collective), the largest
         rank's params, grads, optimizer state and activation offload peak in bytes; `save_cost`
         (checkpoint/cost.py's SaveCost) adds the training time checkpoint saves lost; `offloaded`
@@ -190,7 +194,7 @@ class RunSummary:
         if not self.steps:
             return
         elapsed = (self.ended or self._now()) - self.started
-        tps, tflops, mfu_pct = metrics.throughput(self.steps * tokens_per_step_per_rank, elapsed)
+        tps, tflops, mfu_pct = metrics.throughput(self.tokens, elapsed)
         mfu = "unknown" if mfu_pct is None else f"{mfu_pct:.2f}%"
         exact = {name: state_peaks[name] for name in ("params", "grads", "optimizer")}
         offloaded_peak = state_peaks["offloaded"]
