@@ -118,3 +118,22 @@ def test_record_fields_reach_the_reward_functions(prompts, tmp_path):
                            "--rl.log_rollouts")) == 0
     lines = rollouts(tmp_path)
     assert all(line["rewards"]["by_answer"] in (0.0, 1.0) for line in lines)
+
+
+def test_a_completion_ended_by_a_stop_token_keeps_it_as_sampled():
+    from titanlite.inference.decode import Generated
+    from titanlite.rl.rollout import sampled_ids
+
+    assert sampled_ids(Generated([5, 6], [-1.0, -2.0], "eos", 2)) == [5, 6, 2]
+    assert sampled_ids(Generated([5, 6, 7], [-1.0, -2.0, -3.0], "length")) == [5, 6, 7]
+
+
+@pytest.mark.extended
+def test_a_dense_toy_reward_rises_within_tens_of_steps(prompts, tmp_path):
+    """The share of the letter e in 16-token completions of the debug model, 2 prompts x 8 completions a step."""
+    flags = ["--training.local_batch_size", "16", "--training.global_batch_size", "16", "--rl.num_generations", "8",
+             "--rl.max_new_tokens", "16", "--training.seq_len", "64", "--metrics.log_freq", "1"]
+    assert main(grpo_flags(prompts, tmp_path, 16, *flags)) == 0
+    reward = tensorboard_scalars(tmp_path / "tb", "rl/reward")
+    first, last = (sum(reward[s] for s in steps) / 4 for steps in ((1, 2, 3, 4), (13, 14, 15, 16)))
+    assert last > first + 0.05, reward
