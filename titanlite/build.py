@@ -142,7 +142,7 @@ def training_data(cfg: TrainingSection) -> DataSpec:
     """The [training] section's data keys, as the data loader takes them."""
     return DataSpec(cfg.dataset, cfg.dataset_path, cfg.seq_len, cfg.local_batch_size, text_field=cfg.dataset_text_field,
                     num_workers=cfg.num_workers, dataset_mix=cfg.dataset_mix, dataset_format=cfg.dataset_format,
-                    train_on=cfg.train_on, chat_template=cfg.chat_template)
+                    train_on=cfg.train_on, chat_template=cfg.chat_template, packing=cfg.packing)
 
 
 def grad_accumulation_steps(cfg: TrainingSection, dp_degree: int) -> int:

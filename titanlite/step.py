@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.loss import LossScale, loss_parallel_context, per_trained_token, with_extra_losses
-from titanlite.models.attention import document_ids
+from titanlite.models.attention import batch_document_ids
 from titanlite.parallel.cp import split_batch
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
@@ -42,8 +42,8 @@ def train_step(run: Run, training: Training, batches):
     total_loss = torch.zeros((), device=device)
     micro_batches = []
     for _ in range(settings.accum_steps):
-        inputs, labels = next_batch(batches, device, metrics, dims)
-        micro_batches.append(split_batch(inputs, labels, document_ids(inputs, run.forward.delimiters), run.forward.shard))
+        inputs, labels, documents = next_batch(batches, device, metrics, dims, run.forward.delimiters)
+        micro_batches.append(split_batch(inputs, labels, documents, run.forward.shard))
     scale = step_loss_scale(micro_batches, settings, dims, pipeline)
     context = functools.partial(forward_context, run.forward, dims, device.type)
     for inputs, labels, model_kwargs in micro_batches:
@@ -110,12 +110,15 @@ def expert_loads(model, pipeline, rate: float, device, accum_steps: int) -> torc
     return loads
 
 
-def next_batch(batches, device, metrics, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
+def next_batch(batches, device, metrics, dims: ParallelDims,
+               delimiters: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inputs, labels, document ids) of the next batch on the device: the ids its windows carry, else inferred."""
     waited = time.perf_counter()
-    inputs, labels = next(batches)
+    batch = next(batches)
     metrics.data_seconds += time.perf_counter() - waited
-    metrics.tokens += labels.numel() // dims.batch_sharing_degree  # a TP/PP group (and its cp ranks) shares one batch
-    return inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    metrics.tokens += batch[1].numel() // dims.batch_sharing_degree  # a TP/PP group (and its cp ranks) shares one batch
+    batch = [part.to(device, non_blocking=True) for part in batch]
+    return batch[0], batch[1], batch_document_ids(batch, delimiters)
 
 
 def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:

@@ -108,9 +108,9 @@ class MetricsLogger:
     def counting_trained(self, batches, sharing_degree: int):
         """The batches, each one's trained labels (not IGNORED) counted as it is drawn: the labels are still on
         the host, so counting waits for no device. `sharing_degree` ranks (a TP/PP group) share one batch."""
-        for inputs, labels in batches:
-            self.trained += int((labels != IGNORED).sum()) / sharing_degree
-            yield inputs, labels
+        for batch in batches:  # (inputs, labels), or conversations' (inputs, labels, document_ids)
+            self.trained += int((batch[1] != IGNORED).sum()) / sharing_degree
+            yield batch
 
     def trained_per_step(self, step: int) -> float:
         """The trained tokens of the whole global batch, per step since the last line: an all-reduce every rank
