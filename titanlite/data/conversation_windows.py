@@ -29,7 +29,7 @@ from titanlite.log import logger
 
 IGNORED = -100  # the label of a token outside the loss (cross_entropy's ignore_index)
 # Conversations packed together: enough that best fit finds a short one for nearly every gap (conversations of
-# 50-150 tokens fill windows of 513 to 97-99%), few enough that each placement's insertion into the sorted free
+# 50-150 tokens fill windows of 513 tokens 97% full), few enough that each placement's insertion into the sorted free
 # room (a list of a buffer's windows) stays cheap however many conversations an epoch holds.
 PACK_BUFFER = 1000
 
