@@ -14,11 +14,13 @@ import torch
 
 from conftest import tensorboard_scalars
 from qwen3_template import QWEN3_TEMPLATE
+from test_chat_data import loader
 from test_finetune_qwen3 import CHATS, QWEN3, transformers_assistant_loss
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.data.conversation_windows import IGNORED, PACK_BUFFER, ConversationWindows
 from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.store import TokenStore
+from titanlite.errors import UserError
 from titanlite.train import main
 
 transformers = pytest.importorskip("transformers")
@@ -134,6 +136,21 @@ def test_a_packed_window_has_the_loss_transformers_gives_its_conversations_one_b
     loss, trained = transformers_assistant_loss(folder, template)
     assert tensorboard_scalars(tmp_path / "tb", "loss/train")[1] == pytest.approx(loss, abs=1e-5 if device == "cpu" else 1e-4)
     assert tensorboard_scalars(tmp_path / "tb", "data/trained_tokens")[1] == trained
+
+
+def test_a_data_position_of_another_packing_is_refused(folders):
+    """A checkpoint's data position counts windows of its packing: one saved by the greedy packing before best fit
+    (no packing in its identity) or with training.packing false is another stream's."""
+    (folder, _), data = folders[0]["chatml"], folders[1]
+    packed = loader(folder, data, 384, batch_size=1, infinite=True)
+    state = packed.state_dict()
+    assert state["identity"]["packing"] == "best_fit"
+    for identity in ({**state["identity"], "packing": "none"}, {k: v for k, v in state["identity"].items() if k != "packing"}):
+        with pytest.raises(UserError, match=r"job.seed, training.seq_len and training.packing$"):
+            packed.load_state_dict({**state, "identity": identity})
+    unpacked = loader(folder, data, 384, batch_size=1, infinite=True, packing=False)
+    with pytest.raises(UserError, match="'packing': 'best_fit'.* but this run reads .*'packing': 'none'"):
+        unpacked.load_state_dict(state)
 
 
 def test_packing_false_applies_to_chat_data_only(tiny_run, capsys):

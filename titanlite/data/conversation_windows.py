@@ -66,9 +66,9 @@ def best_fit(lengths: np.ndarray, window: int) -> list[list[int]]:
 
 
 def pack(order: np.ndarray, lengths: np.ndarray, window: int, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """An epoch's order of documents (lengths: of every document, by index) cut into buffers of PACK_BUFFER, each packed best-fit-decreasing and its
-    windows shuffled (seed, epoch, buffer) so that batches are not sorted by length: (the documents in window
-    order, the index of each window's first document in it, then len(order))."""
+    """An epoch's order of documents (`lengths`: every document's, by index) cut into buffers of PACK_BUFFER, each
+    packed best-fit-decreasing and its windows shuffled (seed, epoch, buffer) so that batches are not sorted by
+    length: (the documents in window order, the index of each window's first document in it, then len(order))."""
     packed, starts = [], [0]
     for buffer, first in enumerate(range(0, len(order), PACK_BUFFER)):
         chunk = order[first : first + PACK_BUFFER]

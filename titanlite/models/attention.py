@@ -7,8 +7,9 @@ as Llama 3 was trained; under causal it attends to every earlier token of the wi
 
 The train step hands the model's forward the document ids of each window: conversations carry
 theirs from the data (each conversation's start is known when its window is built, whatever the
-template writes), text's are computed from the input tokens (`document_ids`); the model builds the mask once per forward (`attention_mask`) and every block's
-attention reads that same mask through `attend`. One mask rule (`allowed`) is evaluated two ways:
+template writes), text's are computed from the input tokens (`document_ids`). The model builds the
+mask once per forward (`attention_mask`) and every block's attention reads that same mask through
+`attend`. One mask rule (`allowed`) is evaluated two ways:
   - CUDA: a FlexAttention BlockMask and compiled `flex_attention`, which skips the masked-out
     blocks of the score matrix.
   - elsewhere: a boolean [batch, 1, T, T] mask for scaled_dot_product_attention. FlexAttention has
