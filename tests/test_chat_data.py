@@ -113,11 +113,12 @@ def test_masked_loss_by_hand_on_two_conversations(folder, tmp_path):
     encoded = [tokenize_conversation(renderer, tokenizer, m, "assistant") for m in CONVERSATIONS]
     lengths = [len(ids) for ids, _ in encoded]
     seq_len = max(lengths) + 3  # too short for both: one window each, never split, padded with eos
-    (inputs, labels), = list(loader(folder, data, seq_len))
-    assert inputs.shape == labels.shape == (2, seq_len)
+    (inputs, labels, {"document_ids": documents}), = list(loader(folder, data, seq_len))
+    assert inputs.shape == labels.shape == documents.shape == (2, seq_len) and documents.dtype == torch.int32
     for row in range(2):
         ids, trained = next(e for e in encoded if inputs[row, : len(e[0])].tolist() == e[0])
         assert inputs[row, len(ids):].eq(tokenizer.eos_id).all()
+        assert documents[row].tolist() == [0] * len(ids) + [1] * (seq_len - len(ids))  # the padding a document of its own
         expected = [t if f else IGNORED for t, f in zip(ids[1:], trained[1:])] + [IGNORED] * (seq_len + 1 - len(ids))
         assert labels[row].tolist() == expected
     logits = torch.randn(2, seq_len, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -132,14 +133,22 @@ def test_masked_loss_by_hand_on_two_conversations(folder, tmp_path):
     # the loss is computed in fp32 (the hand sum in float64): within 1e-6 relative
     assert abs(cross_entropy_loss(logits, labels).item() / (total / count) - 1) < 1e-6
 
-    # without a bos of their own nothing tells packed conversations apart: one per window, however long
-    assert len(list(loader(folder, data, sum(lengths) + 1, batch_size=1))) == 2
-    # a template that writes the folder's bos: a window long enough for both holds both, each starting with its bos
+    # a window of both holds both though ChatML writes no bos: the window carries where each starts, and the first
+    # token of the second is no label (per conversation, as transformers computes each loss, nothing predicts it)
+    (inputs, labels, {"document_ids": documents}), = list(loader(folder, data, sum(lengths) - 1, batch_size=1))
+    first, second = sorted(encoded, key=lambda e: -len(e[0]))  # best fit places the longest first
+    assert inputs[0].tolist() == first[0] + second[0][:-1]
+    assert documents[0].tolist() == [0] * len(first[0]) + [1] * (len(second[0]) - 1)
+    expected = [t if f else IGNORED for t, f in zip(first[0][1:] + second[0], first[1][1:] + [False] + second[1][1:])]
+    assert labels[0].tolist() == expected
+    # training.packing false: one conversation per window, however long
+    assert len(list(loader(folder, data, sum(lengths) + 1, batch_size=1, packing=False))) == 2
+    # a template that writes the folder's bos packs as well, each conversation starting with its bos
     bos_folder = write_hf_folder(tmp_path / "bos", bos_token="<|begin_of_text|>", chat_template="{{ bos_token }}" + TEMPLATE)
     tokenizer = build_tokenizer(Model(hf_assets_path=str(bos_folder)))
     encoded = [tokenize_conversation(ChatRenderer(tokenizer, ""), tokenizer, m, "assistant")[0] for m in CONVERSATIONS]
     assert all(ids[0] == tokenizer.bos_id for ids in encoded)
-    (inputs, labels), = list(loader(bos_folder, data, len(encoded[0]) + len(encoded[1]), batch_size=1))
+    (inputs, labels, {"document_ids": documents}), = list(loader(bos_folder, data, len(encoded[0]) + len(encoded[1]), batch_size=1))
     assert inputs[0].tolist()[: sum(map(len, encoded))] in ([*encoded[0], *encoded[1]], [*encoded[1], *encoded[0]])
 
 
@@ -153,11 +162,11 @@ def test_long_conversation_truncated_and_counted(folder, tmp_path, caplog):
     window = max(first_trained) + 2  # shorter than both, long enough to keep a trained token of each
     windows = list(loader(folder, data, window - 1, batch_size=1))
     assert len(windows) == 2  # each truncated to one window, none split into a second
-    for (inputs, labels), (ids, _) in zip(sorted(windows, key=lambda w: w[0].tolist()), sorted(encoded)):
+    for (inputs, labels, _), (ids, _) in zip(sorted(windows, key=lambda w: w[0].tolist()), sorted(encoded)):
         assert inputs[0].tolist() == ids[: window - 1] and (labels != IGNORED).any()
     assert any("2 of 2 conversations are longer than training.seq_len + 1" in record.getMessage() for record in caplog.records)
     # a conversation truncated before any trained token is left out, with a line saying so
-    (inputs, labels), = list(loader(folder, data, (min(first_trained) + max(first_trained)) // 2, batch_size=1))
+    (inputs, labels, _), = list(loader(folder, data, (min(first_trained) + max(first_trained)) // 2, batch_size=1))
     kept = encoded[first_trained.index(min(first_trained))][0]
     assert inputs[0].tolist() == kept[: len(inputs[0])]
     assert any("1 conversations hold no trained token within one window" in record.getMessage() for record in caplog.records)
@@ -169,9 +178,9 @@ def test_long_conversation_truncated_and_counted(folder, tmp_path, caplog):
 def test_prompt_completion(folder, tmp_path):
     data = write_records(tmp_path / "pc.jsonl", [{"prompt": "Say hi.", "completion": "Hi!"}, {"prompt": "Say no.", "completion": "No."}])
     tokenizer = build_tokenizer(Model(hf_assets_path=str(folder)))
-    batches = list(loader(folder, data, 64, batch_size=1, dataset_format="prompt_completion"))
-    trained = [tokenizer.decode([t for t in labels[0].tolist() if t != IGNORED]) for _, labels in batches]
-    assert sorted(trained) == ["Hi!<|im_end|>", "No.<|im_end|>"]  # one window each: two do not fit in 65 tokens
+    batches = list(loader(folder, data, 128, batch_size=1, dataset_format="prompt_completion"))
+    trained = [tokenizer.decode([t for t in labels[0].tolist() if t != IGNORED]) for _, labels, _ in batches]
+    assert trained in (["Hi!<|im_end|>No.<|im_end|>"], ["No.<|im_end|>Hi!<|im_end|>"])  # both packed in one window
 
 
 def chat_run(tiny_run, folder, data, *flags):
@@ -226,9 +235,8 @@ def test_resume_gives_the_windows_an_uninterrupted_run_gives(folder, tmp_path):
     resumed = loader(folder, data, 100, batch_size=1, infinite=True)
     resumed.load_state_dict(first.state_dict())
     batches = iter(resumed)
-    for inputs, labels in expected[3:]:
-        other_inputs, other_labels = next(batches)
-        assert torch.equal(inputs, other_inputs) and torch.equal(labels, other_labels)
+    for batch in expected[3:]:
+        assert all(torch.equal(mine, other) for mine, other in zip(batch, next(batches), strict=True))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,6 +1,8 @@
 """Chat data prepared into a token store with its loss mask (python -m titanlite.data.prepare --format chat):
 a run reads the same windows from the store as from the records, and a store read with other settings
-than it was made with is one sentence."""
+than it was made with, or prepared by an earlier titanlite, is one sentence."""
+
+import json
 
 import numpy as np
 import pytest
@@ -29,8 +31,8 @@ def test_store_gives_the_windows_of_the_records(folder, records, tmp_path, capsy
     from_records = list(loader(folder, records, 100, batch_size=1))
     from_store = list(loader(folder, store, 100, batch_size=1, num_workers=1))  # the memory maps travel to a worker
     assert len(from_records) == len(from_store) > 3
-    for (inputs, labels), (store_inputs, store_labels) in zip(from_records, from_store):
-        assert torch.equal(inputs, store_inputs) and torch.equal(labels, store_labels)
+    for batch, store_batch in zip(from_records, from_store):
+        assert all(torch.equal(mine, other) for mine, other in zip(batch, store_batch, strict=True))
 
 
 def test_store_read_with_other_settings_is_one_sentence(folder, records, tmp_path):  # noqa: F811
@@ -41,6 +43,15 @@ def test_store_read_with_other_settings_is_one_sentence(folder, records, tmp_pat
         loader(folder, store, 40)
     with pytest.raises(UserError, match="holds chat data with its loss mask; set training.dataset_format chat and training.train_on all"):
         loader(folder, store, 40, dataset_format="text")
+    # a store prepared before the windows carried their conversations' starts records no version: prepared again
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["chat"].pop("version") == 2
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as refused:
+        loader(folder, store, 40, train_on="all")
+    assert str(refused.value) == (f"training.dataset_path {store} is a chat store prepared by an earlier titanlite (chat store "
+                                  "version 1, this one reads 2); prepare it again with python -m titanlite.data.prepare "
+                                  "--format chat --train_on all")
     text_store = tmp_path / "text_store"
     (tmp_path / "docs.jsonl").write_text('{"text": "a b c"}\n{"text": "d e f"}\n')
     assert prepare.main(["--input", str(tmp_path / "docs.jsonl"), "--output", str(text_store), "--tokenizer", str(folder),

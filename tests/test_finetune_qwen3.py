@@ -53,25 +53,29 @@ def qwen3_folder(tmp_path_factory):
     return folder, data
 
 
+WINDOWS = 3  # best fit packs the 4 chats into 3 windows of 129 tokens: a batch of 3 is one epoch, each chat once
+
+
 def chat_flags(folder, data, dump, steps, *extra) -> list[str]:
     return [*ON_CPU, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(dump), "--training.dataset_path",
             str(data), "--training.dataset_format", "chat", "--training.seq_len", "128", "--training.local_batch_size",
-            str(len(CHATS)), "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
+            str(WINDOWS), "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
             *map(str, extra)]
 
 
-def transformers_assistant_loss(folder) -> tuple[float, int]:
+def transformers_assistant_loss(folder, template: str = QWEN3_TEMPLATE) -> tuple[float, int]:
     """Mean next-token loss of the transformers model over the tokens apply_chat_template marks as the assistant's
-    (with a {% generation %}-marked copy of the template), every conversation as apply_chat_template gives it."""
+    (with a {% generation %}-marked copy of the template), every conversation on its own as apply_chat_template
+    gives it: the sum over the trained tokens of all of them, divided by their count."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     total, count = 0.0, 0
     for chat in CHATS:
-        out = tokenizer.apply_chat_template(chat, chat_template=generation_marked(QWEN3_TEMPLATE), tokenize=True,
+        out = tokenizer.apply_chat_template(chat, chat_template=generation_marked(template), tokenize=True,
                                             return_dict=True, return_assistant_tokens_mask=True)
         ids, mask = torch.tensor([out["input_ids"]]), torch.tensor(out["assistant_masks"], dtype=torch.bool)
-        assert ids[0, 0] != tokenizer.convert_tokens_to_ids("<|im_end|>")  # no bos, nothing before the template's text
+        assert ids[0, 0] != tokenizer.convert_tokens_to_ids("<|im_end|>")  # nothing before the template's text
         labels = ids[0, 1:].masked_fill(~mask[1:], -100)
         with torch.no_grad():
             logits = model(ids).logits[0, :-1].float()

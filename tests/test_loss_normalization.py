@@ -6,6 +6,7 @@ weigh a short answer like a long one). Text trains on every token: its losses ar
 import pytest
 
 from conftest import DEBUG_CONFIG, ON_CPU, tensorboard_scalars
+from test_chat_data import loader
 from test_pipeline_parallel import launch
 from titanlite.data import chat_example
 
@@ -20,7 +21,7 @@ def example(tmp_path_factory):
 def chat_flags(example, dump, local_batch, *extra, data_parallel=1) -> list[str]:
     return [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--model.hf_assets_path",
             str(example / "tokenizer"), "--training.dataset_path", str(example / "chats.jsonl"),
-            "--training.dataset_format", "chat", "--training.seq_len", "128", "--training.local_batch_size",
+            "--training.dataset_format", "chat", "--training.seq_len", "256", "--training.local_batch_size",
             str(local_batch), "--training.steps", "4", "--training.mixed_precision_param", "float32",
             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--validation.enable", "--validation.freq", "2",
             "--validation.steps", "-1", "--validation.dataset_path", str(example / "chats.jsonl"),
@@ -45,7 +46,7 @@ LAYOUTS = {  # name: (processes, local batch, flags); the global batch is 4 wind
 @pytest.mark.extended
 def test_every_layout_gives_the_loss_of_one_process(example, tmp_path):
     """Chat data is read in one global order, so every layout holds the same 4 windows each step as one process
-    holding all 4; step 2 on also shows the earlier updates were the same; validation (after steps 2 and 4) sums
+    holding all 4 (conversations packed several to a window, each with its carried document ids); step 2 on also shows the earlier updates were the same; validation (after steps 2 and 4) sums
     the trained tokens' losses of the same held-out windows over the same count. One launch per world size
     (tests/layout_runs.py)."""
     def layout_run(name: str, local_batch: int, flags: list[str]) -> dict:
@@ -56,6 +57,9 @@ def test_every_layout_gives_the_loss_of_one_process(example, tmp_path):
     assert "(4 micro-steps)" in one
     launch([layout_run(name, batch, flags) for name, (world, batch, flags) in LAYOUTS.items() if world == 2], 2, tmp_path, "world2")
     one_process = losses(tmp_path / "one")
+    # the 16 windows trained hold packed conversations (a window's document ids: its conversations, then the padding)
+    windows = next(iter(loader(example / "tokenizer", example / "chats.jsonl", 256, batch_size=16)))
+    assert (windows[2]["document_ids"].amax(dim=1) >= 2).sum() >= 4
     assert sorted(one_process) == [1, 2, 2.5, 3, 4, 4.5]
     for name in LAYOUTS:
         theirs = losses(tmp_path / name)

@@ -35,6 +35,9 @@ def check_dataset_format(cfg: JobConfig) -> None:
     of the loss, which the chunked loss (a mean over every label) does not skip; a mix holds no loss mask."""
     training = cfg.training
     fmt = training.dataset_format
+    if fmt in ("text", "preference") and not training.packing:
+        raise UserError(f"training.packing false applies to training.dataset_format chat or prompt_completion, not {fmt}; "
+                        "leave training.packing at true")
     if fmt == "text":
         if training.train_on != "assistant" or training.chat_template:
             raise UserError("training.train_on and training.chat_template apply to training.dataset_format chat or "

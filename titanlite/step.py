@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.loss import LossScale, loss_parallel_context, per_trained_token, with_extra_losses
-from titanlite.models.attention import document_ids
+from titanlite.models.attention import batch_document_ids
 from titanlite.parallel.cp import split_batch
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
@@ -42,9 +42,8 @@ def train_step(run: Run, training: Training, batches):
     total_loss = torch.zeros((), device=device)
     micro_batches = []
     for _ in range(settings.accum_steps):
-        inputs, labels, extras = next_batch(batches, device, metrics, dims)
-        micro_batches.append((*split_batch(inputs, labels, document_ids(inputs, run.forward.delimiters), run.forward.shard),
-                              extras))
+        inputs, labels, documents, extras = next_batch(batches, device, metrics, dims, run.forward.delimiters)
+        micro_batches.append((*split_batch(inputs, labels, documents, run.forward.shard), extras))
     scale = step_loss_scale(micro_batches, settings, dims, pipeline)
     context = functools.partial(forward_context, run.forward, dims, device.type)
     for inputs, labels, model_kwargs, extras in micro_batches:
@@ -113,14 +112,23 @@ def expert_loads(model, pipeline, rate: float, device, accum_steps: int) -> torc
     return loads
 
 
-def next_batch(batches, device, metrics, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(inputs, labels, extras) of the next micro-batch, inputs and labels on the device; extras: what the batch
-    carries besides them for its objective (GRPO's advantages, log-probabilities), {} for most."""
+def next_batch(batches, device, metrics, dims: ParallelDims, delimiters: tuple[int, int] | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
+    """(inputs, labels, document ids, extras) of the next micro-batch, the first three on the device. A batch is
+    (inputs, labels) or (inputs, labels, extras), extras what its data carries besides: a conversation window's
+    document_ids (where there are none, they are inferred from the inputs: text) and what an objective needs of its
+    own (GRPO's advantages and log-probabilities), returned as the extras."""
     waited = time.perf_counter()
     inputs, labels, *rest = next(batches)
     metrics.data_seconds += time.perf_counter() - waited
     metrics.tokens += labels.numel() // dims.batch_sharing_degree  # a TP/PP group (and its cp ranks) shares one batch
-    return inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True), rest[0] if rest else {}
+    extras = dict(rest[0]) if rest else {}
+    if "document_ids" in extras:
+        extras["document_ids"] = extras["document_ids"].to(device, non_blocking=True)
+    inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    documents = batch_document_ids((inputs, labels, extras), delimiters)
+    extras.pop("document_ids", None)
+    return inputs, labels, documents, extras
 
 
 def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:

@@ -139,13 +139,14 @@ class DataSpec:
     dataset_format: str = "text"  # chat / prompt_completion / preference: local records rendered with the chat template
     train_on: str = "assistant"
     chat_template: str = ""
+    packing: bool = True  # chat / prompt_completion: several conversations per window (False: one each)
 
 
 def training_data(cfg) -> DataSpec:
     """The [training] section's data keys, as the data loader takes them."""
     return DataSpec(cfg.dataset, cfg.dataset_path, cfg.seq_len, cfg.local_batch_size, text_field=cfg.dataset_text_field,
                     num_workers=cfg.num_workers, dataset_mix=cfg.dataset_mix, dataset_format=cfg.dataset_format,
-                    train_on=cfg.train_on, chat_template=cfg.chat_template)
+                    train_on=cfg.train_on, chat_template=cfg.chat_template, packing=cfg.packing)
 
 
 def training_loader(run, dp_rank: int, dp_world: int):
@@ -160,7 +161,8 @@ def build_dataloader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int,
     A token store at dataset_path, or a dataset_mix, is read in one global order (global_order.py);
     the other datasets are split between the ranks and packed per rank (documents.py, packing.py).
     dataset_format chat / prompt_completion: local records (or a chat store) rendered with the chat template
-    (chat.py) and packed whole in one global order, with labels IGNORED outside the trained tokens.
+    (chat.py) and packed whole in one global order, with labels IGNORED outside the trained tokens; their batches
+    are (inputs, labels, {"document_ids"}), the conversations' starts carried with each window.
     """
     if data.dataset_format == "preference":
         return preference_loader(data, tokenizer, dp_rank, dp_world, seed)
@@ -190,7 +192,8 @@ def build_dataloader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int,
 
 def conversation_loader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int, seed: int) -> GlobalOrderLoader:
     """Chat or prompt/completion records at dataset_path (or a chat store prepared from them), whole conversations
-    packed into windows in one global order (conversation_windows.py)."""
+    packed into windows in one global order (conversation_windows.py). The data position it saves names the
+    packing: a position in another packing's windows is another stream's."""
     key, dataset_path, dataset_format = f"{data.section}.dataset_path", data.dataset_path, data.dataset_format
     if not dataset_path:
         raise UserError(f"training.dataset_format {dataset_format} reads local records; set {key} to your jsonl/json/parquet data")
@@ -205,8 +208,9 @@ def conversation_loader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int, 
                                    dataset_path)
         logger.info(f"{key} {dataset_path}: tokenized its {len(conversations):,} conversations at start (prepare them into a "
                     f"chat store with python -m titanlite.data.prepare --format {dataset_format} to skip this)")
-    windows = ConversationWindows(store, data.seq_len, seed, tokenizer.eos_id, key, bos_id=tokenizer.bos_id)
-    identity = {"sources": [str(Path(dataset_path).resolve())], "seed": seed, "seq_len": data.seq_len, **chat}
+    windows = ConversationWindows(store, data.seq_len, seed, tokenizer.eos_id, key, packing=data.packing)
+    identity = {"sources": [str(Path(dataset_path).resolve())], "seed": seed, "seq_len": data.seq_len, **chat,
+                "packing": "best_fit" if data.packing else "none"}
     return GlobalOrderLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world,
                              num_workers=data.num_workers, finite=not data.infinite, identity=identity,
                              source_names=[Path(dataset_path).name], seq_len=data.seq_len)

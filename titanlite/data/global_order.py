@@ -152,7 +152,8 @@ class GlobalOrderLoader:
         if state["identity"] != self.identity:
             raise UserError(
                 f"the checkpoint's data position belongs to {state['identity']} but this run reads {self.identity}; "
-                "resume with the same training.dataset_path or training.dataset_mix, job.seed and training.seq_len"
+                "resume with the same training.dataset_path or training.dataset_mix, job.seed, training.seq_len and "
+                "training.packing"
             )
         per_micro_batch = self.batch_size * self.dp_world
         if state["windows_consumed"] % per_micro_batch:

@@ -31,8 +31,8 @@ from titanlite.data.chat import ChatRenderer, Conversations, chat_record, tokeni
 from titanlite.data.local_files import LOADER_BY_SUFFIX, load_local_documents
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
 from titanlite.data.store_checksums import CHUNK_BYTES, sums_path, write_chunk_sums
-from titanlite.data.store import (FORMAT, MANIFEST, concatenate, mask_path, shard_max_id, shard_paths, token_dtype,
-                                  tokenizer_record)
+from titanlite.data.store import (CHAT_STORE_VERSION, FORMAT, MANIFEST, concatenate, mask_path, shard_max_id, shard_paths,
+                                  token_dtype, tokenizer_record)
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from titanlite.errors import UserError
 
@@ -147,7 +147,7 @@ def write_manifest(folder: Path, plan: dict, tokenizer, dtype, chat: dict | None
                 "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards), "shards": shards,
                 "checksums": {"algorithm": "xxh3_64", "chunk_bytes": CHUNK_BYTES}}
     if chat is not None:
-        manifest["chat"] = chat
+        manifest["chat"] = {**chat, "version": CHAT_STORE_VERSION}
     write_then_rename(folder / MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
     return manifest
 

@@ -13,7 +13,7 @@ A store is a folder:
 Each document is stored as packing.py tokenizes it, bos + text + eos, so a store and the raw
 files it came from give the same token stream. A chat store (`python -m titanlite.data.prepare
 --format chat`) holds rendered conversations and their loss mask; its manifest records the format,
-train_on and the chat template's sha256, which a run must match.
+train_on and the chat template's sha256, which a run must match, and the chat store version.
 """
 
 import hashlib
@@ -31,6 +31,10 @@ from titanlite.log import logger
 
 MANIFEST = "manifest.json"
 FORMAT = "titanlite-token-store-1"
+# A chat store's manifest records the version of the chat windows it was prepared for. 2: every template's
+# conversations are packed best-fit, each window carrying its conversations' starts (before, only those that began
+# with a bos were packed); a store without one is version 1 and is prepared again rather than read another way.
+CHAT_STORE_VERSION = 2
 
 
 def shard_paths(folder: Path, shard: int) -> tuple[Path, Path]:
@@ -213,8 +217,15 @@ def check_tokenizer(manifest: dict, tokenizer, folder: Path, key: str) -> None:
 
 
 def check_chat(manifest: dict, chat: dict | None, folder: Path, key: str) -> None:
-    """A chat store's mask was fixed when it was prepared: the run must read it as it was made."""
+    """A chat store's mask was fixed when it was prepared: the run must read it as it was made, by the titanlite
+    whose windows its version names."""
     prepared = manifest.get("chat")
+    if prepared is not None and chat is not None and prepared.get("version", 1) != CHAT_STORE_VERSION:
+        raise UserError(f"{key} {folder} is a chat store prepared by an earlier titanlite (chat store version "
+                        f"{prepared.get('version', 1)}, this one reads {CHAT_STORE_VERSION}); prepare it again with python -m "
+                        f"titanlite.data.prepare --format {prepared['format']} --train_on {prepared['train_on']}")
+    if prepared is not None:
+        prepared = {name: value for name, value in prepared.items() if name != "version"}
     if prepared == chat:
         return
     if chat is None:

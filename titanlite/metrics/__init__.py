@@ -111,8 +111,8 @@ class MetricsLogger:
     def counting_trained(self, batches, sharing_degree: int):
         """The batches, each one's trained labels (not IGNORED) counted as it is drawn: the labels are still on
         the host, so counting waits for no device. `sharing_degree` ranks (a TP/PP group) share one batch."""
-        for batch in batches:
-            self.trained += int((batch[1] != IGNORED).sum()) / sharing_degree  # (inputs, labels[, extras])
+        for batch in batches:  # (inputs, labels) or (inputs, labels, extras): step.py's next_batch
+            self.trained += int((batch[1] != IGNORED).sum()) / sharing_degree
             yield batch
 
     def trained_per_step(self, step: int) -> float:

@@ -5,9 +5,11 @@ every document is tokenized as bos + text + eos and the documents are concatenat
 `model.attention_mask` block_causal a token attends only to earlier tokens of its own document,
 as Llama 3 was trained; under causal it attends to every earlier token of the window.
 
-The train step computes `document_ids(tokens, ...)` from the input tokens and hands them to the
-model's forward; the model builds the mask once per forward (`attention_mask`) and every block's
-attention reads that same mask through `attend`. One mask rule (`allowed`) is evaluated two ways:
+The train step hands the model's forward the document ids of each window: conversations carry
+theirs from the data (each conversation's start is known when its window is built, whatever the
+template writes), text's are computed from the input tokens (`document_ids`). The model builds the
+mask once per forward (`attention_mask`) and every block's attention reads that same mask through
+`attend`. One mask rule (`allowed`) is evaluated two ways:
   - CUDA: a FlexAttention BlockMask and compiled `flex_attention`, which skips the masked-out
     blocks of the score matrix.
   - elsewhere: a boolean [batch, 1, T, T] mask for scaled_dot_product_attention. FlexAttention has
@@ -78,6 +80,13 @@ def document_ids(tokens: torch.Tensor, delimiters: tuple[int, int] | None) -> to
         starts = torch.cat([starts[:, :1], starts[:, 1:] & starts[:, :-1]], dim=1)
     ids = starts.int().cumsum(dim=1, dtype=torch.int32)
     return ids - ids[:, :1]  # the window may start mid-document or on a bos: 0 either way
+
+
+def batch_document_ids(batch, delimiters: tuple[int, int] | None) -> torch.Tensor | None:
+    """A batch's document ids: those its windows carry where they carry them (conversations: (inputs, labels,
+    {"document_ids": ...}), data/conversation_windows.py), else inferred from its inputs (text: document_ids)."""
+    carried = batch[2].get("document_ids") if len(batch) == 3 else None
+    return carried if carried is not None else document_ids(batch[0], delimiters)
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
