@@ -113,7 +113,8 @@ def test_masked_loss_by_hand_on_two_conversations(folder, tmp_path):
     encoded = [tokenize_conversation(renderer, tokenizer, m, "assistant") for m in CONVERSATIONS]
     lengths = [len(ids) for ids, _ in encoded]
     seq_len = max(lengths) + 3  # too short for both: one window each, never split, padded with eos
-    (inputs, labels, {"document_ids": documents}), = list(loader(folder, data, seq_len))
+    (inputs, labels, carried), = list(loader(folder, data, seq_len))
+    documents = carried["document_ids"]
     assert inputs.shape == labels.shape == documents.shape == (2, seq_len) and documents.dtype == torch.int32
     for row in range(2):
         ids, trained = next(e for e in encoded if inputs[row, : len(e[0])].tolist() == e[0])
@@ -135,7 +136,8 @@ def test_masked_loss_by_hand_on_two_conversations(folder, tmp_path):
 
     # a window of both holds both though ChatML writes no bos: the window carries where each starts, and the first
     # token of the second is no label (per conversation, as transformers computes each loss, nothing predicts it)
-    (inputs, labels, {"document_ids": documents}), = list(loader(folder, data, sum(lengths) - 1, batch_size=1))
+    (inputs, labels, carried), = list(loader(folder, data, sum(lengths) - 1, batch_size=1))
+    documents = carried["document_ids"]
     first, second = sorted(encoded, key=lambda e: -len(e[0]))  # best fit places the longest first
     assert inputs[0].tolist() == first[0] + second[0][:-1]
     assert documents[0].tolist() == [0] * len(first[0]) + [1] * (len(second[0]) - 1)
@@ -148,7 +150,8 @@ def test_masked_loss_by_hand_on_two_conversations(folder, tmp_path):
     tokenizer = build_tokenizer(Model(hf_assets_path=str(bos_folder)))
     encoded = [tokenize_conversation(ChatRenderer(tokenizer, ""), tokenizer, m, "assistant")[0] for m in CONVERSATIONS]
     assert all(ids[0] == tokenizer.bos_id for ids in encoded)
-    (inputs, labels, {"document_ids": documents}), = list(loader(bos_folder, data, len(encoded[0]) + len(encoded[1]), batch_size=1))
+    (inputs, labels, carried), = list(loader(bos_folder, data, len(encoded[0]) + len(encoded[1]), batch_size=1))
+    documents = carried["document_ids"]
     assert inputs[0].tolist()[: sum(map(len, encoded))] in ([*encoded[0], *encoded[1]], [*encoded[1], *encoded[0]])
 
 
