@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_chat_data import CONVERSATIONS, folder, loader, write_records  # noqa: F401 (folder is a fixture)
+from test_chat_data import CONVERSATIONS, folder, loader, tensors, write_records  # noqa: F401 (folder is a fixture)
 from titanlite.data import prepare
 from titanlite.data.store import mask_path
 from titanlite.errors import UserError
@@ -32,7 +32,7 @@ def test_store_gives_the_windows_of_the_records(folder, records, tmp_path, capsy
     from_store = list(loader(folder, store, 100, batch_size=1, num_workers=1))  # the memory maps travel to a worker
     assert len(from_records) == len(from_store) > 3
     for batch, store_batch in zip(from_records, from_store):
-        assert all(torch.equal(mine, other) for mine, other in zip(batch, store_batch, strict=True))
+        assert all(torch.equal(mine, other) for mine, other in zip(tensors(batch), tensors(store_batch), strict=True))
 
 
 def test_store_read_with_other_settings_is_one_sentence(folder, records, tmp_path):  # noqa: F811

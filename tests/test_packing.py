@@ -14,7 +14,7 @@ import torch
 
 from conftest import tensorboard_scalars
 from qwen3_template import QWEN3_TEMPLATE
-from test_chat_data import loader
+from test_chat_data import loader, tensors
 from test_finetune_qwen3 import CHATS, QWEN3, transformers_assistant_loss
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.data.conversation_windows import IGNORED, PACK_BUFFER, ConversationWindows
@@ -83,7 +83,7 @@ def test_any_data_parallel_split_reads_the_windows_of_one_process():
         loader = GlobalOrderLoader(windows, batch_size=batch, dp_rank=rank, dp_world=world, identity=identity,
                                    source_names=["s"], seq_len=SEQ_LEN)
         it = iter(loader)
-        return [next(it) for _ in range(count)]
+        return [tensors(next(it)) for _ in range(count)]
 
     one = batches(0, 1, 4, 3)  # 12 windows
     ranks = [batches(r, 2, 2, 3) for r in range(2)]
