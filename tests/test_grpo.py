@@ -88,11 +88,14 @@ def test_two_fsdp_ranks_equal_one_process(prompts, tmp_path):
 
 
 def test_lora_grpo_keeps_the_base_as_its_reference(prompts, tmp_path, capsys):
-    lora = ["--lora.rank", "4", "--lora.target_modules", "wq,wv", "--rl.beta", "0.1", "--optimizer.lr", "0.02"]
+    lora = ["--lora.rank", "4", "--lora.target_modules", "wq,wv", "--rl.beta", "0.1", "--optimizer.lr", "0.02",
+            "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
     assert main(grpo_flags(prompts, tmp_path, 3, *lora)) == 0
     assert "GRPO reference: the LoRA base with its adapters switched off (no second copy)" in capsys.readouterr().err
     kl = tensorboard_scalars(tmp_path / "tb", "rl/kl")
     assert kl[1] == pytest.approx(0.0, abs=1e-7) and kl[3] > 0  # the adapters moved the policy off its base
+    exported = tmp_path / "checkpoint"  # the policy exported as after SFT: merged weights and the PEFT adapters
+    assert (exported / "step-3-hf" / "config.json").is_file() and (exported / "step-3-peft" / "adapter_config.json").is_file()
 
 
 @pytest.mark.parametrize("extra, message", [
