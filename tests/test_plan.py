@@ -25,7 +25,7 @@ from titanlite.parallel.parallelize import ParallelizeSettings
 
 SHIPPED = sorted((ROOT / "train_configs").glob("*.toml"))
 # Their model is a Hugging Face folder (generated, downloaded): planned in tests/test_hf_folder.py with one in place.
-FOLDER_CONFIGS = {"debug_finetune.toml", "llama3_8b_finetune.toml"}
+FOLDER_CONFIGS = {"debug_finetune.toml", "llama3_8b_finetune.toml", "debug_grpo.toml"}
 
 
 def real_model(cfg, middle_stage: bool = False):
