@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.loss import LossScale, loss_parallel_context, per_trained_token, with_extra_losses
-from titanlite.models.attention import batch_document_ids
+from titanlite.models.attention import batch_parts
 from titanlite.parallel.cp import split_batch
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
@@ -114,21 +114,12 @@ def expert_loads(model, pipeline, rate: float, device, accum_steps: int) -> torc
 
 def next_batch(batches, device, metrics, dims: ParallelDims, delimiters: tuple[int, int] | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
-    """(inputs, labels, document ids, extras) of the next micro-batch, the first three on the device. A batch is
-    (inputs, labels) or (inputs, labels, extras), extras what its data carries besides: a conversation window's
-    document_ids (where there are none, they are inferred from the inputs: text) and what an objective needs of its
-    own (GRPO's advantages and log-probabilities), returned as the extras."""
+    """The next micro-batch's parts (attention.py's batch_parts), its wait and tokens counted."""
     waited = time.perf_counter()
-    inputs, labels, *rest = next(batches)
+    batch = next(batches)
     metrics.data_seconds += time.perf_counter() - waited
-    metrics.tokens += labels.numel() // dims.batch_sharing_degree  # a TP/PP group (and its cp ranks) shares one batch
-    extras = dict(rest[0]) if rest else {}
-    if "document_ids" in extras:
-        extras["document_ids"] = extras["document_ids"].to(device, non_blocking=True)
-    inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-    documents = batch_document_ids((inputs, labels, extras), delimiters)
-    extras.pop("document_ids", None)
-    return inputs, labels, documents, extras
+    metrics.tokens += batch[1].numel() // dims.batch_sharing_degree  # a TP/PP group (and its cp ranks) shares one batch
+    return batch_parts(batch, device, delimiters)
 
 
 def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:

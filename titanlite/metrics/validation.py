@@ -22,7 +22,7 @@ from titanlite.data.datasets import DataSpec, build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.loss import loss_sum, trained_tokens
-from titanlite.models.attention import batch_document_ids
+from titanlite.models.attention import batch_parts
 from titanlite.parallel.cp import sequence_shard, split_batch
 from titanlite.parallel.fsdp import mixed_precision_context
 
@@ -93,10 +93,11 @@ class Validator:
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
         return bool(have.item())
 
-    def _loss_sum(self, model, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss_sum(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The sum of this rank's token losses of the batch (a pipeline runs its schedule forward only) and
         its trained tokens (under context parallelism this rank's share of them)."""
-        inputs, labels, model_kwargs = split_batch(batch[0], batch[1], batch_document_ids(batch, self.delimiters), self.shard)
+        inputs, labels, documents, _ = batch_parts(batch, self.device, self.delimiters)
+        inputs, labels, model_kwargs = split_batch(inputs, labels, documents, self.shard)
         context = mixed_precision_context(self.dims, self.param_dtype, self.device.type)  # one path enters it
         if self.pipeline is not None:
             with context:
@@ -122,7 +123,7 @@ class Validator:
                     batch = None
                 if not self._all_ranks_have(batch):
                     break
-                batch_loss, batch_tokens = self._loss_sum(model, [t.to(self.device, non_blocking=True) for t in batch])
+                batch_loss, batch_tokens = self._loss_sum(model, batch)
                 loss_sum += batch_loss
                 tokens += batch_tokens
                 count += 1

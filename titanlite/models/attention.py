@@ -82,11 +82,18 @@ def document_ids(tokens: torch.Tensor, delimiters: tuple[int, int] | None) -> to
     return ids - ids[:, :1]  # the window may start mid-document or on a bos: 0 either way
 
 
-def batch_document_ids(batch, delimiters: tuple[int, int] | None) -> torch.Tensor | None:
-    """A batch's document ids: those its windows carry where they carry them (conversations: (inputs, labels,
-    {"document_ids": ...}), data/conversation_windows.py), else inferred from its inputs (text: document_ids)."""
-    carried = batch[2].get("document_ids") if len(batch) == 3 else None
-    return carried if carried is not None else document_ids(batch[0], delimiters)
+def batch_parts(batch, device: torch.device, delimiters: tuple[int, int] | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
+    """(inputs, labels, document ids, extras) of a batch, the first three on the device. A batch is (inputs, labels)
+    or (inputs, labels, extras), extras what its data carries besides: a conversation window's document_ids
+    (data/conversation_windows.py; where there are none they are inferred from the inputs, as for text) and what an
+    objective needs of its own (GRPO's advantages and log-probabilities), returned as the extras."""
+    inputs, labels, *rest = batch
+    extras = dict(rest[0]) if rest else {}
+    carried = extras.pop("document_ids", None)
+    inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    documents = carried.to(device, non_blocking=True) if carried is not None else document_ids(inputs, delimiters)
+    return inputs, labels, documents, extras
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
