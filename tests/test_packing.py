@@ -133,11 +133,14 @@ def test_a_packed_window_has_the_loss_transformers_gives_its_conversations_one_b
     flags = ["--job.device", device, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(tmp_path), "--training.dataset_path",
              str(data), "--training.dataset_format", "chat", "--training.seq_len", "384", "--training.local_batch_size", "1",
              "--training.steps", "1", "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-             "--metrics.enable_tensorboard"]
+             "--metrics.enable_tensorboard", "--optimizer.lr", "0", "--validation.enable", "--validation.freq", "1",
+             "--validation.dataset_path", str(data)]  # lr 0: validation reads the same window with the same weights
     assert main(flags) == 0
     assert f"an epoch is 1 windows of 385 tokens, {len(CHATS)} conversations" in capsys.readouterr().err
     loss, trained = transformers_assistant_loss(folder, template)
-    assert tensorboard_scalars(tmp_path / "tb", "loss/train")[1] == pytest.approx(loss, abs=1e-5 if device == "cpu" else 1e-4)
+    tolerance = 1e-5 if device == "cpu" else 1e-4
+    assert tensorboard_scalars(tmp_path / "tb", "loss/train")[1] == pytest.approx(loss, abs=tolerance)
+    assert tensorboard_scalars(tmp_path / "tb", "loss/validation")[1] == pytest.approx(loss, abs=tolerance)
     assert tensorboard_scalars(tmp_path / "tb", "data/trained_tokens")[1] == trained
 
 
