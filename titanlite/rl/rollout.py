@@ -26,6 +26,7 @@ from titanlite.data.conversation_windows import IGNORED
 from titanlite.rl.prompts import PromptItem, PromptOrder
 from titanlite.inference.decode import Generated, Sampling, generate_ids
 from titanlite.inference.prompts import completion_text
+from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.functions import score
 from titanlite.rl.grpo_loss import Normalizers, nanstd
 
@@ -154,7 +155,8 @@ class RolloutLoader:
         step = self.order.consumed // self.order.per_step * self.rl.num_iterations + 1  # the first step it serves
         items = self.order.next_step()
         began = time.perf_counter()
-        generated = sample(run, items, rl, run.cfg.job.seed)
+        with self.precision():
+            generated = sample(run, items, rl, run.cfg.job.seed)
         generated_at = time.perf_counter()
         groups = rl.num_generations
         completions = [sampled_ids(g) for g in generated]
@@ -171,12 +173,19 @@ class RolloutLoader:
                            max_completion_length=rl.max_new_tokens)
         stats = batch_stats(all_functions, all_total, zero_std, lengths, objective.reward_names, groups)
         local_advantages = advantages[rank * n:(rank + 1) * n]
-        old, ref = objective.rollout_logps(run.model, inputs, labels, self.size)
+        with self.precision():
+            old, ref = objective.rollout_logps(run.model, inputs, labels, self.size)
         stats["rl/generate_seconds"] = generated_at - began
         stats["rl/score_seconds"] = time.perf_counter() - generated_at
         if self.log_path is not None:
             self.log(step, prompts, completions, per_function, total, local_advantages)
         return Rollouts(inputs, labels, local_advantages, old, ref, norm, stats)
+
+    def precision(self):
+        """The precision training computes in (autocast where FSDP does not cast): completions are sampled, and their
+        old and reference log-probabilities computed, as the training forward will score them."""
+        run = self.run
+        return mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type)
 
     def score(self, items: list[PromptItem], generated: list[Generated],
               completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
