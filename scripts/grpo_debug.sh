@@ -9,7 +9,8 @@ set -e
 [ -f outputs/arithmetic_sft/checkpoint/step-600-hf/config.json ] || "$PY" -m titanlite.train \
     --job.config_file train_configs/debug_model.toml --job.dump_folder outputs/arithmetic_sft \
     --model.hf_assets_path outputs/chat_example/tokenizer --training.dataset_format chat \
-    --training.dataset_path outputs/arithmetic/sft.jsonl --training.seq_len 256 --training.steps 600 \
+    --training.dataset_path outputs/arithmetic/sft.jsonl --training.seq_len 256 --training.local_batch_size 8 \
+    --training.steps 600 \
     --optimizer.lr 3e-3 --lr_scheduler.warmup_steps 20 --training.mixed_precision_param float32 \
     --metrics.log_freq 100 --checkpoint.enable --checkpoint.last_save_in_hf
 exec "$PY" -m titanlite.train --job.config_file train_configs/debug_grpo.toml "$@"
