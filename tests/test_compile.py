@@ -27,12 +27,16 @@ def synthetic_run(folder, extra=()):
 
 
 def test_compiled_debug_model_matches_eager(tmp_path):
-    """The default backend (inductor), blocks and loss."""
+    """The default backend (inductor), blocks and loss; the in-loop evaluation's sample prompts decode through the
+    compiled blocks eagerly (compiled, a decode step per token recompiled them past dynamo's limit)."""
     eager = run_titanlite(synthetic_run(tmp_path / "eager"))
     assert eager.returncode == 0, eager.stderr
-    compiled = run_titanlite(synthetic_run(tmp_path / "compiled", ["--compile.enable"]), timeout=600)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n')
+    samples = ["--eval.sample_prompts", str(prompts), "--eval.at_end", "--eval.max_new_tokens", "12"]
+    compiled = run_titanlite(synthetic_run(tmp_path / "compiled", ["--compile.enable", *samples]), timeout=600)
     assert compiled.returncode == 0, compiled.stderr
-    assert "compile model,loss" in compiled.stderr
+    assert "compile model,loss" in compiled.stderr and "eval step: 3" in compiled.stderr
     expected = tensorboard_scalars(tmp_path / "eager" / "tb", "loss/train")
     got = tensorboard_scalars(tmp_path / "compiled" / "tb", "loss/train")
     assert sorted(got) == sorted(expected) == [1, 2, 3]

@@ -132,6 +132,17 @@ def test_a_completion_ended_by_a_stop_token_keeps_it_as_sampled():
 
 
 @pytest.mark.extended
+def test_compiled_blocks_train_as_eager_and_decode_the_same_rollouts(prompts, tmp_path):
+    """compile.enable: the rollouts decode through the compiled blocks eagerly (compiled, every cache length was a
+    recompile, past dynamo's limit); training runs them compiled."""
+    assert main(grpo_flags(prompts, tmp_path / "eager", 2, "--rl.log_rollouts")) == 0
+    assert main(grpo_flags(prompts, tmp_path / "compiled", 2, "--rl.log_rollouts", "--compile.enable")) == 0
+    assert rollouts(tmp_path / "compiled") == rollouts(tmp_path / "eager")
+    eager, compiled = (tensorboard_scalars(tmp_path / run / "tb", "loss/train") for run in ("eager", "compiled"))
+    assert all(compiled[s] == pytest.approx(eager[s], abs=1e-5) for s in (1, 2))
+
+
+@pytest.mark.extended
 def test_a_dense_toy_reward_rises_within_tens_of_steps(prompts, tmp_path):
     """The share of the letter e in 16-token completions of the debug model, 2 prompts x 8 completions a step, 30 steps."""
     flags = ["--training.local_batch_size", "16", "--training.global_batch_size", "16", "--rl.num_generations", "8",

@@ -49,25 +49,32 @@ class InLoopEvaluator:
         started, was_training = time.perf_counter(), model.training
         model.eval()
         try:
-            scalars = {}
-            if self.cfg.tasks:
-                from titanlite.inference.lm_eval_model import TitanliteLM
-
-                lm = TitanliteLM(self.run, batch_size=self.cfg.batch_size)
-                results = evaluate_tasks(lm, self.cfg.tasks, self.cfg.include_path or None,
-                                         limit=None if self.cfg.limit == -1 else self.cfg.limit,
-                                         num_fewshot=None if self.cfg.num_fewshot == -1 else self.cfg.num_fewshot)
-                # lm-eval hands the results to rank 0 only (the one that logs); None elsewhere.
-                scalars = metric_scalars(results) if results is not None else {}
-            self.metrics.write_scalars(step, {f"eval/{name}": value for name, value in scalars.items()}, flush=True)
-            if self.samples:
-                self.write_samples(step)
+            # compile.enable compiles the blocks for training's shapes; lm-eval's batches and a decode step per token
+            # would recompile them past dynamo's limit (every length is a new shape), so evaluation runs them eagerly.
+            with torch.compiler.set_stance("force_eager"):
+                scalars = self.tasks_and_samples(step)
         finally:
             model.train(was_training)
         seconds = time.perf_counter() - started
         values = "  ".join(f"{name}: {value:.4f}" for name, value in scalars.items())
         logger.info(f"eval step: {step}  {values}  time: {seconds:.2f}s")
         self.metrics.started += seconds  # evaluation is not training time: the next tps and MFU leave it out
+        return scalars
+
+    def tasks_and_samples(self, step: int) -> dict[str, float]:
+        scalars = {}
+        if self.cfg.tasks:
+            from titanlite.inference.lm_eval_model import TitanliteLM
+
+            lm = TitanliteLM(self.run, batch_size=self.cfg.batch_size)
+            results = evaluate_tasks(lm, self.cfg.tasks, self.cfg.include_path or None,
+                                     limit=None if self.cfg.limit == -1 else self.cfg.limit,
+                                     num_fewshot=None if self.cfg.num_fewshot == -1 else self.cfg.num_fewshot)
+            # lm-eval hands the results to rank 0 only (the one that logs); None elsewhere.
+            scalars = metric_scalars(results) if results is not None else {}
+        self.metrics.write_scalars(step, {f"eval/{name}": value for name, value in scalars.items()}, flush=True)
+        if self.samples:
+            self.write_samples(step)
         return scalars
 
     def write_samples(self, step: int) -> None:

@@ -63,8 +63,11 @@ def sample(run, items: list[PromptItem], rl: RL, seed: int) -> list[Generated]:
     model, was_training = run.model, run.model.training
     model.eval()  # dropout off; MoE's routing statistics count training forwards only
     try:
-        return generate_ids(model, run.args, run.tokenizer, prompts, sampling, indices=indices,
-                            lockstep=dist.is_initialized() and dist.get_world_size() > 1)
+        # compile.enable compiles the blocks for training's shapes; a decode step per token through them would
+        # recompile past dynamo's limit (every cache length is a new shape), so decoding runs them eagerly.
+        with torch.compiler.set_stance("force_eager"):
+            return generate_ids(model, run.args, run.tokenizer, prompts, sampling, indices=indices,
+                                lockstep=dist.is_initialized() and dist.get_world_size() > 1)
     finally:
         model.train(was_training)
 
