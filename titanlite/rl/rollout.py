@@ -166,6 +166,7 @@ class RolloutLoader:
         prompts = [item.ids for item in items for _ in range(groups)]
         trained = [not (rl.mask_truncated_completions and g.finish_reason == "length") for g in generated]
         per_function, total = self.score(items, generated, completions)
+        scored_at = time.perf_counter()
         all_functions, all_total = gathered(per_function), gathered(total)
         advantages, zero_std = objective.advantages(all_total)
         n, rank = len(completions), self.order.dp_rank
@@ -178,8 +179,7 @@ class RolloutLoader:
         local_advantages = advantages[rank * n:(rank + 1) * n]
         with self.precision():
             old, ref = objective.rollout_logps(run.model, inputs, labels, self.size)
-        stats["rl/generate_seconds"] = generated_at - began
-        stats["rl/score_seconds"] = time.perf_counter() - generated_at
+        stats["rl/generate_seconds"], stats["rl/score_seconds"] = generated_at - began, scored_at - generated_at
         if self.log_path is not None:
             self.log(step, prompts, completions, per_function, total, local_advantages)
         return Rollouts(inputs, labels, local_advantages, old, ref, norm, stats)
