@@ -16,11 +16,11 @@ from torch import nn
 
 from titanlite.config_sections import JobConfig
 from titanlite.data.conversation_windows import IGNORED
-from titanlite.rl.prompts import PromptOrder, PromptSet
 from titanlite.errors import UserError
 from titanlite.objectives.reference import Reference, needs_copy
 from titanlite.rewards.functions import load_reward_functions, reward_weights
 from titanlite.rl.grpo_loss import group_advantages, per_token_loss, reduce_loss, token_logps
+from titanlite.rl.prompts import PromptOrder, PromptSet
 from titanlite.rl.rollout import RolloutLoader
 
 # Summed over the steps since the last log, then all-reduced: completion tokens, their entropy, clipped ones, KL.
@@ -28,6 +28,8 @@ TOKEN_SUMS = ("tokens", "entropy", "clipped", "kl")
 
 
 class GRPO:
+    """The GRPO loss of a micro-batch of rollouts, its data (the rollout loader), reference and rl/* scalars."""
+
     name = "grpo"
     rows_per_example = 1  # a row is one completion after its prompt
     per_trained_token = False
