@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from conftest import ON_CPU, run_test_script, tensorboard_scalars
 from titanlite.config_sections import Model
-from titanlite.data import preference
+from titanlite.data import packing
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
@@ -210,7 +210,7 @@ def test_cut_micro_batches_give_the_losses_of_padding_to_seq_len(folders, tmp_pa
     flags = ["--training.dataset_path", data, "--training.seq_len", "192", "--training.local_batch_size", "1",
              "--dpo.reference", folders["reference"]]
     assert main(dpo_flags(folders, tmp_path / "cut", 4, *flags)) == 0
-    monkeypatch.setattr(preference, "PAD_MULTIPLE", 192)
+    monkeypatch.setattr(packing, "PAD_MULTIPLE", 192)
     assert main(dpo_flags(folders, tmp_path / "padded", 4, *flags)) == 0
     for tag in ("loss/train", "dpo/chosen_reward", "dpo/rejected_reward"):
         cut, padded = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in ("cut", "padded"))

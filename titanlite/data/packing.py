@@ -17,6 +17,16 @@ from titanlite.errors import UserError
 Window = tuple[torch.Tensor, torch.Tensor]
 
 
+# A batch cut to its longest row is as wide as a multiple of this: the GPU's matmul and attention kernels work in
+# tiles of 64 or 128, and few distinct widths (seq_len / 64 at most) keep compile's graphs and the allocator's blocks few.
+PAD_MULTIPLE = 64
+
+
+def padded_width(longest: int, seq_len: int) -> int:
+    """The width of a batch whose longest row holds `longest` tokens: rounded up to PAD_MULTIPLE, at most seq_len."""
+    return min(seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+
 def split_window(tokens: torch.Tensor) -> Window:
     """seq_len + 1 tokens -> inputs (all but the last) and labels (all but the first)."""
     return tokens[:-1], tokens[1:]

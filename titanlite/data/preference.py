@@ -14,7 +14,7 @@ seq_len + 1 tokens (labels IGNORED outside the completion). A pair is never pack
 each sequence's log-probability on its own, and one sequence per row gives it from the plain causal forward with
 no document bookkeeping; the two rows of a pair sit in the same micro-batch, so the loss of every pair is computed
 where both its halves are. Each micro-batch is then cut to its longest sequence rounded up to a multiple of
-PAD_MULTIPLE (at most seq_len), as TRL pads a batch to its longest: what is cut off is padding after every row's
+64 (packing.py's padded_width, at most seq_len), as TRL pads a batch to its longest: what is cut off is padding after every row's
 last trained token, which a causal forward never lets change a log-probability. Epoch e visits the pairs in the
 order of a permutation drawn from (seed, e), and global_order.py deals pair g to the ranks as it deals window g:
 any split of the global batch reads the same pairs.
@@ -34,16 +34,13 @@ from titanlite.data.chat_spans import literal_contents
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.data.documents import seeded_rng
 from titanlite.data.global_order import GlobalOrderLoader
-from titanlite.data.packing import split_window
+from titanlite.data.packing import padded_width, split_window
 from titanlite.errors import UserError
 from titanlite.log import logger
 
 HALVES = ("chosen", "rejected")
 # The trained tokens as a store or a resume records them: what each completion adds to its prompt (tokenize_pair).
 TRAIN_ON = "completion"
-# A micro-batch's width is rounded up to a multiple of this: the GPU's matmul and attention kernels work in tiles of
-# 64 or 128, and few distinct widths (seq_len / 64 at most) keep compile's graphs and the allocator's blocks few.
-PAD_MULTIPLE = 64
 
 
 class Pair(NamedTuple):
@@ -194,13 +191,13 @@ class PreferencePairs(Dataset):
 
 
 def cut_to_longest(inputs: torch.Tensor, labels: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of a micro-batch up to its longest sequence, rounded up to PAD_MULTIPLE and at most seq_len.
+    """The rows of a micro-batch up to its longest sequence (packing.py's padded_width).
     A completion runs to the end of its sequence (tokenize_pair), so a row's last trained label is its last real
     token, whatever the token (eos, the pad id, may be one of the template's): read from the labels, not the ids.
     Every kept pair has a trained token in both rows (PreferencePairs), so the longest is at least 1."""
     trained = (labels != IGNORED).any(dim=0)
     longest = int(trained.nonzero().max()) + 1
-    width = min(seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+    width = padded_width(longest, seq_len)
     return inputs[:, :width].contiguous(), labels[:, :width].contiguous()
 
 

@@ -55,6 +55,5 @@ def tp_span_note(cfg: JobConfig) -> str | None:
 
 
 def plan_notes(cfg: JobConfig, dim: int, gpu: Gpu) -> list[str]:
-    return [note for note in (float8_note(cfg, dim, gpu), compile_memory_note(cfg), tp_span_note(cfg),
-                                              objective_class(cfg).plan_note(cfg))
-            if note]
+    notes = (float8_note(cfg, dim, gpu), compile_memory_note(cfg), tp_span_note(cfg), objective_class(cfg).plan_note(cfg))
+    return [note for note in notes if note]

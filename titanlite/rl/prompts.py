@@ -51,7 +51,6 @@ class PromptSet:
         self.prompts = [record.value for record in checked]
         self.ids = [prompt.ids for prompt in render_prompts(checked, tokenizer, chat_template)]
         self.fields = [{name: value for name, value in record.items() if name != "prompt"} for record in records]
-        self.conversational = [record.kind == "messages" for record in checked]
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -99,6 +98,3 @@ class PromptOrder:
         first = self.consumed + self.dp_rank * share
         self.consumed += self.per_step
         return [self.item(g) for g in range(first, first + share)]
-
-    def epochs_at(self, consumed: int) -> float:
-        return consumed / len(self.prompts)

@@ -23,14 +23,13 @@ import torch.distributed as dist
 
 from titanlite.config_sections import RL
 from titanlite.data.conversation_windows import IGNORED
+from titanlite.data.packing import padded_width
 from titanlite.rl.prompts import PromptItem, PromptOrder
 from titanlite.inference.decode import Generated, Sampling, generate_ids
 from titanlite.inference.prompts import completion_text
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.functions import score
 from titanlite.rl.grpo_loss import Normalizers, nanstd
-
-WIDTH_MULTIPLE = 64  # rows are padded to the longest of the step, rounded up to this (fewer shapes to compile)
 
 
 @dataclass
@@ -80,9 +79,9 @@ def sampled_ids(generated: Generated) -> list[int]:
 def rows(prompts: list[list[int]], completions: list[list[int]], trained: list[bool], pad_id: int,
          seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) [n, W]: prompt then completion, right-padded with pad_id; labels the completion's tokens where
-    `trained`, W the longest row rounded up to WIDTH_MULTIPLE (at most seq_len)."""
+    `trained`, W the longest row's (packing.py's padded_width)."""
     longest = max(len(p) + len(c) - 1 for p, c in zip(prompts, completions))
-    width = min(seq_len, -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE)
+    width = padded_width(longest, seq_len)
     inputs = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     labels = torch.full((len(prompts), width), IGNORED, dtype=torch.long)
     for row, (prompt, completion, train) in enumerate(zip(prompts, completions, trained)):
@@ -162,10 +161,11 @@ class RolloutLoader:
             generated = sample(run, items, rl, run.cfg.job.seed)
         generated_at = time.perf_counter()
         groups = rl.num_generations
+        owners = [item for item in items for _ in range(groups)]  # each completion's prompt, in sample's order
         completions = [sampled_ids(g) for g in generated]
-        prompts = [item.ids for item in items for _ in range(groups)]
+        prompts = [item.ids for item in owners]
         trained = [not (rl.mask_truncated_completions and g.finish_reason == "length") for g in generated]
-        per_function, total = self.score(items, generated, completions)
+        per_function, total = self.score(owners, generated, completions)
         scored_at = time.perf_counter()
         all_functions, all_total = gathered(per_function), gathered(total)
         advantages, zero_std = objective.advantages(all_total)
@@ -190,15 +190,15 @@ class RolloutLoader:
         run = self.run
         return mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type)
 
-    def score(self, items: list[PromptItem], generated: list[Generated],
+    def score(self, owners: list[PromptItem], generated: list[Generated],
               completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each function's rewards [n, F], NaN where one returned None; their weighted sum [n]) of this rank's completions."""
-        groups, tokenizer = self.rl.num_generations, self.run.tokenizer
-        texts = [completion_text(g.token_ids, tokenizer, ()) for g in generated]
-        conversational = [isinstance(item.prompt, list) for item in items for _ in range(groups)]
-        shown = [[{"role": "assistant", "content": text}] if chat else text for text, chat in zip(texts, conversational)]
-        prompts = [item.prompt for item in items for _ in range(groups)]
-        fields = {name: [item.fields[name] for item in items for _ in range(groups)] for name in items[0].fields}
+        """(each function's rewards [n, F], NaN where one returned None; their weighted sum [n]) of this rank's
+        completions; owners[i] is completion i's prompt."""
+        texts = [completion_text(g.token_ids, self.run.tokenizer, ()) for g in generated]
+        shown = [[{"role": "assistant", "content": text}] if isinstance(item.prompt, list) else text
+                 for text, item in zip(texts, owners)]  # a chat prompt's completion as messages, as TRL passes it
+        prompts = [item.prompt for item in owners]
+        fields = {name: [item.fields[name] for item in owners] for name in owners[0].fields}
         return score(self.objective.reward_functions, self.objective.reward_weights, prompts, shown, completions, fields)
 
     def log(self, step: int, prompts, completions, per_function: torch.Tensor, total: torch.Tensor,
