@@ -69,7 +69,7 @@ def forward_settings(cfg: JobConfig, dims: ParallelDims, device: torch.device, t
 
 def step_settings(cfg: JobConfig, accum_steps: int, objective) -> StepSettings:
     return StepSettings(accum_steps, cfg.training.max_norm, cfg.model.moe_aux_loss_coeff, cfg.training.on_nonfinite == "skip",
-                        objective.per_trained_token, cfg.model.moe_bias_update_rate, objective.returns_share)
+                        objective.loss_weighting, cfg.model.moe_bias_update_rate)
 
 
 def build_training(run: Run) -> Training:

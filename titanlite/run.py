@@ -30,9 +30,11 @@ class StepSettings:
     max_norm: float  # training.max_norm: gradient clipping
     aux_loss_coeff: float  # model.moe_aux_loss_coeff: the weight of a model's balance loss
     skip_nonfinite: bool = False  # training.on_nonfinite skip: a step with NaN or inf applies no update
-    per_trained_token: bool = False  # the objective's: the loss is over the trained tokens of the whole global batch
+    # The objective's: how a micro-batch's loss enters the step's (loss.py's LossScale): "mean" (an equal part),
+    # "trained_token" (the loss is over the trained tokens of the whole global batch) or "share" (loss() gives the
+    # micro-batch's share of the global batch's loss itself).
+    loss_weighting: str = "mean"
     bias_update_rate: float = 0.0  # model.moe_bias_update_rate: aux-loss-free balancing (balance_experts)
-    returns_share: bool = False  # the objective's: its loss is already a micro-batch's share of the global batch's
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,9 @@ def train_step(run: Run, training: Training, batches):
 def step_loss_scale(micro_batches: list, settings: StepSettings, dims: ParallelDims, pipeline) -> LossScale:
     """How each micro-batch (or a pipeline's microbatch) mean enters this step's loss (loss.py)."""
     means = settings.accum_steps * (pipeline.n_microbatches if pipeline is not None else 1)
-    if settings.returns_share:  # FSDP's average divides by the data-parallel ranks (the only layout GRPO runs under)
+    if settings.loss_weighting == "share":  # FSDP's average divides by the data-parallel ranks (GRPO's only layout)
         return LossScale(means, share_degree=dims.gradient_average_degree)
-    if not settings.per_trained_token:
+    if settings.loss_weighting == "mean":
         return LossScale(means)
     # FSDP's gradient average divides by the data-parallel x context-parallel ranks; a TP/PP group shares one batch.
     degree = dims.gradient_average_degree * dims.model_parallel_degree

@@ -4,8 +4,9 @@ training.dataset_format; the step, the planner and the checkpoint ask the object
 
 An objective has:
     rows_per_example      batch rows per example (a preference pair is two sequences)
-    per_trained_token     whether the step's loss is the mean over the global batch's trained tokens
-    returns_share         whether loss() gives its micro-batch's share of the global batch's loss itself
+    loss_weighting        how a micro-batch's loss enters the step's: mean (an equal part), trained_token (the step's
+                          loss is the mean over the global batch's trained tokens) or share (loss() gives its
+                          micro-batch's share of the global batch's loss itself)
     rows_may_pack         whether a row may hold several documents, told apart by their bos (block_causal)
     resets_positions      whether each example starts at position 0 (conversations, as at inference)
     runs_reference_forward  whether every step also runs a reference model's forward (the planner counts it)

@@ -66,8 +66,7 @@ class Preference:
 
     name = "preference"
     rows_per_example = 2  # rows 2i (chosen) and 2i + 1 (rejected)
-    per_trained_token = False  # the step's loss is the mean over pairs
-    returns_share = False
+    loss_weighting = "mean"  # the step's loss is the mean over pairs
     rows_may_pack = True  # kept as it was: one sequence and its padding, found by bos like text
     resets_positions = True  # each sequence starts at position 0, as at inference
     runs_reference_forward = True  # on every sequence, before the policy's (under LoRA: the base, adapters off)

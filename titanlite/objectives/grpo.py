@@ -32,8 +32,7 @@ class GRPO:
 
     name = "grpo"
     rows_per_example = 1  # a row is one completion after its prompt
-    per_trained_token = False
-    returns_share = True  # loss() gives the micro-batch's share of the global batch's loss (the step undoes FSDP's mean)
+    loss_weighting = "share"  # loss() gives the micro-batch's share of the global batch's loss (the step undoes FSDP's mean)
     rows_may_pack = False  # one prompt and completion per row: a bos the policy sampled starts no document
     resets_positions = False  # one sequence per row, from position 0
     runs_reference_forward = False  # the planner's count: rl.beta's reference forward is once per rollout, said there

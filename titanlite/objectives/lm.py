@@ -17,8 +17,7 @@ class LanguageModelling:
 
     name = "text"
     rows_per_example = 1  # a batch row is one window
-    per_trained_token = False  # each micro-batch's mean enters the step as one of its equal parts
-    returns_share = False
+    loss_weighting = "mean"  # each micro-batch's mean enters the step as one of its equal parts
     rows_may_pack = True  # a window may hold several documents, told apart by their bos (model.attention_mask)
     resets_positions = False
     runs_reference_forward = False
@@ -49,5 +48,5 @@ class Conversations(LanguageModelling):
     conversation at positions from 0, as at inference."""
 
     name = "conversations"
-    per_trained_token = True
+    loss_weighting = "trained_token"
     resets_positions = True
