@@ -96,7 +96,7 @@ def test_two_rank_dashboard_read_over_http(tmp_path):
         expected = {"loss/train", "loss/validation", "perplexity/validation", "throughput/tps", "throughput/tflops",
                     "memory/reserved_gib", "memory/share", "memory/capacity_gib", "optim/lr", "optim/grad_norm",
                     "data/wait_share", "data/trained_tokens", "checkpoint/save_seconds", "checkpoint/blocked_seconds",
-                    "checkpoint/training_lost_seconds"}  # no throughput/mfu: a CPU has no known peak
+                    "checkpoint/training_lost_seconds", "time/step_seconds"}  # no throughput/mfu: a CPU has no known peak
         assert set(tags[f"{job.name}/rank0"]) == expected
         assert set(tags[f"{job.name}/rank1"]) == expected  # every rank measures its own tps and memory
 

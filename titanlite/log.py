@@ -94,10 +94,16 @@ class Progress:
         """Another line just told the reader where the job stands (a training step line): the next is due later."""
         self.last_line = self.clock()
 
-    def advance(self, n: int = 1) -> str | None:
-        """Count `n` items done; log and return the progress line when one is due, else None."""
+    def skip(self, n: int) -> None:
+        """Count `n` items an earlier run finished (a resumed job's): towards the total, not the time per item."""
+        self.already += n
         self.count += n
-        if not self.due():
+
+    def advance(self, n: int = 1, quiet: bool = False) -> str | None:
+        """Count `n` items done; log and return the progress line when one is due, else None. `quiet` only counts
+        (the caller prints a line of its own that says as much, then calls reported())."""
+        self.count += n
+        if quiet or not self.due():
             return None
         line = f"{self.label}: {self.status()}"
         logger.info(line)

@@ -130,6 +130,7 @@ class Loop:
         # checked one step later, so the host need not wait for the GPU every step.
         settle = last or logged or validating or checkpointer.saves_at(step)
         preempted = self.stop.should_stop(step, loss, grad_norm, settle)
+        metrics.step_done(step, logged)  # a progress line every 30 s between step lines
         if logged:
             metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
                         extra=(model_metrics(run.model) or {}) | source_scalars(training.dataloader) | run.objective.scalars(),
@@ -191,6 +192,7 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
         hparams = hyperparameters(cfg, info.world_size, run.dims.layout, run.tokens_per_step // cfg.training.seq_len,
                                   speed_settings(cfg))
         metrics.start_tensorboard(run_folder(cfg, info.rank, state.step), cfg, state.step, hparams)
+        metrics.start_progress(state.step, training.steps)
         # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
         gc.disable()
         summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
-from tqdm import tqdm
 
 from titanlite.data.chat import ChatRenderer, Conversations, chat_record, tokenize_conversation
 from titanlite.data.local_files import LOADER_BY_SUFFIX, load_local_documents
@@ -35,6 +34,7 @@ from titanlite.data.store import (CHAT_STORE_VERSION, FORMAT, MANIFEST, concaten
                                   token_dtype, tokenizer_record)
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from titanlite.errors import UserError
+from titanlite.log import Progress, init_logger
 
 PLAN = "prepare.json"  # the arguments a resume must repeat
 ENCODE = None  # each tokenizing process builds its own (load_worker): document -> (ids, trained flags or None)
@@ -100,9 +100,9 @@ def check_plan(folder: Path, plan: dict) -> None:
     path.write_text(json.dumps(plan, indent=1))
 
 
-def shard_tasks(documents, folder: Path, per_shard: int, dtype, progress):
+def shard_tasks(documents, folder: Path, per_shard: int, dtype, progress: Progress):
     """(folder, shard, texts, dtype) for every shard not finished yet; finished ones are skipped unread
-    where the input has random access."""
+    where the input has random access (and counted as an earlier run's in `progress`)."""
     indexed = hasattr(documents, "__getitem__")
     stream = iter(documents) if not indexed else None
     for shard in itertools.count():
@@ -117,8 +117,9 @@ def shard_tasks(documents, folder: Path, per_shard: int, dtype, progress):
             if not texts:
                 return
             count = len(texts)
-        progress.update(count)
-        if not done:
+        if done:
+            progress.skip(count)
+        else:
             yield folder, shard, texts, dtype
 
 
@@ -154,7 +155,7 @@ def write_manifest(folder: Path, plan: dict, tokenizer, dtype, chat: dict | None
 
 def prepare(source: str, output: str, tokenizer_path: str = "", *, workers: int = 1, text_field: str = "text",
             documents_per_shard: int = 20000, hf_config: str = "", split: str = "train", dataset_format: str = "text",
-            train_on: str = "assistant", chat_template: str = "") -> dict:
+            train_on: str = "assistant", chat_template: str = "", progress_seconds: float = 30.0) -> dict:
     """Write (or finish) the store for SRC in output; returns its manifest."""
     tokenizer_path = tokenizer_path or str(SHIPPED_TOKENIZER)
     tokenizer = load_tokenizer(tokenizer_path, origin="--tokenizer")
@@ -172,17 +173,21 @@ def prepare(source: str, output: str, tokenizer_path: str = "", *, workers: int 
     check_plan(folder, plan)
     dtype = token_dtype(tokenizer.vocab_size)
     total = len(documents) if hasattr(documents, "__len__") else None
-    with tqdm(total=total, unit="doc", desc=f"tokenizing {source}", file=sys.stderr) as progress:
-        tasks = shard_tasks(documents, folder, documents_per_shard, dtype, progress)
-        if workers == 1:
-            load_worker(tokenizer_path, worker_chat)
-            for task in tasks:
-                tokenize_shard(task)
-        else:
-            with multiprocessing.Pool(workers, load_worker, (tokenizer_path, worker_chat)) as pool:
-                # In waves: Pool.imap would read a streamed input ahead without bound.
-                while wave := list(itertools.islice(tasks, 2 * workers)):
-                    pool.map(tokenize_shard, wave)
+    # A line after a shard (or a wave of them) once progress_seconds have passed: documents done, time left.
+    progress = Progress(total, f"tokenizing {source}", progress_seconds, unit="document")
+    tasks = shard_tasks(documents, folder, documents_per_shard, dtype, progress)
+    if workers == 1:
+        load_worker(tokenizer_path, worker_chat)
+        for task in tasks:
+            tokenize_shard(task)
+            progress.advance(len(task[2]))
+    else:
+        with multiprocessing.Pool(workers, load_worker, (tokenizer_path, worker_chat)) as pool:
+            # In waves: Pool.imap would read a streamed input ahead without bound.
+            while wave := list(itertools.islice(tasks, 2 * workers)):
+                pool.map(tokenize_shard, wave)
+                progress.advance(sum(len(task[2]) for task in wave))
+    progress.done()
     return write_manifest(folder, plan, tokenizer, dtype, chat)
 
 
@@ -203,6 +208,7 @@ def main(argv: list[str]) -> int:
                         help="with --format, the tokens in the loss (as training.train_on)")
     parser.add_argument("--chat_template", default="", help="with --format, a jinja template file instead of the tokenizer folder's")
     args = parser.parse_args(argv)
+    init_logger(0)  # the progress lines
     try:
         if args.workers < 1 or args.documents_per_shard < 1:
             raise UserError(f"--workers ({args.workers}) and --documents_per_shard ({args.documents_per_shard}) must be at least 1")

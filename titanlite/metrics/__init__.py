@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from titanlite.config_sections import JobConfig, Metrics
 from titanlite.data.conversation_windows import IGNORED
-from titanlite.log import logger
+from titanlite.log import Progress, duration, logger
 from titanlite.metrics.observers import observer
 from titanlite.metrics.tensorboard import describe_run, open_writer
 
@@ -52,7 +52,7 @@ TB_TAGS = {
     "loss": "loss/train", "tps": "throughput/tps", "tflops": "throughput/tflops", "mfu_pct": "throughput/mfu",
     "memory_gib": "memory/reserved_gib", "memory_share": "memory/share", "memory_capacity_gib": "memory/capacity_gib",
     "lr": "optim/lr", "grad_norm": "optim/grad_norm", "data_loading_share": "data/wait_share",
-    "trained_tokens": "data/trained_tokens", "epoch": "data/epoch",
+    "trained_tokens": "data/trained_tokens", "epoch": "data/epoch", "step_seconds": "time/step_seconds",
 }
 
 
@@ -69,7 +69,27 @@ def memory_usage(device: torch.device) -> tuple[float, float]:
     return used / 2**30, total / 2**30
 
 
-CONSOLE_EXTRAS = {"rl/reward": "reward"}  # an objective's scalars that the step line shows too
+# An objective's scalars that the step line shows too: tag -> (label, format). GRPO's say why a reward moves or not:
+# the share of groups whose completions all scored alike (their advantages are 0), how long the completions are,
+# and the share of tokens whose ratio the clip held.
+CONSOLE_EXTRAS = {
+    "rl/reward": ("reward", "{:.4f}"), "rl/frac_reward_zero_std": ("equal_reward_groups", "{:.0%}"),
+    "rl/completion_length": ("completion_tokens", "{:.1f}"), "rl/clip_ratio": ("clipped", "{:.1%}"),
+}
+PROGRESS_SECONDS = 30.0  # a progress line at least this often between step lines, whatever metrics.log_freq is
+
+
+def untrained_note(extra: dict[str, float], steps: int) -> str | None:
+    """The sentence for GRPO steps that trained nothing (or the KL term alone), and why; None where they trained."""
+    if extra.get("rl/frac_reward_zero_std") != 1.0:
+        return None
+    span = "this step" if steps == 1 else f"the {steps} steps since the last line"
+    why = (f"in {span} every group's completions had equal rewards (mean {extra['rl/reward']:.4f}), so every "
+           "advantage is 0")
+    if "rl/kl" in extra:
+        return f"{why}: only the KL term (rl.beta) to the reference trained"
+    return (f"{why} and {span} trained nothing (loss and gradients 0); groups differ with more completions per prompt "
+            "(rl.num_generations), a higher rl.temperature, or prompts neither always nor never solved")
 
 
 class MetricsLogger:
@@ -85,7 +105,21 @@ class MetricsLogger:
         self.writer = None
         self.dashboard = None  # rank 0's CUSTOM SCALARS layout (tensorboard.py), which grows as tag groups appear
         self.last_step = 0  # the step of the last line (or the one resumed from): lines cover the steps since
+        self.progress: Progress | None = None  # from start_progress on: steps done of the run's, time left
         self.reset()
+
+    def start_progress(self, resumed_step: int, steps: int, every_seconds: float = PROGRESS_SECONDS,
+                       clock=time.monotonic) -> None:
+        """Time the steps from here (a resumed run's earlier steps count towards the total, not the step time)."""
+        self.progress = Progress(steps, "train", every_seconds, already=resumed_step, clock=clock)
+
+    @observer("metrics")
+    def step_done(self, step: int, logged: bool) -> None:
+        """Count the step; a progress line where no step line has been printed for PROGRESS_SECONDS. A step that is
+        logged is counted silently: its step line tells the same, and log() restarts the interval."""
+        if self.progress is None:
+            return
+        self.progress.advance(step - self.progress.count, quiet=logged)
 
     @observer("TensorBoard")
     def start_tensorboard(self, folder: Path | None, job: JobConfig, resumed_step: int, hparams: dict) -> None:
@@ -145,12 +179,13 @@ class MetricsLogger:
         """The step line and its scalars; `trained` is trained_per_step's count, `epoch` the passes over the data
         so far where the data has epochs."""
         elapsed = time.perf_counter() - self.started
+        steps = max(step - self.last_step, 1)
         tps, tflops, mfu_pct = self.throughput(self.tokens, elapsed)
         mem_gib, capacity_gib = memory_usage(self.device)
         values = {
             "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, "tflops": tflops, "memory_gib": mem_gib,
             "memory_share": mem_gib / capacity_gib, "memory_capacity_gib": capacity_gib,
-            "data_loading_share": self.data_seconds / elapsed, "trained_tokens": trained,
+            "data_loading_share": self.data_seconds / elapsed, "trained_tokens": trained, "step_seconds": elapsed / steps,
         }
         if epoch is not None:
             values["epoch"] = epoch
@@ -161,14 +196,24 @@ class MetricsLogger:
         logger.info(
             f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({100 * values['memory_share']:.2f}%)  "
             f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%  trained: {trained:,.0f}"
-            + ("" if epoch is None else f"  epoch: {epoch:.3f}")
-            + "".join(f"  {label}: {extra[tag]:.4f}" for tag, label in CONSOLE_EXTRAS.items() if tag in (extra or {}))
+            + ("" if epoch is None else f"  epoch: {epoch:.3f}") + f"  step_time: {elapsed / steps:.2f}s" + self.time_left()
+            + "".join(f"  {label}: {form.format(extra[tag])}" for tag, (label, form) in CONSOLE_EXTRAS.items()
+                      if tag in (extra or {}))
         )
+        if note := untrained_note(extra or {}, steps):
+            logger.info(note)
+        if self.progress is not None:
+            self.progress.reported()  # the step line told where the run stands
         # A model's own figures (MoE: moe/*) arrive under their tags already.
         self.write_scalars(step, {TB_TAGS[name]: value for name, value in values.items()} | (extra or {}), flush=True)
         self.last_step = step
         self.reset()
         return values
+
+    def time_left(self) -> str:
+        """The step line's `  left: 4m 05s` (at the mean step time of this process, validation and saves included)."""
+        left = self.progress.seconds_left() if self.progress is not None else None
+        return "" if left is None else f"  left: {duration(left)}"
 
     @observer("metrics")
     def log_validation(self, step: int, loss: float, perplexity: float, batches: int, tokens: int, seconds: float) -> None:
