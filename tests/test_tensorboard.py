@@ -198,8 +198,9 @@ def written_layout(folder: Path) -> dict[str, dict[str, list[str]]]:
 
 @pytest.mark.parametrize("peak", [0.0, 989.0])
 def test_the_dashboard_has_a_chart_for_every_group_a_run_writes(tmp_path, peak):
-    """The lr alone on its chart; eval (a chart per task), DPO and RL charts join the layout when their first tag is
-    written; without a known peak the MFU chart says why and draws the achieved TFLOP/s instead."""
+    """The lr alone on its chart; an RL, DPO and eval section with a chart per tag (each quantity on its own axis)
+    joins the layout when its first tag is written, as the real TensorBoard serves it; without a known peak the MFU
+    chart says why and draws the achieved TFLOP/s instead."""
     from titanlite.config import load_config
     from titanlite.metrics import MetricsLogger
 
@@ -209,6 +210,7 @@ def test_the_dashboard_has_a_chart_for_every_group_a_run_writes(tmp_path, peak):
     metrics.write_scalars(1, {"loss/train": 8.0, "optim/lr": 8e-4, "optim/grad_norm": 1.0}, flush=True)
     (charts,) = written_layout(tmp_path).values()
     assert charts["learning rate"] == [r"^optim/lr$"] and charts["grad_norm (before clipping)"] == [r"^optim/grad_norm$"]
+    assert charts["step time (s)"] == [r"^time/step_seconds$"]
     mfu = {title: tags for title, tags in charts.items() if "MFU" in title}
     assert list(charts)[2] in mfu  # beside tps, where it is either way
     assert mfu == ({"MFU (%)": [r"^throughput/mfu$"]} if peak > 0 else {
@@ -216,17 +218,34 @@ def test_the_dashboard_has_a_chart_for_every_group_a_run_writes(tmp_path, peak):
     assert set(written_layout(tmp_path)) == {"titanlite"}  # no empty charts for groups the run has not written
 
     metrics.write_scalars(2, {"dpo/reward_accuracy": 0.5, "dpo/margin": 0.1, "eval/arc_easy/acc": 0.3,
-                              "eval/arc_easy/acc_norm": 0.3, "eval/mmlu_anatomy/acc": 0.2, "rl/reward": 1.0}, flush=True)
+                              "eval/arc_easy/acc_norm": 0.3, "eval/mmlu_anatomy/acc": 0.2, "rl/completion_length": 12.0,
+                              "rl/reward/letter_share": 0.2, "rl/reward": 1.0}, flush=True)
     metrics.write_scalars(3, {"eval/arc_easy/acc": 0.4, "dpo/margin": 0.2}, flush=True)  # nothing new: no new layout
     layout = written_layout(tmp_path)
     assert layout["titanlite"] == charts
-    assert layout["DPO"] == {"DPO: reward accuracy": [r"^dpo/reward_accuracy$"],
-                             "DPO: chosen and rejected rewards, margin": [r"^dpo/(chosen_reward|rejected_reward|margin)$"]}
-    assert layout["eval"] == {"eval: arc_easy": [r"^eval/arc_easy/"], "eval: mmlu_anatomy": [r"^eval/mmlu_anatomy/"]}
-    assert layout["RL"] == {"RL": [r"^rl/"]}
+    assert layout["DPO"] == {
+        "dpo/reward_accuracy: share of pairs whose chosen reward beats the rejected": [r"^dpo/reward_accuracy$"],
+        "dpo/margin: mean chosen minus rejected reward": [r"^dpo/margin$"]}
+    assert layout["eval"] == {"eval/arc_easy/acc": [r"^eval/arc_easy/acc$"],
+                              "eval/arc_easy/acc_norm": [r"^eval/arc_easy/acc_norm$"],
+                              "eval/mmlu_anatomy/acc": [r"^eval/mmlu_anatomy/acc$"]}
+    assert list(layout["RL"].items()) == [  # the reward first, whatever order the tags came in
+        ("rl/reward: mean reward (the weighted sum of the reward functions)", [r"^rl/reward$"]),
+        ("rl/reward/letter_share: mean reward of the function letter_share", [r"^rl/reward/letter_share$"]),
+        ("rl/completion_length: mean completion length (tokens)", [r"^rl/completion_length$"])]
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert len(events.Tensors("custom_scalars__config__")) == 2  # the start's layout, then once with the new groups
+    metrics.close()
+    with tensorboard_server(tmp_path) as get:  # as the browser receives it: each pattern matches its one tag
+        served = get("/data/plugin/custom_scalars/layout")
+        tags = set(get("/data/plugin/scalars/tags")["."])
+    assert {c["title"]: list(c["multiline"]["tag"]) for c in served["category"][1]["chart"]} == layout[
+        served["category"][1]["title"]]
+    for category in served["category"][1:]:
+        for chart in category["chart"]:
+            (pattern,) = chart["multiline"]["tag"]
+            assert len([tag for tag in tags if re.search(pattern, tag)]) == 1, (pattern, tags)
 
 
 def test_save_cost_is_the_extra_time_of_the_steps_it_touched():

@@ -32,13 +32,28 @@ CHARTS = {
     "learning rate": ["Multiline", [r"^optim/lr$"]],
     "grad_norm (before clipping)": ["Multiline", [r"^optim/grad_norm$"]],
     "checkpoint: save time and training lost (s)": ["Multiline", [r"^checkpoint/"]],
+    "step time (s)": ["Multiline", [r"^time/step_seconds$"]],
 }
-# The charts of a tag group that only some runs write (an objective's, or [eval]'s per task), by its first path
-# part: added to the layout when the group's first tag is written, so a run shows exactly the charts it has data for.
-GROUP_CHARTS = {
-    "dpo": ("DPO", {"DPO: reward accuracy": [r"^dpo/reward_accuracy$"],
-                    "DPO: chosen and rejected rewards, margin": [r"^dpo/(chosen_reward|rejected_reward|margin)$"]}),
-    "rl": ("RL", {"RL": [r"^rl/"]}),
+# The sections of tag groups that only some runs write (an objective's, [eval]'s per task), by the tag's first path
+# part: a chart per tag, each quantity on an axis of its own (a reward in [0, 1] beside completion lengths in tokens
+# and seconds draws flat), added to the layout when the tag is first written, so a run shows exactly the charts it
+# has data for.
+GROUP_SECTIONS = {"rl": "RL", "dpo": "DPO", "eval": "eval"}
+# What a known tag measures, after the tag in its chart's title.
+TAG_MEANINGS = {
+    "rl/reward": "mean reward (the weighted sum of the reward functions)",
+    "rl/reward_std": "mean std of the rewards within a group",
+    "rl/frac_reward_zero_std": "share of groups whose rewards are all equal (every advantage 0)",
+    "rl/completion_length": "mean completion length (tokens)",
+    "rl/clip_ratio": "share of trained tokens whose ratio the clip held",
+    "rl/entropy": "mean entropy of the policy per trained token (nats)",
+    "rl/kl": "mean k3 KL to the reference per trained token",
+    "rl/generate_seconds": "seconds generating the step's rollouts",
+    "rl/score_seconds": "seconds scoring the step's rollouts",
+    "dpo/reward_accuracy": "share of pairs whose chosen reward beats the rejected",
+    "dpo/margin": "mean chosen minus rejected reward",
+    "dpo/chosen_reward": "mean implicit reward of the chosen answers",
+    "dpo/rejected_reward": "mean implicit reward of the rejected answers",
 }
 # The HPARAMS tab's metrics: the last value of these tags in each run.
 HPARAM_METRICS = ("loss/train", "throughput/tps", "throughput/mfu")
@@ -94,38 +109,49 @@ def titanlite_charts(peak_known: bool, device_type: str) -> dict:
     return dict(no_mfu if title == "MFU (%)" else (title, chart) for title, chart in CHARTS.items())
 
 
-def group_charts(tag: str) -> tuple[str, dict] | None:
-    """(the category, its charts) that draw `tag`'s group, or None for a tag of the fixed charts: eval/<task>/...
-    has a chart per task."""
-    head, _, rest = tag.partition("/")
-    if head == "eval":
-        task = rest.split("/")[0]
-        return "eval", {f"eval: {task}": ["Multiline", [rf"^eval/{re.escape(task)}/"]]}
-    if head in GROUP_CHARTS:
-        category, charts = GROUP_CHARTS[head]
-        return category, {title: ["Multiline", patterns] for title, patterns in charts.items()}
-    return None
+def group_chart(tag: str) -> tuple[str, str, list] | None:
+    """(the section, the title, the chart that draws `tag` alone) for a tag of GROUP_SECTIONS, None for a tag of the
+    fixed charts. A reward function's rl/reward/<name> and an eval metric eval/<task>/<metric> are titled by their
+    parts."""
+    head = tag.partition("/")[0]
+    if head not in GROUP_SECTIONS:
+        return None
+    meaning = TAG_MEANINGS.get(tag)
+    if meaning is None and tag.startswith("rl/reward/"):
+        meaning = f"mean reward of the function {tag.removeprefix('rl/reward/')}"
+    return GROUP_SECTIONS[head], tag if meaning is None else f"{tag}: {meaning}", ["Multiline", [f"^{re.escape(tag)}$"]]
+
+
+def chart_place(tag: str) -> tuple[float, str]:
+    """Where a tag's chart sits in its section: TAG_MEANINGS' order (the reward first), each reward function's after
+    the reward, other tags after those, by name."""
+    known = list(TAG_MEANINGS)
+    if tag in TAG_MEANINGS:
+        return known.index(tag), tag
+    return (known.index("rl/reward") + 0.5 if tag.startswith("rl/reward/") else len(known)), tag
 
 
 class Dashboard:
-    """The CUSTOM SCALARS layout of rank 0's run: the fixed charts from the start, and each group's (GROUP_CHARTS,
-    eval) from its first tag on. TensorBoard draws the last layout a run wrote, so the layout is written again
-    whenever a chart joins it."""
+    """The CUSTOM SCALARS layout of rank 0's run: the fixed charts from the start, and a chart for each tag of
+    GROUP_SECTIONS from its first value on. TensorBoard draws the last layout a run wrote, so the layout is written
+    again whenever a chart joins it."""
 
     def __init__(self, writer, peak_known: bool, device_type: str):
         self.writer = writer
         self.layout = {"titanlite": titanlite_charts(peak_known, device_type)}
+        self.charted: dict[str, tuple[str, str, list]] = {}  # tag -> its group_chart
         self.writer.add_custom_scalars(self.layout)
 
     def saw(self, tags) -> None:
-        added = False
-        for tag in tags:
-            found = group_charts(tag)
-            if found and not found[1].keys() <= self.layout.get(found[0], {}).keys():
-                self.layout.setdefault(found[0], {}).update(found[1])
-                added = True
-        if added:
-            self.writer.add_custom_scalars(self.layout)
+        new = {tag: chart for tag in tags if tag not in self.charted and (chart := group_chart(tag)) is not None}
+        if not new:
+            return
+        self.charted |= new
+        for tag in sorted(self.charted, key=chart_place):
+            section, title, chart = self.charted[tag]
+            self.layout.setdefault(section, {}).pop(title, None)
+            self.layout[section][title] = chart  # moved to the end: the section ends up in chart_place's order
+        self.writer.add_custom_scalars(self.layout)
 
 
 def describe_run(writer, cfg: JobConfig, hparams: dict, step: int, peak_known: bool, device_type: str) -> Dashboard:
