@@ -12,7 +12,11 @@ and flags naming another model are refused.
 dcp-to-hf reads any titanlite checkpoint (full or model-only; only the model is converted) a
 layer at a time and writes safetensors shards of at most --max_shard_mb, with
 model.safetensors.index.json when there is more than one, plus config.json; it verifies the checkpoint's
-checksums as a resume does (checkpoint.allow_unverified for one without them). hf-to-dcp writes a model-only
+checksums as a resume does (checkpoint.allow_unverified for one without them). Where the run's tokenizer is known
+(the run's config.toml in the dump folder above the checkpoint, or --job.config_file, --model.hf_assets_path or
+--model.tokenizer_path), the folder also gets what checkpoint.last_save_in_hf writes: the tokenizer files, the chat
+template, config.json's bos and eos ids and generation_config.json (export_files.py); where it is not, the command
+says what it left out and why. hf-to-dcp writes a model-only
 DCP checkpoint with its checksums, usable as checkpoint.initial_load_path; it holds the model in memory.
 The destination must be a new or empty folder: one holding files (a checkpoint of a run, above
 all) is written over only with --overwrite.
@@ -32,8 +36,11 @@ import torch.distributed.checkpoint as dcp
 from titanlite.checkpoint.fit import check_model_fits, load_in_place, model_tensors, read_metadata
 from titanlite.checkpoint.folders import METADATA, is_complete
 from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, verify_checksums
-from titanlite.checkpoint.hf_io import DEFAULT_MAX_SHARD_BYTES, HFReader, layer_groups, read_hf_tensors, write_hf_folder
+from titanlite.checkpoint.hf_io import (DEFAULT_MAX_SHARD_BYTES, HFReader, copy_tokenizer, layer_groups, read_hf_tensors,
+                                        write_hf_folder)
 from titanlite.config import load_config
+from titanlite.config_sections import JobConfig
+from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError, exit_code
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.models.hf_folder import is_model_folder, read_model_folder
@@ -137,6 +144,44 @@ def dcp_to_hf(source: Path, destination: Path, spec, cfg, max_shard_bytes: int, 
     write_hf_folder(layers(), destination, spec.hf_adapter, args, DTYPES[cfg.checkpoint.export_dtype], max_shard_bytes)
 
 
+TOKENIZER_FLAGS = ("--job.config_file", "--model.hf_assets_path", "--model.tokenizer_path")
+LEFT_OUT = "config.json and the weights only: no tokenizer files, chat template, generation_config.json or eos_token_id"
+
+
+def run_config(source: Path, cfg: JobConfig, flags: list[str]) -> tuple[JobConfig | None, str]:
+    """(the config that names the run's tokenizer, where it was found), or (None, why none was): the flags' where they
+    name a config file or a tokenizer, else the run's resolved config.toml in the dump folder that holds the
+    checkpoint (<dump_folder>/<checkpoint.folder>/step-N)."""
+    if any(flag.split("=")[0] in TOKENIZER_FLAGS for flag in flags):
+        return cfg, "the flags"
+    for folder in source.resolve().parents[:4]:
+        path = folder / "config.toml"
+        if not path.is_file():
+            continue
+        try:
+            found = load_config(["--job.config_file", str(path)])
+        except UserError as error:
+            return None, f"the run's config {path} cannot be read ({error})"
+        if (folder / found.checkpoint.folder).resolve() == source.resolve().parent:
+            return found, str(path)
+    return None, f"no run's config.toml above {source} names it"
+
+
+def export_tokenizer(destination: Path, run_cfg: JobConfig, origin: str) -> str:
+    """The run's tokenizer files, chat template and generation ids into the export, as last_save_in_hf writes them;
+    returns what was written, or what was left out and why."""
+    try:
+        tokenizer = build_tokenizer(run_cfg.model)
+        template = run_cfg.training.chat_template
+        if template and not Path(template).is_file():
+            raise UserError(f"the run's training.chat_template {template} does not exist")
+        copy_tokenizer(tokenizer.path, destination, template)
+    except UserError as error:  # a run config that moved, or a tokenizer deleted since
+        return f"{LEFT_OUT}, as the run's tokenizer (named by {origin}) cannot be used: {error}"
+    return (f"config.json, the weights, the tokenizer files of {tokenizer.path} (named by {origin}), its chat template "
+            "where it has one, and generation_config.json")
+
+
 def hf_to_dcp(source: Path, destination: Path, spec, cfg, overwrite: bool) -> None:
     reader = HFReader(source)
     check_destination(destination, overwrite)  # before the model is read into memory
@@ -183,12 +228,19 @@ def run(argv: list[str]) -> None:
     if spec.hf_adapter is None:
         raise UserError(f"model family {spec.name} has no Hugging Face adapter yet")
     job_model_args(cfg, spec)  # an unknown flavor fails here, before any file is touched
-    if command == "dcp-to-hf":
-        named = any(flag.split("=")[0] in ("--model.name", "--model.flavor", "--job.config_file") for flag in flags)
-        dcp_to_hf(source, destination, spec, cfg, max_shard_bytes, overwrite, named)
-    else:
+    if command == "hf-to-dcp":
         hf_to_dcp(source, destination, spec, cfg, overwrite)
-    print(f"wrote {destination}")
+        print(f"wrote {destination}")
+        return
+    named = any(flag.split("=")[0] in ("--model.name", "--model.flavor", "--job.config_file") for flag in flags)
+    dcp_to_hf(source, destination, spec, cfg, max_shard_bytes, overwrite, named)
+    run_cfg, origin = run_config(source, cfg, flags)
+    if run_cfg is None:
+        written = (f"{LEFT_OUT}, as the run's tokenizer is not known ({origin}); add --job.config_file "
+                   "<the run's config.toml> or --model.hf_assets_path <its tokenizer folder> to write them")
+    else:
+        written = export_tokenizer(destination, run_cfg, origin)
+    print(f"wrote {destination}: {written}")
 
 
 def main(argv: list[str]) -> int:
