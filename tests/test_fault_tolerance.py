@@ -22,7 +22,7 @@ from titanlite.data.prepare import prepare
 from titanlite.errors import UserError
 from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.fault_tolerance import replica_groups
-from titanlite.parallel.dist import DistInfo
+from titanlite.parallel.dist import EXIT_SECONDS, DistInfo
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 TINY = ["--job.config_file", DEBUG_CONFIG, "--model.n_layers", "1", "--training.seq_len", "32", "--metrics.log_freq", "1",
@@ -413,3 +413,32 @@ def test_sigterm_in_a_diloco_synchronization_saves_and_exits(store, tmp_path):
     text = log.read_text()
     assert f"stopped at step {last} on SIGTERM; exiting" in text, text[-3000:]
     assert saved(dump, last) and "Traceback" not in text
+
+
+@pytest.mark.extended
+def test_a_group_stopped_after_its_lighthouse_died_exits_within_seconds(store, tmp_path):
+    """Issue 61.4: two replica groups, the lighthouse killed mid-run, SIGTERM to one of them 10 s later, while torchft's
+    quorum retries the lighthouse that is gone: it saves its step, says so, and its process ends within seconds of
+    that line (exit_process leaves within EXIT_SECONDS whatever still waits; the group used to stay past 30 s)."""
+    port = free_port()
+    light = start_lighthouse(port, 2)
+    flags = ["--checkpoint.enable", "true", "--checkpoint.interval", "100000", "--fault_tolerance.min_replica_size", "2"]
+    logs = [tmp_path / f"r{r}.log" for r in (0, 1)]
+    groups = [start_group(group_command(store, r, tmp_path / f"r{r}", 100000, *flags), logs[r], f"http://127.0.0.1:{port}")
+              for r in (0, 1)]
+    try:
+        wait_for(logs[0], r"step: 5  loss", groups[0])
+        light.kill()
+        light.wait()
+        time.sleep(10)
+        last = max(losses(logs[0].read_text()))
+        groups[0].send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert groups[0].wait(timeout=60) == 0, logs[0].read_text()[-3000:]
+        assert time.monotonic() - signalled < EXIT_SECONDS + 5, logs[0].read_text()[-3000:]
+    finally:
+        for process in (*groups, light):
+            process.kill()
+    text = logs[0].read_text()
+    assert f"stopped at step {last} on SIGTERM; exiting" in text, text[-3000:]
+    assert saved(tmp_path / "r0", last) and "Traceback" not in text

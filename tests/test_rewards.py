@@ -2,6 +2,7 @@
 rl.reward_functions specs with one sentence per mistake, and score() — the reward table and weighted total as TRL
 1.16's GRPOTrainer computes them, checked against TRL's own _calculate_rewards on the same inputs."""
 
+import copy
 import math
 import types
 
@@ -241,3 +242,32 @@ def test_nan_reads_as_none_and_a_field_may_not_take_an_arguments_name():
     assert per_function[0, 0].isnan() and total[0].isnan() and total[1:].tolist() == [1.0, 1.0, 0.5]
     with pytest.raises(UserError, match="the prompt records have a field named 'completions'"):
         score(FUNCTIONS, reward_weights([], 4), PROMPTS, COMPLETIONS, [[1]] * 4, {"completions": [1] * 4})
+
+
+def test_each_function_gets_copies_it_may_edit_in_place():
+    """Issue 61.2: a function that pops a trailing eos from completion_ids (and edits the rest) changed the rows GRPO
+    trains and logs. Each function gets its own copies: the caller's lists and the next function see the originals."""
+    seen = []
+
+    def editor(prompts, completions, completion_ids, answer, **kwargs):
+        for ids in completion_ids:
+            ids.pop()
+        completion_ids.clear()
+        prompts[0][0]["content"] = "edited"
+        completions[1][0]["content"] = "edited"
+        answer[0]["value"] = "edited"
+        return [1.0, 1.0]
+
+    def reader(prompts, completions, completion_ids, answer, **kwargs):
+        seen.append(copy.deepcopy((prompts, completions, completion_ids, answer)))
+        return [0.0, 0.0]
+
+    prompts = [[{"role": "user", "content": "2+2?"}]] * 2  # one prompt's two completions share its messages
+    completions = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
+    ids, fields = [[7, 8, 2], [9, 2]], {"answer": [{"value": "4"}, {"value": "4"}]}
+    original = copy.deepcopy((prompts, completions, ids, fields))
+    per_function, _ = score([reward("editor", editor), reward("reader", reader)], reward_weights([], 2), prompts, completions,
+                            ids, fields)
+    assert (prompts, completions, ids, fields) == original
+    assert seen == [(original[0], original[1], original[2], original[3]["answer"])]
+    assert per_function.tolist() == [[1.0, 0.0], [1.0, 0.0]]

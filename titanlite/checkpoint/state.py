@@ -203,9 +203,14 @@ class DataState:
                 "kind; resume with the training.dataset_path or dataset_mix it was saved with"
             )
         same_split = f"dataloader.{self.key}" in keys and (self.global_data or self.saved_dp == self.dp_degree)
-        return {self.key: b""} if same_split else None
+        # A loader whose position is global though its state is per rank (GRPO's prompts) takes rank 0's position
+        self.from_rank_0 = not same_split and hasattr(self.dataloader, "load_position") and "dataloader.dp_rank_0" in keys
+        return {self.key: b""} if same_split else {"dp_rank_0": b""} if self.from_rank_0 else None
 
     def restore(self, state: dict) -> None:
+        if "dataloader" in state and self.from_rank_0:
+            self.dataloader.load_position(pickle.loads(state["dataloader"]["dp_rank_0"]), self.saved_dp)
+            return
         if "dataloader" in state:
             self.dataloader.load_state_dict(pickle.loads(state["dataloader"][self.key]))
             return

@@ -139,10 +139,9 @@ def sharegpt(turns) -> list:
             if isinstance(turn, dict) else turn for turn in turns]
 
 
-def checked_message(message, number: int, where: str) -> dict:
+def checked_message(message, record: str) -> dict:
     """One message as the template gets it: a known role, text content (an assistant turn of tool calls alone may
-    have none), optional reasoning_content, tool_calls and a train flag."""
-    record = f"{where}: record {number} (counting from 1)"
+    have none), optional reasoning_content, tool_calls and a train flag. `record` names the record it is in."""
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         role = message.get("role") if isinstance(message, dict) else message
         raise UserError(f"{record} has a message of unknown role {role!r}; use {', '.join(ROLES)}")
@@ -169,7 +168,7 @@ def conversation(record: dict, dataset_format: str, number: int, where: str) -> 
     messages = record["messages"] if "messages" in record else sharegpt(record["conversations"])
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: record {number} (counting from 1) has no list of messages; fix or remove it")
-    messages = [checked_message(message, number, where) for message in messages]
+    messages = [checked_message(message, f"{where}: record {number} (counting from 1)") for message in messages]
     if not any(message["role"] == "assistant" and message.get("train") is not False for message in messages):
         raise UserError(f"{where}: record {number} (counting from 1) has no assistant turn to train, so nothing of it would be "
                         "trained; add one or remove the record")

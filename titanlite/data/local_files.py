@@ -3,7 +3,9 @@
 The path is one file or a folder searched recursively. .jsonl/.json/.parquet/.arrow files are
 read with the Hugging Face `datasets` loaders (converted once into its memory-mapped Arrow
 cache), one record per document, text in training.dataset_text_field; .txt files hold one
-document each and are read only when their turn comes.
+document each and are read only when their turn comes. Records whose every field matters as the file
+holds it (GRPO's prompts, whose fields reach the reward functions) are read by json_records instead:
+an Arrow schema casts a column that mixes strings and numbers to one type ("007" read as 7).
 
 A fault in the files stops the run at start with one sentence naming the file: a file that is empty
 or not what its suffix says, a record whose text field is missing or not a string (with its
@@ -13,6 +15,8 @@ in another encoding would otherwise train on replacement characters without anyo
 
 from __future__ import annotations  # the datasets and pyarrow annotations name modules imported only where used
 
+import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -156,6 +160,66 @@ def read_records(loader: str, files: list[Path]) -> datasets.Dataset:
         datasets.logging.set_verbosity(verbosity)
         if bars:
             datasets.enable_progress_bars()
+
+
+def json_records(files: list[Path], key: str) -> list[tuple[str, object]]:
+    """(where, value) of every record of .jsonl/.json files, each value as the file holds it (Python's json): a .json
+    file holds one array of records (or one record, or JSON lines), a .jsonl file one record per line, blank lines
+    skipped. A file that is not UTF-8 or a line that is not JSON ends in one sentence naming it."""
+    records = []
+    for path in files:
+        if fault := utf8_fault(path):
+            raise UserError(f"{key}: {path} {fault}")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no part of the first record
+        whole = json_document_records(path, text) if path.suffix == ".json" else None
+        records += whole if whole is not None else json_line_records(path, text, key)
+    return records
+
+
+def json_document_records(path: Path, text: str) -> list[tuple[str, object]] | None:
+    """The records of a .json file holding one JSON array (or one object); None where it holds JSON lines."""
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(document, dict):
+        return [(f"{path} record 1", document)]
+    return [(f"{path} record {number}", value) for number, value in enumerate(document, 1)] if isinstance(document, list) else None
+
+
+def json_line_records(path: Path, text: str, key: str) -> list[tuple[str, object]]:
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((f"{path} line {number}", json.loads(line)))
+        except json.JSONDecodeError as error:
+            raise UserError(f"{key} {path} line {number} is not JSON ({error.msg}); fix that line") from None
+    return records
+
+
+def parquet_records(files: list[Path], key: str) -> list[tuple[str, dict]]:
+    """(where, record) of every record of parquet files, each field as the file's own schema types it."""
+    records = []
+    for path in files:
+        try:
+            table = read_records("parquet", [path])
+        except read_errors() as error:
+            raise UserError(f"{key}: {path} {read_fault(path, 'parquet', error)}") from None
+        records += [(f"{path} record {number}", record) for number, record in enumerate(table, 1)]
+    return records
+
+
+def files_sha256(root: Path, files: list[Path]) -> str:
+    """One checksum of the files' names (their order is the records' order) and contents."""
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.relative_to(root) if path != root else path.name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as file:
+            while chunk := file.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def raise_for_the_faulty_file(loader: str, files: list[Path], text_field: str, key: str, error: Exception | None):

@@ -56,7 +56,7 @@ def messages_of(value, field: str, number: int, where: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise UserError(f"{where}: record {number} (counting from 1) has a {field} that is neither text nor a non-empty "
                         "list of messages; fix or remove it")
-    messages = [checked_message(message, number, where) for message in value]
+    messages = [checked_message(message, f"{where}: record {number} (counting from 1)") for message in value]
     if any("train" in message for message in messages):
         raise UserError(f"{where}: record {number} (counting from 1) has a {field} message with a train flag, which "
                         "preference data does not read (every token of a completion trains, none of the prompt); remove it")

@@ -41,7 +41,7 @@ def checked_record(record, where: str) -> PromptRecord:
         if not isinstance(value, list) or not value:
             raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects; "
                             "fix that line")
-        value = [checked_message(message, 1, where) for message in value]
+        value = [checked_message(message, where) for message in value]
     if kind == "token_ids":
         if not isinstance(value, list) or not value or not all(type(i) is int for i in value):
             raise UserError(f"{where}: \"token_ids\" must be a non-empty list of integers (not {json.dumps(value)}); "

@@ -78,8 +78,7 @@ class GRPO:
             raise UserError(f"the longest prompt ({longest} tokens) and rl.max_new_tokens {self.rl.max_new_tokens} pass "
                             f"training.seq_len {cfg.training.seq_len} + 1; raise training.seq_len or lower rl.max_new_tokens")
         per_step = cfg.training.global_batch_size // self.rl.num_generations
-        identity = {"prompts": cfg.training.dataset_path, "seed": cfg.job.seed, "num_generations": self.rl.num_generations,
-                    "dp_world": dp_world}
+        identity = {"prompts": cfg.training.dataset_path, "seed": cfg.job.seed, "num_generations": self.rl.num_generations}
         order = PromptOrder(prompts, per_step, dp_rank, dp_world, cfg.job.seed, identity)
         self.loader = RolloutLoader(run, order, self, run.step.accum_steps)
         return self.loader

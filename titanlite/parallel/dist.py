@@ -8,10 +8,12 @@ in-memory store, so the same code path (DeviceMesh, collectives, DCP) runs eithe
 """
 
 import atexit
+import faulthandler
 import os
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -152,10 +154,15 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
+EXIT_SECONDS = 10.0  # the longest leaving may take: torchrun and Kubernetes kill 30 s after SIGTERM
+SAY_SECONDS = 2.0  # how long the note of a late exit may take to write (stderr may be a pipe nobody reads)
+
+
 def exit_process(code: int) -> NoReturn:
     """Leave the trainer's process with `code`: first all that Python's own exit does for Python code (join
     the non-daemon threads, run the atexit handlers, which close the log files and stop multiprocessing's
-    children; flush stdout and stderr), then os._exit, which skips only the interpreter's teardown.
+    children; flush stdout and stderr), then os._exit, which skips only the interpreter's teardown; all within
+    EXIT_SECONDS (leave_anyway_after).
 
     That teardown aborted finished runs. destroy_process_group() cannot free the world group: DeviceMesh
     reuses it for world-sized dims, and the meshes, FSDP's states and DTensor's caches keep it and the mesh
@@ -165,11 +172,34 @@ def exit_process(code: int) -> NoReturn:
     destructor and the process aborts with "terminate called without an active exception" (gdb:
     pt_gloo_runloop, ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil -> PyThread_exit_thread),
     so torchrun reports the finished run as failed."""
+    leave_anyway_after(EXIT_SECONDS, code)
     threading._shutdown()  # the interpreter's own first step at exit: joins the threads, stops thread pools
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def leave_anyway_after(seconds: float, code: int) -> None:
+    """End the process with `code` `seconds` from now if it is still there: a run that has said it is exiting (its
+    work saved) must not hold its nodes until the scheduler kills it. What kept it (a thread joined at exit that
+    waits on a peer or a service that is gone, an exit handler, a blocked write) is written to stderr first, with
+    every thread's stack, as far as stderr takes it within SAY_SECONDS."""
+
+    def leave() -> None:
+        time.sleep(seconds)
+        saying = threading.Thread(target=say_late_exit, args=(seconds, code), name="late-exit-note", daemon=True)
+        saying.start()
+        saying.join(SAY_SECONDS)
+        os._exit(code)
+
+    threading.Thread(target=leave, name="exit-deadline", daemon=True).start()
+
+
+def say_late_exit(seconds: float, code: int) -> None:
+    print(f"warning: the process was still exiting {seconds:.0f} s after its run ended; it leaves now with exit code "
+          f"{code} (where each thread was:)", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 REPORTED_KEY = "titanlite/user_error"

@@ -8,10 +8,12 @@ names it.
 score() is TRL's reward arithmetic (GRPOTrainer._calculate_rewards and the sum in _generate_and_score_completions):
 a None reward becomes NaN in the [completions, functions] table, the total is the NaN-skipping sum of weight x
 reward, and a completion every function returned None for is unscorable: its total is NaN (TRL leaves it out of
-its group's mean and std and gives it advantage 0).
+its group's mean and std and gives it advantage 0). Each function gets its own copies of the arguments (TRL builds
+its tensors before it calls the rewards, so a function editing its lists in place is harmless there too).
 """
 
 import asyncio
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -141,6 +143,10 @@ def checked_rewards(output, function: RewardFunction, count: int) -> list[float]
 
 
 def call(function: RewardFunction, prompts: list, completions: list, completion_ids: list, fields: dict) -> list[float]:
+    """The function's rewards. It gets copies of its arguments: one that edits them (pops a trailing eos from
+    completion_ids, say) changes neither the rows that are trained and logged nor what the next function sees."""
+    prompts, completions, fields = copy.deepcopy((prompts, completions, fields))
+    completion_ids = [list(ids) for ids in completion_ids]  # lists of ints: a copy of each list is a deep copy
     try:
         output = function.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
         if inspect.isawaitable(output):  # an async function (an LLM judge, say), as TRL allows

@@ -11,11 +11,12 @@ and data-parallel rank r of D takes the P / D from s P + r P / D: every layout r
 prompt's place in the stream (its global index) seeds its completions (rollout.py).
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from titanlite.data.documents import seeded_rng
-from titanlite.data.local_files import find_data_files, read_errors, read_records
+from titanlite.data.local_files import files_sha256, find_data_files, json_records, parquet_records
 from titanlite.errors import UserError
 from titanlite.inference.prompts import PromptRecord, checked_record, render_prompts
 
@@ -29,35 +30,40 @@ class PromptItem:
 
 
 class PromptSet:
-    """The checked, rendered prompts of local records at `dataset_path`."""
+    """The checked, rendered prompts of local records at `dataset_path`, each field as the file holds it, and their
+    identity: how many, and a checksum of the files (a resume on other prompts would read another order)."""
 
     def __init__(self, dataset_path: str, tokenizer, chat_template: str, key: str = "training.dataset_path"):
         if not dataset_path:
             raise UserError(f"training.dataset_format prompts reads local records; set {key} to your jsonl/json/parquet prompts")
-        loader, files = find_data_files(Path(dataset_path), key)
+        root = Path(dataset_path)
+        loader, files = find_data_files(root, key)
         if loader not in ("json", "parquet"):
             raise UserError(f"{key} {dataset_path} holds {loader} files; training.dataset_format prompts reads jsonl/json/parquet records")
-        try:
-            records = read_records(loader, files)
-        except read_errors() as error:
-            raise UserError(f"{key} {dataset_path} could not be read as {loader} ({str(error).splitlines()[0]}); fix the files") from None
-        if "prompt" not in records.column_names:
-            raise UserError(f"{key} {dataset_path} has no field 'prompt' (its fields are {', '.join(records.column_names)}), "
-                            "which training.dataset_format prompts reads; fix the data or the format")
-        if not len(records):
+        records = json_records(files, key) if loader == "json" else parquet_records(files, key)
+        if not records:
             raise UserError(f"{key} {dataset_path} holds no records; add prompts")
-        checked = [prompt_record(record["prompt"], f"{key} {dataset_path} record {number}")
-                   for number, record in enumerate(records, start=1)]
+        checked = [prompt_record(record, f"{key} {where}") for where, record in records]
+        self.key, self.path = key, dataset_path
         self.prompts = [record.value for record in checked]
         self.ids = [prompt.ids for prompt in render_prompts(checked, tokenizer, chat_template)]
-        self.fields = [{name: value for name, value in record.items() if name != "prompt"} for record in records]
+        # every record gets every field (None where it has none), as a column of a table would
+        names = list(dict.fromkeys(name for _, record in records for name in record if name != "prompt"))
+        self.fields = [{name: record.get(name) for name in names} for _, record in records]
+        self.identity = {"records": len(records), "sha256": files_sha256(root, files)}
 
     def __len__(self) -> int:
         return len(self.prompts)
 
 
-def prompt_record(value, where: str) -> PromptRecord:
+def prompt_record(record, where: str) -> PromptRecord:
     """A record's prompt as generation checks it: text, or a non-empty list of messages."""
+    if not isinstance(record, dict):
+        raise UserError(f"{where} is {json.dumps(record)[:60]}, not a record {{\"prompt\": ..., other fields}}; fix or remove it")
+    if "prompt" not in record:
+        raise UserError(f"{where} has no field \"prompt\" (its fields are {', '.join(record) or 'none'}), which "
+                        "training.dataset_format prompts reads; fix the data or the format")
+    value = record["prompt"]
     if isinstance(value, str):
         return checked_record({"prompt": value}, where)
     if isinstance(value, list):
@@ -73,16 +79,26 @@ class PromptOrder:
             raise UserError(f"a step's {per_step} prompts (training.global_batch_size / rl.num_generations) cannot be shared "
                             f"equally by {dp_world} data-parallel ranks; make the prompts per step a multiple of {dp_world}")
         self.prompts, self.per_step, self.dp_rank, self.dp_world, self.seed = prompts, per_step, dp_rank, dp_world, seed
-        self.identity, self.consumed = identity, 0
+        self.identity, self.consumed = identity | prompts.identity, 0  # no layout: the order is the same on any
         self.orders: dict[int, object] = {}
 
     def state_dict(self) -> dict:
         return {"identity": self.identity, "prompts_consumed": self.consumed}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["identity"] != self.identity:
-            raise UserError(f"the checkpoint's data position belongs to {state['identity']} but this run reads {self.identity}; "
-                            "resume with the same training.dataset_path, job.seed and rl.num_generations")
+        """The position of a checkpoint of the same prompts, saved on any number of data-parallel ranks."""
+        # Older checkpoints named the data-parallel ranks (which the global order does not depend on) and held no
+        # count or checksum of the prompts: what they hold is compared.
+        saved = {key: value for key, value in state["identity"].items() if key != "dp_world"}
+        ours = {key: value for key, value in self.identity.items() if key in saved}
+        prompts = self.prompts
+        if saved.get("prompts") == ours.get("prompts") and saved.get("sha256") != ours.get("sha256"):
+            raise UserError(f"{prompts.key} {prompts.path} changed since the checkpoint was saved ({saved['records']} records "
+                            f"then, {len(prompts)} now, other contents): the run would resume on another order of prompts; "
+                            "resume with the prompts it was saved with, or start a new run in another job.dump_folder")
+        if saved != ours:
+            raise UserError(f"the checkpoint's data position belongs to {saved} but this run reads {ours}; resume with the "
+                            "same training.dataset_path, job.seed and rl.num_generations")
         self.consumed = state["prompts_consumed"]
 
     def item(self, g: int) -> PromptItem:

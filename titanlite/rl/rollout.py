@@ -27,6 +27,7 @@ from titanlite.data.packing import padded_width
 from titanlite.rl.prompts import PromptItem, PromptOrder
 from titanlite.inference.decode import Generated, Sampling, generate_ids
 from titanlite.inference.prompts import completion_text
+from titanlite.log import logger
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.functions import score
 from titanlite.rl.grpo_loss import Normalizers, nanstd
@@ -142,6 +143,15 @@ class RolloutLoader:
     def load_state_dict(self, state: dict) -> None:
         self.order.load_state_dict(state["order"])
         self.served, self.current = state["served"], state["rollouts"]
+
+    def load_position(self, state: dict, saved_ranks: int) -> None:
+        """A state saved on another number of data-parallel ranks: the prompts' position is global and resumes as it
+        is; rollouts whose updates were not all done are rows of the old ranks, and the next step rolls out anew."""
+        self.order.load_state_dict(state["order"])
+        if state["rollouts"] is not None and state["served"] < self.rl.num_iterations:
+            logger.warning(f"the checkpoint was saved by {saved_ranks} data-parallel ranks between the rl.num_iterations "
+                           f"updates of one rollout batch ({state['served']} of {self.rl.num_iterations} done); its rollouts "
+                           "are rows of those ranks, so the next step rolls out the next prompts")
 
     def __iter__(self):
         while True:
