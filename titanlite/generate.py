@@ -23,7 +23,7 @@ def generate(argv: list[str]) -> None:
     try:
         info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
         init_logger(info.rank)
-        lm = LM(build_inference_model(cfg, info), compile=cfg.generate.compile)
+        lm = LM.of(build_inference_model(cfg, info), compile=cfg.generate.compile)
         results = generate_records(lm, records, cfg.generate)
     finally:
         close_distributed()

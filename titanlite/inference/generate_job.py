@@ -26,7 +26,7 @@ def prompt_records(settings: Generate) -> list[PromptRecord]:
 def generate_records(lm: LM, records: list[PromptRecord], settings: Generate) -> list[dict]:
     """One {"prompt", "prompt_token_ids", "completion", "token_ids"} per record, in order, in batches of
     generate.batch_size (lm.speed adds their tokens and seconds)."""
-    prompts = render_prompts(records, lm.tokenizer, lm.run.cfg.training.chat_template)
+    prompts = render_prompts(records, lm.tokenizer, lm.chat_template)
     sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.seed,
                         tuple(settings.stop))
     return [{"prompt": c.prompt, "prompt_token_ids": c.prompt_token_ids, "completion": c.text, "token_ids": c.token_ids}
