@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from titanlite.config import load_config
 from titanlite.inference.decode import Sampling, generate_ids
-from titanlite.inference.evaluator import InLoopEvaluator
+from titanlite.evaluation.in_loop import InLoopEvaluator
 from titanlite.inference.model import build_inference_model
 from titanlite.metrics import MetricsLogger
 from titanlite.parallel.dist import close_distributed, init_distributed

@@ -255,3 +255,23 @@ def test_block_causal_trains_on_documents(tmp_path, extra):
     """The default mask on the sample corpus (several documents per 256-token window) through the trainer."""
     losses = trained(tmp_path, "--training.dataset", "sample", "--model.reset_position_ids", *extra)
     assert losses[4] < losses[1]
+
+
+def test_the_cuda_graph_token_step_gives_the_eager_tokens(tmp_path):
+    """titanlite.load(compile=True) on CUDA: the whole token step (forward, sampling, bookkeeping) compiled, captured
+    as a CUDA graph at each call's second step and replayed after; greedy and sampled, its tokens are the eager
+    step's and its log-probabilities within 1e-4."""
+    from test_generate import PROMPTS, transformers_folder
+    from titanlite.data.chat_example import write_tokenizer_folder
+    from titanlite.inference.load import load
+
+    folder = tmp_path / "llama3"
+    transformers_folder("llama3", folder, write_tokenizer_folder(tmp_path / "tokenizer"))
+    eager, graphed = load(folder, device="cuda"), load(folder, device="cuda", compile=True)
+    assert graphed.cuda_graph and not eager.cuda_graph
+    for sampling in ({}, {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "seed": 3}):
+        expected = eager.generate(PROMPTS, max_new_tokens=40, ignore_eos=True, **sampling)
+        got = graphed.generate(PROMPTS, max_new_tokens=40, ignore_eos=True, **sampling)
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+        for ours, theirs in zip(got, expected):
+            assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)

@@ -15,7 +15,7 @@ from test_generate import transformers_folder
 from titanlite.config import load_config
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.eval import main
-from titanlite.inference.eval_job import evaluate_model
+from titanlite.eval import evaluate_model
 from titanlite.inference.model import build_inference_model
 from titanlite.inference.tasks import metric_scalars
 from titanlite.parallel.dist import close_distributed, init_distributed
@@ -128,7 +128,7 @@ def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_pat
     import torch
 
     from conftest import ON_CPU, tensorboard_scalars
-    from titanlite.inference.evaluator import InLoopEvaluator
+    from titanlite.evaluation.in_loop import InLoopEvaluator
     from titanlite.metrics import MetricsLogger
     from titanlite.metrics.tensorboard import run_folder
 
@@ -184,11 +184,23 @@ def test_bad_tasks_and_weights_are_one_sentence(setup, tmp_path, capsys):
     (["--limit", "-3"], "--limit -3 leaves no examples to evaluate"),
     (["--batch_size", "0"], "--batch_size 0: titanlite takes a number of sequences per forward of at least 1"),
     (["--batch_size", "auto"], "--batch_size auto: titanlite takes a number"),
+    (["--tasks", " , "], "--tasks names no task; give comma-separated lm-eval task or group names"),
+    (["--limit", "inf"], "--limit inf is no number of examples"),
+    (["--limit", "nan"], "--limit nan is no number of examples"),
+    (["--output_path", "/proc/titanlite-results"], "--output_path /proc/titanlite-results cannot be written"),
 ])
 def test_bad_eval_flags_are_one_sentence(setup, capsys, flags, expected):
     folder, tasks = setup
     argv = ["--tasks", "tiny_mc", "--include_path", str(tasks), "--model_args", f"hf_assets_path={folder},job.device=cpu"]
     assert expected in error_of([*argv, *flags], capsys)
+
+
+def test_more_few_shot_examples_than_a_task_has_is_one_sentence(setup, capsys):
+    """lm-eval would stop with random.sample's ValueError while it builds the prompts (before any forward)."""
+    folder, tasks = setup
+    argv = ["--tasks", "tiny_mc", "--include_path", str(tasks), "--num_fewshot", "20", "--limit", "2",
+            "--model_args", f"hf_assets_path={folder},job.device=cpu"]
+    assert "a task of tiny_mc has fewer examples to show than --num_fewshot 20 asks for" in error_of(argv, capsys)
 
 
 def test_the_cli_prints_lm_evals_table_and_records_the_evaluation_time(setup, tmp_path, capsys):

@@ -108,7 +108,7 @@ def generate_error(argv: list[str], capsys) -> str:
     ('{"token_ids": [1, -3, 7]}', 'line 2: "token_ids" holds -3; token ids start at 0'),
     ('{"token_ids": [true, 2]}', 'line 2: "token_ids" must be a non-empty list of integers (not [true, 2])'),
     ('{"token_ids": []}', 'line 2: "token_ids" must be a non-empty list of integers'),
-    ('{"prompt": 5}', 'line 2: "prompt" is 5, not a string; quote the text'),
+    ('{"prompt": 5}', 'line 2: "prompt" is 5, neither a string nor a list of messages; quote the text'),
     ('{"messages": "hi"}', 'line 2: "messages" must be a non-empty list'),
     ('{"messages": [{"role": "wizard", "content": "hi"}]}', "has a message of unknown role 'wizard'"),
     ('{"prompt": "a", "token_ids": [1]}', 'line 2 must hold exactly one of "prompt", "messages" or "token_ids"'),
@@ -196,3 +196,28 @@ def test_sampling_is_seeded_per_prompt(tmp_path, tokenizer_folder):
     assert len({tuple(ids) for ids in alone}) == 3
     assert sampled(3, 3) == alone and sampled(4, 4)[:3] == alone
     assert sampled(3, 1, seed=1) != alone
+
+
+def test_a_prompt_and_a_prompts_file_together_are_refused(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n')
+    err = generate_error([*ON_CPU, "--generate.prompt", "hi", "--generate.prompts_file", str(prompts)], capsys)
+    assert f"generate.prompt and generate.prompts_file {prompts} are both set; set one of them" in err
+
+
+def test_a_grpo_prompts_file_generates_as_it_is(tmp_path, tokenizer_folder):
+    """GRPO's records ({"prompt": text or messages, ...fields for the rewards}) give the completions of the same
+    prompts written as generate's own records."""
+    folder = tmp_path / "llama3"
+    transformers_folder("llama3", folder, tokenizer_folder)
+    messages = [{"role": "user", "content": "the list module"}]
+
+    def completions(records: list[dict]) -> list[dict]:
+        prompts, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+        assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
+                     "--generate.max_new_tokens", "3", "--generate.output", str(output)]) == 0
+        return [json.loads(line) for line in output.read_text().splitlines()]
+
+    grpo = completions([{"prompt": messages, "answer": "5"}, {"prompt": "2 + 3 =", "answer": "5"}])
+    assert grpo == completions([{"messages": messages}, {"prompt": "2 + 3 ="}])

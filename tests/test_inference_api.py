@@ -36,6 +36,13 @@ def test_importing_titanlite_does_not_import_torch():
     assert out.stdout.split() == ["False", "True"]
 
 
+def test_load_opens_no_process_group(llama):
+    """titanlite.load builds the plain model in this process: no process group before, during or after."""
+    folder, _, lm = llama
+    assert not torch.distributed.is_initialized()
+    assert not isinstance(lm.model.output.weight, torch.distributed.tensor.DTensor)
+
+
 def test_greedy_completions_carry_transformers_tokens_and_logprobs(llama):
     folder, theirs, lm = llama
     completions = lm.generate(PROMPTS, max_new_tokens=12)

@@ -20,7 +20,7 @@ from titanlite.config_sections import JobConfig
 from titanlite.data.global_order import epochs_done
 from titanlite.errors import UserError, sentence
 from titanlite.fault_tolerance import QuorumEnded
-from titanlite.inference.evaluator import InLoopEvaluator
+from titanlite.evaluation.in_loop import InLoopEvaluator
 from titanlite.log import init_logger, logger
 from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
                                speed_features, speed_settings)

@@ -57,7 +57,10 @@ def saved_from(path: Path, metadata: Metadata) -> str:
 
 
 def model_shapes(model: ModelState) -> dict[str, tuple]:
-    """FQN -> global shape over every rank's share (pipeline stages each hold a part of the model)."""
+    """FQN -> global shape over every rank's share (pipeline stages each hold a part of the model); a process
+    without a group (titanlite.load) holds the whole model."""
+    if not dist.is_initialized():
+        return {fqn: tuple(t.shape) for fqn, t in model.target(None).items()}
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, {fqn: tuple(t.shape) for fqn, t in model.target(None).items()})
     return {fqn: shape for share in shares for fqn, shape in share.items()}

@@ -1,15 +1,16 @@
-"""Generation and evaluation on a trained model, a library the two entry points (titanlite/generate.py,
-titanlite/eval.py) and the trainer's in-loop [eval] call:
+"""The model as a library: what titanlite.load gives, and what the two commands (titanlite/generate.py,
+titanlite/eval.py), the in-loop [eval] (titanlite/evaluation/) and GRPO's rollouts (titanlite/rl/) build on:
 
-- model.py: the model with its weights, built from the [model] section and stopped before the loss (InferenceModel)
-- api.py: titanlite.load and LM, the Python API the two entry points, the lm-eval model and the in-loop samples go through
-- decode.py: the decode loop (static KV cache of models/kv_cache.py, the host looking every 16 steps), greedy or sampled, stop tokens and strings
+- load.py: titanlite.load, the model a folder holds built in this process (no process group), as an LM
+- api.py: LM, generate and logits, the Python API the commands, the lm-eval model and the in-loop samples go through
+- arguments.py: the API's arguments checked, one sentence each
+- model.py: a job's model with its weights for the commands, sharded under torchrun (InferenceModel)
+- decode.py: the decode loop on the static KV cache (models/kv_cache.py): the whole token step (forward, pick,
+  bookkeeping) compiled, replayed from a CUDA graph on CUDA; the host looking every 16 steps; stop tokens and strings
+- sampling.py: greedy, temperature, top-k, top-p, min_new_tokens, a counter-based random stream per prompt
 - prompts.py: prompts files read and checked, prompts rendered as training renders them
-- generate_job.py: python -m titanlite.generate's prompts in, JSON lines out
 - lm_eval_model.py: TitanliteLM, the lm-eval model (imports lm-eval)
 - tasks.py: lm-eval tasks checked, run and their results written; metrics as scalars
-- eval_job.py: python -m titanlite.eval's config, evaluation and results table
-- evaluator.py: the in-loop evaluator ([eval]) on the trainer's live model
 
 lm-eval is imported only where evaluation runs (lm_eval_model.py, and inside the functions of the others).
 """

@@ -1,16 +1,17 @@
 """Token generation with the static KV cache (models/kv_cache.py): prompts of different lengths left-padded into
-one batch, one prefill forward, then one decode step (one token per row) per new token, greedy or sampled
-(temperature, top-k, top-p; each prompt with its own generator), each row ending at the tokenizer's eos or an
-end-of-turn token, at a stop string, or at max_new_tokens. The tokens, their log-probabilities and each row's first
-stop token stay on the device; the host looks every CHECK_EVERY steps. api.LM (which python -m titanlite.generate,
-the lm-eval model and the in-loop evaluator's sample prompts use) calls `generate_ids`.
+one batch, one prefill forward, then one token step per new token, each row ending at the tokenizer's eos or an
+end-of-turn token, at a stop string, or at max_new_tokens. The token step is the whole of it: the forward of one
+token per row, the pick (sampling.py: greedy or sampled, each prompt with its own random stream) and the
+bookkeeping (the token, its log-probability and each row's first stop token written into the batch's tensors on
+the device), so it compiles to one graph and, on CUDA, replays as one CUDA graph (CudaGraphStep). The host looks at
+the rows every CHECK_EVERY steps. api.LM (which python -m titanlite.generate, the lm-eval model and the in-loop
+evaluator's sample prompts use) and GRPO's rollouts call `generate_ids`.
 
 Ranks that each generate for their own prompts on a sharded (FSDP) model run in lockstep (`lockstep`): every
 forward gathers weights from all ranks, so the ranks look at the same steps, and a rank whose rows are finished
 runs idle one-token forwards (without its cache) until every rank is finished.
 """
 
-import hashlib
 import time
 from dataclasses import dataclass
 
@@ -20,24 +21,12 @@ from torch import nn
 
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.inference.sampling import Sampling, pick_tokens, prompt_seed
 from titanlite.models.kv_cache import KVCache
 
 # Special tokens that end an assistant's turn in the common chat templates; those the tokenizer knows stop generation.
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end▁of▁sentence|>",
                "<end_of_turn>", "<|end|>")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is picked; temperature 0 = greedy."""
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    stop_ids: tuple[int, ...] | None = None  # None = the tokenizer's eos and end-of-turn tokens (stop_token_ids)
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -48,43 +37,6 @@ def stop_token_ids(tokenizer) -> list[int]:
         if len(encoded) == 1 and tokenizer.decode(encoded) == name:
             ids.add(encoded[0])
     return sorted(ids)
-
-
-def prompt_generators(sampling: Sampling, indices: list[int], device: torch.device) -> list[torch.Generator] | None:
-    """One generator per prompt, seeded from (generate.seed, the prompt's index among all prompts): a completion
-    depends on neither the batch it runs in nor the number of prompts or ranks. None when greedy."""
-    if sampling.temperature == 0:
-        return None
-    return [torch.Generator(device=device).manual_seed(prompt_seed(sampling.seed, index)) for index in indices]
-
-
-def prompt_seed(seed: int, index: int) -> int:
-    """A 32-bit seed for (seed, index): the CPU generator (mt19937) keeps only a seed's low 32 bits, so the two are
-    hashed together rather than packed side by side."""
-    return int.from_bytes(hashlib.sha256(f"{seed},{index}".encode()).digest()[:4], "little")
-
-
-def pick_tokens(logits: torch.Tensor, sampling: Sampling,
-                generators: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, vocab] -> (the next token of each row [B], row i sampled with generators[i]; its log-probability
-    under the model at temperature 1 [B], float32). No host sync."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    if sampling.temperature == 0:
-        picked = logits.argmax(dim=-1)
-        return picked, logprobs.gather(-1, picked[:, None])[:, 0]
-    logits = logits.float() / sampling.temperature
-    if sampling.top_k:
-        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        before = sorted_logits.softmax(dim=-1).cumsum(dim=-1) - sorted_logits.softmax(dim=-1)
-        # A token is dropped once the more likely ones already reach top_p; the most likely always stays.
-        dropped = (before >= sampling.top_p).scatter(-1, order, before >= sampling.top_p)
-        logits = logits.masked_fill(dropped, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    picked = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
-    return picked, logprobs.gather(-1, picked[:, None])[:, 0]
 
 
 def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +76,8 @@ def text_stop_index(ids: list[int], tokenizer, stop: tuple[str, ...], start: int
 
 @dataclass(frozen=True)
 class Generated:
-    """One prompt's new tokens, each one's log-probability under the model at temperature 1, and why it ended:
+    """One prompt's new tokens, each one's log-probability as sampled (sampling.py's pick_tokens: under
+    log_softmax(logits / temperature), before top-k and top-p; greedy: temperature 1's), and why it ended:
     "eos" (a stop token, not included), "stop" (a stop string; the token completing it included, the caller cuts
     the text) or "length" (max_new_tokens or the model's context)."""
 
@@ -192,14 +145,75 @@ class Speed:
 CHECK_EVERY = 16  # decode steps between the host's looks at the rows (stop tokens, stop strings, lockstep)
 
 
-def decode_step(model: nn.Module, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
-    """One token per row [B] -> the next token's logits [B, vocab]: the function `compile` compiles."""
-    return model(tokens[:, None], cache=cache.decode())[:, -1]
+class Tokens:
+    """A batch's new tokens as they are made, on the device: each row's tokens [B, W] and their log-probabilities
+    [B, W] (W: the budget rounded up to 64, so that nearby budgets share one compiled step), each row's first stop
+    token (eos_at [B], W = none yet), how many are made (0-dim), each row's seed (sampling.py) and the stop tokens.
+    Only the token step writes them, in place."""
+
+    def __init__(self, batch: int, budget: int, sampling: Sampling, seeds: list[int], stops: list[int],
+                 device: torch.device):
+        width = -(-budget // 64) * 64
+        self.sampling = sampling
+        self.new = torch.zeros(batch, width, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(batch, width, device=device)
+        self.eos_at = torch.full((batch,), width, dtype=torch.long, device=device)
+        self.made = torch.zeros((), dtype=torch.long, device=device)
+        self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
+        self.stops = torch.tensor([] if sampling.ignore_eos else stops, dtype=torch.long, device=device)
+
+    def record(self, logits: torch.Tensor) -> None:
+        """The next token of each row picked from its logits [B, vocab], and written down."""
+        sampling, made = self.sampling, self.made
+        if sampling.min_new_tokens:  # transformers' MinNewTokensLengthLogitsProcessor: no stop token before then
+            held = logits.index_fill(-1, self.stops, float("-inf"))
+            logits = torch.where(made < sampling.min_new_tokens, held, logits)
+        picked, logprobs = pick_tokens(logits, sampling, self.seeds, made)
+        self.new.index_copy_(1, made[None], picked[:, None])
+        self.logprobs.index_copy_(1, made[None], logprobs[:, None])
+        first = torch.isin(picked, self.stops) & (self.eos_at == self.new.shape[1])
+        self.eos_at.copy_(torch.where(first, made, self.eos_at))
+        self.made += 1
+
+
+def token_step(model: nn.Module, cache: KVCache, tokens: Tokens) -> None:
+    """One new token per row: the forward of each row's last token on the cache, the pick, the bookkeeping. The
+    function `compile` compiles (and, on CUDA, CudaGraphStep replays)."""
+    last = tokens.new.gather(1, (tokens.made - 1).expand(tokens.new.shape[0], 1))
+    tokens.record(model(last, cache=cache.decode())[:, -1])
+
+
+class CudaGraphStep:
+    """The token step of one generate_ids call replayed from a CUDA graph, as gpt-fast's speed rests on: one launch
+    per token instead of one per kernel. Its first call runs the step (on a side stream, as capture wants: the
+    compiled kernels loaded, the allocator warm), the second captures it (capture runs nothing) and replays it, every
+    later call replays it. The cache and the batch's tensors keep their memory for the call's life, and the step
+    changes them in place only, so each replay is the next step."""
+
+    def __init__(self, step, model: nn.Module, cache: KVCache, tokens: Tokens):
+        self.step, self.inputs = step, (model, cache, tokens)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.warm = False
+
+    def __call__(self) -> None:
+        if self.graph is None and self.warm:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.step(*self.inputs)
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.warm = True
 
 
 def cache_capacity(width: int, budget: int) -> int:
     """Columns the cache holds: the prompts' width and the new tokens, rounded up to a multiple of 64, so that
-    calls with nearby lengths share one shape (and one compiled decode step)."""
+    calls with nearby lengths share one shape (and one compiled token step)."""
     return -(-(width + budget) // 64) * 64
 
 
@@ -208,48 +222,48 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def token_budget(prompts: list[list[int]], sampling: Sampling, max_seq_len: int) -> int:
+    """max_new_tokens, or fewer where the longest prompt would pass the model's context (said once)."""
+    budget = min(sampling.max_new_tokens, max_seq_len - max(map(len, prompts)))
+    if budget < sampling.max_new_tokens:
+        logger.info(f"generating at most {budget} tokens: the longest prompt and max_new_tokens would pass the model's "
+                    f"context of {max_seq_len}")
+    return budget
+
+
 @torch.no_grad()
 def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling, *,
                  lockstep: bool = False, indices: list[int] | None = None, speed: Speed | None = None,
-                 step=decode_step) -> list[Generated]:
+                 step=token_step, cuda_graph: bool = False) -> list[Generated]:
     """Each prompt's Generated, one batch: the new tokens up to (excluding) the first stop token, or up to and
     including the token that completed a stop string (the caller cuts the text), or max_new_tokens, or the model's
-    context (said once). With `lockstep`, every rank of the world calls this together.
+    context. With `lockstep`, every rank of the world calls this together.
     indices: each prompt's place among all prompts, which seeds its sampling (default 0, 1, ...); `speed`, where
-    given, adds this batch's tokens and seconds; `step`: decode_step, or it compiled.
+    given, adds this batch's tokens and seconds; `step`: token_step, or it compiled; `cuda_graph`: replay the step
+    from a CUDA graph (CudaGraphStep; a CUDA device, not in lockstep).
 
     The tokens stay on the device while they are made: the host looks every CHECK_EVERY steps (and when the budget
     is spent), and a row finished meanwhile keeps decoding until then, its extra tokens dropped."""
     check_prompts(prompts, args.max_seq_len, args.vocab_size)
     device = next(model.parameters()).device
-    budget = min(sampling.max_new_tokens, args.max_seq_len - max(map(len, prompts)))
-    if budget < sampling.max_new_tokens:
-        logger.info(f"generating at most {budget} tokens: the longest prompt and max_new_tokens would pass the model's "
-                    f"context of {args.max_seq_len}")
-    stops = torch.tensor(stop_token_ids(tokenizer) if sampling.stop_ids is None else list(sampling.stop_ids),
-                         dtype=torch.long, device=device)
-    generators = prompt_generators(sampling, list(range(len(prompts))) if indices is None else indices, device)
+    budget = token_budget(prompts, sampling, args.max_seq_len)
+    stops = stop_token_ids(tokenizer) if sampling.stop_ids is None else list(sampling.stop_ids)
+    seeds = [prompt_seed(sampling.seed, index) for index in (range(len(prompts)) if indices is None else indices)]
     started = time.perf_counter()
-    tokens, valid = left_padded(prompts, tokenizer.eos_id, device)
-    cache = KVCache(len(prompts), cache_capacity(tokens.shape[1], budget), getattr(args, "sliding_window", None), device)
-    logits = model(tokens, cache=cache.prefill(valid))[:, -1]
+    ids, valid = left_padded(prompts, tokenizer.eos_id, device)
+    cache = KVCache(len(prompts), cache_capacity(ids.shape[1], budget), getattr(args, "sliding_window", None), device)
+    tokens = Tokens(len(prompts), budget, sampling, seeds, stops, device)
+    tokens.record(model(ids, cache=cache.prefill(valid))[:, -1])
     synchronize(device)
     prefilled = time.perf_counter()
-    new = torch.zeros(len(prompts), budget, dtype=torch.long, device=device)
-    logprobs = torch.zeros(len(prompts), budget, device=device)
-    eos_at = torch.full((len(prompts),), budget, dtype=torch.long, device=device)  # each row's first stop token
+    graphed = CudaGraphStep(step, model, cache, tokens) if cuda_graph and not lockstep else None
     rows = Rows(len(prompts), tokenizer, sampling.stop)
-    made, forwards, finished = 0, 0, False
+    made, forwards, finished = 1, 0, False
     while True:
-        if not finished:
-            picked, picked_logprobs = pick_tokens(logits, sampling, generators)
-            new[:, made], logprobs[:, made] = picked, picked_logprobs
-            eos_at = torch.where(torch.isin(picked, stops) & (eos_at == budget), made, eos_at)
-            made += 1
         # In lockstep every rank looks at the same forwards; alone, also when the budget is spent.
         if forwards % CHECK_EVERY == 0 or (made == budget and not lockstep):
             if rows.checked < made:
-                rows.update(new[:, :made].tolist(), eos_at.tolist(), made)
+                rows.update(tokens.new[:, :made].tolist(), tokens.eos_at.tolist(), made)
             finished = finished or rows.done() or made == budget
             if all_finished(finished, lockstep, device):
                 break
@@ -257,9 +271,10 @@ def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sa
             finished = True
             idle_forward(model, device)
         else:
-            logits = step(model, cache, new[:, made - 1])
+            graphed() if graphed is not None else step(model, cache, tokens)
+            made += 1
         forwards += 1
-    results = rows.results(logprobs[:, :made].tolist())
+    results = rows.results(tokens.logprobs[:, :made].tolist())
     if speed is not None:
         speed.prefill_tokens += sum(map(len, prompts))
         speed.prefill_seconds += prefilled - started

@@ -30,7 +30,7 @@ class TitanliteLM(TemplateLM):
     def __init__(self, run, batch_size: int = 1):
         """run: an InferenceModel or build.py's Run, its model in eval mode taking tokens [B, T] to logits [B, T, vocab]."""
         super().__init__()
-        self.lm = LM(run)  # generation and logits go through the Python API
+        self.lm = LM.of(run)  # generation and logits go through the Python API
         self.model, self.tokenizer, self.args = run.model, run.tokenizer, run.args
         self.batch_size = batch_size
         self.max_length = run.args.max_seq_len

@@ -67,8 +67,9 @@ def sharded_model(cfg: JobConfig, spec: ModelSpec, args, dims: ParallelDims, dev
     return materialize(model, cfg.job.seed, device, dims.tp_enabled)
 
 
-def build_inference_model(cfg: JobConfig, info: DistInfo) -> InferenceModel:
-    """The job's model with its weights, in eval mode, on the process group the caller opened."""
+def build_inference_model(cfg: JobConfig, info: DistInfo, checkpoint_key: str = "generate.checkpoint") -> InferenceModel:
+    """The job's model with its weights, in eval mode, on the process group the caller opened; checkpoint_key: how the
+    command names generate.checkpoint (python -m titanlite.eval: --model_args checkpoint)."""
     check_data_parallel_only(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     dims.build_mesh(info.device.type)
@@ -78,6 +79,6 @@ def build_inference_model(cfg: JobConfig, info: DistInfo) -> InferenceModel:
     args = model_args(cfg.model, spec, tokenizer.vocab_size)
     model, label = sharded_model(cfg, spec, args, dims, info.device), model_label(cfg.model)
     source = load_trained_weights(model, ModelIdentity(label, spec.hf_adapter, args), cfg.checkpoint, cfg.job.dump_folder,
-                                  Path(cfg.generate.checkpoint) if cfg.generate.checkpoint else None, "generate.checkpoint")
+                                  Path(cfg.generate.checkpoint) if cfg.generate.checkpoint else None, checkpoint_key)
     logger.info(f"loaded {label} from {source}")
     return InferenceModel(cfg, info, args, tokenizer, model.eval())

@@ -1,5 +1,6 @@
 """Prompts as generation takes them: the records of a JSON-lines prompts file (generate.prompts_file,
-eval.sample_prompts), each {"prompt": text}, {"messages": [...]} or {"token_ids": [...]}, checked when the file is
+eval.sample_prompts), each {"prompt": text}, {"messages": [...]} or {"token_ids": [...]} (other fields ignored, and
+{"prompt": [messages]} read as messages, so a GRPO prompts file generates as it is), checked when the file is
 read (one sentence naming the file and line), then rendered as training renders that input: text as the text
 pipeline encodes a document (after the tokenizer's bos), messages as apply_chat_template(messages,
 add_generation_prompt=True) gives them (nothing added: a bos is there only where the template writes one), token
@@ -35,8 +36,11 @@ def checked_record(record, where: str) -> PromptRecord:
         raise UserError(f"{where} must hold exactly one of \"prompt\", \"messages\" or \"token_ids\"; fix that line")
     kind = next(k for k in KINDS if k in record)
     value = record[kind]
+    if kind == "prompt" and isinstance(value, list):  # GRPO's (and TRL's) conversational prompt: messages
+        kind = "messages"
     if kind == "prompt" and not isinstance(value, str):
-        raise UserError(f"{where}: \"prompt\" is {json.dumps(value)}, not a string; quote the text")
+        raise UserError(f"{where}: \"prompt\" is {json.dumps(value)}, neither a string nor a list of messages; quote "
+                        "the text")
     if kind == "messages":
         if not isinstance(value, list) or not value:
             raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects; "

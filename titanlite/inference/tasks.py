@@ -83,8 +83,15 @@ def evaluate_tasks(lm, tasks: list[str], include_path: str | None, *, limit: flo
 
     manager = task_manager(tuple(tasks), include_path)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task progress lines would drown the run's log
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                           log_samples=log_samples, batch_size=lm.batch_size)
+    try:
+        return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                               log_samples=log_samples, batch_size=lm.batch_size)
+    except ValueError as error:  # raised while lm-eval builds the prompts, before any forward
+        if "Sample larger than population" not in str(error):
+            raise
+        asked = f"--num_fewshot {num_fewshot}" if num_fewshot is not None else "its num_fewshot"
+        raise UserError(f"a task of {', '.join(tasks)} has fewer examples to show than {asked} asks for; give a smaller "
+                        "--num_fewshot (eval.num_fewshot in [eval])") from None
 
 
 def write_results(results: dict, output_path: str, log_samples: bool, model_args: str) -> None:

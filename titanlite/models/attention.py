@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanlite.log import logger
-from titanlite.models.kv_cache import CacheStep
+from titanlite.models.kv_cache import CacheStep, LayerStep
 from titanlite.parallel.cp import SequenceShard
 
 
@@ -46,8 +46,15 @@ class GatheredKeys:
     gather: Callable[[torch.Tensor], torch.Tensor]
 
 
-# int: Mistral's window alone (window_mask); CacheStep: generation's cache (models/kv_cache.py)
-Mask = torch.Tensor | BlockMask | GatheredKeys | CacheStep | int | None
+# int: Mistral's window alone (window_mask); CacheStep: generation's cache (models/kv_cache.py), which each block
+# receives as its own LayerStep (for_layer)
+Mask = torch.Tensor | BlockMask | GatheredKeys | CacheStep | LayerStep | int | None
+
+
+def for_layer(mask: Mask, name: str) -> Mask:
+    """What block `name` (its key in model.layers) attends under: its own cache under generation's cache step, else
+    the mask every block shares."""
+    return mask.layer(name) if isinstance(mask, CacheStep) else mask
 
 
 def document_delimiters(attention_mask: str, tokenizer, dataset: str) -> tuple[int, int] | None:
@@ -173,7 +180,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
     are scaled by `scale`, 1 / sqrt(qk_dim) when None (DeepSeek's YaRN changes it)."""
     if isinstance(mask, GatheredKeys):  # context parallelism: only the key/value heads travel
         k, v, mask = mask.gather(k), mask.gather(v), mask.mask
-    elif isinstance(mask, CacheStep):  # generation: the earlier tokens' keys and values come first
+    elif isinstance(mask, LayerStep):  # generation: the earlier tokens' keys and values come first
         (k, v), mask = mask.extend(k, v), mask.mask
         if k.shape[1] < q.shape[1]:
             return grouped_attention(q, k, v, mask, scale)

@@ -16,10 +16,11 @@ NaN in a padded value would reach real queries through 0 * NaN.
 
 Two kinds of forward use it: the prefill (`prefill`: the prompts [B, T] on an empty cache, attending among
 themselves, their last `capacity` columns stored) and the decode step (`decode`: one token per row, attending to
-every slot). Training never passes a cache; with one, the model's forward hands a `CacheStep` down to the blocks
-in place of the mask (`attend` and DeepSeek's latent attention recognise it), so the blocks and their signatures
-are the training ones. The cache counts the attention calls of one forward: the n-th call is block n, since every
-decoder runs its blocks in order.
+every slot). Training never passes a cache; with one, the model's forward takes a `CacheStep` (the positions and
+mask every layer shares) and hands each block its own layer's view of it, `step.layer(name)` (a `LayerStep`: that
+layer's buffers, as gpt-fast hands each attention its own cache), in place of the mask (models/attention.py's
+`for_layer`; `attend` and DeepSeek's latent attention recognise it), so the blocks and their signatures are the
+training ones, and no layer is found by counting calls.
 
 Each layer keeps tensors whose sequence dimension is -2: keys and values [B, kv_heads, S, head_dim], or DeepSeek's
 normalised latent [B, S, kv_lora_rank] and its shared RoPE key [B, S, rope_dim], which is what DeepSeek's
@@ -35,14 +36,10 @@ class KVCache:
         (args.sliding_window), None = every position stays reachable."""
         self.capacity = min(capacity, window) if window is not None else capacity
         self.window = window
-        self.layers: list[tuple[torch.Tensor, ...]] = []
+        self.layers: dict[str, tuple[torch.Tensor, ...]] = {}  # each layer's buffers, by its name in model.layers
         self.key_positions = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)
         self.next_positions = torch.zeros(batch, dtype=torch.long, device=device)  # each row's next token's position
         self.column = torch.zeros((), dtype=torch.long, device=device)  # the next token's column (same in every row)
-        self.next_layer = 0  # the block the next attention call of this forward belongs to
-        self.writes: torch.Tensor | None = None  # this forward: the slots its new columns go to
-        self.kept: torch.Tensor | None = None  # the prefill: which of its columns are stored (the last `capacity`)
-        self.decoding = False  # whether the forward under way is a decode step (else the prefill)
 
     def allowed(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
         """[B, T, S] True where a query at query_positions [B, T] may read a key at key_positions [B, S]."""
@@ -60,46 +57,50 @@ class KVCache:
         keys = torch.where(valid, positions, -1)
         allowed = self.allowed(keys, positions)
         allowed |= torch.eye(width, dtype=torch.bool, device=valid.device) & ~valid[:, :, None]
-        self.kept = torch.arange(max(0, width - self.capacity), width, device=valid.device)
-        self.writes = self.kept % self.capacity
-        self.key_positions[:, self.writes] = keys[:, self.kept]
+        kept = torch.arange(max(0, width - self.capacity), width, device=valid.device)
+        self.key_positions[:, kept % self.capacity] = keys[:, kept]
         self.next_positions.copy_(positions[:, -1] + 1)
         self.column.fill_(width)
-        self.next_layer, self.decoding = 0, False
-        return CacheStep(self, positions.clamp(min=0), allowed[:, None])
+        return CacheStep(self, positions.clamp(min=0), allowed[:, None], kept % self.capacity, kept)
 
     def decode(self) -> "CacheStep":
         """The step for one new token per row: its position, its slot written, the mask over every slot. Only
         tensor operations, in place: the step compiles to one graph."""
         positions = self.next_positions[:, None].clone()
-        self.writes = (self.column % self.capacity)[None]
-        self.key_positions.index_copy_(1, self.writes, positions)
+        writes = (self.column % self.capacity)[None]
+        self.key_positions.index_copy_(1, writes, positions)
         self.next_positions += 1
         self.column += 1
-        self.next_layer, self.decoding = 0, True
-        return CacheStep(self, positions, self.allowed(self.key_positions, positions)[:, None])
-
-    def extend(self, layer: int, new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Layer `layer`'s keys and values for this forward's attention, `new` (sequence dimension -2) stored: at the
-        prefill the new ones alone (the cache held nothing), at a decode step every slot."""
-        if layer == len(self.layers):  # the prefill allocates the layer's buffers
-            self.layers.append(tuple(t.new_zeros(*t.shape[:-2], self.capacity, t.shape[-1]) for t in new))
-        for buffer, t in zip(self.layers[layer], new):
-            stored = t if self.decoding else t.index_select(-2, self.kept)
-            buffer.index_copy_(buffer.dim() - 2, self.writes, stored)
-        return self.layers[layer] if self.decoding else new
+        return CacheStep(self, positions, self.allowed(self.key_positions, positions)[:, None], writes)
 
 
 class CacheStep:
-    """One forward's view of the cache: positions [B, T] of the new tokens (0 at padding) and the mask
-    [B, 1, T, S] (True = attend) over the keys the attention reads. The count of blocks served lives
-    in the cache: wrappers (FSDP's input casts) may hand each block a copy of the step."""
+    """One forward's view of the cache, shared by its layers: positions [B, T] of the new tokens (0 at padding), the
+    mask [B, 1, T, S] (True = attend) over the keys the attention reads, the slots the new columns go to and, at the
+    prefill, which of its columns are kept (the last `capacity`; None at a decode step, whose one column is)."""
 
-    def __init__(self, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor):
-        self.cache, self.positions, self.mask = cache, positions, mask
+    def __init__(self, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor, writes: torch.Tensor,
+                 kept: torch.Tensor | None = None):
+        self.cache, self.positions, self.mask, self.writes, self.kept = cache, positions, mask, writes, kept
+
+    def layer(self, name: str) -> "LayerStep":
+        """The view of block `name` (its key in model.layers): its own buffers, allocated at the prefill."""
+        return LayerStep(self, name)
+
+
+class LayerStep:
+    """One block's cache in one forward: what its attention reads as its mask."""
+
+    def __init__(self, step: CacheStep, name: str):
+        self.step, self.name, self.mask = step, name, step.mask
 
     def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The calling block's keys and values to attend to, `new` stored in the cache (each sequence dimension -2)."""
-        full = self.cache.extend(self.cache.next_layer, new)
-        self.cache.next_layer += 1
-        return full
+        """This block's keys and values to attend to (sequence dimension -2), `new` stored: at the prefill the new ones
+        alone (the cache held nothing), at a decode step every slot."""
+        step, layers = self.step, self.step.cache.layers
+        prefill = step.kept is not None
+        if self.name not in layers:  # the prefill allocates the layer's buffers
+            layers[self.name] = tuple(t.new_zeros(*t.shape[:-2], step.cache.capacity, t.shape[-1]) for t in new)
+        for buffer, t in zip(layers[self.name], new):
+            buffer.index_copy_(buffer.dim() - 2, step.writes, t.index_select(-2, step.kept) if prefill else t)
+        return new if prefill else layers[self.name]

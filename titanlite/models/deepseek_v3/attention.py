@@ -20,7 +20,7 @@ from titanlite.models.attention import Mask, attend
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args
 from titanlite.models.deepseek_v3.rope import softmax_scale
 from titanlite.models.init import trunc_normal_
-from titanlite.models.kv_cache import CacheStep
+from titanlite.models.kv_cache import LayerStep
 from titanlite.models.llama.model import BASE_INIT_STD, apply_rope
 
 LATENT_NORM_EPS = 1e-6  # the q and kv latent norms' eps in DeepSeek's code and transformers, whatever rms_norm_eps says
@@ -60,7 +60,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope = apply_rope(q_rope, rope_cos, rope_sin)
         k_rope = apply_rope(k_rope.unsqueeze(2), rope_cos, rope_sin)  # one head, shared by all
-        if isinstance(mask, CacheStep):
+        if isinstance(mask, LayerStep):
             out = self.attend_cached_latent(q_nope, q_rope, self.kv_norm(latent), k_rope.squeeze(2), mask)
             return self.wo(out.reshape(batch, seq_len, -1))
         k_nope, v = self.wkv_b(self.kv_norm(latent)).view(batch, seq_len, -1, self.nope_dim + self.v_dim).split(
@@ -71,7 +71,7 @@ class MultiHeadLatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def attend_cached_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                             step: CacheStep) -> torch.Tensor:
+                             step: LayerStep) -> torch.Tensor:
         """Generation's attention over the cache of normalised latents [B, S, rank] and RoPE keys [B, S, rope_dim],
         as DeepSeek's inference absorbs wkv_b: each head's query is taken into the latent space, so the keys and
         values are never expanded per head. q_nope [B, T, heads, nope], q_rope [B, T, heads, rope] ->

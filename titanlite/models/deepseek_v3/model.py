@@ -10,7 +10,7 @@ With args.mtp_layers, multi-token prediction depths follow the main blocks (mtp.
 
 import torch
 
-from titanlite.models.attention import Mask
+from titanlite.models.attention import Mask, for_layer
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args
 from titanlite.models.deepseek_v3.attention import MultiHeadLatentAttention
 from titanlite.models.deepseek_v3.mtp import MultiTokenPrediction
@@ -56,10 +56,10 @@ class DeepSeekV3(MultiTokenPrediction, Mixtral):
         aux_losses, loads = [], {}
         for layer_id, block in self.layers.items():
             if self.is_moe(layer_id):
-                h, aux_loss, loads[layer_id] = block(h, rope_cos, rope_sin, mask)
+                h, aux_loss, loads[layer_id] = block(h, rope_cos, rope_sin, for_layer(mask, layer_id))
                 aux_losses.append(aux_loss)
             else:
-                h = block(h, rope_cos, rope_sin, mask)
+                h = block(h, rope_cos, rope_sin, for_layer(mask, layer_id))
         if not aux_losses:  # a pipeline stage of dense blocks only
             return h, {}
         # The mean over the model's MoE blocks. pp.py weighs a stage's aux_loss by the stage's share of

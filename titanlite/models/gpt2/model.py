@@ -97,8 +97,8 @@ class GPT2(KeepsTiedEmbeddings):
         With `extra_losses` it returns (that output, {}), as every family does (GPT-2 adds no loss of its own)."""
         if cache is not None:
             h = self.tok_embeddings(tokens) + self.pos_embeddings(cache.positions)
-            for block in self.layers.values():
-                h = block(h, cache)
+            for name, block in self.layers.items():
+                h = block(h, cache.layer(name))
             return self.head(h[:, -1:])
         h = tokens
         if self.tok_embeddings is not None:

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlite.errors import UserError
-from titanlite.models.attention import Mask, attend, attention_mask, document_positions
+from titanlite.models.attention import Mask, attend, attention_mask, document_positions, for_layer
 from titanlite.models.kv_cache import CacheStep
 from titanlite.parallel.cp import SequenceShard
 from titanlite.models.init import trunc_normal_
@@ -253,8 +253,8 @@ class Transformer(KeepsTiedEmbeddings):
                    mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The blocks in order -> (h, the family's extra losses); families whose blocks return more than h (Mixtral)
         override it."""
-        for block in self.layers.values():
-            h = block(h, rope_cos, rope_sin, mask)
+        for name, block in self.layers.items():
+            h = block(h, rope_cos, rope_sin, for_layer(mask, name))
         return h, {}
 
     @torch.no_grad()

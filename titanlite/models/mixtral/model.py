@@ -8,7 +8,7 @@ also adds to router statistics that `extra_metrics()` hands to the metrics logge
 import torch
 import torch.nn as nn
 
-from titanlite.models.attention import Mask
+from titanlite.models.attention import Mask, for_layer
 from titanlite.models.llama.model import Transformer, TransformerBlock
 from titanlite.models.mixtral.args import MixtralArgs
 from titanlite.models.moe import MoE
@@ -41,8 +41,8 @@ class Mixtral(Transformer):
     def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                    mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         aux_losses, loads = [], []
-        for block in self.layers.values():
-            h, aux_loss, load = block(h, rope_cos, rope_sin, mask)
+        for name, block in self.layers.items():
+            h, aux_loss, load = block(h, rope_cos, rope_sin, for_layer(mask, name))
             aux_losses.append(aux_loss)
             loads.append(load)
         aux_loss = torch.stack(aux_losses).mean()

@@ -78,7 +78,7 @@ class InLoopEvaluator:
         return scalars
 
     def write_samples(self, step: int) -> None:
-        completions = LM(self.run).complete(self.samples, Sampling(self.cfg.max_new_tokens))
+        completions = LM.of(self.run).complete(self.samples, Sampling(self.cfg.max_new_tokens))
         if self.metrics.writer is None:
             return
         for number, completion in enumerate(completions):
