@@ -135,3 +135,14 @@ def test_a_resume_on_two_ranks_of_a_one_rank_checkpoint_goes_on_at_its_place(tmp
     assert "restarts its stream from the beginning" not in out.stderr
     resumed, whole = prompts_by_step(tmp_path / "resumed"), prompts_by_step(tmp_path / "whole")
     assert list(resumed) == [3] and sorted(resumed[3]) == sorted(whole[3]) and len(whole[3]) == 8
+
+
+def test_a_parquet_file_with_text_that_is_not_utf8_is_one_sentence(tmp_path, tokenizer):
+    path = tmp_path / "prompts.parquet"
+    text = pyarrow.array([b"Hello?", b"\xffHi."], pyarrow.binary()).view(pyarrow.string())
+    pyarrow.parquet.write_table(pyarrow.table({"prompt": text}), path)
+    with pytest.raises(UserError) as refused:
+        prompt_set(path, tokenizer)
+    said = str(refused.value)
+    assert said.startswith(f"{KEY}: {path} holds text in 'prompt' that is not UTF-8 (") and said.endswith(
+        "); re-encode the file as UTF-8 or fix that record") and "\n" not in said

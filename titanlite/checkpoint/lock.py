@@ -195,7 +195,8 @@ def own_process() -> dict:
 
 def take_lock(folder: Path) -> Path:
     """Exactly one of any number of runs starting together takes the lock: it is created exclusively (O_EXCL), and a
-    stale one is taken over under flock; every other run is refused in one sentence."""
+    stale one is taken over under flock; every other run is refused in one sentence (a restart of a job without an id
+    may first wait for its old lock to go stale: wait_as_a_restart)."""
     path = folder / LOCK
     record = json.dumps(own_process() | {"job": job_id(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
     waiting_since = None

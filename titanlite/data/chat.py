@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from titanlite.data.chat_spans import (MARKED, GenerationTracker, assistant_spans, literal_contents, special_pattern,
                                        track_generation)
 from titanlite.data.hf_tokenizer import HFTokenizer
-from titanlite.data.local_files import find_data_files, read_errors, read_records, utf8_fault
+from titanlite.data.local_files import find_data_files, read_errors, read_records, utf8_column_fault, utf8_fault
 from titanlite.data.store import TokenStore, concatenate
 from titanlite.errors import UserError
 
@@ -209,19 +209,6 @@ class Conversations(Sequence):
 
     def __getitem__(self, index: int) -> list[dict]:
         return self.messages[index]
-
-
-def utf8_column_fault(records, fields) -> str | None:
-    """Why a field's text (nested in messages too) is not UTF-8, or None when all of it is."""
-    import pyarrow as pa
-
-    for field in fields:
-        try:
-            records.data.column(field).validate(full=True)
-        except pa.ArrowInvalid as error:
-            return (f"holds text in '{field}' that is not UTF-8 ({str(error).splitlines()[0]}); re-encode the file as UTF-8 "
-                    "or fix that record")
-    return None
 
 
 def tokenize_conversation(renderer: ChatRenderer, tokenizer: HFTokenizer, messages: list[dict],

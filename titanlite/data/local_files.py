@@ -207,8 +207,23 @@ def parquet_records(files: list[Path], key: str) -> list[tuple[str, dict]]:
             table = read_records("parquet", [path])
         except read_errors() as error:
             raise UserError(f"{key}: {path} {read_fault(path, 'parquet', error)}") from None
+        if fault := utf8_column_fault(table, table.column_names):
+            raise UserError(f"{key}: {path} {fault}")
         records += [(f"{path} record {number}", record) for number, record in enumerate(table, 1)]
     return records
+
+
+def utf8_column_fault(records, fields) -> str | None:
+    """Why a field's text (nested in messages too) is not UTF-8, or None when all of it is."""
+    import pyarrow as pa
+
+    for field in fields:
+        try:
+            records.data.column(field).validate(full=True)
+        except pa.ArrowInvalid as error:
+            return (f"holds text in '{field}' that is not UTF-8 ({str(error).splitlines()[0]}); re-encode the file as UTF-8 "
+                    "or fix that record")
+    return None
 
 
 def files_sha256(root: Path, files: list[Path]) -> str:

@@ -184,7 +184,11 @@ def leave_anyway_after(seconds: float, code: int) -> None:
     """End the process with `code` `seconds` from now if it is still there: a run that has said it is exiting (its
     work saved) must not hold its nodes until the scheduler kills it. What kept it (a thread joined at exit that
     waits on a peer or a service that is gone, an exit handler, a blocked write) is written to stderr first, with
-    every thread's stack, as far as stderr takes it within SAY_SECONDS."""
+    every thread's stack, as far as stderr takes it within SAY_SECONDS. Where a thread holds the GIL all along (a C++
+    destructor waiting on a peer), no Python thread runs: faulthandler's own watchdog, a C thread, then writes the
+    stacks and ends the process with exit code 1 at twice `seconds` (an exit handler that is only slow, under load,
+    keeps its own code)."""
+    faulthandler.dump_traceback_later(2 * seconds, exit=True)
 
     def leave() -> None:
         time.sleep(seconds)
