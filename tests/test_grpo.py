@@ -48,7 +48,9 @@ def test_rollouts_carry_group_advantages_and_the_scalars_are_written(prompts, tm
         expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
         assert [row["advantage"] for row in rows] == pytest.approx(expected.tolist(), abs=1e-5)
     for row in lines:  # as sampled: a completion shorter than max_new_tokens ends with its stop token
-        assert len(row["completion_ids"]) <= 12
+        assert len(row["completion_ids"]) <= 12 and len(row["logprobs"]) == len(row["completion_ids"])
+        assert row["policy_step"] == row["step"] - 1 and row["prompt"].startswith("Question ")
+        assert isinstance(row["completion"], str)
     scalars = {tag: tensorboard_scalars(tmp_path / "tb", tag) for tag in
                ("rl/reward", "rl/reward/letter_share", "rl/reward_std", "rl/kl", "rl/clip_ratio", "rl/entropy",
                 "rl/completion_length", "rl/frac_reward_zero_std", "rl/generate_seconds")}
@@ -66,15 +68,21 @@ def test_a_resume_inside_a_rollout_batch_trains_on_the_same_rows(prompts, tmp_pa
              "--checkpoint.last_save_model_only", "false", "--rl.log_rollouts"]
     assert main(grpo_flags(prompts, tmp_path / "whole", 5, *flags)) == 0
     shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-3", tmp_path / "resumed" / "checkpoint" / "step-3")
+    # the log as a run stopped after step 5's rollouts: its lines after the checkpoint are not kept twice
+    shutil.copy(tmp_path / "whole" / "rollouts.jsonl", tmp_path / "resumed" / "rollouts.jsonl")
     assert main(grpo_flags(prompts, tmp_path / "resumed", 5, *flags)) == 0
     whole, resumed = (tensorboard_scalars(tmp_path / run / "tb", "loss/train") for run in ("whole", "resumed"))
     assert sorted(resumed) == [4, 5] and all(resumed[s] == pytest.approx(whole[s], abs=1e-6) for s in (4, 5))
-    assert rollouts(tmp_path / "resumed") == [row for row in rollouts(tmp_path / "whole") if row["step"] == 5]
+    assert rollouts(tmp_path / "resumed") == rollouts(tmp_path / "whole")
+    assert [row["step"] for row in rollouts(tmp_path / "whole")] == [1] * 8 + [3] * 8 + [5] * 8
 
 
 def test_two_fsdp_ranks_equal_one_process(prompts, tmp_path):
-    """The same 2 prompts x 4 completions per step: one process (accumulating 2 micro-batches) and 2 FSDP ranks."""
-    flags = ["--rl.log_rollouts", "--rl.loss_type", "grpo", "--rl.beta", "0.05", "--rl.num_iterations", "2"]
+    """The same 2 prompts x 4 completions per step: one process (accumulating 2 micro-batches) and 2 FSDP ranks, whose
+    rollouts are decoded by a copy of the weights gathered once per rollout batch. On-policy in fp32 the sampler's
+    log-probabilities equal the trainer's within 1e-5 on both: every importance-sampling ratio is 1 within 1e-5."""
+    flags = ["--rl.log_rollouts", "--rl.loss_type", "grpo", "--rl.beta", "0.05", "--rl.num_iterations", "2",
+             "--rl.importance_sampling", "token_truncate"]
     assert main(grpo_flags(prompts, tmp_path / "one", 3, *flags)) == 0
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps([{"argv": grpo_flags(prompts, tmp_path / "fsdp", 3, *flags)}]))
@@ -85,6 +93,9 @@ def test_two_fsdp_ranks_equal_one_process(prompts, tmp_path):
         assert sorted(fsdp) == [1, 2, 3] and all(fsdp[s] == pytest.approx(one[s], abs=1e-5) for s in one), (tag, one, fsdp)
     one, fsdp = rollouts(tmp_path / "one"), rollouts(tmp_path / "fsdp")
     assert [r["completion_ids"] for r in fsdp] == [r["completion_ids"] for r in one]
+    for run in ("one", "fsdp"):
+        low, high = (tensorboard_scalars(tmp_path / run / "tb", f"rl/sampling/ratio_{end}") for end in ("min", "max"))
+        assert all(1 - 1e-5 <= low[s] <= high[s] <= 1 + 1e-5 for s in (1, 2, 3)), (run, low, high)
 
 
 def test_lora_grpo_keeps_the_base_as_its_reference(prompts, tmp_path, capsys):
@@ -121,14 +132,9 @@ def test_record_fields_reach_the_reward_functions(prompts, tmp_path):
                            "--rl.log_rollouts")) == 0
     lines = rollouts(tmp_path)
     assert all(line["rewards"]["by_answer"] in (0.0, 1.0) for line in lines)
-
-
-def test_a_completion_ended_by_a_stop_token_keeps_it_as_sampled():
-    from titanlite.inference.decode import Generated
-    from titanlite.rl.rollout import sampled_ids
-
-    assert sampled_ids(Generated([5, 6], [-1.0, -2.0], "eos", 2)) == [5, 6, 2]
-    assert sampled_ids(Generated([5, 6, 7], [-1.0, -2.0, -3.0], "length")) == [5, 6, 7]
+    assert main(grpo_flags(prompts, tmp_path, 1, "--rl.reward_functions", "tests/grpo_rewards.py:by_answer",
+                           "--rl.log_rollouts")) == 0
+    assert rollouts(tmp_path) == lines  # a new run in the folder: the log is its own, not appended to the last one's
 
 
 @pytest.mark.extended
