@@ -51,15 +51,10 @@ class GRPO:
 
     @classmethod
     def plan_note(cls, cfg: JobConfig) -> str:
-        """What the planner leaves out of a GRPO step: making its rollouts."""
-        rl = cfg.rl
-        forwards = " and ".join(part for part, on in (("the old policy's", rl.num_iterations > 1),
-                                                      ("the reference's", rl.beta > 0)) if on)
-        extra = f", {forwards} forward over them" if forwards else ""
-        return (f"a GRPO step is counted as its training forward and backward only: generating its rollouts "
-                f"({rl.num_generations} completions of up to {rl.max_new_tokens} tokens per prompt, one decode step per "
-                f"token, with a KV cache left out of the memory rows){extra} and scoring them come on top (the run logs "
-                "rl/generate_seconds)")
+        """How the planner counts a GRPO step's rollout (plan/rollout.py)."""
+        return ("a GRPO step's rollout is counted as its gathered weights, KV cache and logits in memory and a "
+                "memory-bound decode of rl.max_new_tokens steps in time; prefill and scoring are left out (the run "
+                "logs rl/generate_seconds and rl/score_seconds)")
 
     @classmethod
     def build(cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titanlite.dtypes import DTYPES
@@ -95,7 +96,7 @@ def gathered_policy(run):
     DTensor's full_tensor(), cast to training.mixed_precision_param as FSDP casts it for compute; buffers shared),
     in eval mode, freed on exit; otherwise the policy itself, in eval mode for the while."""
     policy = run.model
-    if not any(isinstance(p, DTensor) for p in policy.parameters()):
+    if not isinstance(policy, FSDPModule):
         was_training = policy.training
         policy.eval()  # dropout off; MoE's routing statistics count training forwards only
         try:
@@ -107,18 +108,15 @@ def gathered_policy(run):
     copy = meta_model(run.spec, run.args, run.cfg.training.param_dtype, run.cfg.lora).eval()
     with torch.no_grad():
         for name, p in policy.named_parameters():
-            set_tensor(copy, plain_name(name), p.full_tensor().to(dtype), parameter=True)
+            # FSDP leaves a block it did not reshard after its last forward unsharded (a plain tensor) until backward
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            set_tensor(copy, plain_name(name), full.to(dtype), parameter=True)
     for name, buffer in policy.named_buffers():
         set_tensor(copy, plain_name(name), buffer, parameter=False)
     try:
         yield copy
     finally:
         del copy
-
-
-def gathered_bytes(num_params: int, param_dtype: str) -> int:
-    """What the colocated engine's gathered copy holds on each rank while a rollout batch is decoded."""
-    return num_params * DTYPES[param_dtype].itemsize
 
 
 class ColocatedEngine:
