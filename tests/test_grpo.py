@@ -37,7 +37,7 @@ def rollouts(dump) -> list[dict]:
 
 
 def test_rollouts_carry_group_advantages_and_the_scalars_are_written(prompts, tmp_path, capsys):
-    assert main(grpo_flags(prompts, tmp_path, 2, "--rl.log_rollouts", "--rl.beta", "0.1")) == 0
+    assert main(grpo_flags(prompts, tmp_path, 2, "--rl.log_rollouts", "--rl.beta", "0.1", "--rl.log_completions")) == 0
     lines = rollouts(tmp_path)
     assert [line["step"] for line in lines] == [1] * 8 + [2] * 8
     for group in range(4):  # 2 steps x 2 prompts x 4 completions
@@ -59,7 +59,10 @@ def test_rollouts_carry_group_advantages_and_the_scalars_are_written(prompts, tm
     assert scalars["rl/reward"][1] == pytest.approx(sum(step_one) / 8, abs=1e-6)
     assert scalars["rl/kl"][1] == pytest.approx(0.0, abs=1e-7)  # the reference is the starting policy
     assert scalars["rl/completion_length"][1] == pytest.approx(sum(len(r["completion_ids"]) for r in lines[:8]) / 8)
-    assert f"reward: {scalars['rl/reward'][2]:.4f}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"reward: {scalars['rl/reward'][2]:.4f}" in err
+    shown = lines[8]  # rl.log_completions: rank 0's first completions of each logged step, as text
+    assert f"step 2 completion (reward {shown['reward']:.4f}): {shown['prompt']!r} -> {shown['completion']!r}" in err
 
 
 def test_a_resume_inside_a_rollout_batch_trains_on_the_same_rows(prompts, tmp_path):
@@ -115,11 +118,35 @@ def test_lora_grpo_keeps_the_base_as_its_reference(prompts, tmp_path, capsys):
     (["--parallelism.tensor_parallel_degree", "2"], "with parallelism.tensor_parallel_degree 2 is not supported yet"),
     (["--rl.reward_functions", "tests/grpo_rewards.py:wrong_length"], "wrong_length"),
     (["--rl.max_new_tokens", "64"], "raise training.seq_len or lower rl.max_new_tokens"),
+    (["--training.packing", "false"], "training.packing false means nothing under training.dataset_format prompts"),
+    (["--rl.importance_sampling_clip_max", "2"], "rl.importance_sampling_clip_max 2 bounds a correction that"),
+    (["--rl.importance_sampling", "token_mask", "--rl.importance_sampling_clip_min", "3"],
+     "rl.importance_sampling_clip_min 3 must be below rl.importance_sampling_clip_max 3"),
+    (["--rl.importance_sampling", "coin"], "rl.importance_sampling"),
+    (["--rl.off_policy_mask_threshold", "-0.5"], "rl.off_policy_mask_threshold"),
 ])
 def test_errors_are_one_sentence_exit_2(prompts, tmp_path, capsys, extra, message):
     assert main(grpo_flags(prompts, tmp_path, 1, *extra)) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_rollouts_log_that_cannot_be_written_stops_the_run_before_any_rollout(prompts, tmp_path, capsys):
+    (tmp_path / "rollouts.jsonl").mkdir()
+    assert main(grpo_flags(prompts, tmp_path, 1, "--rl.log_rollouts")) == 2
+    err = capsys.readouterr().err
+    assert f"rl.log_rollouts writes {tmp_path / 'rollouts.jsonl'}, which cannot be written" in err
+    assert "Traceback" not in err and "step: 1" not in err
+
+
+def test_a_step_that_trains_nothing_says_why(prompts, tmp_path, capsys):
+    """TRL's warnings: no completion scored (every reward None), or every completion masked as truncated."""
+    assert main(grpo_flags(prompts, tmp_path / "unscored", 2, "--rl.reward_functions", "tests/rl_rewards.py:never_scores")) == 0
+    err = capsys.readouterr().err
+    assert all(f"step {s}: every reward function returned None for every completion" in err for s in (1, 2))
+    assert main(grpo_flags(prompts, tmp_path / "masked", 1, "--rl.max_new_tokens", "1", "--rl.mask_truncated_completions",
+                           "--rl.temperature", "0.01")) == 0
+    assert "step 1: rl.mask_truncated_completions left out every completion" in capsys.readouterr().err
 
 
 def test_rl_keys_apply_to_prompts_only(tmp_path, capsys):
