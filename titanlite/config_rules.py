@@ -341,6 +341,10 @@ def check_rl(cfg: JobConfig) -> None:
         raise UserError("training.packing false means nothing under training.dataset_format prompts (GRPO), whose rows "
                         "each hold one prompt and its completion, never packed; leave training.packing at its default")
     check_off_policy(rl)
+    if rl.max_staleness and rl.num_iterations > 1:
+        raise UserError(f"rl.max_staleness {rl.max_staleness} samples each step's rollouts ahead for one update, so "
+                        f"rl.num_iterations {rl.num_iterations} cannot reuse them; set rl.num_iterations 1 or "
+                        "rl.max_staleness 0")
     if cfg.validation.enable or cfg.fault_tolerance.enable:
         key = "validation.enable" if cfg.validation.enable else "fault_tolerance.enable"
         raise UserError(f"{key} is not supported with training.dataset_format prompts (GRPO) yet; set it to false")

@@ -10,6 +10,7 @@ frees it. An unsharded policy (one process, or no FSDP) decodes as it is.
 """
 
 import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.dtypes import DTYPES
 from titanlite.inference.decode import Generated, Sampling, generate_ids
 from titanlite.models.construct import meta_model
+from titanlite.parallel.fsdp import mixed_precision_context
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class Completion:
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> list[Completion]:
         """Completions of `prompts`; indices[i] is prompt i's place among all completions (seeds its sampling)."""
+
+    def submit(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> Future:
+        """generate() in the background, by the weights of now: a Future of its completions."""
 
     def update_weights(self, policy_step: int) -> None:
         """The policy has taken `policy_step` optimizer steps: later completions are sampled by those weights."""
@@ -90,42 +95,55 @@ def set_tensor(model: nn.Module, name: str, value: torch.Tensor, parameter: bool
         owner._buffers[leaf] = value
 
 
-@contextlib.contextmanager
-def gathered_policy(run):
-    """The policy to decode with: under FSDP a plain copy of its full weights (one all-gather per parameter, each
-    DTensor's full_tensor(), cast to training.mixed_precision_param as FSDP casts it for compute; buffers shared),
-    in eval mode, freed on exit; otherwise the policy itself, in eval mode for the while."""
+def full_copy(run) -> nn.Module:
+    """A plain copy of the policy's whole weights, in eval mode, its buffers shared: under FSDP each DTensor's
+    full_tensor() (one all-gather per parameter) cast to training.mixed_precision_param as FSDP casts it for compute;
+    otherwise a clone, in the dtype it trains in (autocast casts it as it casts the policy)."""
     policy = run.model
-    if not isinstance(policy, FSDPModule):
-        was_training = policy.training
-        policy.eval()  # dropout off; MoE's routing statistics count training forwards only
-        try:
-            yield policy
-        finally:
-            policy.train(was_training)
-        return
+    sharded = isinstance(policy, FSDPModule)
     dtype = DTYPES[run.cfg.training.mixed_precision_param]
     copy = meta_model(run.spec, run.args, run.cfg.training.param_dtype, run.cfg.lora).eval()
     with torch.no_grad():
         for name, p in policy.named_parameters():
-            # FSDP leaves a block it did not reshard after its last forward unsharded (a plain tensor) until backward
-            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            set_tensor(copy, plain_name(name), full.to(dtype), parameter=True)
+            if not sharded:
+                full = p.detach().clone()
+            else:  # FSDP leaves a block it did not reshard after its last forward unsharded until backward
+                full = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(dtype)
+            set_tensor(copy, plain_name(name), full, parameter=True)
     for name, buffer in policy.named_buffers():
         set_tensor(copy, plain_name(name), buffer, parameter=False)
+    return copy
+
+
+@contextlib.contextmanager
+def gathered_policy(run):
+    """The policy to decode with now: under FSDP its full_copy(), freed on exit; otherwise the policy itself, in eval
+    mode for the while."""
+    policy = run.model
+    if isinstance(policy, FSDPModule):
+        copy = full_copy(run)
+        try:
+            yield copy
+        finally:
+            del copy
+        return
+    was_training = policy.training
+    policy.eval()  # dropout off; MoE's routing statistics count training forwards only
     try:
-        yield copy
+        yield policy
     finally:
-        del copy
+        policy.train(was_training)
 
 
 class ColocatedEngine:
     """Generation on the training ranks with the training policy itself: its weights are read when a rollout batch
-    is generated (gathered once under FSDP), so new weights need no transfer."""
+    is generated (gathered once under FSDP), so new weights need no transfer. `submit` takes a full_copy() of them
+    now and decodes it on a thread of its own while training goes on (rl.max_staleness)."""
 
     def __init__(self, run):
         self.run = run
         self.policy_step = 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
 
     def update_weights(self, policy_step: int) -> None:
         self.policy_step = policy_step
@@ -138,6 +156,18 @@ class ColocatedEngine:
             recorder = SampledLogprobs(model, sampling.temperature)
             generated = generate_ids(recorder, run.args, run.tokenizer, prompts, sampling, indices=indices)
         return [completion(g, recorder, row, self.policy_step) for row, g in enumerate(generated)]
+
+    def submit(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> Future:
+        """generate()'s completions, made in the background from the weights as they are now."""
+        return self.pool.submit(self.decode, full_copy(self.run), prompts, sampling, indices, self.policy_step)
+
+    def decode(self, model: nn.Module, prompts: list[list[int]], sampling: Sampling, indices: list[int],
+               policy_step: int) -> list[Completion]:
+        run = self.run
+        with mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type):  # per thread
+            recorder = SampledLogprobs(model, sampling.temperature)
+            generated = generate_ids(recorder, run.args, run.tokenizer, prompts, sampling, indices=indices)
+        return [completion(g, recorder, row, policy_step) for row, g in enumerate(generated)]
 
 
 def completion(generated: Generated, recorder: SampledLogprobs, row: int, policy_step: int) -> Completion:

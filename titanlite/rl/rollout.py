@@ -24,10 +24,12 @@ from titanlite.data.conversation_windows import IGNORED
 from titanlite.data.packing import padded_width
 from titanlite.inference.decode import Sampling
 from titanlite.inference.prompts import completion_text
+from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.data.batch import MicroBatch, Normalizers, RolloutTerms
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.functions import score
+from titanlite.rl.ahead import Ahead
 from titanlite.rl.engine import Completion, RolloutEngine
 from titanlite.rl.grpo_loss import group_advantages, nanstd, token_logps
 from titanlite.rl.log import RolloutLog, show_completions
@@ -155,38 +157,69 @@ class RolloutStage:
         self.current: Rollouts | None = None
         self.served = 0  # optimizer steps the current rollouts have served
         self.log = RolloutLog.at(run.cfg.job.dump_folder) if self.rl.log_rollouts else None
+        self.ahead = Ahead(self.rl.max_staleness) if self.rl.max_staleness else None
+        self.trained = 0  # steps handed their batches (rl.max_staleness >= 1)
 
     def state_dict(self) -> dict:
-        return {"order": self.order.state_dict(), "served": self.served, "rollouts": self.current}
+        state = {"order": self.order.state_dict(), "served": self.served, "rollouts": self.current}
+        if self.ahead is not None:
+            state |= {"ahead": self.ahead.state_dict(), "trained": self.trained}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        staleness = state["ahead"]["staleness"] if "ahead" in state else 0
+        if staleness != self.rl.max_staleness:
+            raise UserError(f"the checkpoint's rollouts were sampled at rl.max_staleness {staleness}, which sets which "
+                            f"weights sample each step; resume with rl.max_staleness {staleness}")
         self.order.load_state_dict(state["order"])
         self.served, self.current = state["served"], state["rollouts"]
+        if self.ahead is not None:
+            self.ahead.load_state_dict(state["ahead"])
+            self.trained = state["trained"]
 
     def __iter__(self):
         while True:
-            if self.current is None or self.served == self.rl.num_iterations:
+            if self.ahead is not None:  # one update per rollout batch, sampled ahead (rl/ahead.py)
+                self.current = self.stale_rollouts(self.trained + 1)
+                self.trained += 1
+            elif self.current is None or self.served == self.rl.num_iterations:
                 self.current, self.served = self.roll_out(), 0
             self.served += 1  # counted before the step's batches are handed out: a save after the step sees it
             yield self.current.micro_batches(self.accum_steps, self.size), self.current.stats
 
-    def sample(self, items: list[PromptItem], step: int) -> list[Completion]:
-        """rl.num_generations completions of each prompt, by the weights after step - 1."""
+    def request(self, items: list[PromptItem]) -> tuple[list[list[int]], Sampling, list[int]]:
+        """(the prompts, the sampling, each completion's seed index) of rl.num_generations completions per item."""
         rl, groups = self.rl, self.rl.num_generations
         prompts = [item.ids for item in items for _ in range(groups)]
         indices = [item.index * groups + j for item in items for j in range(groups)]
+        return prompts, Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, self.run.cfg.job.seed), indices
+
+    def stale_rollouts(self, step: int) -> Rollouts:
+        """Step `step`'s rollouts, sampled ahead; the steps up to step + K not yet handed to the engine are, with the
+        weights after step - 1 (at a fresh start, steps 1 .. K + 1, with the initial weights)."""
         self.engine.update_weights(step - 1)
-        with self.precision():
-            return self.engine.generate(prompts, Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k,
-                                                          self.run.cfg.job.seed), indices)
+        for target in self.ahead.missing(step):
+            items = self.order.next_step()
+            self.ahead.launch(target, items, self.engine.submit(*self.request(items)))
+        sampled, waited = self.ahead.take(step)
+        return self.made(step, sampled.items, sampled.completions, sampled.seconds, waited)
 
     def roll_out(self) -> Rollouts:
-        run, rl, rewards = self.run, self.rl, self.rewards
         step = self.order.consumed // self.order.per_step * self.rl.num_iterations + 1  # the first step it serves
         items = self.order.next_step()
         began = time.perf_counter()
-        completions = self.sample(items, step)
-        generated_at = time.perf_counter()
+        self.engine.update_weights(step - 1)
+        with self.precision():
+            completions = self.engine.generate(*self.request(items))
+        seconds = time.perf_counter() - began
+        return self.made(step, items, completions, seconds, seconds)
+
+    def made(self, step: int, items: list[PromptItem], completions: list[Completion], generate_seconds: float,
+             waited: float) -> Rollouts:
+        """The rollouts of step's completions: scored, their advantages, rows and log-probabilities; `waited`: the
+        seconds the step waited for the completions (generate_seconds, unless they were sampled ahead)."""
+        run, rl, rewards = self.run, self.rl, self.rewards
+        began = time.perf_counter()
         groups = rl.num_generations
         owners = [item for item in items for _ in range(groups)]  # each completion's prompt, in sample's order
         sampled = [c.sampled_ids for c in completions]
@@ -194,7 +227,7 @@ class RolloutStage:
         trained = [not (rl.mask_truncated_completions and c.finish_reason == "length") for c in completions]
         texts = [completion_text(c.ids, run.tokenizer, ()) for c in completions]
         per_function, total = self.score(owners, texts, sampled)
-        scored_at = time.perf_counter()
+        score_seconds = time.perf_counter() - began
         all_functions, all_total = gathered(per_function), gathered(total)
         advantages, zero_std = group_advantages(all_total, groups, rl.scale_rewards)
         n, rank = len(sampled), self.order.dp_rank
@@ -207,7 +240,9 @@ class RolloutStage:
         local_advantages = advantages[rank * n:(rank + 1) * n]
         with self.precision():
             old, ref = rollout_logps(run.model, self.frozen, inputs, labels, self.size, rl)
-        stats["rl/generate_seconds"], stats["rl/score_seconds"] = generated_at - began, scored_at - generated_at
+        stats["rl/generate_seconds"], stats["rl/score_seconds"] = generate_seconds, score_seconds
+        if self.ahead is not None:
+            stats["rl/generate_wait_seconds"] = waited
         if self.log is not None:
             self.log.write(step, owners, completions, texts, rewards.names, per_function, total, local_advantages)
         if rl.log_completions and rank == 0 and self.logs_a_step(step):
