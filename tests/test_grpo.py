@@ -37,7 +37,7 @@ def rollouts(dump) -> list[dict]:
 
 
 def test_rollouts_carry_group_advantages_and_the_scalars_are_written(prompts, tmp_path, capsys):
-    assert main(grpo_flags(prompts, tmp_path, 2, "--rl.log_rollouts", "--rl.beta", "0.1")) == 0
+    assert main(grpo_flags(prompts, tmp_path, 2, "--rl.log_rollouts", "--rl.beta", "0.1", "--rl.log_completions")) == 0
     lines = rollouts(tmp_path)
     assert [line["step"] for line in lines] == [1] * 8 + [2] * 8
     for group in range(4):  # 2 steps x 2 prompts x 4 completions
@@ -48,7 +48,9 @@ def test_rollouts_carry_group_advantages_and_the_scalars_are_written(prompts, tm
         expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
         assert [row["advantage"] for row in rows] == pytest.approx(expected.tolist(), abs=1e-5)
     for row in lines:  # as sampled: a completion shorter than max_new_tokens ends with its stop token
-        assert len(row["completion_ids"]) <= 12
+        assert len(row["completion_ids"]) <= 12 and len(row["logprobs"]) == len(row["completion_ids"])
+        assert row["policy_step"] == row["step"] - 1 and row["prompt"].startswith("Question ")
+        assert isinstance(row["completion"], str)
     scalars = {tag: tensorboard_scalars(tmp_path / "tb", tag) for tag in
                ("rl/reward", "rl/reward/letter_share", "rl/reward_std", "rl/kl", "rl/clip_ratio", "rl/entropy",
                 "rl/completion_length", "rl/frac_reward_zero_std", "rl/generate_seconds")}
@@ -57,7 +59,10 @@ def test_rollouts_carry_group_advantages_and_the_scalars_are_written(prompts, tm
     assert scalars["rl/reward"][1] == pytest.approx(sum(step_one) / 8, abs=1e-6)
     assert scalars["rl/kl"][1] == pytest.approx(0.0, abs=1e-7)  # the reference is the starting policy
     assert scalars["rl/completion_length"][1] == pytest.approx(sum(len(r["completion_ids"]) for r in lines[:8]) / 8)
-    assert f"reward: {scalars['rl/reward'][2]:.4f}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"reward: {scalars['rl/reward'][2]:.4f}" in err
+    shown = lines[8]  # rl.log_completions: rank 0's first completions of each logged step, as text
+    assert f"step 2 completion (reward {shown['reward']:.4f}): {shown['prompt']!r} -> {shown['completion']!r}" in err
 
 
 def test_a_resume_inside_a_rollout_batch_trains_on_the_same_rows(prompts, tmp_path):
@@ -66,15 +71,21 @@ def test_a_resume_inside_a_rollout_batch_trains_on_the_same_rows(prompts, tmp_pa
              "--checkpoint.last_save_model_only", "false", "--rl.log_rollouts"]
     assert main(grpo_flags(prompts, tmp_path / "whole", 5, *flags)) == 0
     shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-3", tmp_path / "resumed" / "checkpoint" / "step-3")
+    # the log as a run stopped after step 5's rollouts: its lines after the checkpoint are not kept twice
+    shutil.copy(tmp_path / "whole" / "rollouts.jsonl", tmp_path / "resumed" / "rollouts.jsonl")
     assert main(grpo_flags(prompts, tmp_path / "resumed", 5, *flags)) == 0
     whole, resumed = (tensorboard_scalars(tmp_path / run / "tb", "loss/train") for run in ("whole", "resumed"))
     assert sorted(resumed) == [4, 5] and all(resumed[s] == pytest.approx(whole[s], abs=1e-6) for s in (4, 5))
-    assert rollouts(tmp_path / "resumed") == [row for row in rollouts(tmp_path / "whole") if row["step"] == 5]
+    assert rollouts(tmp_path / "resumed") == rollouts(tmp_path / "whole")
+    assert [row["step"] for row in rollouts(tmp_path / "whole")] == [1] * 8 + [3] * 8 + [5] * 8
 
 
 def test_two_fsdp_ranks_equal_one_process(prompts, tmp_path):
-    """The same 2 prompts x 4 completions per step: one process (accumulating 2 micro-batches) and 2 FSDP ranks."""
-    flags = ["--rl.log_rollouts", "--rl.loss_type", "grpo", "--rl.beta", "0.05", "--rl.num_iterations", "2"]
+    """The same 2 prompts x 4 completions per step: one process (accumulating 2 micro-batches) and 2 FSDP ranks, whose
+    rollouts are decoded by a copy of the weights gathered once per rollout batch. On-policy in fp32 the sampler's
+    log-probabilities equal the trainer's within 1e-5 on both: every importance-sampling ratio is 1 within 1e-5."""
+    flags = ["--rl.log_rollouts", "--rl.loss_type", "grpo", "--rl.beta", "0.05", "--rl.num_iterations", "2",
+             "--rl.importance_sampling", "token_truncate"]
     assert main(grpo_flags(prompts, tmp_path / "one", 3, *flags)) == 0
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps([{"argv": grpo_flags(prompts, tmp_path / "fsdp", 3, *flags)}]))
@@ -85,6 +96,9 @@ def test_two_fsdp_ranks_equal_one_process(prompts, tmp_path):
         assert sorted(fsdp) == [1, 2, 3] and all(fsdp[s] == pytest.approx(one[s], abs=1e-5) for s in one), (tag, one, fsdp)
     one, fsdp = rollouts(tmp_path / "one"), rollouts(tmp_path / "fsdp")
     assert [r["completion_ids"] for r in fsdp] == [r["completion_ids"] for r in one]
+    for run in ("one", "fsdp"):
+        low, high = (tensorboard_scalars(tmp_path / run / "tb", f"rl/sampling/ratio_{end}") for end in ("min", "max"))
+        assert all(1 - 1e-5 <= low[s] <= high[s] <= 1 + 1e-5 for s in (1, 2, 3)), (run, low, high)
 
 
 def test_lora_grpo_keeps_the_base_as_its_reference(prompts, tmp_path, capsys):
@@ -104,11 +118,35 @@ def test_lora_grpo_keeps_the_base_as_its_reference(prompts, tmp_path, capsys):
     (["--parallelism.tensor_parallel_degree", "2"], "with parallelism.tensor_parallel_degree 2 is not supported yet"),
     (["--rl.reward_functions", "tests/grpo_rewards.py:wrong_length"], "wrong_length"),
     (["--rl.max_new_tokens", "64"], "raise training.seq_len or lower rl.max_new_tokens"),
+    (["--training.packing", "false"], "training.packing false means nothing under training.dataset_format prompts"),
+    (["--rl.importance_sampling_clip_max", "2"], "rl.importance_sampling_clip_max 2 bounds a correction that"),
+    (["--rl.importance_sampling", "token_mask", "--rl.importance_sampling_clip_min", "3"],
+     "rl.importance_sampling_clip_min 3 must be below rl.importance_sampling_clip_max 3"),
+    (["--rl.importance_sampling", "coin"], "rl.importance_sampling"),
+    (["--rl.off_policy_mask_threshold", "-0.5"], "rl.off_policy_mask_threshold"),
 ])
 def test_errors_are_one_sentence_exit_2(prompts, tmp_path, capsys, extra, message):
     assert main(grpo_flags(prompts, tmp_path, 1, *extra)) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_rollouts_log_that_cannot_be_written_stops_the_run_before_any_rollout(prompts, tmp_path, capsys):
+    (tmp_path / "rollouts.jsonl").mkdir()
+    assert main(grpo_flags(prompts, tmp_path, 1, "--rl.log_rollouts")) == 2
+    err = capsys.readouterr().err
+    assert f"rl.log_rollouts writes {tmp_path / 'rollouts.jsonl'}, which cannot be written" in err
+    assert "Traceback" not in err and "step: 1" not in err
+
+
+def test_a_step_that_trains_nothing_says_why(prompts, tmp_path, capsys):
+    """TRL's warnings: no completion scored (every reward None), or every completion masked as truncated."""
+    assert main(grpo_flags(prompts, tmp_path / "unscored", 2, "--rl.reward_functions", "tests/rl_rewards.py:never_scores")) == 0
+    err = capsys.readouterr().err
+    assert all(f"step {s}: every reward function returned None for every completion" in err for s in (1, 2))
+    assert main(grpo_flags(prompts, tmp_path / "masked", 1, "--rl.max_new_tokens", "1", "--rl.mask_truncated_completions",
+                           "--rl.temperature", "0.01")) == 0
+    assert "step 1: rl.mask_truncated_completions left out every completion" in capsys.readouterr().err
 
 
 def test_rl_keys_apply_to_prompts_only(tmp_path, capsys):
@@ -121,14 +159,9 @@ def test_record_fields_reach_the_reward_functions(prompts, tmp_path):
                            "--rl.log_rollouts")) == 0
     lines = rollouts(tmp_path)
     assert all(line["rewards"]["by_answer"] in (0.0, 1.0) for line in lines)
-
-
-def test_a_completion_ended_by_a_stop_token_keeps_it_as_sampled():
-    from titanlite.inference.decode import Generated
-    from titanlite.rl.rollout import sampled_ids
-
-    assert sampled_ids(Generated([5, 6], [-1.0, -2.0], "eos", 2)) == [5, 6, 2]
-    assert sampled_ids(Generated([5, 6, 7], [-1.0, -2.0, -3.0], "length")) == [5, 6, 7]
+    assert main(grpo_flags(prompts, tmp_path, 1, "--rl.reward_functions", "tests/grpo_rewards.py:by_answer",
+                           "--rl.log_rollouts")) == 0
+    assert rollouts(tmp_path) == lines  # a new run in the folder: the log is its own, not appended to the last one's
 
 
 @pytest.mark.extended

@@ -251,7 +251,13 @@ class RL:
     reward_functions: list[str] = opt([], "reward functions, each path/to/file.py:function or module:function, called as TRL calls them (docs/rewards.md), e.g. titanlite.rewards:math_answer")
     reward_weights: list[float] = opt([], "each reward function's weight in the reward (negative: a penalty); empty = 1 each", at_least=-1000, at_most=1000)
     mask_truncated_completions: bool = opt(False, "completions cut at max_new_tokens (no eos) are left out of the loss")
-    log_rollouts: bool = opt(False, "write every completion (step, prompt_ids, completion_ids, rewards, reward, advantage) to <dump_folder>/rollouts.jsonl")
+    max_staleness: int = opt(0, "asynchronous rollouts: step s trains on completions sampled by the weights after step max(0, s - 1 - max_staleness), generated while the steps before it train, on a fixed schedule (a run and its resume are the same run); 0 = each step samples its own with the current weights", at_least=0, at_most=16)
+    importance_sampling: str = opt("none", "off-policy correction of the surrogate by the trainer/sampler probability ratio, with TRL's meanings (vllm_importance_sampling_mode): per token or per completion (sequence), clamped into the clip range (truncate) or zeroed outside it (mask); none = no correction (the colocated sampler is the trainer's own policy)", choices=("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+    importance_sampling_clip_max: float = opt(3.0, "rl.importance_sampling's upper bound on the ratio", above=0)
+    importance_sampling_clip_min: float = opt(-1.0, "rl.importance_sampling's lower bound on the ratio; -1 = none", at_least=0, sentinels=(-1.0,))
+    off_policy_mask_threshold: float = opt(-1.0, "drop a completion with a negative advantage whose mean sampler - trainer log-probability ratio passes this (DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); -1 = off", at_least=0, sentinels=(-1.0,))
+    log_rollouts: bool = opt(False, "write every trained completion (step, policy_step, prompt and completion as text and ids, the sampler's logprobs, rewards, reward, advantage) to <dump_folder>/rollouts.jsonl, each step once")
+    log_completions: bool = opt(False, "print a few (prompt, completion, reward) of each rollout batch that serves a logged step to the console, as TRL does")
 
 
 @dataclass

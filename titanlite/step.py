@@ -2,6 +2,7 @@
 clipping, the optimizer and the lr schedule."""
 
 import contextlib
+import dataclasses
 import functools
 import time
 
@@ -9,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from titanlite.loss import LossScale, loss_parallel_context, per_trained_token, with_extra_losses
-from titanlite.models.attention import batch_parts
+from titanlite.data.batch import MicroBatch
+from titanlite.models.attention import document_ids
 from titanlite.parallel.cp import split_batch
 from titanlite.optim import clip_grad_norm_
 from titanlite.parallel.dims import ParallelDims
@@ -40,20 +42,18 @@ def train_step(run: Run, training: Training, batches):
     optimizer, scheduler, metrics, replicas = training.optimizer, training.scheduler, training.metrics, training.replicas
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
-    micro_batches = []
-    for _ in range(settings.accum_steps):
-        inputs, labels, documents, extras = next_batch(batches, device, metrics, dims, run.forward.delimiters)
-        micro_batches.append((*split_batch(inputs, labels, documents, run.forward.shard), extras))
+    micro_batches = [on_device(batch, run) for batch in step_batches(run, batches, metrics)]
     scale = step_loss_scale(micro_batches, settings, dims, pipeline)
     context = functools.partial(forward_context, run.forward, dims, device.type)
-    for inputs, labels, model_kwargs, extras in micro_batches:
+    for batch, model_kwargs in micro_batches:
         if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
             with context():
-                total_loss += pipeline.train_microstep(inputs, labels, scale, settings.aux_loss_coeff, model_kwargs)
+                total_loss += pipeline.train_microstep(batch.inputs, batch.labels, scale, settings.aux_loss_coeff,
+                                                       model_kwargs)
             continue
         with loss_parallel_context(run.forward.loss_parallel):
-            loss, extra = run.objective.loss(model, inputs, labels, model_kwargs, run.loss_fn, context, extras)
-            loss = scale.apply(loss, labels)
+            loss, extra = run.objective.loss(model, batch, model_kwargs, run.loss_fn, context)
+            loss = scale.apply(loss, batch.labels)
             with_extra_losses(loss, extra, scale, settings.aux_loss_coeff).backward()
         total_loss += loss.detach()
     if pipeline is not None:
@@ -86,7 +86,7 @@ def step_loss_scale(micro_batches: list, settings: StepSettings, dims: ParallelD
         return LossScale(means)
     # FSDP's gradient average divides by the data-parallel x context-parallel ranks; a TP/PP group shares one batch.
     degree = dims.gradient_average_degree * dims.model_parallel_degree
-    return LossScale(means, per_trained_token([labels for _, labels, _, _ in micro_batches], degree))
+    return LossScale(means, per_trained_token([batch.labels for batch, _ in micro_batches], degree))
 
 
 def expert_loads(model, pipeline, rate: float, device, accum_steps: int) -> torch.Tensor | None:
@@ -112,14 +112,26 @@ def expert_loads(model, pipeline, rate: float, device, accum_steps: int) -> torc
     return loads
 
 
-def next_batch(batches, device, metrics, dims: ParallelDims, delimiters: tuple[int, int] | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
-    """The next micro-batch's parts (attention.py's batch_parts), its wait and tokens counted."""
+def step_batches(run: Run, batches, metrics) -> list[MicroBatch]:
+    """The objective's micro-batches of this step, on the host, their tokens counted and (read data's) wait timed;
+    generated batches (GRPO's rollouts) time their making themselves (rl/*_seconds), never as the step line's data."""
     waited = time.perf_counter()
-    batch = next(batches)
-    metrics.data_seconds += time.perf_counter() - waited
-    metrics.tokens += batch[1].numel() // dims.batch_sharing_degree  # a TP/PP group (and its cp ranks) shares one batch
-    return batch_parts(batch, device, delimiters)
+    drawn = run.objective.step_batches(batches, run.step.accum_steps)
+    if not run.objective.generates:
+        metrics.data_seconds += time.perf_counter() - waited
+    sharing = run.dims.batch_sharing_degree  # a TP/PP group (and its cp ranks) shares one batch
+    for batch in drawn:
+        metrics.tokens += batch.labels.numel() // sharing
+        metrics.trained += batch.trained_tokens() / sharing
+    return drawn
+
+
+def on_device(batch: MicroBatch, run: Run) -> tuple[MicroBatch, dict]:
+    """(the micro-batch on the device, this rank's positions of it under context parallelism, the model's
+    keyword arguments: its document ids)."""
+    batch = batch.on(run.device, functools.partial(document_ids, delimiters=run.forward.delimiters))
+    inputs, labels, model_kwargs = split_batch(batch.inputs, batch.labels, batch.document_ids, run.forward.shard)
+    return dataclasses.replace(batch, inputs=inputs, labels=labels), model_kwargs
 
 
 def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:

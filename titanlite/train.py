@@ -96,7 +96,7 @@ class Loop:
 
     def restart_batches(self) -> None:
         training = self.training
-        self.batches = training.metrics.counting_trained(iter(training.dataloader), self.run.dims.batch_sharing_degree)
+        self.batches = iter(training.dataloader)  # step.py's step_batches counts their trained tokens
 
     def took_recovery(self) -> bool:
         """Whether a recovery from a peer moved the train state: the batches restart at the peer's data position,

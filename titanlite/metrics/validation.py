@@ -11,6 +11,7 @@ still have one, and the pass stops for all when any rank runs out. The loss is t
 all tokens of all ranks: an all_reduce of (sum of token losses, token count).
 """
 
+import functools
 import time
 
 import torch
@@ -22,7 +23,8 @@ from titanlite.data.datasets import DataSpec, build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.loss import loss_sum, trained_tokens
-from titanlite.models.attention import batch_parts
+from titanlite.data.batch import MicroBatch
+from titanlite.models.attention import document_ids
 from titanlite.parallel.cp import sequence_shard, split_batch
 from titanlite.parallel.fsdp import mixed_precision_context
 
@@ -96,8 +98,8 @@ class Validator:
     def _loss_sum(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The sum of this rank's token losses of the batch (a pipeline runs its schedule forward only) and
         its trained tokens (under context parallelism this rank's share of them)."""
-        inputs, labels, documents, _ = batch_parts(batch, self.device, self.delimiters)
-        inputs, labels, model_kwargs = split_batch(inputs, labels, documents, self.shard)
+        batch = MicroBatch.of(batch).on(self.device, functools.partial(document_ids, delimiters=self.delimiters))
+        inputs, labels, model_kwargs = split_batch(batch.inputs, batch.labels, batch.document_ids, self.shard)
         context = mixed_precision_context(self.dims, self.param_dtype, self.device.type)  # one path enters it
         if self.pipeline is not None:
             with context:

@@ -89,20 +89,6 @@ def document_ids(tokens: torch.Tensor, delimiters: tuple[int, int] | None) -> to
     return ids - ids[:, :1]  # the window may start mid-document or on a bos: 0 either way
 
 
-def batch_parts(batch, device: torch.device, delimiters: tuple[int, int] | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
-    """(inputs, labels, document ids, extras) of a batch, the first three on the device. A batch is (inputs, labels)
-    or (inputs, labels, extras), extras what its data carries besides: a conversation window's document_ids
-    (data/conversation_windows.py; where there are none they are inferred from the inputs, as for text) and what an
-    objective needs of its own (GRPO's advantages and log-probabilities), returned as the extras."""
-    inputs, labels, *rest = batch
-    extras = dict(rest[0]) if rest else {}
-    carried = extras.pop("document_ids", None)
-    inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-    documents = carried.to(device, non_blocking=True) if carried is not None else document_ids(inputs, delimiters)
-    return inputs, labels, documents, extras
-
-
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     """[B, T] positions that restart at 0 at each document's first token (model.reset_position_ids)."""
     index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)

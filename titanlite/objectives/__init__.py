@@ -1,23 +1,7 @@
 """What a run trains for, chosen once from the data format: language modelling on text or conversations (lm.py),
-preference tuning (DPO, dpo.py) or reinforcement learning on prompts (GRPO, grpo.py). Outside data/ and the config, this is the one module that reads
-training.dataset_format; the step, the planner and the checkpoint ask the objective.
-
-An objective has:
-    rows_per_example      batch rows per example (a preference pair is two sequences)
-    loss_weighting        how a micro-batch's loss enters the step's: mean (an equal part), trained_token (the step's
-                          loss is the mean over the global batch's trained tokens) or share (loss() gives its
-                          micro-batch's share of the global batch's loss itself)
-    rows_may_pack         whether a row may hold several documents, told apart by their bos (block_causal)
-    resets_positions      whether each example starts at position 0 (conversations, as at inference)
-    runs_reference_forward  whether every step also runs a reference model's forward (the planner counts it)
-    reference             its frozen second model (DPO's reference), or None
-    needs_reference_copy(cfg)  whether a job's objective keeps such a copy (before it is built: the planner)
-    plan_note(cfg)        what the planner leaves out of its step, or None
-    dataloader(run, dp_rank, dp_world)  its micro-batches: (inputs, labels[, extras]) (GRPO: rollouts)
-    loss(model, inputs, labels, model_kwargs, loss_fn, forward_context, extras)
-                          (a micro-batch's mean loss, the extra losses the policy's forward returned: MoE, MTP);
-                          extras: what the batch carries besides (GRPO: advantages, old and reference log-probs)
-    scalars()             its TensorBoard scalars since the last log (a collective: every rank calls it)
+preference tuning (DPO, dpo.py) or reinforcement learning on prompts (GRPO, grpo.py). Outside data/ and the config, this
+is the one module that reads training.dataset_format; the step, the planner and the checkpoint ask the objective,
+whose contract is contract.py's `Objective` protocol, and what it hands the step is data/batch.py's `MicroBatch`.
 """
 
 import dataclasses

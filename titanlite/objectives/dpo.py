@@ -15,7 +15,7 @@ The reference (objectives/reference.py): dpo.reference initial is the weights tr
 policy with its adapters off), or the Hugging Face folder or DCP step folder dpo.reference names.
 """
 
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,8 @@ from titanlite.config_sections import DPO, JobConfig
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.data.datasets import training_loader
 from titanlite.log import logger
+from titanlite.data.batch import MicroBatch
+from titanlite.objectives.contract import drawn_batches
 from titanlite.objectives.reference import Reference, needs_copy
 
 SCALARS = ("dpo/reward_accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward")
@@ -69,6 +71,7 @@ class Preference:
     loss_weighting = "mean"  # the step's loss is the mean over pairs
     rows_may_pack = True  # kept as it was: one sequence and its padding, found by bos like text
     resets_positions = True  # each sequence starts at position 0, as at inference
+    generates = False
     runs_reference_forward = True  # on every sequence, before the policy's (under LoRA: the base, adapters off)
 
     @classmethod
@@ -99,10 +102,14 @@ class Preference:
     def dataloader(self, run, dp_rank: int, dp_world: int):
         return training_loader(run, dp_rank, dp_world)
 
-    def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
-             forward_context: Callable, extras: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def step_batches(self, batches: Iterator, accum_steps: int) -> list[MicroBatch]:
+        return drawn_batches(batches, accum_steps)
+
+    def loss(self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn,
+             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the mean DPO loss of the micro-batch's pairs, the policy forward's extra losses such as MoE's balance
         loss). DPO scores whole completions itself, so the run's token loss_fn is not used."""
+        inputs, labels = batch.inputs, batch.labels
         with self.frozen.of(model) as reference_model:
             reference_logits, _ = self.forward(reference_model, inputs, model_kwargs, forward_context)
             reference, _ = completion_logps(reference_logits, labels)

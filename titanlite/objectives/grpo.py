@@ -1,30 +1,37 @@
 """Group relative policy optimization with verifiable rewards (training.dataset_format prompts, the [rl] section).
 
-Each step's micro-batches are rollouts (rl/rollout.py): completions the policy sampled for the step's prompts,
-scored by the reward functions (titanlite/rewards/), each with its advantage. A micro-batch's loss is its share of
-the loss of the whole global batch (rl/grpo_loss.py: the token losses clipped as PPO clips them, plus beta x the k3
-KL to the reference, reduced as rl.loss_type says), so the step's loss and gradients are those of one process
-holding every completion, whatever the layout and accumulation. Log-probabilities are those of the logits divided
-by rl.temperature, the distribution the completions were sampled from, as TRL computes them.
+Each step's micro-batches are rollouts made by the rollout stage (rl/rollout.py: a RolloutEngine samples completions
+for the step's prompts, the reward functions of titanlite/rewards/ score them, each gets its advantage); this
+objective builds that stage from its parts and keeps no reference to it. A micro-batch's loss is its share of the
+loss of the whole global batch (rl/grpo_loss.py: the token losses clipped as PPO clips them, plus beta x the k3 KL to
+the reference, reduced as rl.loss_type says), so the step's loss and gradients are those of one process holding every
+completion, whatever the layout and accumulation. Log-probabilities are those of the logits divided by
+rl.temperature, the distribution the completions were sampled from, as TRL computes them; rl.importance_sampling and
+rl.off_policy_mask_threshold weight the surrogate by the trainer/sampler ratio (rl/off_policy.py).
 """
 
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from titanlite.config_sections import JobConfig
+from titanlite.data.batch import MicroBatch, RolloutTerms
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.errors import UserError
 from titanlite.objectives.reference import Reference, needs_copy
 from titanlite.rewards.functions import load_reward_functions, reward_weights
-from titanlite.rl.grpo_loss import group_advantages, per_token_loss, reduce_loss, token_logps
+from titanlite.rl.engine import ColocatedEngine
+from titanlite.rl.grpo_loss import per_token_loss, reduce_loss, token_logps
+from titanlite.rl.off_policy import importance_ratio, off_policy_mask
 from titanlite.rl.prompts import PromptOrder, PromptSet
-from titanlite.rl.rollout import RolloutLoader
+from titanlite.rl.rollout import Rewards, RolloutStage
 
-# Summed over the steps since the last log, then all-reduced: completion tokens, their entropy, clipped ones, KL.
-TOKEN_SUMS = ("tokens", "entropy", "clipped", "kl")
+# Summed over the steps since the last log, then all-reduced: completion tokens, their entropy, clipped ones, KL, and
+# under rl.importance_sampling the ratio's sum (over tokens, or completions for sequence_*), its count, the
+# sampler - trainer log-ratio's sum (the KL of the trainer to the sampler, over tokens).
+TOKEN_SUMS = ("tokens", "entropy", "clipped", "kl", "ratio", "ratios", "sampling_kl")
 
 
 class GRPO:
@@ -36,6 +43,7 @@ class GRPO:
     rows_may_pack = False  # one prompt and completion per row: a bos the policy sampled starts no document
     resets_positions = False  # one sequence per row, from position 0
     runs_reference_forward = False  # the planner's count: rl.beta's reference forward is once per rollout, said there
+    generates = True  # its batches are rollouts, timed as rl/generate_seconds and rl/score_seconds
 
     @classmethod
     def needs_reference_copy(cls, cfg: JobConfig) -> bool:
@@ -43,15 +51,10 @@ class GRPO:
 
     @classmethod
     def plan_note(cls, cfg: JobConfig) -> str:
-        """What the planner leaves out of a GRPO step: making its rollouts."""
-        rl = cfg.rl
-        forwards = " and ".join(part for part, on in (("the old policy's", rl.num_iterations > 1),
-                                                      ("the reference's", rl.beta > 0)) if on)
-        extra = f", {forwards} forward over them" if forwards else ""
-        return (f"a GRPO step is counted as its training forward and backward only: generating its rollouts "
-                f"({rl.num_generations} completions of up to {rl.max_new_tokens} tokens per prompt, one decode step per "
-                f"token, with a KV cache left out of the memory rows){extra} and scoring them come on top (the run logs "
-                "rl/generate_seconds)")
+        """How the planner counts a GRPO step's rollout (plan/rollout.py)."""
+        return ("a GRPO step's rollout is counted as its gathered weights, KV cache and logits in memory and a "
+                "memory-bound decode of rl.max_new_tokens steps in time; prefill and scoring are left out (the run "
+                "logs rl/generate_seconds and rl/score_seconds)")
 
     @classmethod
     def build(cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
@@ -63,13 +66,14 @@ class GRPO:
     def __init__(self, cfg: JobConfig, frozen: Reference | None, device: torch.device):
         self.rl, self.frozen = cfg.rl, frozen
         self.reference = frozen.model if frozen is not None else None
-        self.reward_functions = load_reward_functions(cfg.rl.reward_functions, "rl.reward_functions")
-        self.reward_names = [function.name for function in self.reward_functions]
-        self.reward_weights = reward_weights(cfg.rl.reward_weights, len(self.reward_functions))
+        functions = load_reward_functions(cfg.rl.reward_functions, "rl.reward_functions")
+        self.rewards = Rewards(functions, [function.name for function in functions],
+                               reward_weights(cfg.rl.reward_weights, len(functions)))
         self.sums = torch.zeros(len(TOKEN_SUMS), device=device, dtype=torch.float64)
-        self.loader: RolloutLoader | None = None
+        self.extremes = torch.tensor([float("inf"), float("inf")], device=device, dtype=torch.float64)  # -max, min
+        self.batch_stats: list[dict[str, float]] = []  # each trained step's rollout batch's, since the last scalars()
 
-    def dataloader(self, run, dp_rank: int, dp_world: int) -> RolloutLoader:
+    def dataloader(self, run, dp_rank: int, dp_world: int) -> RolloutStage:
         """The step's micro-batches, made from the prompts at training.dataset_path."""
         cfg = run.cfg
         prompts = PromptSet(cfg.training.dataset_path, run.tokenizer, cfg.training.chat_template)
@@ -80,67 +84,78 @@ class GRPO:
         per_step = cfg.training.global_batch_size // self.rl.num_generations
         identity = {"prompts": cfg.training.dataset_path, "seed": cfg.job.seed, "num_generations": self.rl.num_generations}
         order = PromptOrder(prompts, per_step, dp_rank, dp_world, cfg.job.seed, identity)
-        self.loader = RolloutLoader(run, order, self, run.step.accum_steps)
-        return self.loader
+        return RolloutStage(run, order, ColocatedEngine(run), self.rewards, self.frozen)
 
-    def advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return group_advantages(rewards, self.rl.num_generations, self.rl.scale_rewards)
+    def step_batches(self, batches: Iterator, accum_steps: int) -> list[MicroBatch]:
+        """The step's micro-batches of the rollout stage, whose batch statistics the next scalars() reports."""
+        micro_batches, stats = next(batches)
+        self.batch_stats.append(stats)
+        return micro_batches
 
-    @torch.no_grad()
-    def rollout_logps(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                      size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(the sampling policy's log-probabilities where later updates need them, num_iterations > 1; the
-        reference's, beta > 0), [n, W], computed size rows at a time before the first update."""
-        old = ref = None
-        if self.rl.num_iterations > 1:
-            was_training = model.training
-            model.eval()
-            try:
-                old = self.logps(model, inputs, labels, size)
-            finally:
-                model.train(was_training)
-        if self.frozen is not None:
-            with self.frozen.of(model) as reference:
-                ref = self.logps(reference, inputs, labels, size)
-        return old, ref
-
-    def logps(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, size: int) -> torch.Tensor:
-        device = next(model.parameters()).device
-        parts = []
-        for start in range(0, len(inputs), size):
-            logits = model(inputs[start:start + size].to(device))
-            parts.append(token_logps(logits, labels[start:start + size].to(device).clamp(min=0), self.rl.temperature)[0].cpu())
-        return torch.cat(parts)
-
-    def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
-             forward_context: Callable, extras: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn,
+             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the micro-batch's share of the step's GRPO loss, the policy forward's extra losses)."""
         with forward_context():
-            logits, extra = model(inputs, extra_losses=True, **model_kwargs)
+            logits, extra = model(batch.inputs, extra_losses=True, **model_kwargs)
+        labels, terms = batch.labels, batch.rollout
         mask = labels != IGNORED
         logps, entropy = token_logps(logits, labels.clamp(min=0), self.rl.temperature)
         device = logps.device
-        old = extras["old_logps"].to(device) if "old_logps" in extras else logps.detach()
-        ref = extras["ref_logps"].to(device) if "ref_logps" in extras else None
+        old = terms.old_logps.to(device) if terms.old_logps is not None else logps.detach()
+        ref = terms.ref_logps.to(device) if terms.ref_logps is not None else None
+        advantages = terms.advantages.to(device)
+        weight = self.correction(terms, logps, old, advantages, mask)
         epsilon_high = self.rl.epsilon if self.rl.epsilon_high == -1 else self.rl.epsilon_high
-        per_token, stats = per_token_loss(logps, old, extras["advantages"].to(device), self.rl.epsilon, epsilon_high,
-                                          self.rl.beta, ref)
+        per_token, stats = per_token_loss(logps, old, advantages, self.rl.epsilon, epsilon_high, self.rl.beta, ref,
+                                          weight=weight)
         with torch.no_grad():
             kl = stats.kl[mask].sum() if stats.kl is not None else torch.zeros((), device=device)
-            self.sums += torch.stack([mask.sum(), entropy[mask].sum(), stats.region_clipped[mask].sum(), kl]).double()
-        return reduce_loss(per_token, mask, self.rl.loss_type, extras["norm"]), extra
+            self.sums[:4] += torch.stack([mask.sum(), entropy[mask].sum(), stats.region_clipped[mask].sum(), kl]).double()
+        return reduce_loss(per_token, mask, self.rl.loss_type, terms.norm), extra
+
+    @torch.no_grad()
+    def correction(self, terms: RolloutTerms, logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor | None:
+        """The surrogate's weight (rl/off_policy.py): the off-policy sequence mask times the importance-sampling
+        ratio, or None where neither is asked for; its statistics are added to the sums."""
+        rl, weight = self.rl, None
+        if terms.sampler_logps is None:
+            return None
+        sampler, float_mask = terms.sampler_logps.to(logps.device), mask.float()
+        if rl.off_policy_mask_threshold != -1:
+            weight = off_policy_mask(advantages, logps, sampler, float_mask, rl.off_policy_mask_threshold)
+        if rl.importance_sampling != "none":
+            ratio = importance_ratio(old, sampler, float_mask, rl.importance_sampling, clip(rl.importance_sampling_clip_min),
+                                     clip(rl.importance_sampling_clip_max))
+            weight = ratio if weight is None else weight * ratio
+            counted = ratio.flatten() if ratio.shape[1] == 1 else ratio[mask]
+            self.sums[4:] += torch.stack([counted.sum(), torch.tensor(float(counted.numel()), device=ratio.device),
+                                          ((sampler - old) * float_mask).sum()]).double()
+            if counted.numel():
+                self.extremes = torch.minimum(self.extremes, torch.stack([-counted.max(), counted.min()]).double())
+        return weight
 
     def scalars(self) -> dict[str, float]:
         """The rl/* means since the last call: the rollouts' (their whole batches) and the trained tokens' (over all
         ranks: a collective, every rank calls it)."""
-        sums = self.sums.clone()
+        sums, extremes = self.sums.clone(), self.extremes.clone()
         dist.all_reduce(sums)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
         self.sums.zero_()
-        tokens, entropy, clipped, kl = sums.tolist()
+        self.extremes.fill_(float("inf"))
+        tokens, entropy, clipped, kl, ratio, ratios, sampling_kl = sums.tolist()
         values = {"rl/entropy": entropy / max(tokens, 1), "rl/clip_ratio": clipped / max(tokens, 1)}
         if self.rl.beta > 0:
             values["rl/kl"] = kl / max(tokens, 1)
-        stats = self.loader.take_stats() if self.loader is not None else []
+        if self.rl.importance_sampling != "none" and ratios:
+            values |= {"rl/sampling/ratio_mean": ratio / ratios, "rl/sampling/ratio_min": extremes[1].item(),
+                       "rl/sampling/ratio_max": -extremes[0].item(), "rl/sampling/kl": sampling_kl / max(tokens, 1)}
+        stats, self.batch_stats = self.batch_stats, []
         for name in (stats[0] if stats else {}):
             values[name] = sum(s[name] for s in stats) / len(stats)
         return values
+
+
+def clip(value: float) -> float | None:
+    """A clip bound of [rl]: -1 is off."""
+    return None if value == -1 else value

@@ -2,13 +2,15 @@
 prompt/completion data: only the tokens the template marks are trained, and the step's loss is their mean over
 the whole global batch, loss.py's per_trained_token)."""
 
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from titanlite.data.datasets import training_loader
 from titanlite.loss import micro_batch_loss
+from titanlite.data.batch import MicroBatch
+from titanlite.objectives.contract import drawn_batches
 
 
 class LanguageModelling:
@@ -21,6 +23,7 @@ class LanguageModelling:
     rows_may_pack = True  # a window may hold several documents, told apart by their bos (model.attention_mask)
     resets_positions = False
     runs_reference_forward = False
+    generates = False
     reference = None
 
     @classmethod
@@ -34,10 +37,13 @@ class LanguageModelling:
     def dataloader(self, run, dp_rank: int, dp_world: int):
         return training_loader(run, dp_rank, dp_world)
 
-    def loss(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
-             forward_context: Callable, extras: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def step_batches(self, batches: Iterator, accum_steps: int) -> list[MicroBatch]:
+        return drawn_batches(batches, accum_steps)
+
+    def loss(self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn,
+             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the mean loss of the micro-batch's trained tokens, the extra losses the model's forward returned)."""
-        return micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, forward_context())
+        return micro_batch_loss(model, batch.inputs, batch.labels, model_kwargs, loss_fn, forward_context())
 
     def scalars(self) -> dict[str, float]:
         return {}

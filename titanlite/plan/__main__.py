@@ -19,6 +19,8 @@ def memory_table(role: str, m: Memory) -> str:
             ("GPU memory", m.capacity)]
     if m.reference:  # DPO's frozen reference model
         rows.insert(1, ("reference model", m.reference))
+    if m.rollout:  # GRPO's rollout: the gathered policy, the KV cache and the logits (plan/rollout.py)
+        rows.insert(5, ("rollout (no grads then)", m.rollout))
     lines = [f"memory of {role} (GiB):"] + [f"  {name:<26}{value / GIB:>10.2f}" for name, value in rows]
     if m.peak_range:  # compiled: between the lower bound and the eager count (plan/memory.py)
         lines.insert(len(lines) - 2, f"  {'compiled, lower - eager':<26}{m.peak_range[0] / GIB:>10.2f} - {m.peak_range[1] / GIB:.2f}")
@@ -33,7 +35,9 @@ def speed_table(result: JobPlan) -> str:
             ("TP collectives", f"{s.tp_s:.3f} s (exposed)"), ("EP all-to-alls", f"{s.ep_s:.3f} s (exposed)"),
             ("CP key/value gathers", f"{s.cp_s:.3f} s (exposed)"),
             ("PP send/recv", f"{s.pp_s:.3f} s (exposed)"),
-            ("pipeline bubble", f"{100 * s.bubble:.1f}% of the step"), ("step time", f"{s.step_s:.3f} s"),
+            ("pipeline bubble", f"{100 * s.bubble:.1f}% of the step"),
+            *([("rollout (GRPO)", f"{s.rollout_s:.3f} s (gather, decode, old/ref forwards)")] if s.rollout_s else []),
+            ("step time", f"{s.step_s:.3f} s"),
             ("tps per GPU", f"{s.tps:,.0f}"), ("MFU", f"{s.mfu:.1f}%"), ("tokens per day", f"{s.tokens_per_day:,.3g}"),
             ("GPU-hours per 1B tokens", f"{s.gpu_hours_per_billion:,.1f}")]
     return "speed:\n" + "\n".join(f"  {name:<26}{value}" for name, value in rows)

@@ -19,6 +19,7 @@ from titanlite.plan.memory import Memory, fsdp_buffers, pipeline_fsdp_buffers, p
 from titanlite.plan.moe import gathered_params
 from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
+from titanlite.plan.rollout import rollout_memory
 from titanlite.plan.speed import Shape, Speed, plan_speed
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
@@ -145,6 +146,7 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
                    middle_stage_transient(microbatch, spec, args, dims, compiled)) for compiled in tallies]
     else:
         whole_model = [activations(cfg, spec, args, dims, compiled) for compiled in tallies]
+    rollout = rollout_memory(cfg, Shape.of(whole, cfg.training.seq_len, 0.0), dims)
     roles = []
     for pp_rank, state in states.items():
         stages = rank_stages(cfg, args.n_layers, dims.pp, pp_rank)
@@ -153,7 +155,8 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
                  for per_block, ends, transient in pieces] if dims.pp_enabled else whole_model)
         buffers = (pipeline_fsdp_buffers(cfg, *stage_params(whole, stages, dims.ep), dims) if dims.pp_enabled
                    else fsdp_buffers(cfg, block, root_params(whole, stages), dims))
-        memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None)
+        memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None,
+                             rollout.total if rollout is not None else 0)
         roles.append((stages.name if dims.pp_enabled else "every rank", memory))
     mesh = dims.layout
     return JobPlan(roles, dims.dp_degree * dims.batch_sharing_degree, mesh, job_speed(cfg, spec, whole, dims, states),

@@ -1,8 +1,9 @@
 """One rank's memory at its peak: exact state from the real shards, activations from the tally,
 FSDP's buffers from the block sizes, and a stated margin for what the allocator cannot give back.
 
-The peak is the larger of two moments: the start of backward (state + activations + gathered
-parameters) and the optimizer step (state + all gradients + the step's temporaries).
+The peak is the largest of two moments, three under GRPO: the start of backward (state + activations + gathered
+parameters), the optimizer step (state + all gradients + the step's temporaries) and GRPO's rollout (state + the
+gathered policy, KV cache and logits of plan/rollout.py).
 
 A compiled step's activations lie between two tallies (plan/activations.py): the eager step's (the
 upper bound) and what is left when every tensor the min-cut partitioner may recompute costs nothing
@@ -38,6 +39,7 @@ class Memory:
     needs: int  # peak with the allocator margin and the CUDA context
     capacity: int
     reference: int = 0  # DPO's frozen reference model (dpo.py), sharded like the parameters; 0 without one
+    rollout: int = 0  # GRPO: what its rollout holds besides the state (plan/rollout.py: gathered weights, KV cache)
 
     @property
     def share(self) -> float:
@@ -83,8 +85,9 @@ def optimizer_temporaries(cfg: JobConfig, params: int) -> int:
 
 
 def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffers: int, capacity_gib: float,
-                lower: Activations | None = None) -> Memory:
-    """`acts`: the eager tally; `lower`: a compiled step's lower bound (None when the blocks are not compiled)."""
+                lower: Activations | None = None, rollout: int = 0) -> Memory:
+    """`acts`: the eager tally; `lower`: a compiled step's lower bound (None when the blocks are not compiled);
+    `rollout`: what GRPO's rollout holds besides the state, while no gradient is (a third moment of the peak)."""
     on_gpu = {k: 0 for k in state} if cfg.parallelism.fsdp_cpu_offload else state  # offload keeps them in CPU memory
     params, grads, optimizer = on_gpu["params"], on_gpu["grads"], on_gpu["optimizer"]
     reference = on_gpu.get("reference", 0)  # DPO's reference: offloaded like the parameters it copies
@@ -92,7 +95,7 @@ def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffer
     def peak_with(activations: int) -> int:
         backward = params + reference + optimizer + activations + buffers
         step = params + reference + optimizer + grads + optimizer_temporaries(cfg, params)
-        return max(backward, step)
+        return max(backward, step, params + reference + optimizer + rollout)
 
     # Under PP the bounds are composed from per-block tallies (plan/pipeline.py), which can put the lower one
     # a little above the eager one: the eager count bounds both.
@@ -101,4 +104,5 @@ def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffer
     peak = peak_with(kept)
     needs = int(peak * (1 + ALLOCATOR_MARGIN) + CONTEXT_GIB * GIB)
     bounds = None if lower is None else (peak_with(least), peak_with(acts.peak))
-    return Memory(params, grads, optimizer, kept, buffers, peak, bounds, needs, int(capacity_gib * GIB), reference)
+    return Memory(params, grads, optimizer, kept, buffers, peak, bounds, needs, int(capacity_gib * GIB), reference,
+                  rollout)

@@ -42,6 +42,7 @@ from titanlite.parallel.ac import every_nth
 from titanlite.parallel.dims import ParallelDims
 from titanlite.dtypes import DTYPES
 from titanlite.plan import hardware
+from titanlite.plan.rollout import rollout_seconds
 from titanlite.plan.hardware import Gpu
 from titanlite.plan.moe import expert_params, moe_modules
 from titanlite.plan.pipeline import bubble, send_recv_bytes
@@ -121,6 +122,7 @@ class Speed:
     mfu: float  # percent of the bf16 peak, as metrics.py computes it
     tokens_per_day: float  # the whole job
     gpu_hours_per_billion: float
+    rollout_s: float = 0.0  # GRPO: making the step's completions (plan/rollout.py), part of step_s
 
 
 @dataclass(frozen=True)
@@ -307,8 +309,12 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
     forward = forward_seconds(parts, recompute(cfg))
     backward = compute - parts["optimizer"] - forward
     overlapped = max(forward, fsdp_forward) + max(backward, fsdp_backward) + parts["optimizer"]
-    step = (overlapped + tp + ep + cp + pp) / (1 - idle)
+    # GRPO makes its completions before the step (plan/rollout.py), over the data-parallel link it gathers on
+    dp_link = inter_gbps if dims.dp_degree * dims.cp * dims.tp > gpus_per_node else intra_gbps
+    rollout = rollout_seconds(cfg, shape, dims, gpu, dp_link, forward_seconds(parts, Recompute(0.0, 0.0, 0.0)))
+    step = (overlapped + tp + ep + cp + pp) / (1 - idle) + rollout
     tps = tokens / step
     world = dims.dp_degree * dims.batch_sharing_degree
     return Speed(compute, tuple(parts.items()), fsdp_forward + fsdp_backward, tp, ep, cp, pp, idle, step, tps,
-                 100 * tps * shape.flops_per_token / (gpu.bf16_tflops * 1e12), tps * world * 86400, 1e9 / tps / 3600)
+                 100 * tps * shape.flops_per_token / (gpu.bf16_tflops * 1e12), tps * world * 86400, 1e9 / tps / 3600,
+                 rollout)

@@ -13,6 +13,8 @@ import dataclasses
 
 import torch
 
+from titanlite.data.batch import Normalizers
+
 SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 STD_EPS = 1e-4  # TRL's: (reward - mean) / (std + 1e-4)
@@ -123,17 +125,21 @@ class TokenStats:
 
 
 def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
-                   epsilon_high: float, beta: float, ref_logps: torch.Tensor | None) -> tuple[torch.Tensor, TokenStats]:
+                   epsilon_high: float, beta: float, ref_logps: torch.Tensor | None,
+                   weight: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
     """(the loss of each token [B, T], its TokenStats): -min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A) with
     r = exp(logps - old_logps) and A the completion's advantage [B], plus beta x r x the k3 KL to the reference,
     exp(ref - logps) - (ref - logps) - 1. The factor r is TRL 1.16's default (use_bias_correction_kl): it makes the
     KL term's gradient the unbiased reverse-KL gradient, and changes it even on-policy, where r is 1 but not constant.
     old_logps are the rollout's (logps.detach() when each rollout batch makes one update, as in TRL); ref_logps are
-    needed only when beta > 0."""
+    needed only when beta > 0. `weight` ([B, T] or [B, 1], rl/off_policy.py's correction) multiplies the clipped
+    surrogate, not the KL term, as TRL weights it."""
     advantages = advantages[:, None]
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     loss = -torch.min(ratio * advantages, clipped * advantages)
+    if weight is not None:
+        loss = loss * weight
     kl = None
     if beta != 0.0:
         if ref_logps is None:
@@ -146,15 +152,6 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: tor
         low = (ratio < 1 - epsilon_low) & (advantages < 0)
         high = (ratio > 1 + epsilon_high) & (advantages > 0)
     return loss, TokenStats(kl=kl, low_clipped=low, high_clipped=high, region_clipped=low | high)
-
-
-@dataclasses.dataclass(frozen=True)
-class Normalizers:
-    """The global batch's counts every share of its loss divides by: completions (prompts x num_generations),
-    tokens (the completion tokens the mask keeps, summed over every rank) and max_completion_length."""
-    completions: int
-    tokens: int
-    max_completion_length: int
 
 
 def reduce_loss(loss: torch.Tensor, mask: torch.Tensor, loss_type: str, norm: Normalizers) -> torch.Tensor:

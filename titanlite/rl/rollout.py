@@ -1,36 +1,48 @@
-"""GRPO's rollouts: the batches of one optimizer step, made from that step's prompts (rl/prompts.py).
+"""GRPO's rollout stage: the micro-batches of each optimizer step, made from that step's prompts (rl/prompts.py).
 
-Each rank samples rl.num_generations completions for each of its prompts with the policy as it is, sharded as it
-trains (FSDP: the ranks generate in lockstep, inference/decode.py), completion j of the prompt at global index p
-seeded from (job.seed, p x G + j): completions depend on neither the layout nor the batch. The reward functions
-score them (titanlite/rewards/); the rewards of all ranks are gathered, so that every advantage (its group's or the
-batch's statistics) is the one a single process computes. A completion is trained on as one row, the prompt then the
-completion with its stop token, right-padded; its labels are the completion's tokens (all IGNORED when
-rl.mask_truncated_completions leaves out a completion cut at max_new_tokens).
+Each rank has a RolloutEngine (rl/engine.py) sample rl.num_generations completions for each of its prompts,
+completion j of the prompt at global index p seeded from (job.seed, p x G + j): completions depend on neither the
+layout nor the batch. The reward functions score them (titanlite/rewards/); the rewards of all ranks are gathered, so
+that every advantage (its group's or the batch's statistics) is the one a single process computes. A completion is
+trained on as one row, the prompt then the completion with its stop token, right-padded; its labels are the
+completion's tokens (all IGNORED when rl.mask_truncated_completions leaves out a completion cut at max_new_tokens).
 
 With rl.num_iterations above 1, the same rollouts serve that many optimizer steps, against the log-probabilities
 of the policy that sampled them (computed once, before the first update); the rollouts and how many updates they
-have served are the loader's state, so a resume inside them trains on the very same rows.
+have served are the stage's state, so a resume inside them trains on the very same rows.
 """
 
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from titanlite.config_sections import RL
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.data.packing import padded_width
-from titanlite.rl.prompts import PromptItem, PromptOrder
-from titanlite.inference.decode import Generated, Sampling, generate_ids
+from titanlite.inference.decode import Sampling
 from titanlite.inference.prompts import completion_text
+from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.data.batch import MicroBatch, Normalizers, RolloutTerms
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.functions import score
-from titanlite.rl.grpo_loss import Normalizers, nanstd
+from titanlite.rl.ahead import Ahead
+from titanlite.rl.engine import Completion, RolloutEngine
+from titanlite.rl.grpo_loss import group_advantages, nanstd, token_logps
+from titanlite.rl.log import RolloutLog, show_completions
+from titanlite.rl.prompts import PromptItem, PromptOrder
+
+
+@dataclass(frozen=True)
+class Rewards:
+    """The reward functions (titanlite/rewards/), their names and weights."""
+
+    functions: list
+    names: list[str]
+    weights: torch.Tensor
 
 
 @dataclass
@@ -39,42 +51,12 @@ class Rollouts:
 
     inputs: torch.Tensor  # [n, W]
     labels: torch.Tensor  # [n, W], IGNORED outside the completions
-    advantages: torch.Tensor  # [n]
-    old_logps: torch.Tensor | None  # [n, W] under the sampling policy (num_iterations > 1), else None
-    ref_logps: torch.Tensor | None  # [n, W] under the reference (beta > 0), else None
-    norm: Normalizers
+    terms: RolloutTerms
     stats: dict[str, float]  # rl/* of the whole batch
 
-    def micro_batch(self, k: int, size: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        rows = slice(k * size, (k + 1) * size)
-        extras = {"advantages": self.advantages[rows], "norm": self.norm}
-        for name in ("old_logps", "ref_logps"):
-            if getattr(self, name) is not None:
-                extras[name] = getattr(self, name)[rows]
-        return self.inputs[rows], self.labels[rows], extras
-
-
-def sample(run, items: list[PromptItem], rl: RL, seed: int) -> list[Generated]:
-    """rl.num_generations completions of each prompt, in lockstep with the other ranks where there are any."""
-    groups = rl.num_generations
-    prompts = [item.ids for item in items for _ in range(groups)]
-    indices = [item.index * groups + j for item in items for j in range(groups)]
-    sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, seed)
-    model, was_training = run.model, run.model.training
-    model.eval()  # dropout off; MoE's routing statistics count training forwards only
-    try:
-        # compile.enable compiles the blocks for training's shapes; a decode step per token through them would
-        # recompile past dynamo's limit (every cache length is a new shape), so decoding runs them eagerly.
-        with torch.compiler.set_stance("force_eager"):
-            return generate_ids(model, run.args, run.tokenizer, prompts, sampling, indices=indices,
-                                lockstep=dist.is_initialized() and dist.get_world_size() > 1)
-    finally:
-        model.train(was_training)
-
-
-def sampled_ids(generated: Generated) -> list[int]:
-    """The completion as sampled: its tokens and, where a stop token ended it, that token."""
-    return generated.token_ids + ([generated.stop_token] if generated.finish_reason == "eos" else [])
+    def micro_batches(self, accum_steps: int, size: int) -> list[MicroBatch]:
+        parts = [slice(k * size, (k + 1) * size) for k in range(accum_steps)]
+        return [MicroBatch(self.inputs[p], self.labels[p], rollout=self.terms.rows(p)) for p in parts]
 
 
 def rows(prompts: list[list[int]], completions: list[list[int]], trained: list[bool], pad_id: int,
@@ -91,6 +73,14 @@ def rows(prompts: list[list[int]], completions: list[list[int]], trained: list[b
         if train:
             labels[row, len(prompt) - 1:len(sequence) - 1] = sequence[len(prompt):]
     return inputs, labels
+
+
+def aligned_logprobs(prompts: list[list[int]], completions: list[Completion], width: int) -> torch.Tensor:
+    """The sampler's log-probabilities [n, W] where the labels hold their tokens (0 elsewhere)."""
+    out = torch.zeros(len(prompts), width)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        out[row, len(prompt) - 1:len(prompt) - 1 + len(completion.logprobs)] = torch.tensor(completion.logprobs)
+    return out
 
 
 def gathered(values: torch.Tensor) -> torch.Tensor:
@@ -114,39 +104,86 @@ def batch_stats(per_function: torch.Tensor, total: torch.Tensor, zero_std: torch
     return stats
 
 
-def number(value: float) -> float | None:
-    """A reward as JSON has it: None where no function scored (NaN)."""
-    return None if value != value else value
+def logps(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, size: int, temperature: float) -> torch.Tensor:
+    """The labels' log-probabilities [n, W] under `model` at `temperature`, size rows at a time."""
+    device = next(model.parameters()).device
+    parts = []
+    for start in range(0, len(inputs), size):
+        logits = model(inputs[start:start + size].to(device))
+        parts.append(token_logps(logits, labels[start:start + size].to(device).clamp(min=0), temperature)[0].cpu())
+    return torch.cat(parts)
 
 
-class RolloutLoader:
-    """training.dataloader under GRPO: the micro-batches of each step, made from rollouts. `objective` is
-    objectives/grpo.py's GRPO (its reward functions, its log-probabilities of the old policy and the reference)."""
+@torch.no_grad()
+def rollout_logps(model: nn.Module, frozen, inputs: torch.Tensor, labels: torch.Tensor, size: int,
+                  rl: RL) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the sampling policy's log-probabilities where later updates need them, num_iterations > 1; the reference's,
+    beta > 0, `frozen` objectives/reference.py's Reference), [n, W], computed size rows at a time before the first
+    update."""
+    old = ref = None
+    if rl.num_iterations > 1:
+        was_training = model.training
+        model.eval()
+        try:
+            old = logps(model, inputs, labels, size, rl.temperature)
+        finally:
+            model.train(was_training)
+    if frozen is not None:
+        with frozen.of(model) as reference:
+            ref = logps(reference, inputs, labels, size, rl.temperature)
+    return old, ref
+
+
+def say_what_trains_nothing(step: int, total: torch.Tensor, trained: int) -> None:
+    """TRL's warnings: a batch no reward function scored, or whose completions are all masked, trains nothing."""
+    if total.isnan().all():
+        logger.warning(f"step {step}: every reward function returned None for every completion, so every advantage is 0 "
+                       "and the step trains nothing; check that the functions can score these prompts")
+    if trained == 0:
+        logger.warning(f"step {step}: rl.mask_truncated_completions left out every completion (all were cut at "
+                       "rl.max_new_tokens), so the step trains nothing; raise rl.max_new_tokens")
+
+
+class RolloutStage:
+    """training.dataloader under GRPO: each step's micro-batches and the statistics of their rollout batch, made from
+    rollouts. It holds the prompt order, the engine, the rewards and the reference, not the objective."""
 
     state_is_global = False  # the rollouts in use are this rank's own
 
-    def __init__(self, run, order: PromptOrder, objective, accum_steps: int):
-        self.run, self.order, self.objective, self.accum_steps = run, order, objective, accum_steps
+    def __init__(self, run, order: PromptOrder, engine: RolloutEngine, rewards: Rewards, frozen):
+        self.run, self.order, self.engine, self.rewards, self.frozen = run, order, engine, rewards, frozen
         self.rl, self.size = run.cfg.rl, run.cfg.training.local_batch_size
+        self.accum_steps = run.step.accum_steps
         self.current: Rollouts | None = None
         self.served = 0  # optimizer steps the current rollouts have served
-        self.log_path = Path(run.cfg.job.dump_folder) / "rollouts.jsonl" if self.rl.log_rollouts else None
-        self.stats: list[dict[str, float]] = []  # the statistics of the rollouts each step since take_stats trained on
-
-    def take_stats(self) -> list[dict[str, float]]:
-        stats, self.stats = self.stats, []
-        return stats
+        self.log = RolloutLog.at(run.cfg.job.dump_folder) if self.rl.log_rollouts else None
+        self.ahead = Ahead(self.rl.max_staleness) if self.rl.max_staleness else None
+        self.trained = 0  # steps handed their batches (rl.max_staleness >= 1)
 
     def state_dict(self) -> dict:
-        return {"order": self.order.state_dict(), "served": self.served, "rollouts": self.current}
+        state = {"order": self.order.state_dict(), "served": self.served, "rollouts": self.current}
+        if self.ahead is not None:
+            state |= {"ahead": self.ahead.state_dict(), "trained": self.trained}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        staleness = state["ahead"]["staleness"] if "ahead" in state else 0
+        if staleness != self.rl.max_staleness:
+            raise UserError(f"the checkpoint's rollouts were sampled at rl.max_staleness {staleness}, which sets which "
+                            f"weights sample each step; resume with rl.max_staleness {staleness}")
         self.order.load_state_dict(state["order"])
         self.served, self.current = state["served"], state["rollouts"]
+        if self.ahead is not None:
+            self.ahead.load_state_dict(state["ahead"])
+            self.trained = state["trained"]
 
     def load_position(self, state: dict, saved_ranks: int) -> None:
         """A state saved on another number of data-parallel ranks: the prompts' position is global and resumes as it
-        is; rollouts whose updates were not all done are rows of the old ranks, and the next step rolls out anew."""
+        is; rollouts whose updates were not all done are rows of the old ranks, and the next step rolls out anew.
+        Rollouts sampled ahead (rl.max_staleness) are the old ranks' too, and their prompts are already counted."""
+        if "ahead" in state:
+            raise UserError(f"the checkpoint was saved by {saved_ranks} data-parallel ranks with rollouts sampled ahead "
+                            "(rl.max_staleness), which belong to those ranks; resume on the same number of ranks")
         self.order.load_state_dict(state["order"])
         if state["rollouts"] is not None and state["served"] < self.rl.num_iterations:
             logger.warning(f"the checkpoint was saved by {saved_ranks} data-parallel ranks between the rl.num_iterations "
@@ -155,44 +192,81 @@ class RolloutLoader:
 
     def __iter__(self):
         while True:
-            if self.current is None or self.served == self.rl.num_iterations:
+            if self.ahead is not None:  # one update per rollout batch, sampled ahead (rl/ahead.py)
+                self.current = self.stale_rollouts(self.trained + 1)
+                self.trained += 1
+            elif self.current is None or self.served == self.rl.num_iterations:
                 self.current, self.served = self.roll_out(), 0
             self.served += 1  # counted before the step's batches are handed out: a save after the step sees it
-            self.stats.append(self.current.stats)
-            for k in range(self.accum_steps):
-                yield self.current.micro_batch(k, self.size)
+            yield self.current.micro_batches(self.accum_steps, self.size), self.current.stats
+
+    def request(self, items: list[PromptItem]) -> tuple[list[list[int]], Sampling, list[int]]:
+        """(the prompts, the sampling, each completion's seed index) of rl.num_generations completions per item."""
+        rl, groups = self.rl, self.rl.num_generations
+        prompts = [item.ids for item in items for _ in range(groups)]
+        indices = [item.index * groups + j for item in items for j in range(groups)]
+        return prompts, Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, self.run.cfg.job.seed), indices
+
+    def stale_rollouts(self, step: int) -> Rollouts:
+        """Step `step`'s rollouts, sampled ahead; the steps up to step + K not yet handed to the engine are, with the
+        weights after step - 1 (at a fresh start, steps 1 .. K + 1, with the initial weights)."""
+        self.engine.update_weights(step - 1)
+        for target in self.ahead.missing(step):
+            items = self.order.next_step()
+            self.ahead.launch(target, items, self.engine.submit(*self.request(items)))
+        sampled, waited = self.ahead.take(step)
+        return self.made(step, sampled.items, sampled.completions, sampled.seconds, waited)
 
     def roll_out(self) -> Rollouts:
-        run, rl, objective = self.run, self.rl, self.objective
         step = self.order.consumed // self.order.per_step * self.rl.num_iterations + 1  # the first step it serves
         items = self.order.next_step()
         began = time.perf_counter()
+        self.engine.update_weights(step - 1)
         with self.precision():
-            generated = sample(run, items, rl, run.cfg.job.seed)
-        generated_at = time.perf_counter()
+            completions = self.engine.generate(*self.request(items))
+        seconds = time.perf_counter() - began
+        return self.made(step, items, completions, seconds, seconds)
+
+    def made(self, step: int, items: list[PromptItem], completions: list[Completion], generate_seconds: float,
+             waited: float) -> Rollouts:
+        """The rollouts of step's completions: scored, their advantages, rows and log-probabilities; `waited`: the
+        seconds the step waited for the completions (generate_seconds, unless they were sampled ahead)."""
+        run, rl, rewards = self.run, self.rl, self.rewards
+        began = time.perf_counter()
         groups = rl.num_generations
         owners = [item for item in items for _ in range(groups)]  # each completion's prompt, in sample's order
-        completions = [sampled_ids(g) for g in generated]
+        sampled = [c.sampled_ids for c in completions]
         prompts = [item.ids for item in owners]
-        trained = [not (rl.mask_truncated_completions and g.finish_reason == "length") for g in generated]
-        per_function, total = self.score(owners, generated, completions)
-        scored_at = time.perf_counter()
+        trained = [not (rl.mask_truncated_completions and c.finish_reason == "length") for c in completions]
+        texts = [completion_text(c.ids, run.tokenizer, ()) for c in completions]
+        per_function, total = self.score(owners, texts, sampled)
+        score_seconds = time.perf_counter() - began
         all_functions, all_total = gathered(per_function), gathered(total)
-        advantages, zero_std = objective.advantages(all_total)
-        n, rank = len(completions), self.order.dp_rank
-        inputs, labels = rows(prompts, completions, trained, run.tokenizer.eos_id, run.cfg.training.seq_len)
-        lengths = gathered(torch.tensor([len(c) for c in completions]))
-        tokens = gathered(torch.tensor([int((labels != IGNORED).sum())])).sum().item()
-        norm = Normalizers(completions=len(all_total), tokens=int(tokens),
-                           max_completion_length=rl.max_new_tokens)
-        stats = batch_stats(all_functions, all_total, zero_std, lengths, objective.reward_names, groups)
+        advantages, zero_std = group_advantages(all_total, groups, rl.scale_rewards)
+        n, rank = len(sampled), self.order.dp_rank
+        inputs, labels = rows(prompts, sampled, trained, run.tokenizer.eos_id, run.cfg.training.seq_len)
+        lengths = gathered(torch.tensor([len(c) for c in sampled]))
+        tokens = int(gathered(torch.tensor([int((labels != IGNORED).sum())])).sum().item())
+        say_what_trains_nothing(step, all_total, tokens)
+        norm = Normalizers(completions=len(all_total), tokens=tokens, max_completion_length=rl.max_new_tokens)
+        stats = batch_stats(all_functions, all_total, zero_std, lengths, rewards.names, groups)
         local_advantages = advantages[rank * n:(rank + 1) * n]
         with self.precision():
-            old, ref = objective.rollout_logps(run.model, inputs, labels, self.size)
-        stats["rl/generate_seconds"], stats["rl/score_seconds"] = generated_at - began, scored_at - generated_at
-        if self.log_path is not None:
-            self.log(step, prompts, completions, per_function, total, local_advantages)
-        return Rollouts(inputs, labels, local_advantages, old, ref, norm, stats)
+            old, ref = rollout_logps(run.model, self.frozen, inputs, labels, self.size, rl)
+        stats["rl/generate_seconds"], stats["rl/score_seconds"] = generate_seconds, score_seconds
+        if self.ahead is not None:
+            stats["rl/generate_wait_seconds"] = waited
+        if self.log is not None:
+            self.log.write(step, owners, completions, texts, rewards.names, per_function, total, local_advantages)
+        if rl.log_completions and rank == 0 and self.logs_a_step(step):
+            show_completions(step, owners, texts, total)
+        corrects = rl.importance_sampling != "none" or rl.off_policy_mask_threshold != -1
+        sampler = aligned_logprobs(prompts, completions, inputs.shape[1]) if corrects else None
+        return Rollouts(inputs, labels, RolloutTerms(local_advantages, norm, old, ref, sampler), stats)
+
+    def logs_a_step(self, step: int) -> bool:
+        """Whether one of the steps these rollouts serve writes the step line (metrics.log_freq)."""
+        return any(s == 1 or s % self.run.cfg.metrics.log_freq == 0 for s in range(step, step + self.rl.num_iterations))
 
     def precision(self):
         """The precision training computes in (autocast where FSDP does not cast): completions are sampled, and their
@@ -200,29 +274,12 @@ class RolloutLoader:
         run = self.run
         return mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type)
 
-    def score(self, owners: list[PromptItem], generated: list[Generated],
+    def score(self, owners: list[PromptItem], texts: list[str],
               completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(each function's rewards [n, F], NaN where one returned None; their weighted sum [n]) of this rank's
         completions; owners[i] is completion i's prompt."""
-        texts = [completion_text(g.token_ids, self.run.tokenizer, ()) for g in generated]
         shown = [[{"role": "assistant", "content": text}] if isinstance(item.prompt, list) else text
                  for text, item in zip(texts, owners)]  # a chat prompt's completion as messages, as TRL passes it
         prompts = [item.prompt for item in owners]
         fields = {name: [item.fields[name] for item in owners] for name in owners[0].fields}
-        return score(self.objective.reward_functions, self.objective.reward_weights, prompts, shown, completions, fields)
-
-    def log(self, step: int, prompts, completions, per_function: torch.Tensor, total: torch.Tensor,
-            advantages: torch.Tensor) -> None:
-        """Every rank's completions of this rollout batch, one JSON line each, written by rank 0."""
-        names = self.objective.reward_names
-        lines = [json.dumps({"step": step, "prompt_ids": p, "completion_ids": c,
-                             "rewards": {name: number(value) for name, value in zip(names, rewards)},
-                             "reward": number(r), "advantage": a})
-                 for p, c, rewards, r, a in zip(prompts, completions, per_function.tolist(), total.tolist(),
-                                                advantages.tolist())]
-        everyone = [None] * dist.get_world_size() if dist.is_initialized() else [lines]
-        if dist.is_initialized():
-            dist.all_gather_object(everyone, lines)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            with self.log_path.open("a") as out:
-                out.writelines(line + "\n" for part in everyone for line in part)
+        return score(self.rewards.functions, self.rewards.weights, prompts, shown, completions, fields)

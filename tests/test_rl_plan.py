@@ -1,0 +1,47 @@
+"""The planner counts GRPO's rollout (titanlite/plan/rollout.py): on 8 GPUs under FSDP the whole policy gathered in
+bf16, the KV cache of the rank's completions and a decode step's logits, by hand for Llama 3 8B; its time is part
+of the step's; without FSDP nothing is gathered."""
+
+import json
+
+import pytest
+
+from titanlite.config import load_config
+from titanlite.models import get_model_spec
+from titanlite.models.construct import meta_model
+from titanlite.plan.job import model_args, plan_job
+from titanlite.plan.memory import GIB
+
+
+def grpo_job(tmp_path, *extra):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1 + 1 ="}) + "\n")
+    return load_config(["--job.config_file", "train_configs/llama3_8b.toml", "--training.dataset_format", "prompts",
+                        "--training.dataset_path", str(prompts), "--rl.reward_functions",
+                        "titanlite.rewards:math_answer", "--training.seq_len", "1024", "--training.local_batch_size", "2",
+                        "--training.global_batch_size", "64", "--rl.num_generations", "8", "--rl.max_new_tokens", "512",
+                        "--checkpoint.initial_load_path", "", *extra])
+
+
+def test_the_rollout_is_counted_by_hand_for_llama3_8b(tmp_path):
+    cfg = grpo_job(tmp_path)
+    plan = plan_job(cfg)
+    spec = get_model_spec(cfg.model.name)
+    args = model_args(cfg, spec)
+    params = meta_model(spec, args, "float32", cfg.lora).num_params()
+    rows = 64 // 8  # the rank's completions
+    columns = 1088  # seq_len + 1 rounded up to 64
+    kv_cache = args.n_layers * rows * columns * args.n_kv_heads * 2 * args.head_dim * 2  # keys and values, bf16
+    logits = 4 * rows * args.vocab_size * 4
+    memory = plan.memory
+    assert memory.rollout == params * 2 + kv_cache + logits
+    assert memory.peak >= memory.params + memory.optimizer + memory.rollout
+    assert 0 < plan.speed.rollout_s < plan.speed.step_s
+    assert memory.rollout / GIB == pytest.approx(15.0 + 1.06 + 0.03, abs=0.1)  # 8.03B parameters in bf16
+
+
+def test_one_gpu_decodes_the_policy_itself(tmp_path):
+    cfg = grpo_job(tmp_path, "--plan.gpus_per_node", "1", "--training.global_batch_size", "8")
+    args = model_args(cfg, get_model_spec(cfg.model.name))
+    kv_cache = args.n_layers * 8 * 1088 * args.n_kv_heads * 2 * args.head_dim * 2
+    assert plan_job(cfg).memory.rollout == kv_cache + 4 * 8 * args.vocab_size * 4  # no gathered copy

@@ -1,0 +1,176 @@
+"""RL's generation seam: a `RolloutEngine` turns prompt ids into completions, each with the sampler's log-probability
+of every sampled token (at the sampling temperature) and the policy step whose weights sampled it, and is told of new
+weights after each optimizer step (`update_weights`). The rollout stage (rl/rollout.py) knows engines only through
+this protocol; docs/design.md says how a vLLM engine would be one more class.
+
+`ColocatedEngine`, the default, generates on the training ranks. A policy sharded by FSDP would all-gather every
+block's weights at each decoded token; instead the engine gathers the whole policy once per rollout batch into a plain
+unsharded copy in the precision FSDP computes in (`gathered_policy`), decodes on it with no collective at all, and
+frees it. An unsharded policy (one process, or no FSDP) decodes as it is.
+"""
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from titanlite.dtypes import DTYPES
+from titanlite.inference.decode import Generated, Sampling, generate_ids
+from titanlite.models.construct import meta_model
+from titanlite.parallel.fsdp import mixed_precision_context
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One completion as sampled: its tokens up to a stop token (left out of `ids`, kept in `stop_token`), the
+    sampler's log-probability of each sampled token, stop token included, and the policy that sampled it."""
+
+    ids: list[int]
+    stop_token: int | None  # the stop token that ended it; None: cut at max_new_tokens (or by a stop string)
+    finish_reason: str  # inference/decode.py's Generated: "eos", "stop" or "length"
+    logprobs: list[float]  # log_softmax(logits / temperature) at each token of sampled_ids, before top-k/top-p
+    policy_step: int  # optimizer steps the sampling weights had taken (0 = the initial policy)
+
+    @property
+    def sampled_ids(self) -> list[int]:
+        """The tokens as sampled, with the stop token that ended the completion."""
+        return self.ids + ([self.stop_token] if self.stop_token is not None else [])
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> list[Completion]:
+        """Completions of `prompts`; indices[i] is prompt i's place among all completions (seeds its sampling)."""
+
+    def submit(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> Future:
+        """generate() in the background, by the weights of now: a Future of its completions."""
+
+    def update_weights(self, policy_step: int) -> None:
+        """The policy has taken `policy_step` optimizer steps: later completions are sampled by those weights."""
+
+
+class SampledLogprobs(nn.Module):
+    """The sampler's model with a record of each sampled token's log-probability under log_softmax(logits /
+    temperature), read off the very logits decode.py's pick_tokens drew it from: each forward's input token was
+    picked from the previous forward's last logits.
+    (Where inference/decode.py's Generated.logprobs gives these at the sampling temperature, read them there.)"""
+
+    def __init__(self, model: nn.Module, temperature: float):
+        super().__init__()
+        self.model, self.temperature = model, temperature
+        self.taken: list[torch.Tensor] = []  # [B] per token fed back
+        self.last: torch.Tensor | None = None  # [B, vocab] the last forward's next-token log-probabilities
+
+    def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.last is not None:
+            self.taken.append(self.last.gather(-1, tokens[:, :1])[:, 0])
+        logits = self.model(tokens, **kwargs)
+        self.last = (logits[:, -1].float() / self.temperature).log_softmax(dim=-1)
+        return logits
+
+    def of(self, row: int, sampled: list[int]) -> list[float]:
+        """Row `row`'s log-probabilities of its sampled tokens (at most one past those fed back)."""
+        fed = [float(step[row]) for step in self.taken[:len(sampled)]]
+        if len(sampled) > len(fed):
+            fed.append(float(self.last[row, sampled[len(fed)]]))
+        return fed
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without activation checkpointing's wrapper: the unwrapped model's name."""
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
+def set_tensor(model: nn.Module, name: str, value: torch.Tensor, parameter: bool) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if parameter:
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[leaf] = value
+
+
+def full_copy(run) -> nn.Module:
+    """A plain copy of the policy's whole weights, in eval mode, its buffers shared: under FSDP each DTensor's
+    full_tensor() (one all-gather per parameter) cast to training.mixed_precision_param as FSDP casts it for compute;
+    otherwise a clone, in the dtype it trains in (autocast casts it as it casts the policy)."""
+    policy = run.model
+    sharded = isinstance(policy, FSDPModule)
+    dtype = DTYPES[run.cfg.training.mixed_precision_param]
+    copy = meta_model(run.spec, run.args, run.cfg.training.param_dtype, run.cfg.lora).eval()
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if not sharded:
+                full = p.detach().clone()
+            else:  # FSDP leaves a block it did not reshard after its last forward unsharded until backward
+                full = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(dtype)
+            set_tensor(copy, plain_name(name), full, parameter=True)
+    for name, buffer in policy.named_buffers():
+        set_tensor(copy, plain_name(name), buffer, parameter=False)
+    return copy
+
+
+@contextlib.contextmanager
+def gathered_policy(run):
+    """The policy to decode with now: under FSDP its full_copy(), freed on exit; otherwise the policy itself, in eval
+    mode for the while."""
+    policy = run.model
+    if isinstance(policy, FSDPModule):
+        copy = full_copy(run)
+        try:
+            yield copy
+        finally:
+            del copy
+        return
+    was_training = policy.training
+    policy.eval()  # dropout off; MoE's routing statistics count training forwards only
+    try:
+        yield policy
+    finally:
+        policy.train(was_training)
+
+
+class ColocatedEngine:
+    """Generation on the training ranks with the training policy itself: its weights are read when a rollout batch
+    is generated (gathered once under FSDP), so new weights need no transfer. `submit` takes a full_copy() of them
+    now and decodes it on a thread of its own while training goes on (rl.max_staleness)."""
+
+    def __init__(self, run):
+        self.run = run
+        self.policy_step = 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+
+    def update_weights(self, policy_step: int) -> None:
+        self.policy_step = policy_step
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> list[Completion]:
+        run = self.run
+        # compile.enable compiles the blocks for training's shapes; a decode step per token through them would
+        # recompile past dynamo's limit (every cache length is a new shape), so decoding runs them eagerly.
+        with gathered_policy(run) as model, torch.compiler.set_stance("force_eager"):
+            recorder = SampledLogprobs(model, sampling.temperature)
+            generated = generate_ids(recorder, run.args, run.tokenizer, prompts, sampling, indices=indices)
+        return [completion(g, recorder, row, self.policy_step) for row, g in enumerate(generated)]
+
+    def submit(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> Future:
+        """generate()'s completions, made in the background from the weights as they are now."""
+        return self.pool.submit(self.decode, full_copy(self.run), prompts, sampling, indices, self.policy_step)
+
+    def decode(self, model: nn.Module, prompts: list[list[int]], sampling: Sampling, indices: list[int],
+               policy_step: int) -> list[Completion]:
+        run = self.run
+        with mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type):  # per thread
+            recorder = SampledLogprobs(model, sampling.temperature)
+            generated = generate_ids(recorder, run.args, run.tokenizer, prompts, sampling, indices=indices)
+        return [completion(g, recorder, row, policy_step) for row, g in enumerate(generated)]
+
+
+def completion(generated: Generated, recorder: SampledLogprobs, row: int, policy_step: int) -> Completion:
+    stop = generated.stop_token if generated.finish_reason == "eos" else None
+    sampled = generated.token_ids + ([stop] if stop is not None else [])
+    return Completion(generated.token_ids, stop, generated.finish_reason, recorder.of(row, sampled), policy_step)
