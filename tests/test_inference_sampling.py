@@ -138,6 +138,7 @@ def test_token_ids_as_tensors_and_arrays_are_taken_as_lists(llama):
     (lambda lm: lm.generate([[1]], max_new_tokens=True), "max_new_tokens=True: give a whole number of at least 1"),
     (lambda lm: lm.generate([[1]], max_new_tokens=4, min_new_tokens=5), "min_new_tokens=5: give a whole number from 0"),
     (lambda lm: lm.generate([[1]], ignore_eos="yes"), "ignore_eos='yes': give True"),
+    (lambda lm: lm.generate([[1], [2], [1] * 100000], batch_size=1), "prompts[2] has 100000 tokens, but the model's"),
     (lambda lm: lm.logits([]), "logits got list []; give a non-empty list of token ids"),
     (lambda lm: lm.logits("hello"), "logits got str hello; give a non-empty list"),
     (lambda lm: lm.logits([[1, 2], [3]]), "not one list of ints nor equally long lists of ints"),

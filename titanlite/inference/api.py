@@ -85,9 +85,11 @@ class LM:
         completions = []
         for start in range(0, len(prompts), size):
             batch = prompts[start:start + size]
+            indices = list(range(start, start + len(batch)))
             generated = generate_ids(self.model, self.args, self.tokenizer, [p.ids for p in batch], sampling,
-                                     lockstep=lockstep, indices=list(range(start, start + len(batch))), speed=self.speed,
-                                     step=self.step, cuda_graph=self.cuda_graph)
+                                     lockstep=lockstep, indices=indices, speed=self.speed, step=self.step,
+                                     cuda_graph=self.cuda_graph,
+                                     names=[p.where or f"prompts[{i}]" for p, i in zip(batch, indices)])
             completions += [Completion(p.text, p.ids, completion_text(g.token_ids, self.tokenizer, sampling.stop),
                                        g.token_ids, g.logprobs, g.finish_reason) for p, g in zip(batch, generated)]
         return completions
