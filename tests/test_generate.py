@@ -198,6 +198,18 @@ def test_sampling_is_seeded_per_prompt(tmp_path, tokenizer_folder):
     assert sampled(3, 1, seed=1) != alone
 
 
+def test_a_prompt_too_long_for_the_model_is_named_by_its_line(tmp_path, tokenizer_folder, capsys):
+    folder = tmp_path / "llama3"
+    transformers_folder("llama3", folder, tokenizer_folder)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n' + json.dumps({"token_ids": [5] * 100000}) + "\n")
+    assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
+                 "--generate.batch_size", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("error: ")
+    assert f"generate.prompts_file {prompts} line 2 has 100000 tokens, but the model's context is" in err
+
+
 def test_a_prompt_and_a_prompts_file_together_are_refused(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "fine"}\n')

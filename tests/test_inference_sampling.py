@@ -13,6 +13,7 @@ import torch
 from test_generate import PROMPTS, transformers_folder
 from titanlite.data.chat_example import write_tokenizer_folder
 from titanlite.errors import UserError
+from titanlite.inference.api import LM
 from titanlite.inference.decode import generate_ids
 from titanlite.inference.load import load
 from titanlite.inference.sampling import Sampling, pick_tokens, prompt_seed
@@ -74,6 +75,14 @@ def test_the_compiled_step_samples_the_eager_tokens(tmp_path):
     assert got[0].token_ids != got[2].token_ids  # one prompt at two places: two streams
     for a, b in zip(got, expected):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    # A second compiled LM of the same shapes, other weights, the same call: its own graph, not the first one's with
+    # its frozen weights.
+    other = load(folder, device="cpu", compile=True)
+    with torch.no_grad():
+        other.model.output.weight.mul_(-1)
+    theirs = LM(other.model, other.args, other.tokenizer, other.device).generate(prompts, **kwargs)
+    assert [c.token_ids for c in other.generate(prompts, **kwargs)] == [c.token_ids for c in theirs]
+    assert theirs[0].token_ids != expected[0].token_ids
 
 
 def first_greedy_token_at(lm, prompt: list[int], index: int) -> int:
@@ -129,6 +138,7 @@ def test_token_ids_as_tensors_and_arrays_are_taken_as_lists(llama):
     (lambda lm: lm.generate([[1]], max_new_tokens=True), "max_new_tokens=True: give a whole number of at least 1"),
     (lambda lm: lm.generate([[1]], max_new_tokens=4, min_new_tokens=5), "min_new_tokens=5: give a whole number from 0"),
     (lambda lm: lm.generate([[1]], ignore_eos="yes"), "ignore_eos='yes': give True"),
+    (lambda lm: lm.generate([[1], [2], [1] * 100000], batch_size=1), "prompts[2] has 100000 tokens, but the model's"),
     (lambda lm: lm.logits([]), "logits got list []; give a non-empty list of token ids"),
     (lambda lm: lm.logits("hello"), "logits got str hello; give a non-empty list"),
     (lambda lm: lm.logits([[1, 2], [3]]), "not one list of ints nor equally long lists of ints"),

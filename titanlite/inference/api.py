@@ -10,6 +10,7 @@ Prompts are rendered as training renders them (prompts.py), completion i is samp
 samples are layers over `LM` (LM.of: a job's model, sharded under torchrun).
 """
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -84,9 +85,11 @@ class LM:
         completions = []
         for start in range(0, len(prompts), size):
             batch = prompts[start:start + size]
+            indices = list(range(start, start + len(batch)))
             generated = generate_ids(self.model, self.args, self.tokenizer, [p.ids for p in batch], sampling,
-                                     lockstep=lockstep, indices=list(range(start, start + len(batch))), speed=self.speed,
-                                     step=self.step, cuda_graph=self.cuda_graph)
+                                     lockstep=lockstep, indices=indices, speed=self.speed, step=self.step,
+                                     cuda_graph=self.cuda_graph,
+                                     names=[p.where or f"prompts[{i}]" for p, i in zip(batch, indices)])
             completions += [Completion(p.text, p.ids, completion_text(g.token_ids, self.tokenizer, sampling.stop),
                                        g.token_ids, g.logprobs, g.finish_reason) for p, g in zip(batch, generated)]
         return completions
@@ -108,7 +111,8 @@ class LM:
 
 
 def compiled_step(device: torch.device):
-    """token_step (the forward, the pick and the bookkeeping of one token per row) under torch.compile. On the CPU inductor freezes the weights (folds them in as constants, its
+    """token_step (the forward, the pick and the bookkeeping of one token per row) under torch.compile, a copy of its
+    own for each LM (own_copy). On the CPU inductor freezes the weights (folds them in as constants, its
     linears prepacked for MKL: the step's matrix multiplies are then faster than eager's) and calls its
     kernels from C++ (cpp_wrapper: no Python call per kernel, 5-10% at batch 1 here), the linears that read the same
     input (q, k, v; gate and up) concatenated into one (about 5% at batch 1). These are read from inductor's
@@ -117,8 +121,8 @@ def compiled_step(device: torch.device):
     weights change afterwards (training between calls) needs compile=False or a new LM; so dynamo is told not to
     guard on the model's modules either (their checks cost about 200 us a step at batch 1 here, 4%)."""
     if device.type != "cpu":
-        return torch.compile(token_step, fullgraph=True)
-    step = torch.compile(token_step, fullgraph=True,
+        return torch.compile(own_copy(token_step), fullgraph=True)
+    step = torch.compile(own_copy(token_step), fullgraph=True,
                          options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     from torch._inductor import config
 
@@ -127,3 +131,10 @@ def compiled_step(device: torch.device):
             return step(model, cache, tokens)
 
     return frozen
+
+
+def own_copy(function):
+    """`function` with a code object of its own. Dynamo keeps compiled graphs per code object, and without guards on
+    the model (above) a second LM of the same shapes would run the first one's graph, its frozen weights included."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)

@@ -50,15 +50,17 @@ def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> 
     return tokens.to(device), valid.to(device)
 
 
-def check_prompts(prompts: list[list[int]], max_seq_len: int, vocab_size: int) -> None:
-    for number, ids in enumerate(prompts, 1):
+def check_prompts(prompts: list[list[int]], max_seq_len: int, vocab_size: int, names: list[str]) -> None:
+    """Each prompt (named names[i] in a message) fits the model: not empty, shorter than its context, its ids in its
+    vocabulary."""
+    for name, ids in zip(names, prompts):
         if not ids:
-            raise UserError(f"prompt {number} is empty; give every prompt at least one token")
+            raise UserError(f"{name} is empty; give every prompt at least one token")
         if len(ids) >= max_seq_len:
-            raise UserError(f"prompt {number} has {len(ids)} tokens, but the model's context is {max_seq_len}, which must "
+            raise UserError(f"{name} has {len(ids)} tokens, but the model's context is {max_seq_len}, which must "
                             "also hold a new token; shorten the prompt")
         if min(ids) < 0 or max(ids) >= vocab_size:
-            raise UserError(f"prompt {number} holds token id {max(ids) if max(ids) >= vocab_size else min(ids)}, outside "
+            raise UserError(f"{name} holds token id {max(ids) if max(ids) >= vocab_size else min(ids)}, outside "
                             f"the model's vocabulary of {vocab_size}; use ids from 0 to {vocab_size - 1}")
 
 
@@ -234,21 +236,23 @@ def token_budget(prompts: list[list[int]], sampling: Sampling, max_seq_len: int)
 @torch.no_grad()
 def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling, *,
                  lockstep: bool = False, indices: list[int] | None = None, speed: Speed | None = None,
-                 step=token_step, cuda_graph: bool = False) -> list[Generated]:
+                 step=token_step, cuda_graph: bool = False, names: list[str] | None = None) -> list[Generated]:
     """Each prompt's Generated, one batch: the new tokens up to (excluding) the first stop token, or up to and
     including the token that completed a stop string (the caller cuts the text), or max_new_tokens, or the model's
     context. With `lockstep`, every rank of the world calls this together.
     indices: each prompt's place among all prompts, which seeds its sampling (default 0, 1, ...); `speed`, where
     given, adds this batch's tokens and seconds; `step`: token_step, or it compiled; `cuda_graph`: replay the step
-    from a CUDA graph (CudaGraphStep; a CUDA device, not in lockstep).
+    from a CUDA graph (CudaGraphStep; a CUDA device, not in lockstep); names: what a message calls each prompt
+    (default "prompts[index]").
 
     The tokens stay on the device while they are made: the host looks every CHECK_EVERY steps (and when the budget
     is spent), and a row finished meanwhile keeps decoding until then, its extra tokens dropped."""
-    check_prompts(prompts, args.max_seq_len, args.vocab_size)
+    indices = list(range(len(prompts))) if indices is None else indices
+    check_prompts(prompts, args.max_seq_len, args.vocab_size, names or [f"prompts[{index}]" for index in indices])
     device = next(model.parameters()).device
     budget = token_budget(prompts, sampling, args.max_seq_len)
     stops = stop_token_ids(tokenizer) if sampling.stop_ids is None else list(sampling.stop_ids)
-    seeds = [prompt_seed(sampling.seed, index) for index in (range(len(prompts)) if indices is None else indices)]
+    seeds = [prompt_seed(sampling.seed, index) for index in indices]
     started = time.perf_counter()
     ids, valid = left_padded(prompts, tokenizer.eos_id, device)
     cache = KVCache(len(prompts), cache_capacity(ids.shape[1], budget), getattr(args, "sliding_window", None), device)

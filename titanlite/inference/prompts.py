@@ -27,6 +27,7 @@ class PromptRecord:
 class Prompt:
     text: str  # the prompt as text (token ids decoded)
     ids: list[int]  # what the model is given
+    where: str = ""  # where it came from, for error messages (its record's); "" = its place among the prompts
 
 
 def checked_record(record, where: str) -> PromptRecord:
@@ -88,11 +89,11 @@ def render_prompt(record: PromptRecord, tokenizer, renderer: ChatRenderer | None
         if max(record.value) >= tokenizer.vocab_size:
             raise UserError(f"{record.where}: \"token_ids\" holds {max(record.value)}, outside the tokenizer's vocabulary "
                             f"of {tokenizer.vocab_size}; use ids from 0 to {tokenizer.vocab_size - 1}")
-        return Prompt(tokenizer.decode(record.value), list(record.value))
+        return Prompt(tokenizer.decode(record.value), list(record.value), record.where)
     if record.kind == "messages":
         text = renderer.render(record.value, add_generation_prompt=True)
-        return Prompt(text, tokenizer.encode(text, bos=False, eos=False))
-    return Prompt(record.value, tokenizer.encode(record.value, bos=True, eos=False))
+        return Prompt(text, tokenizer.encode(text, bos=False, eos=False), record.where)
+    return Prompt(record.value, tokenizer.encode(record.value, bos=True, eos=False), record.where)
 
 
 def completion_text(new_ids: list[int], tokenizer, stop: list[str] | tuple[str, ...]) -> str:
