@@ -21,13 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.config_sections import RL
+from titanlite.data.batch import MicroBatch, Normalizers, RolloutTerms
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.data.packing import padded_width
+from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling
 from titanlite.inference.prompts import completion_text
-from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.data.batch import MicroBatch, Normalizers, RolloutTerms
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.functions import score
 from titanlite.rl.ahead import Ahead
