@@ -61,6 +61,7 @@ def test_rollouts_carry_group_advantages_and_the_scalars_are_written(prompts, tm
     assert scalars["rl/completion_length"][1] == pytest.approx(sum(len(r["completion_ids"]) for r in lines[:8]) / 8)
     err = capsys.readouterr().err
     assert f"reward: {scalars['rl/reward'][2]:.4f}" in err
+    assert "data: 0.0%" in err  # generating is timed as rl/generate_seconds, not as waiting for data
     shown = lines[8]  # rl.log_completions: rank 0's first completions of each logged step, as text
     assert f"step 2 completion (reward {shown['reward']:.4f}): {shown['prompt']!r} -> {shown['completion']!r}" in err
 
