@@ -61,6 +61,7 @@ def test_rollouts_carry_group_advantages_and_the_scalars_are_written(prompts, tm
     assert scalars["rl/completion_length"][1] == pytest.approx(sum(len(r["completion_ids"]) for r in lines[:8]) / 8)
     err = capsys.readouterr().err
     assert f"reward: {scalars['rl/reward'][2]:.4f}" in err
+    assert "data: 0.0%" in err  # generating is timed as rl/generate_seconds, not as waiting for data
     shown = lines[8]  # rl.log_completions: rank 0's first completions of each logged step, as text
     assert f"step 2 completion (reward {shown['reward']:.4f}): {shown['prompt']!r} -> {shown['completion']!r}" in err
 
@@ -83,19 +84,24 @@ def test_a_resume_inside_a_rollout_batch_trains_on_the_same_rows(prompts, tmp_pa
 def test_two_fsdp_ranks_equal_one_process(prompts, tmp_path):
     """The same 2 prompts x 4 completions per step: one process (accumulating 2 micro-batches) and 2 FSDP ranks, whose
     rollouts are decoded by a copy of the weights gathered once per rollout batch. On-policy in fp32 the sampler's
-    log-probabilities equal the trainer's within 1e-5 on both: every importance-sampling ratio is 1 within 1e-5."""
+    log-probabilities equal the trainer's within 1e-5 on both: every importance-sampling ratio is 1 within 1e-5.
+    With rl.max_staleness 1 (rollouts decoded on the engine's thread from a copy, one update back) too."""
     flags = ["--rl.log_rollouts", "--rl.loss_type", "grpo", "--rl.beta", "0.05", "--rl.num_iterations", "2",
              "--rl.importance_sampling", "token_truncate"]
+    stale = ["--rl.log_rollouts", "--rl.max_staleness", "1", "--rl.importance_sampling", "sequence_mask"]
     assert main(grpo_flags(prompts, tmp_path / "one", 3, *flags)) == 0
+    assert main(grpo_flags(prompts, tmp_path / "one_stale", 3, *stale)) == 0
     spec = tmp_path / "runs.json"
-    spec.write_text(json.dumps([{"argv": grpo_flags(prompts, tmp_path / "fsdp", 3, *flags)}]))
+    spec.write_text(json.dumps([{"argv": grpo_flags(prompts, tmp_path / "fsdp", 3, *flags)},
+                                {"argv": grpo_flags(prompts, tmp_path / "fsdp_stale", 3, *stale)}]))
     out = run_test_script("layout_runs.py", str(spec), nproc=2, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
-    for tag in ("loss/train", "rl/reward", "rl/entropy", "rl/kl"):
-        one, fsdp = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in ("one", "fsdp"))
-        assert sorted(fsdp) == [1, 2, 3] and all(fsdp[s] == pytest.approx(one[s], abs=1e-5) for s in one), (tag, one, fsdp)
-    one, fsdp = rollouts(tmp_path / "one"), rollouts(tmp_path / "fsdp")
-    assert [r["completion_ids"] for r in fsdp] == [r["completion_ids"] for r in one]
+    for one_run, fsdp_run, kl in (("one", "fsdp", ("rl/kl",)), ("one_stale", "fsdp_stale", ())):
+        for tag in ("loss/train", "rl/reward", "rl/entropy", *kl):
+            one, fsdp = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in (one_run, fsdp_run))
+            assert sorted(fsdp) == [1, 2, 3] and all(fsdp[s] == pytest.approx(one[s], abs=1e-5) for s in one), (tag, one, fsdp)
+        one, fsdp = rollouts(tmp_path / one_run), rollouts(tmp_path / fsdp_run)
+        assert [r["completion_ids"] for r in fsdp] == [r["completion_ids"] for r in one]
     for run in ("one", "fsdp"):
         low, high = (tensorboard_scalars(tmp_path / run / "tb", f"rl/sampling/ratio_{end}") for end in ("min", "max"))
         assert all(1 - 1e-5 <= low[s] <= high[s] <= 1 + 1e-5 for s in (1, 2, 3)), (run, low, high)

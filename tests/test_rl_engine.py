@@ -39,7 +39,7 @@ class Letters:
 
 def test_each_sampled_token_has_the_samplers_logprob_at_the_temperature():
     model, temperature = Bigram(), 0.7
-    recorder = SampledLogprobs(model, temperature)
+    recorder = SampledLogprobs(model, temperature, lambda: False)
     args = types.SimpleNamespace(max_seq_len=64, vocab_size=VOCAB, sliding_window=None)
     prompts = [[3, 4], [5], [6, 7, 8]]
     generated = generate_ids(recorder, args, Letters(), prompts, Sampling(20, temperature, seed=1), indices=[0, 1, 2])

@@ -1,13 +1,15 @@
 """rl.max_staleness K (titanlite/rl/ahead.py): step s trains on completions sampled by the weights after step
 max(0, s - 1 - K), decoded on the engine's thread while earlier steps train; the importance-sampling ratio sees the
-staleness (1 on-policy at step 1, off 1 after); a resume from a checkpoint whose rollouts were in flight is the
-uninterrupted run, bit for bit; a checkpoint of another K is refused in one sentence."""
+staleness (1 on-policy at step 1, off 1 after); a run killed with SIGKILL and resumed from a checkpoint whose rollouts
+were in flight is the uninterrupted run, bit for bit, rollouts.jsonl included; a checkpoint of another K is refused in one sentence."""
 
-import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import tensorboard_scalars
+from conftest import ROOT, tensorboard_scalars
 from test_grpo import grpo_flags, prompts, rollouts  # noqa: F401
 from titanlite.train import main
 
@@ -26,13 +28,21 @@ def test_each_step_trains_on_the_weights_k_steps_back_and_a_resume_is_the_same_r
     assert 1 - 1e-5 <= low[1] <= high[1] <= 1 + 1e-5  # step 1 is on-policy
     assert all(high[s] - low[s] > 1e-4 for s in (2, 3, 4))  # the others were sampled one update back
 
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
-    shutil.copy(tmp_path / "whole" / "rollouts.jsonl", resumed / "rollouts.jsonl")  # as a run killed after step 4
+    resumed = tmp_path / "resumed"  # the same run killed (-9) in step 3, its step-2 checkpoint holding step 3's rollouts
+    log = tmp_path / "killed.txt"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "titanlite.train", *grpo_flags(prompts, resumed, 4, *flags)],
+                                   cwd=ROOT, stdout=out, stderr=out)
+        while "step: 3 " not in log.read_text():
+            assert process.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        process.kill()
+        process.wait()
+    assert {line["step"] for line in rollouts(resumed)} >= {1, 2, 3}  # lines the resume must not repeat
     assert main(grpo_flags(prompts, resumed, 4, *flags)) == 0
     for tag in ("loss/train", "optim/grad_norm", "rl/reward", "rl/sampling/ratio_max"):
         whole, again = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in ("whole", "resumed"))
-        assert sorted(again) == [3, 4] and all(again[s] == whole[s] for s in (3, 4)), tag
+        assert all(again[s] == whole[s] for s in (3, 4)), tag  # the killed run's step 3 and the resumed run's
     assert rollouts(resumed) == lines
 
 

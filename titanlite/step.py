@@ -9,11 +9,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanlite.loss import LossScale, loss_parallel_context, per_trained_token, with_extra_losses
 from titanlite.data.batch import MicroBatch
+from titanlite.loss import LossScale, loss_parallel_context, per_trained_token, with_extra_losses
 from titanlite.models.attention import document_ids
-from titanlite.parallel.cp import split_batch
 from titanlite.optim import clip_grad_norm_
+from titanlite.parallel.cp import split_batch
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.parallel.offload import activation_offload_context

@@ -28,6 +28,8 @@ from titanlite.metrics.observers import observe
 from titanlite.checkpoint.output_folders import check_output_folders
 from titanlite.parallel.dist import DistInfo, close_distributed, exit_process, init_distributed, say_user_error
 from titanlite.plan.startup import predict_on_gpu
+from titanlite.rl.engine import RolloutStopped
+from titanlite.rl.rollout import RolloutStage
 from titanlite.run import Run, Training
 from titanlite.metrics.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
 from titanlite.step import train_step
@@ -82,6 +84,9 @@ class Loop:
                 try:
                     preempted = self.one_step(skips, summary)
                 except QuorumEnded:  # in DiLoCo's synchronization: the inner update is applied, not counted
+                    self.save_last_committed(first)
+                    break
+                except RolloutStopped:  # a stop signal during GRPO's rollout: the last step is saved now
                     self.save_last_committed(first)
                     break
                 self.watchdog.step_ended(state.step)
@@ -178,6 +183,8 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
     # SIGTERM/SIGUSR1/Ctrl-C and NaN losses; installed before the load, so a signal during it is kept.
     stop = StopFlags(info.device, check_finite=cfg.training.on_nonfinite == "stop" and not cfg.training.skip_nan_check)
     watchdog = HangWatchdog(cfg.job.hang_timeout_seconds, info.rank, info.world_size, cfg.job.dump_folder)
+    if isinstance(training.dataloader, RolloutStage):
+        training.dataloader.stop_when(lambda: stop.signal is not None)
     loop = Loop(run, training, validator, evaluator, checkpointer, profiler, stop, watchdog)
     state = training.state
     try:

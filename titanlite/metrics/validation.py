@@ -19,11 +19,11 @@ import torch.distributed as dist
 
 from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import Training, Validation
+from titanlite.data.batch import MicroBatch
 from titanlite.data.datasets import DataSpec, build_dataloader, resolve_dataset
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.loss import loss_sum, trained_tokens
-from titanlite.data.batch import MicroBatch
 from titanlite.models.attention import document_ids
 from titanlite.parallel.cp import sequence_shard, split_batch
 from titanlite.parallel.fsdp import mixed_precision_context

@@ -5,13 +5,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from titanlite.build import resolve_model_args
-from titanlite.models.construct import meta_model
 from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import JobConfig, LoRA
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.objectives import as_sequences, holds_reference_copy
 from titanlite.errors import UserError
 from titanlite.models import get_model_spec
+from titanlite.models.construct import meta_model
+from titanlite.objectives import as_sequences, holds_reference_copy
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
+from titanlite.parallel.tp import check_tensor_parallel
 from titanlite.plan.activations import activations, middle_stage_transient, per_block_and_ends
 from titanlite.plan.fake_world import buildable, fake_world, sharded_model, state_bytes
 from titanlite.plan.hardware import FABRIC_GBPS, GPUS
@@ -21,9 +24,6 @@ from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
 from titanlite.plan.rollout import rollout_memory
 from titanlite.plan.speed import Shape, Speed, plan_speed
-from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.pp import layer_split, stage_ids, stages_per_rank
-from titanlite.parallel.tp import check_tensor_parallel
 
 
 @dataclass(frozen=True)

@@ -37,15 +37,15 @@ from torch import nn
 
 from titanlite.build import grad_accumulation_steps
 from titanlite.config_sections import JobConfig
+from titanlite.dtypes import DTYPES
 from titanlite.objectives import objective_class
 from titanlite.parallel.ac import every_nth
 from titanlite.parallel.dims import ParallelDims
-from titanlite.dtypes import DTYPES
 from titanlite.plan import hardware
-from titanlite.plan.rollout import rollout_seconds
 from titanlite.plan.hardware import Gpu
 from titanlite.plan.moe import expert_params, moe_modules
 from titanlite.plan.pipeline import bubble, send_recv_bytes
+from titanlite.plan.rollout import rollout_seconds
 
 
 @dataclass(frozen=True)

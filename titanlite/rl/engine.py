@@ -10,6 +10,7 @@ frees it. An unsharded policy (one process, or no FSDP) decodes as it is.
 """
 
 import contextlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,7 +44,13 @@ class Completion:
         return self.ids + ([self.stop_token] if self.stop_token is not None else [])
 
 
+class RolloutStopped(Exception):
+    """A stop signal ended generation before its end: the rollout batch holds nothing to train on or to save."""
+
+
 class RolloutEngine(Protocol):
+    stopping: Callable[[], bool]  # checked at every decoded token: True ends generate() with RolloutStopped
+
     def generate(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> list[Completion]:
         """Completions of `prompts`; indices[i] is prompt i's place among all completions (seeds its sampling)."""
 
@@ -60,13 +67,15 @@ class SampledLogprobs(nn.Module):
     picked from the previous forward's last logits.
     (Where inference/decode.py's Generated.logprobs gives these at the sampling temperature, read them there.)"""
 
-    def __init__(self, model: nn.Module, temperature: float):
+    def __init__(self, model: nn.Module, temperature: float, stopping: Callable[[], bool]):
         super().__init__()
-        self.model, self.temperature = model, temperature
+        self.model, self.temperature, self.stopping = model, temperature, stopping
         self.taken: list[torch.Tensor] = []  # [B] per token fed back
         self.last: torch.Tensor | None = None  # [B, vocab] the last forward's next-token log-probabilities
 
     def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.stopping():
+            raise RolloutStopped
         if self.last is not None:
             self.taken.append(self.last.gather(-1, tokens[:, :1])[:, 0])
         logits = self.model(tokens, **kwargs)
@@ -143,6 +152,7 @@ class ColocatedEngine:
     def __init__(self, run):
         self.run = run
         self.policy_step = 0
+        self.stopping: Callable[[], bool] = lambda: False  # the trainer's stop signal (train.py)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
 
     def update_weights(self, policy_step: int) -> None:
@@ -153,7 +163,7 @@ class ColocatedEngine:
         # compile.enable compiles the blocks for training's shapes; a decode step per token through them would
         # recompile past dynamo's limit (every cache length is a new shape), so decoding runs them eagerly.
         with gathered_policy(run) as model, torch.compiler.set_stance("force_eager"):
-            recorder = SampledLogprobs(model, sampling.temperature)
+            recorder = SampledLogprobs(model, sampling.temperature, self.stopping)
             generated = generate_ids(recorder, run.args, run.tokenizer, prompts, sampling, indices=indices)
         return [completion(g, recorder, row, self.policy_step) for row, g in enumerate(generated)]
 
@@ -165,7 +175,7 @@ class ColocatedEngine:
                policy_step: int) -> list[Completion]:
         run = self.run
         with mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type):  # per thread
-            recorder = SampledLogprobs(model, sampling.temperature)
+            recorder = SampledLogprobs(model, sampling.temperature, self.stopping)
             generated = generate_ids(recorder, run.args, run.tokenizer, prompts, sampling, indices=indices)
         return [completion(g, recorder, row, policy_step) for row, g in enumerate(generated)]
 

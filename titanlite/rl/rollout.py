@@ -13,6 +13,7 @@ have served are the stage's state, so a resume inside them trains on the very sa
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,17 +21,17 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.config_sections import RL
+from titanlite.data.batch import MicroBatch, Normalizers, RolloutTerms
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.data.packing import padded_width
+from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling
 from titanlite.inference.prompts import completion_text
-from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.data.batch import MicroBatch, Normalizers, RolloutTerms
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.functions import score
 from titanlite.rl.ahead import Ahead
-from titanlite.rl.engine import Completion, RolloutEngine
+from titanlite.rl.engine import Completion, RolloutEngine, RolloutStopped
 from titanlite.rl.grpo_loss import group_advantages, nanstd, token_logps
 from titanlite.rl.log import RolloutLog, show_completions
 from titanlite.rl.prompts import PromptItem, PromptOrder
@@ -134,6 +135,27 @@ def rollout_logps(model: nn.Module, frozen, inputs: torch.Tensor, labels: torch.
     return old, ref
 
 
+def any_rank(stopped: bool, device: torch.device) -> bool:
+    """Whether a stop signal ended a decode on any rank (one flag all-reduced)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(stopped)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stopped = bool(flag.item())
+    return stopped
+
+
+def every_rank_finished(generate: Callable[[], list[Completion]], device: torch.device) -> list[Completion]:
+    """generate()'s completions where no rank was stopped by a signal meanwhile; else RolloutStopped on every rank
+    (a rank the signal missed finishes its decode first)."""
+    try:
+        completions, stopped = generate(), False
+    except RolloutStopped:
+        completions, stopped = [], True
+    if any_rank(stopped, device):
+        raise RolloutStopped
+    return completions
+
+
 def say_what_trains_nothing(step: int, total: torch.Tensor, trained: int) -> None:
     """TRL's warnings: a batch no reward function scored, or whose completions are all masked, trains nothing."""
     if total.isnan().all():
@@ -163,7 +185,11 @@ class RolloutStage:
     def state_dict(self) -> dict:
         state = {"order": self.order.state_dict(), "served": self.served, "rollouts": self.current}
         if self.ahead is not None:
-            state |= {"ahead": self.ahead.state_dict(), "trained": self.trained}
+            try:
+                self.land(float("inf"))  # the rollouts in flight are saved as completions
+            except RolloutStopped:  # a save on a stop signal: those in flight were dropped, their prompts put back
+                pass
+            state |= {"order": self.order.state_dict(), "ahead": self.ahead.state_dict(), "trained": self.trained}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -212,18 +238,40 @@ class RolloutStage:
         weights after step - 1 (at a fresh start, steps 1 .. K + 1, with the initial weights)."""
         self.engine.update_weights(step - 1)
         for target in self.ahead.missing(step):
+            position = self.order.state_dict()
             items = self.order.next_step()
-            self.ahead.launch(target, items, self.engine.submit(*self.request(items)))
-        sampled, waited = self.ahead.take(step)
-        return self.made(step, sampled.items, sampled.completions, sampled.seconds, waited)
+            self.ahead.launch(target, items, self.engine.submit(*self.request(items)), position)
+        began = time.perf_counter()
+        self.land(step)
+        sampled = self.ahead.done.pop(step)
+        return self.made(step, sampled.items, sampled.completions, sampled.seconds, time.perf_counter() - began)
+
+    def land(self, upto: float) -> None:
+        """The batches in flight up to step `upto` finished; where a stop signal ended one on any rank, every batch
+        in flight is dropped, the prompt order is put back before them, and RolloutStopped is raised."""
+        if not any_rank(self.ahead.land(upto), self.run.device):
+            return
+        position = self.ahead.drop_flights()
+        if position is not None:
+            self.order.load_state_dict(position)
+        raise RolloutStopped
+
+    def stop_when(self, stopping: Callable[[], bool]) -> None:
+        """A rollout stops at the next decoded token once `stopping()` (the trainer's stop signal), not at its end."""
+        self.engine.stopping = stopping
 
     def roll_out(self) -> Rollouts:
         step = self.order.consumed // self.order.per_step * self.rl.num_iterations + 1  # the first step it serves
+        position = self.order.state_dict()
         items = self.order.next_step()
         began = time.perf_counter()
         self.engine.update_weights(step - 1)
-        with self.precision():
-            completions = self.engine.generate(*self.request(items))
+        try:
+            with self.precision():
+                completions = every_rank_finished(lambda: self.engine.generate(*self.request(items)), self.run.device)
+        except RolloutStopped:
+            self.order.load_state_dict(position)  # its prompts are the next rollout's again: a save after it sees them
+            raise
         seconds = time.perf_counter() - began
         return self.made(step, items, completions, seconds, seconds)
 
