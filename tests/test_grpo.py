@@ -81,11 +81,13 @@ def test_a_resume_inside_a_rollout_batch_trains_on_the_same_rows(prompts, tmp_pa
     assert [row["step"] for row in rollouts(tmp_path / "whole")] == [1] * 8 + [3] * 8 + [5] * 8
 
 
-def test_two_fsdp_ranks_equal_one_process(prompts, tmp_path):
+def test_two_fsdp_ranks_and_tensor_parallel_2_equal_one_process(prompts, tmp_path):
     """The same 2 prompts x 4 completions per step: one process (accumulating 2 micro-batches) and 2 FSDP ranks, whose
     rollouts are decoded by a copy of the weights gathered once per rollout batch. On-policy in fp32 the sampler's
     log-probabilities equal the trainer's within 1e-5 on both: every importance-sampling ratio is 1 within 1e-5.
-    With rl.max_staleness 1 (rollouts decoded on the engine's thread from a copy, one update back) too."""
+    With rl.max_staleness 1 (rollouts decoded on the engine's thread from a copy, one update back) too, and under
+    tensor parallelism 2 (one data-parallel rank: both TP ranks decode the same completions from a gathered copy and
+    train on them with the vocabulary-sharded logits gathered): the same completions, rewards and losses."""
     flags = ["--rl.log_rollouts", "--rl.loss_type", "grpo", "--rl.beta", "0.05", "--rl.num_iterations", "2",
              "--rl.importance_sampling", "token_truncate"]
     stale = ["--rl.log_rollouts", "--rl.max_staleness", "1", "--rl.importance_sampling", "sequence_mask"]
@@ -93,16 +95,19 @@ def test_two_fsdp_ranks_equal_one_process(prompts, tmp_path):
     assert main(grpo_flags(prompts, tmp_path / "one_stale", 3, *stale)) == 0
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps([{"argv": grpo_flags(prompts, tmp_path / "fsdp", 3, *flags)},
-                                {"argv": grpo_flags(prompts, tmp_path / "fsdp_stale", 3, *stale)}]))
+                                {"argv": grpo_flags(prompts, tmp_path / "fsdp_stale", 3, *stale)},
+                                {"argv": grpo_flags(prompts, tmp_path / "tp", 3, *flags,
+                                                    "--parallelism.tensor_parallel_degree", "2")}]))
     out = run_test_script("layout_runs.py", str(spec), nproc=2, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
-    for one_run, fsdp_run, kl in (("one", "fsdp", ("rl/kl",)), ("one_stale", "fsdp_stale", ())):
+    for one_run, fsdp_run, kl in (("one", "fsdp", ("rl/kl",)), ("one_stale", "fsdp_stale", ()), ("one", "tp", ("rl/kl",))):
         for tag in ("loss/train", "rl/reward", "rl/entropy", *kl):
             one, fsdp = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in (one_run, fsdp_run))
             assert sorted(fsdp) == [1, 2, 3] and all(fsdp[s] == pytest.approx(one[s], abs=1e-5) for s in one), (tag, one, fsdp)
         one, fsdp = rollouts(tmp_path / one_run), rollouts(tmp_path / fsdp_run)
         assert [r["completion_ids"] for r in fsdp] == [r["completion_ids"] for r in one]
-    for run in ("one", "fsdp"):
+        assert [r["reward"] for r in fsdp] == [r["reward"] for r in one]
+    for run in ("one", "fsdp", "tp"):
         low, high = (tensorboard_scalars(tmp_path / run / "tb", f"rl/sampling/ratio_{end}") for end in ("min", "max"))
         assert all(1 - 1e-5 <= low[s] <= high[s] <= 1 + 1e-5 for s in (1, 2, 3)), (run, low, high)
 
@@ -121,7 +126,7 @@ def test_lora_grpo_keeps_the_base_as_its_reference(prompts, tmp_path, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--rl.reward_functions", ""], "training.dataset_format prompts needs rl.reward_functions"),
     (["--training.global_batch_size", "6"], "training.global_batch_size (6) counts completions under GRPO"),
-    (["--parallelism.tensor_parallel_degree", "2"], "with parallelism.tensor_parallel_degree 2 is not supported yet"),
+    (["--parallelism.pipeline_parallel_degree", "2"], "with parallelism.pipeline_parallel_degree 2 is not supported yet"),
     (["--rl.reward_functions", "tests/grpo_rewards.py:wrong_length"], "wrong_length"),
     (["--rl.max_new_tokens", "64"], "raise training.seq_len or lower rl.max_new_tokens"),
     (["--training.packing", "false"], "training.packing false means nothing under training.dataset_format prompts"),

@@ -1,8 +1,8 @@
 """GRPO's rollouts in the plan: the memory and time of making a step's completions with the colocated engine
 (rl/engine.py), which the trainer spends before the step's forward and backward.
 
-Memory, at the rollout (no gradients are held then: the step has zeroed them): under FSDP the copy of the whole
-policy gathered in the compute dtype; the static KV cache of this rank's completions (their rows x the cache's
+Memory, at the rollout (no gradients are held then: the step has zeroed them): under FSDP or TP the copy of the
+whole policy gathered in the compute dtype; the static KV cache of this rank's completions (their rows x the cache's
 columns, the prompt and max_new_tokens rounded up to 64, bounded by seq_len + 1, x every layer's keys and values,
 as attention receives them: an upper bound for DeepSeek's MLA, whose cache holds its latent); the logits of one
 decode step in fp32, a few copies (the sampler's log-softmax, the top-k/top-p filters, the probabilities).
@@ -27,7 +27,7 @@ LOGIT_COPIES = 4  # fp32 [rows, vocab] tensors alive in one decode step's sampli
 
 @dataclass(frozen=True)
 class RolloutMemory:
-    gathered: int  # bytes of the policy's gathered copy (0 without FSDP: the policy decodes as it is)
+    gathered: int  # bytes of the policy's gathered copy (0 unsharded: the policy decodes as it is)
     kv_cache: int  # bytes of the KV cache of this rank's completions
     logits: int  # bytes of one decode step's logits and their copies
 
@@ -50,7 +50,8 @@ def rollout_memory(cfg: JobConfig, shape, dims: ParallelDims) -> RolloutMemory |
     compute = DTYPES[cfg.training.mixed_precision_param].itemsize
     rows = cfg.training.global_batch_size // dims.dp_degree  # this rank's completions of a rollout batch
     kv_cache = shape.n_layers * rows * cache_columns(cfg.training.seq_len) * shape.kv_width * compute
-    return RolloutMemory(shape.total_params * compute if dims.fsdp_enabled else 0, kv_cache,
+    gathered = dims.fsdp_enabled or dims.tp_enabled  # a sharded policy decodes from a whole copy
+    return RolloutMemory(shape.total_params * compute if gathered else 0, kv_cache,
                          LOGIT_COPIES * rows * shape.vocab * 4)
 
 

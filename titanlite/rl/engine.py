@@ -6,7 +6,8 @@ this protocol; docs/design.md says how a vLLM engine would be one more class.
 `ColocatedEngine`, the default, generates on the training ranks. A policy sharded by FSDP would all-gather every
 block's weights at each decoded token; instead the engine gathers the whole policy once per rollout batch into a plain
 unsharded copy in the precision FSDP computes in (`gathered_policy`), decodes on it with no collective at all, and
-frees it. An unsharded policy (one process, or no FSDP) decodes as it is.
+frees it. Under TP the copy is whole too (each TP rank decodes its group's completions; a decode sharded by heads
+is not built). An unsharded policy (one process) decodes as it is.
 """
 
 import contextlib
@@ -105,20 +106,18 @@ def set_tensor(model: nn.Module, name: str, value: torch.Tensor, parameter: bool
 
 
 def full_copy(run) -> nn.Module:
-    """A plain copy of the policy's whole weights, in eval mode, its buffers shared: under FSDP each DTensor's
-    full_tensor() (one all-gather per parameter) cast to training.mixed_precision_param as FSDP casts it for compute;
-    otherwise a clone, in the dtype it trains in (autocast casts it as it casts the policy)."""
+    """A plain copy of the policy's whole weights, in eval mode, its buffers shared: each DTensor's full_tensor() (one
+    all-gather per parameter over FSDP's and TP's ranks), each plain tensor cloned; under FSDP cast to
+    training.mixed_precision_param as FSDP casts it for compute, otherwise in the dtype it trains in (autocast
+    casts it as it casts the policy)."""
     policy = run.model
-    sharded = isinstance(policy, FSDPModule)
-    dtype = DTYPES[run.cfg.training.mixed_precision_param]
+    cast = DTYPES[run.cfg.training.mixed_precision_param] if isinstance(policy, FSDPModule) else None
     copy = meta_model(run.spec, run.args, run.cfg.training.param_dtype, run.cfg.lora).eval()
     with torch.no_grad():
         for name, p in policy.named_parameters():
-            if not sharded:
-                full = p.detach().clone()
-            else:  # FSDP leaves a block it did not reshard after its last forward unsharded until backward
-                full = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).to(dtype)
-            set_tensor(copy, plain_name(name), full, parameter=True)
+            # FSDP leaves a block it did not reshard after its last forward unsharded until backward: a plain tensor
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            set_tensor(copy, plain_name(name), full.to(cast) if cast is not None else full, parameter=True)
     for name, buffer in policy.named_buffers():
         set_tensor(copy, plain_name(name), buffer, parameter=False)
     return copy
@@ -126,10 +125,10 @@ def full_copy(run) -> nn.Module:
 
 @contextlib.contextmanager
 def gathered_policy(run):
-    """The policy to decode with now: under FSDP its full_copy(), freed on exit; otherwise the policy itself, in eval
-    mode for the while."""
+    """The policy to decode with now: sharded (FSDP, TP) its full_copy(), freed on exit; otherwise the policy itself,
+    in eval mode for the while. Under TP every rank of a group decodes the group's completions, whole."""
     policy = run.model
-    if isinstance(policy, FSDPModule):
+    if any(isinstance(p, DTensor) for p in policy.parameters()) or isinstance(policy, FSDPModule):
         copy = full_copy(run)
         try:
             yield copy

@@ -12,6 +12,7 @@ for the advantages, _compute_loss for the loss); docs/grpo.md has the formulas.
 import dataclasses
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titanlite.data.batch import Normalizers
 
@@ -106,9 +107,12 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor,
                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs of targets [B, T] fp32, entropy [B, T] fp32, no gradient) under softmax(logits / temperature),
     logits [B, T, V] in any float dtype, as TRL scores completions (it divides by the sampling temperature too).
-    Every target must be a vocabulary id: a masked position's value is meaningless and reduce_loss drops it."""
+    Every target must be a vocabulary id: a masked position's value is meaningless and reduce_loss drops it.
+    Logits that are vocab-sharded DTensors (TP's loss parallel) are gathered whole first."""
     if temperature <= 0:
         raise ValueError(f"temperature is {temperature}; it must be positive.")
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
     return _TokenLogps.apply(logits, targets, float(temperature))
 
 

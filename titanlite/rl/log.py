@@ -30,12 +30,12 @@ def is_rank_zero() -> bool:
 
 
 class RolloutLog:
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, sharing: int):
+        self.path, self.sharing = path, sharing  # sharing: neighbouring ranks holding the same rows (a TP group)
         self.started = False  # whether this run has written (and so cut the file to its own steps) yet
 
     @classmethod
-    def at(cls, dump_folder: str) -> "RolloutLog":
+    def at(cls, dump_folder: str, sharing: int) -> "RolloutLog":
         """The log of a run in `dump_folder`, its file checked writable now."""
         path = Path(dump_folder) / "rollouts.jsonl"
         if is_rank_zero():
@@ -46,7 +46,7 @@ class RolloutLog:
             except OSError as error:
                 raise UserError(f"rl.log_rollouts writes {path}, which cannot be written ({error.strerror or error}); "
                                 "make job.dump_folder writable or set rl.log_rollouts false") from None
-        return cls(path)
+        return cls(path, sharing)
 
     def lines(self, step: int, owners: list[PromptItem], completions: list[Completion], texts: list[str],
               names: list[str], per_function: torch.Tensor, total: torch.Tensor, advantages: torch.Tensor) -> list[str]:
@@ -65,6 +65,7 @@ class RolloutLog:
         if dist.is_initialized():
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, lines)
+            everyone = everyone[::self.sharing]  # a TP group's ranks hold the same completions
         if not is_rank_zero():
             return
         if not self.started:

@@ -33,7 +33,7 @@ from titanlite.rewards.functions import score
 from titanlite.rl.ahead import Ahead
 from titanlite.rl.engine import Completion, RolloutEngine, RolloutStopped
 from titanlite.rl.grpo_loss import group_advantages, nanstd, token_logps
-from titanlite.rl.log import RolloutLog, show_completions
+from titanlite.rl.log import RolloutLog, is_rank_zero, show_completions
 from titanlite.rl.prompts import PromptItem, PromptOrder
 
 
@@ -84,13 +84,14 @@ def aligned_logprobs(prompts: list[list[int]], completions: list[Completion], wi
     return out
 
 
-def gathered(values: torch.Tensor) -> torch.Tensor:
-    """Every data-parallel rank's rows of `values`, in rank order (the global order of the completions)."""
+def gathered(values: torch.Tensor, sharing: int) -> torch.Tensor:
+    """Every data-parallel rank's rows of `values`, in rank order (the global order of the completions): one of each
+    `sharing` neighbouring ranks (a TP group, the mesh's innermost dimension, holds the same rows)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
     parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, values.contiguous())
-    return torch.cat(parts)
+    return torch.cat(parts[::sharing])
 
 
 def batch_stats(per_function: torch.Tensor, total: torch.Tensor, zero_std: torch.Tensor, lengths: torch.Tensor,
@@ -178,7 +179,7 @@ class RolloutStage:
         self.accum_steps = run.step.accum_steps
         self.current: Rollouts | None = None
         self.served = 0  # optimizer steps the current rollouts have served
-        self.log = RolloutLog.at(run.cfg.job.dump_folder) if self.rl.log_rollouts else None
+        self.log = RolloutLog.at(run.cfg.job.dump_folder, run.dims.batch_sharing_degree) if self.rl.log_rollouts else None
         self.ahead = Ahead(self.rl.max_staleness) if self.rl.max_staleness else None
         self.trained = 0  # steps handed their batches (rl.max_staleness >= 1)
 
@@ -289,12 +290,13 @@ class RolloutStage:
         texts = [completion_text(c.ids, run.tokenizer, ()) for c in completions]
         per_function, total = self.score(owners, texts, sampled)
         score_seconds = time.perf_counter() - began
-        all_functions, all_total = gathered(per_function), gathered(total)
+        sharing = run.dims.batch_sharing_degree
+        all_functions, all_total = gathered(per_function, sharing), gathered(total, sharing)
         advantages, zero_std = group_advantages(all_total, groups, rl.scale_rewards)
         n, rank = len(sampled), self.order.dp_rank
         inputs, labels = rows(prompts, sampled, trained, run.tokenizer.eos_id, run.cfg.training.seq_len)
-        lengths = gathered(torch.tensor([len(c) for c in sampled]))
-        tokens = int(gathered(torch.tensor([int((labels != IGNORED).sum())])).sum().item())
+        lengths = gathered(torch.tensor([len(c) for c in sampled]), sharing)
+        tokens = int(gathered(torch.tensor([int((labels != IGNORED).sum())]), sharing).sum().item())
         say_what_trains_nothing(step, all_total, tokens)
         norm = Normalizers(completions=len(all_total), tokens=tokens, max_completion_length=rl.max_new_tokens)
         stats = batch_stats(all_functions, all_total, zero_std, lengths, rewards.names, groups)
@@ -306,7 +308,7 @@ class RolloutStage:
             stats["rl/generate_wait_seconds"] = waited
         if self.log is not None:
             self.log.write(step, owners, completions, texts, rewards.names, per_function, total, local_advantages)
-        if rl.log_completions and rank == 0 and self.logs_a_step(step):
+        if rl.log_completions and is_rank_zero() and self.logs_a_step(step):
             show_completions(step, owners, texts, total)
         corrects = rl.importance_sampling != "none" or rl.off_policy_mask_threshold != -1
         sampler = aligned_logprobs(prompts, completions, inputs.shape[1]) if corrects else None
