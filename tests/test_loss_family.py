@@ -15,6 +15,7 @@
 - kept_entropies gathers over 2 gloo processes what one process holds."""
 
 import dataclasses
+import json
 import math
 import subprocess
 import sys
@@ -170,9 +171,28 @@ def test_loss_and_gradient_equal_trl_compute_loss(loss_type, level, off_policy, 
         torch.testing.assert_close(ours, theirs, atol=1e-9, rtol=0)
         torch.testing.assert_close(our_grad, their_grad, atol=1e-9, rtol=0)
     assert their_grad.abs().max() > 1e-3  # the comparison is not between two zeros
+    if level == "token":  # TRL's metrics count tokens (at sequence level, sequences: ours repeat them per token)
+        assert_stats_equal_trl_metrics(s, batch, trainer, variant == "sampler")
+
+
+def assert_stats_equal_trl_metrics(s: LossSettings, batch: Batch, trainer: GRPOTrainer, sampler: bool):
+    """TokenStats' masked means over the batch are the clip ratios and KL TRL's _compute_loss logged (it divides in
+    fp32: 1e-6)."""
+    logps = logps_and_entropies(batch.logits.detach(), batch.targets)[0]
+    old = logps if batch.old is None else batch.old
+    _, stats = per_token_loss(logps, old, batch.advantages, batch.mask, s, ref_logps=batch.ref,
+                              sampling_ratio=batch.sampling_ratio if sampler else None)
     metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
-    if off_policy and loss_type in ("grpo", "dapo") and level == "token":  # both sides clip here: TRL's metrics
-        assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+    mean = lambda x: ((x.double() * batch.mask).sum() / batch.mask.sum()).item()  # noqa: E731
+    if s.beta:
+        assert mean(stats.kl) == pytest.approx(metrics["kl"], abs=1e-6)
+    if s.loss_type == "cispo":
+        assert mean(stats.region_clipped) == pytest.approx(metrics["cispo_clip_ratio"], abs=1e-6)
+    elif "clip_ratio/region_mean" in metrics:
+        for name, clipped in [("low", stats.low_clipped), ("high", stats.high_clipped), ("region", stats.region_clipped)]:
+            assert mean(clipped) == pytest.approx(metrics[f"clip_ratio/{name}_mean"], abs=1e-6)
+        if batch.old is not None and s.loss_type in ("grpo", "dapo"):  # both sides clip here
+            assert stats.low_clipped.any() and stats.high_clipped.any()
 
 
 def test_the_entropy_mask_keeps_the_top_quantile_of_the_global_batch():
@@ -303,4 +323,4 @@ def test_kept_entropies_gathers_every_ranks_tokens_in_rank_order(tmp_path):
     outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0]
     expected = [0.0, 1.0, 6.0] + [100.0 + i for i in range(12)]
-    assert [eval(out.strip().splitlines()[-1]) for out in outputs] == [expected, expected]
+    assert [json.loads(out.strip().splitlines()[-1]) for out in outputs] == [expected, expected]
