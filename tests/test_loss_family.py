@@ -243,6 +243,8 @@ def test_trls_warnings_and_our_refusals():
             check_loss_settings(s)
     with pytest.raises(ValueError, match="rl.multi_objective_aggregation is 'mean'"):
         aggregated_advantages(torch.zeros(4, 2), torch.ones(2), 2, "group", "mean")
+    with pytest.raises(ValueError, match="rl.entropy_coef is 0.01 but the entropies carry no gradient"):
+        entropy_bonus(torch.ones(1, 3), torch.ones(1, 3), None, 0.01, Normalizers(1, 3, 3))
     with pytest.raises(ValueError, match="per token"):
         per_token_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1), torch.ones(1, 3),
                        LossSettings(loss_type="vespo"), sampling_ratio=torch.ones(1, 1))

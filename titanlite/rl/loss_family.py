@@ -13,11 +13,13 @@ process computes over the whole batch (2 ranks = 1 process, any accumulation = n
     reduce_loss            a micro-batch's share of the step's loss, normalised by the global batch's counts
     entropy_bonus          a micro-batch's share of -entropy_coef x the mean entropy of the global batch's tokens
 
-Top-entropy masking over 2 ranks: TRL takes the quantile over the tokens of the micro-batches that its processes
-hold at once (gathered across processes), so its accumulation changes the mask. Here the threshold is one number for
-the step: the caller runs the policy without gradient over its rank's rows, gathers them with kept_entropies, and
-gives entropy_threshold's value (and the count of tokens at or above it, Normalizers.entropy_tokens) to every
-micro-batch; the loss forward then masks with the same threshold, as one process holding the whole batch does.
+Top-entropy masking over 2 ranks: TRL takes the quantile over the tokens of the micro-batches its processes hold at
+once (gathered across processes), so its accumulation changes the mask. Here the threshold is one number for the
+step, that of the whole global batch under the current policy: every rank gathers its trained tokens' entropies
+with kept_entropies (a collective) and takes entropy_threshold of them, which also counts the tokens at or above it
+(Normalizers.entropy_tokens); each micro-batch masks with that threshold, as one process holding the whole batch
+does. With one micro-batch per rank the entropies are those of the loss forward itself; with several, a forward
+without gradient over the rank's rows before the first one gives them (the same weights, the same numbers).
 """
 
 import dataclasses
@@ -288,7 +290,10 @@ def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor, entropy_mask: tor
                   entropy_coef: float, norm: Normalizers) -> torch.Tensor:
     """This micro-batch's share of -entropy_coef x H, H the mean entropy of the global batch's trained tokens (those
     the entropy mask keeps, when there is one), TRL's entropy bonus (loss - entropy_coef x entropy_loss);
-    entropies must carry their gradient for it to act."""
+    entropies must carry their gradient for it to act (TRL's do): refused when they cannot."""
+    if entropy_coef and torch.is_grad_enabled() and not entropies.requires_grad:
+        raise ValueError(f"rl.entropy_coef is {entropy_coef} but the entropies carry no gradient, so the bonus "
+                         "would change nothing; compute them with their gradient.")
     kept = mask.to(entropies.dtype) if entropy_mask is None else (mask.bool() & entropy_mask).to(entropies.dtype)
     count = norm.tokens if norm.entropy_tokens is None else norm.entropy_tokens
     return -entropy_coef * (entropies * kept).sum() / max(count, 1)
