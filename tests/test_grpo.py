@@ -87,10 +87,13 @@ def test_two_fsdp_ranks_and_tensor_parallel_2_equal_one_process(prompts, tmp_pat
     log-probabilities equal the trainer's within 1e-5 on both: every importance-sampling ratio is 1 within 1e-5.
     With rl.max_staleness 1 (rollouts decoded on the engine's thread from a copy, one update back) too, and under
     tensor parallelism 2 (one data-parallel rank: both TP ranks decode the same completions from a gathered copy and
-    train on them with the vocabulary-sharded logits gathered): the same completions, rewards and losses."""
+    train on them with the vocabulary-sharded logits gathered): the same completions, rewards and losses. The runs
+    take TRL 1.16's other loss terms too (rl/loss_family.py): the top-entropy mask, whose threshold is one per step over
+    every rank's tokens (a TP group counted once), the entropy bonus, sapo at sequence level, GDPO's aggregation."""
     flags = ["--rl.log_rollouts", "--rl.loss_type", "grpo", "--rl.beta", "0.05", "--rl.num_iterations", "2",
-             "--rl.importance_sampling", "token_truncate"]
-    stale = ["--rl.log_rollouts", "--rl.max_staleness", "1", "--rl.importance_sampling", "sequence_mask"]
+             "--rl.importance_sampling", "token_truncate", "--rl.top_entropy_quantile", "0.5", "--rl.entropy_coef", "0.01"]
+    stale = ["--rl.log_rollouts", "--rl.max_staleness", "1", "--rl.importance_sampling", "sequence_mask", "--rl.loss_type",
+             "sapo", "--rl.importance_sampling_level", "sequence", "--rl.multi_objective_aggregation", "normalize_then_sum"]
     assert main(grpo_flags(prompts, tmp_path / "one", 3, *flags)) == 0
     assert main(grpo_flags(prompts, tmp_path / "one_stale", 3, *stale)) == 0
     spec = tmp_path / "runs.json"

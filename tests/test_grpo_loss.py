@@ -9,14 +9,17 @@ import pytest
 import torch
 
 from titanlite.rl import grpo_loss
-from titanlite.rl.grpo_loss import (LOSS_TYPES, Normalizers, group_advantages, per_token_loss, reduce_loss,
-                                    token_logps)
+from titanlite.data.batch import Normalizers
+from titanlite.rl.grpo_loss import group_advantages, token_logps
+from titanlite.rl.loss_family import LossSettings, per_token_loss, reduce_loss
 
 transformers = pytest.importorskip("transformers")
 
 G = 4
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the clipped surrogate's (the rest: test_loss_family.py)
 TEMPERATURE = 0.7
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
+SETTINGS = LossSettings(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=BETA)  # the loss type only picks the reduction
 # Completion i belongs to prompt i // G: a spread group, a group of equal rewards (zero std), a group with a
 # completion no reward function scored (None: left out of its group's statistics, advantage 0).
 REWARDS = [1.0, 2.0, 3.0, 3.0, 5.0, 5.0, 5.0, 5.0, 0.0, None, 1.0, 0.5]
@@ -61,7 +64,7 @@ def shared_loss(model, ids, attention, prompt_length, old, ref, advantages, mask
             rows = slice((2 * rank + micro) * len(ids) // 4, (2 * rank + micro + 1) * len(ids) // 4)
             logps, _ = token_logps(completion_logits(model, ids[rows], attention[rows], prompt_length),
                                    ids[rows, prompt_length:], TEMPERATURE)
-            loss, _ = per_token_loss(logps, old[rows], advantages[rows], EPS_LOW, EPS_HIGH, BETA, ref[rows])
+            loss, _ = per_token_loss(logps, old[rows], advantages[rows], mask[rows], SETTINGS, ref_logps=ref[rows])
             share = reduce_loss(loss, mask[rows], loss_type, norm)
             share.backward()
             total += share.detach()
@@ -118,7 +121,7 @@ def test_loss_and_gradient_equal_the_formula_over_the_whole_batch(loss_type):
     torch.testing.assert_close(ours, expected.detach(), atol=1e-6, rtol=0)
     assert_gradients_close(grads(model), expected_grads)
 
-    _, stats = per_token_loss(logps.detach(), old, advantages, EPS_LOW, EPS_HIGH, BETA, ref)
+    _, stats = per_token_loss(logps.detach(), old, advantages, mask, SETTINGS, ref_logps=ref)
     real = mask.bool()
     assert (stats.low_clipped & real).any() and (stats.high_clipped & real).any()
     assert torch.equal(stats.region_clipped, stats.low_clipped | stats.high_clipped)
@@ -155,9 +158,9 @@ def test_token_logps_at_a_temperature(dtype, monkeypatch):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         logps, entropy = token_logps(logits, targets, TEMPERATURE)
-    assert logps.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
-    # kept for backward: the logits themselves (no fp32 copy), the targets and each position's logsumexp
-    assert [t.shape for t in saved] == [logits.shape, targets.shape, targets.shape]
+    assert logps.dtype == entropy.dtype == torch.float32 and entropy.requires_grad
+    # kept for backward: the logits themselves (no fp32 copy), the targets, each position's logsumexp and entropy
+    assert [t.shape for t in saved] == [logits.shape, targets.shape, targets.shape, targets.shape]
     assert saved[0].data_ptr() == logits.data_ptr()
 
     reference = torch.log_softmax(logits.float() / TEMPERATURE, -1)
@@ -166,10 +169,17 @@ def test_token_logps_at_a_temperature(dtype, monkeypatch):
     torch.testing.assert_close(entropy, -(reference.exp() * reference).sum(-1), atol=1e-5, rtol=1e-6)
 
     weights = torch.randn(2, 4)
-    (ours,) = torch.autograd.grad((logps * weights).sum(), logits)
-    (theirs,) = torch.autograd.grad((expected * weights).sum(), logits)
+    (ours,) = torch.autograd.grad((logps * weights).sum(), logits, retain_graph=True)
+    (theirs,) = torch.autograd.grad((expected * weights).sum(), logits, retain_graph=True)
     assert ours.dtype == dtype
     torch.testing.assert_close(ours, theirs, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+    # the entropy's gradient (rl.entropy_coef's bonus), alone and with the log-probs'
+    expected_entropy = -(reference.exp() * reference).sum(-1)
+    for ours_total, their_total in ((entropy * weights).sum(), (expected_entropy * weights).sum()), (
+            (entropy * weights + logps).sum(), (expected_entropy * weights + expected).sum()):
+        (ours,) = torch.autograd.grad(ours_total, logits, retain_graph=True)
+        (theirs,) = torch.autograd.grad(their_total, logits, retain_graph=True)
+        torch.testing.assert_close(ours, theirs, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
 
 
 def test_wrong_arguments_say_which():
@@ -182,7 +192,7 @@ def test_wrong_arguments_say_which():
     with pytest.raises(ValueError, match="temperature is 0"):
         token_logps(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="ref_logps"):
-        per_token_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), 0.2, 0.2, 0.1, None)
+        per_token_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), LossSettings(beta=0.1))
 
 
 # TRL's own code: a real GRPOTrainer on a tiny random Llama, called on one generation batch.
@@ -264,7 +274,7 @@ def test_loss_and_gradient_equal_trl_compute_loss(trainer, loss_type):
     with torch.no_grad():
         logps, entropy = token_logps(completion_logits(model, ids, attention, prompt_length), ids[:, prompt_length:],
                                      TEMPERATURE)
-    _, stats = per_token_loss(logps, old, advantages, EPS_LOW, EPS_HIGH, BETA, ref)
+    _, stats = per_token_loss(logps, old, advantages, mask, SETTINGS, ref_logps=ref)
     metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
     masked_mean = lambda x: ((x.float() * mask).sum() / mask.sum()).item()  # noqa: E731
     assert masked_mean(stats.region_clipped) == pytest.approx(metrics["clip_ratio/region_mean"], abs=1e-6)

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from test_grpo_loss import EPS_HIGH, EPS_LOW, BETA, G, PROMPTS, REWARDS, TEMPERATURE, completion_logits, trainer  # noqa: F401
-from titanlite.rl.grpo_loss import Normalizers, per_token_loss, reduce_loss, token_logps
+from titanlite.data.batch import Normalizers
+from titanlite.rl.grpo_loss import token_logps
+from titanlite.rl.loss_family import LossSettings, per_token_loss, reduce_loss
 from titanlite.rl.off_policy import MODES, importance_ratio, off_policy_mask
 
 LENGTHS = [6, 1, 4, 6, 2, 5, 3, 6, 1, 6, 2, 4]
@@ -69,8 +71,10 @@ def test_each_correction_equals_trl_compute_loss(trainer, monkeypatch, mode, cli
     old, advantages = batch["old_per_token_logps"], batch["advantages"]
     ratio = importance_ratio(old, sampler, mask, mode, clip_min, clip_max)
     torch.testing.assert_close(ratio, batch["importance_sampling_ratio"], atol=1e-6, rtol=0)
-    weight = ratio if threshold is None else off_policy_mask(advantages, logps, sampler, mask, threshold) * ratio
-    loss, _ = per_token_loss(logps, old, advantages, EPS_LOW, EPS_HIGH, BETA, batch["ref_per_token_logps"], weight=weight)
+    kept = None if threshold is None else off_policy_mask(advantages, logps, sampler, mask, threshold)
+    settings = LossSettings(loss_type="bnpo", epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=BETA)
+    loss, _ = per_token_loss(logps, old, advantages, mask, settings, ref_logps=batch["ref_per_token_logps"],
+                             sampling_ratio=ratio, off_policy_mask=kept)
     ours = reduce_loss(loss, mask, "bnpo", Normalizers(len(ids), int(mask.sum()), trainer.max_completion_length))
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
     assert ratio.min() < 1 < ratio.max()  # the sampler differs both ways: the correction is exercised

@@ -310,6 +310,9 @@ def check_off_policy(rl) -> None:
             if value != default:
                 raise UserError(f"rl.importance_sampling_{key} {value:g} bounds a correction that rl.importance_sampling "
                                 "none leaves off; choose a mode such as rl.importance_sampling sequence_mask or drop the key")
+    if rl.loss_type == "vespo" and rl.importance_sampling.startswith("sequence"):
+        raise UserError(f"rl.loss_type vespo folds the sampler's correction into its weights token by token, which "
+                        f"rl.importance_sampling {rl.importance_sampling} does not give; use token_truncate or token_mask")
     if rl.importance_sampling_clip_min != -1 and rl.importance_sampling_clip_min >= rl.importance_sampling_clip_max:
         raise UserError(f"rl.importance_sampling_clip_min {rl.importance_sampling_clip_min:g} must be below "
                         f"rl.importance_sampling_clip_max {rl.importance_sampling_clip_max:g}; lower it or raise the maximum")

@@ -14,12 +14,14 @@ from titanlite.data.conversation_windows import IGNORED
 
 @dataclass(frozen=True)
 class Normalizers:
-    """The global batch's counts every share of GRPO's loss divides by (rl/grpo_loss.py's reduce_loss): completions
-    (prompts x num_generations), tokens (the completion tokens the mask keeps, summed over every rank) and
-    max_completion_length."""
+    """The global batch's counts every share of GRPO's loss divides by (rl/loss_family.py's reduce_loss): completions
+    (prompts x num_generations), tokens (the completion tokens the mask keeps, summed over every rank),
+    max_completion_length, and entropy_tokens: the tokens the entropy bonus averages over (those at or above the
+    step's entropy threshold under rl.top_entropy_quantile; None = tokens)."""
     completions: int
     tokens: int
     max_completion_length: int
+    entropy_tokens: int | None = None
 
 
 @dataclass(frozen=True)

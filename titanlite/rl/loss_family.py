@@ -28,11 +28,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from titanlite.config_sections import GRPO_LOSS_TYPES as LOSS_TYPES
+from titanlite.config_sections import IMPORTANCE_SAMPLING_LEVELS
+from titanlite.config_sections import REWARD_AGGREGATIONS as AGGREGATIONS
+from titanlite.data.batch import Normalizers
 from titanlite.rl.grpo_loss import STD_EPS, group_advantages, nanstd
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's -min(r A, clip(r) A)
 LOG_W_MIN = math.log(1e-8)  # TRL's vespo clamp of the sequence's log-weight, below
 LOG_W_MAX = 20.0
@@ -56,18 +57,6 @@ class LossSettings:
     vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Normalizers:
-    """The global batch's counts every share of its loss divides by: completions (prompts x num_generations), tokens
-    (the trained completion tokens over every rank), max_completion_length, and entropy_tokens: the trained tokens
-    the entropy bonus averages over (those at or above the entropy threshold; None = tokens)."""
-
-    completions: int
-    tokens: int
-    max_completion_length: int
-    entropy_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,20 +124,20 @@ def aggregated_advantages(rewards_per_function: torch.Tensor, weights: torch.Ten
     return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
 
 
-def kept_entropies(entropies: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The entropies of the tokens mask keeps, of this rank's rows, followed by every other rank's in group (all of
-    them, in rank order, when a process group is initialised): what TRL's get_high_entropy_mask gathers, padded to
-    one length and the padding dropped."""
+def kept_entropies(entropies: torch.Tensor, mask: torch.Tensor, sharing: int = 1) -> torch.Tensor:
+    """The entropies of the tokens mask keeps, of this rank's rows, followed by every other rank's (in rank order,
+    one of each `sharing` neighbouring ranks: a TP group holds the same rows), when a process group is initialised:
+    what TRL's get_high_entropy_mask gathers, padded to one length and the padding dropped."""
     local = entropies.detach()[mask.bool()]
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
-    sizes = [torch.zeros((), dtype=torch.long, device=local.device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor(len(local), device=local.device), group=group)
+    sizes = [torch.zeros((), dtype=torch.long, device=local.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor(len(local), device=local.device))
     longest = int(max(sizes))
     padded = torch.cat([local, local.new_zeros(longest - len(local))])
     parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([part[:int(size)] for part, size in zip(parts, sizes)])
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:int(size)] for part, size in list(zip(parts, sizes))[::sharing]])
 
 
 def entropy_threshold(kept: torch.Tensor, top_entropy_quantile: float) -> tuple[torch.Tensor, int]:
@@ -240,16 +229,19 @@ def clip_stats(ratio: torch.Tensor, advantages: torch.Tensor, s: LossSettings,
 
 
 def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                   s: LossSettings, ref_logps: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
-                   sampling_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+                   s: LossSettings, *, ref_logps: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
+                   sampling_ratio: torch.Tensor | None = None,
+                   off_policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
     """(the loss of each token [B, T], or of each sequence [B, 1] at importance level sequence without beta or
-    masks, its TokenStats), in TRL's order: policy_term; times entropy_mask (high_entropy_mask, when
+    masks, its TokenStats), in TRL's order: policy_term; times off_policy_mask [B, 1] (rl/off_policy.py); times entropy_mask (high_entropy_mask, when
     top_entropy_quantile < 1); times sampling_ratio [B, T] or [B, 1], the sampler's correction (not for vespo,
     which takes it into its weights); plus beta x r x the k3 KL, exp(ref - logps) - (ref - logps) - 1 (TRL's
     use_bias_correction_kl, r at the importance level). old_logps are the rollout's (logps.detach() when each
     rollout batch makes one update); advantages [B]; ref_logps are needed only when beta > 0."""
     advantages = advantages[:, None]
     loss, ratio = policy_term(logps, old_logps, advantages, mask, s, sampling_ratio)
+    if off_policy_mask is not None:
+        loss = loss * off_policy_mask
     if entropy_mask is not None:
         loss = loss * entropy_mask
     if sampling_ratio is not None and s.loss_type != "vespo":

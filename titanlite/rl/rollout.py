@@ -32,7 +32,8 @@ from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.functions import score
 from titanlite.rl.ahead import Ahead
 from titanlite.rl.engine import Completion, RolloutEngine, RolloutStopped
-from titanlite.rl.grpo_loss import group_advantages, nanstd, token_logps
+from titanlite.rl.grpo_loss import nanstd, token_logps
+from titanlite.rl.loss_family import aggregated_advantages
 from titanlite.rl.log import RolloutLog, is_rank_zero, show_completions
 from titanlite.rl.prompts import PromptItem, PromptOrder
 
@@ -292,7 +293,8 @@ class RolloutStage:
         score_seconds = time.perf_counter() - began
         sharing = run.dims.batch_sharing_degree
         all_functions, all_total = gathered(per_function, sharing), gathered(total, sharing)
-        advantages, zero_std = group_advantages(all_total, groups, rl.scale_rewards)
+        advantages, zero_std = aggregated_advantages(all_functions, rewards.weights, groups, rl.scale_rewards,
+                                                     rl.multi_objective_aggregation)
         n, rank = len(sampled), self.order.dp_rank
         inputs, labels = rows(prompts, sampled, trained, run.tokenizer.eos_id, run.cfg.training.seq_len)
         lengths = gathered(torch.tensor([len(c) for c in sampled]), sharing)
