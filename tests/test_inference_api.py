@@ -5,6 +5,7 @@ sentence. The compiled decode step gives the eager tokens: Mistral's here, the o
 (compilation takes 10-25 s each on this CPU), and on CUDA in the cuda tier."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,11 @@ def test_load_takes_a_run_folder_a_step_folder_and_a_dtype(llama, tmp_path):
     assert torch.equal(trained, from_step.logits(PROMPTS[0])) and not torch.allclose(trained, lm.logits(PROMPTS[0]))
     assert lm.model.output.weight.dtype == torch.float32
     assert titanlite.load(folder, dtype=torch.bfloat16).model.output.weight.dtype == torch.bfloat16
+    # A checkpoint without its checksums: the advice is load()'s keyword, not a config key load() has no way to set.
+    shutil.rmtree(run / "checkpoint" / "step-1" / "checksums")
+    with pytest.raises(UserError, match=r"cannot be verified.*pass allow_unverified=True to titanlite.load"):
+        titanlite.load(run)
+    assert torch.equal(titanlite.load(run, allow_unverified=True).logits(PROMPTS[0]), trained)
 
 
 def test_the_docs_example_runs(llama, capsys):
@@ -116,6 +122,7 @@ def test_the_docs_example_runs(llama, capsys):
 @pytest.mark.parametrize("call, expected", [
     (lambda lm: titanlite.load(Path("/nonexistent/run")), "that is neither a Hugging Face model folder"),
     (lambda lm: titanlite.load(ROOT / "docs", dtype=torch.float16), "dtype=torch.float16: titanlite holds weights"),
+    (lambda lm: titanlite.load(ROOT / "docs", device="tpu"), "device='tpu': give \"cpu\", \"cuda\""),
     (lambda lm: lm.generate("one prompt"), "wrap a single prompt in a list"),
     (lambda lm: lm.generate([5, 17, 300]), "wrap a single prompt in a list"),
     (lambda lm: lm.generate([{"role": "user", "content": "hi"}]), "wrap a single prompt in a list"),

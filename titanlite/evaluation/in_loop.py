@@ -69,7 +69,8 @@ class InLoopEvaluator:
             lm = TitanliteLM(self.run, batch_size=self.cfg.batch_size)
             results = evaluate_tasks(lm, self.cfg.tasks, self.cfg.include_path or None,
                                      limit=None if self.cfg.limit == -1 else self.cfg.limit,
-                                     num_fewshot=None if self.cfg.num_fewshot == -1 else self.cfg.num_fewshot)
+                                     num_fewshot=None if self.cfg.num_fewshot == -1 else self.cfg.num_fewshot,
+                                     fewshot_key="eval.num_fewshot")
             # lm-eval hands the results to rank 0 only (the one that logs); None elsewhere.
             scalars = metric_scalars(results) if results is not None else {}
         self.metrics.write_scalars(step, {f"eval/{name}": value for name, value in scalars.items()}, flush=True)

@@ -77,8 +77,9 @@ def task_manager(tasks: tuple[str, ...], include_path: str | None):
 
 
 def evaluate_tasks(lm, tasks: list[str], include_path: str | None, *, limit: float | None = None,
-                   num_fewshot: int | None = None, log_samples: bool = False) -> dict:
-    """lm-eval's results dict for `tasks` run on `lm` (lm_eval_model.TitanliteLM)."""
+                   num_fewshot: int | None = None, log_samples: bool = False, fewshot_key: str = "--num_fewshot") -> dict:
+    """lm-eval's results dict for `tasks` run on `lm` (lm_eval_model.TitanliteLM); fewshot_key: how the caller names
+    num_fewshot (the in-loop evaluator: eval.num_fewshot)."""
     from lm_eval import simple_evaluate
 
     manager = task_manager(tuple(tasks), include_path)
@@ -89,9 +90,9 @@ def evaluate_tasks(lm, tasks: list[str], include_path: str | None, *, limit: flo
     except ValueError as error:  # raised while lm-eval builds the prompts, before any forward
         if "Sample larger than population" not in str(error):
             raise
-        asked = f"--num_fewshot {num_fewshot}" if num_fewshot is not None else "its num_fewshot"
+        asked = f"{fewshot_key} {num_fewshot}" if num_fewshot is not None else "its own num_fewshot"
         raise UserError(f"a task of {', '.join(tasks)} has fewer examples to show than {asked} asks for; give a smaller "
-                        "--num_fewshot (eval.num_fewshot in [eval])") from None
+                        f"{fewshot_key}") from None
 
 
 def write_results(results: dict, output_path: str, log_samples: bool, model_args: str) -> None:
