@@ -233,3 +233,46 @@ def test_a_grpo_prompts_file_generates_as_it_is(tmp_path, tokenizer_folder):
 
     grpo = completions([{"prompt": messages, "answer": "5"}, {"prompt": "2 + 3 =", "answer": "5"}])
     assert grpo == completions([{"messages": messages}, {"prompt": "2 + 3 ="}])
+
+
+def test_the_command_runs_a_fixed_number_of_tokens_as_transformers(tmp_path, tokenizer_folder, capsys):
+    """generate.ignore_eos: every completion runs to max_new_tokens, the stop tokens kept as tokens (transformers'
+    greedy generate with no stop token); generate.min_new_tokens: no stop token before that many (transformers'
+    min_new_tokens); more than max_new_tokens is one sentence."""
+    folder = tmp_path / "llama3"
+    model = transformers_folder("llama3", folder, tokenizer_folder)
+    width = max(map(len, PROMPTS))
+    tokens = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+
+    def theirs(**kwargs) -> list[list[int]]:
+        with torch.no_grad():
+            out = model.generate(input_ids=tokens, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=0, **kwargs)[:, width:].tolist()
+        stops = kwargs["eos_token_id"] or ()
+        return [row[:next((i for i, t in enumerate(row) if t in stops), len(row))]
+                for row in out]
+
+    ignored = [r["token_ids"] for r in run_generate(tmp_path, folder, "--generate.ignore_eos")]
+    assert ignored == theirs(eos_token_id=None) and all(len(ids) == NEW_TOKENS for ids in ignored)
+    at_least = [r["token_ids"] for r in run_generate(tmp_path, folder, "--generate.min_new_tokens", "5")]
+    assert at_least == theirs(eos_token_id=STOP_IDS, min_new_tokens=5)
+    capsys.readouterr()
+    err = generate_error([*ON_CPU, "--generate.prompt", "hi", "--generate.min_new_tokens", "200"], capsys)
+    assert "generate.min_new_tokens 200 passes generate.max_new_tokens 128; lower it" in err
+
+
+def test_a_long_generation_reports_its_progress(tmp_path, tokenizer_folder, monkeypatch, capsys):
+    """The command's progress line (log.py's Progress, here due at every batch instead of every 30 s): prompts
+    done of all, time per prompt, time left."""
+    import functools
+
+    from titanlite.inference import api
+    from titanlite.log import Progress
+
+    folder = tmp_path / "llama3"
+    transformers_folder("llama3", folder, tokenizer_folder)
+    monkeypatch.setattr(api, "Progress", functools.partial(Progress, every_seconds=0))
+    run_generate(tmp_path, folder, "--generate.batch_size", "1")
+    lines = [line.split(" INFO ")[-1] for line in capsys.readouterr().err.splitlines() if " INFO generate: " in line]
+    assert lines[0].startswith("generate: 1/2 prompts (50%)") and "/prompt" in lines[0] and "left" in lines[0], lines

@@ -353,6 +353,13 @@ def check_rl(cfg: JobConfig) -> None:
         raise UserError(f"{key} is not supported with training.dataset_format prompts (GRPO) yet; set it to false")
 
 
+def check_generate(cfg: JobConfig) -> None:
+    generate = cfg.generate
+    if generate.min_new_tokens > generate.max_new_tokens:
+        raise UserError(f"generate.min_new_tokens {generate.min_new_tokens} passes generate.max_new_tokens "
+                        f"{generate.max_new_tokens}; lower it or raise generate.max_new_tokens")
+
+
 def check_rules(cfg: JobConfig) -> None:
     check_optimizer(cfg)
     check_multi_token_prediction(cfg)
@@ -368,3 +375,4 @@ def check_rules(cfg: JobConfig) -> None:
     check_eval(cfg)
     check_dpo(cfg)
     check_rl(cfg)
+    check_generate(cfg)

@@ -304,6 +304,8 @@ class Generate:
     top_p: float = opt(1.0, "sample from the smallest set of most likely tokens whose probabilities reach top_p; 1 = all", above=0, at_most=1)
     top_k: int = opt(0, "sample from the k most likely tokens only; 0 = all", at_least=0)
     seed: int = opt(0, "seed of the sampling; the same seed, prompts and weights give the same completions", at_least=0, at_most=2**32 - 1)
+    min_new_tokens: int = opt(0, "the stop tokens cannot end a completion before this many new tokens (transformers' min_new_tokens)", at_least=0)
+    ignore_eos: bool = opt(False, "the stop tokens end nothing: every completion runs to max_new_tokens (or a stop string), as benchmarks need")
     stop: list[str] = opt([], "strings that end a completion (cut off before them); generation also ends at the tokenizer's eos and end-of-turn tokens")
     batch_size: int = opt(8, "prompts generated together (left-padded to the longest of them)", at_least=1)
     compile: bool = opt(False, "torch.compile the decode step (CPU inductor with frozen weights, or CUDA): faster from the second batch of a shape on, after a compile of tens of seconds")

@@ -39,7 +39,7 @@ def generate_records(lm: LM, records: list[PromptRecord], settings: Generate) ->
     generate.batch_size (lm.speed adds their tokens and seconds)."""
     prompts = render_prompts(records, lm.tokenizer, lm.chat_template)
     sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.seed,
-                        tuple(settings.stop))
+                        tuple(settings.stop), min_new_tokens=settings.min_new_tokens, ignore_eos=settings.ignore_eos)
     return [{"prompt": c.prompt, "prompt_token_ids": c.prompt_token_ids, "completion": c.text, "token_ids": c.token_ids}
             for c in lm.complete(prompts, sampling, settings.batch_size)]
 

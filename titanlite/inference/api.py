@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from titanlite.errors import UserError
+from titanlite.log import Progress
 from titanlite.inference.arguments import check_batch_size, checked_logits_ids, checked_prompts, checked_sampling
 from titanlite.inference.decode import Sampling, Speed, generate_ids, token_step
 from titanlite.inference.prompts import Prompt, checked_record, completion_text, render_prompts
@@ -83,6 +84,7 @@ class LM:
         world calls this together (decode.py)."""
         size = batch_size or len(prompts)
         completions = []
+        progress = Progress(len(prompts), "generate", unit="prompt")  # a line every 30 s of a long job
         for start in range(0, len(prompts), size):
             batch = prompts[start:start + size]
             indices = list(range(start, start + len(batch)))
@@ -92,6 +94,7 @@ class LM:
                                      names=[p.where or f"prompts[{i}]" for p, i in zip(batch, indices)])
             completions += [Completion(p.text, p.ids, completion_text(g.token_ids, self.tokenizer, sampling.stop),
                                        g.token_ids, g.logprobs, g.finish_reason) for p, g in zip(batch, generated)]
+            progress.advance(len(batch))
         return completions
 
     @torch.no_grad()

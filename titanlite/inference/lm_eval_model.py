@@ -22,6 +22,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from titanlite.inference.api import LM
 from titanlite.inference.decode import Sampling, idle_forward
 from titanlite.inference.prompts import Prompt
+from titanlite.log import Progress
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's default where a task sets no max_gen_toks
 
@@ -74,6 +75,7 @@ class TitanliteLM(TemplateLM):
         out: list[torch.Tensor | None] = [None] * len(windows)
         starts = range(0, len(order), self.batch_size)
         started = time.perf_counter()
+        progress = Progress(len(windows), "eval: scoring", unit="sequence")  # a line every 30 s of a long task
         for start in starts:
             chunk = order[start:start + self.batch_size]
             width = len(windows[chunk[0]])
@@ -83,6 +85,7 @@ class TitanliteLM(TemplateLM):
             logits = self.lm.logits(tokens)
             for row, i in enumerate(chunk):
                 out[i] = F.log_softmax(logits[row, :len(windows[i])].float(), dim=-1).cpu()
+            progress.advance(len(chunk))
         self.speed.prefill_tokens += sum(map(len, windows))
         self.speed.prefill_seconds += time.perf_counter() - started  # .cpu() waited for the forwards
         self.pad_forwards(len(starts))
@@ -128,6 +131,7 @@ class TitanliteLM(TemplateLM):
         before them; contexts left-truncated to leave room for max_gen_toks, as lm-eval's hf model does."""
         eos = self.tokenizer.decode([self.eot_token_id])
         results = []
+        progress = Progress(len(requests), "eval: generating", unit="request")
         for context, gen_kwargs in (request.args for request in requests):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
@@ -138,4 +142,5 @@ class TitanliteLM(TemplateLM):
                                 stop_ids=(self.eot_token_id,))
             new = self.lm.complete([Prompt(context, ids)], sampling, lockstep=self.lockstep)[0].token_ids
             results.append(postprocess_generated_text(self.tokenizer.decode(new), until, None))
+            progress.advance()
         return results
