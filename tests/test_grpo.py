@@ -184,7 +184,12 @@ def test_compiled_blocks_train_as_eager_and_decode_the_same_rollouts(prompts, tm
     recompile, past dynamo's limit); training runs them compiled."""
     assert main(grpo_flags(prompts, tmp_path / "eager", 2, "--rl.log_rollouts")) == 0
     assert main(grpo_flags(prompts, tmp_path / "compiled", 2, "--rl.log_rollouts", "--compile.enable")) == 0
-    assert rollouts(tmp_path / "compiled") == rollouts(tmp_path / "eager")
+    compiled, eager = rollouts(tmp_path / "compiled"), rollouts(tmp_path / "eager")
+    # the same completions and rewards; the sampler's log-probabilities of step 2 come from weights one compiled
+    # (or eager) update moved, which round alike only to fp32's last bits
+    for line in eager:
+        line["logprobs"] = pytest.approx(line["logprobs"], abs=1e-5)
+    assert compiled == eager
     eager, compiled = (tensorboard_scalars(tmp_path / run / "tb", "loss/train") for run in ("eager", "compiled"))
     assert all(compiled[s] == pytest.approx(eager[s], abs=1e-5) for s in (1, 2))
 

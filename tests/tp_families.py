@@ -42,7 +42,7 @@ def losses(name: str, world: int, flags: tuple[str, ...] = ()) -> list[float]:
               0, 0.0, objective)
     optimizer = build_optimizer(model, cfg.optimizer, "cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
-    metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0)  # train_step only adds to these
+    metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0, trained=0.0)  # train_step only adds to these
     training = Training(optimizer, scheduler, None, STEPS, metrics, Alone())
     generator = torch.Generator().manual_seed(0)  # the same batches for both runs
     windows = [torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]

@@ -239,7 +239,8 @@ class RolloutStage:
         """Step `step`'s rollouts, sampled ahead; the steps up to step + K not yet handed to the engine are, with the
         weights after step - 1 (at a fresh start, steps 1 .. K + 1, with the initial weights)."""
         self.engine.update_weights(step - 1)
-        for target in self.ahead.missing(step):
+        # none past training.steps, which nothing would train on (a resume with more steps samples those late)
+        for target in (s for s in self.ahead.missing(step) if s <= self.run.cfg.training.steps):
             position = self.order.state_dict()
             items = self.order.next_step()
             self.ahead.launch(target, items, self.engine.submit(*self.request(items)), position)
