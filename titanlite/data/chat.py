@@ -89,17 +89,18 @@ class ChatRenderer:
         self.specials = special_pattern(tokenizer.special_texts)
         self.prompt: str | None = None  # the generation prompt, from the first conversation rendered
 
-    def variables(self, messages: list[dict], add_generation_prompt: bool) -> dict:
-        return dict(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.tokens)
+    def variables(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> dict:
+        """What the template reads; tools: the function schemas (TRL's and apply_chat_template's `tools`), or None."""
+        return dict(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **self.tokens)
 
     def failed(self, error: Exception) -> UserError:
         """A template that raises (raise_exception, or a Python error such as {{ 1/0 }}) as one sentence naming it."""
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return UserError(f"the chat template of {self.origin} failed on a conversation ({reason}); fix the template or the data")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
         try:
-            return self.template.render(**self.variables(messages, add_generation_prompt))
+            return self.template.render(**self.variables(messages, add_generation_prompt, tools))
         except Exception as error:  # the template is user code: any error it raises is the template's
             raise self.failed(error) from None
 
