@@ -117,8 +117,10 @@ def tokenizer_folder(folder: Path, template: str) -> Path:
     return folder
 
 
-def calling_model(folder: Path, template: str, prompt_end: str = "<|im_start|>assistant\n") -> Path:
-    """An HF folder of the model described above, its tokenizer beside it (the template as its chat template)."""
+def calling_model(folder: Path, template: str, scale: float = 10.0, prompt_end: str = "<|im_start|>assistant\n") -> Path:
+    """An HF folder of the model described above, its tokenizer beside it (the template as its chat template). With a
+    smaller `scale` it calls less surely: at 1.2 it writes CALL after the prompt in about 60% of the samples, some
+    random token otherwise (and goes on at random)."""
     import transformers
     from tokenizers import Tokenizer
 
@@ -136,7 +138,7 @@ def calling_model(folder: Path, template: str, prompt_end: str = "<|im_start|>as
                 parameter.zero_()
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         embed[last, 0], embed[call, 1] = 1.0, 1.0
-        head[call, 0], head[end, 1] = 10.0, 10.0  # logits 10 sqrt(32): every other token's probability below 1e-20
+        head[call, 0], head[end, 1] = scale, scale  # logits 10 sqrt(32): every other token's probability below 1e-20
     model.save_pretrained(folder)
     return folder
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from agent_tools import CALL, calling_model, prompts_file
-from conftest import ON_CPU, tensorboard_scalars
+from conftest import ON_CPU, run_test_script, tensorboard_scalars
 from qwen3_template import QWEN3_TEMPLATE
 from titanlite.config_sections import RL
 from titanlite.data.conversation_windows import IGNORED
@@ -133,3 +133,33 @@ def test_grpo_with_an_environment_trains_only_the_models_tokens(folder, lm, tmp_
     for tag, value in (("rl/tool_calls", 1.0), ("rl/tool_failures", 0.0), ("rl/reward/Calculator", 1.0)):
         scalars = tensorboard_scalars(tmp_path / "run" / "tb", tag)
         assert scalars == {1: pytest.approx(value), 2: pytest.approx(value)}, (tag, scalars)
+
+
+def test_two_fsdp_ranks_equal_one_process_and_a_resume_is_the_same_run(tmp_path):
+    """A model that calls in about 60% of its samples, so that the environment's rewards differ within a group and
+    the steps train. One process (2 micro-batches accumulated) against 2 FSDP ranks, and those ranks resumed from
+    the checkpoint of step 2: the same episodes (ids and masks) and the same losses within 1e-5 (fp32)."""
+    (tmp_path / "qwen3.jinja").write_text(QWEN3_TEMPLATE)
+    folder = calling_model(tmp_path / "model", QWEN3_TEMPLATE, scale=1.2)
+    prompts = prompts_file(tmp_path / "prompts.jsonl", 8)
+    extra = ["--rl.environment", f"{TOOLS}:Calculator", "--rl.max_new_tokens", "64", "--rl.max_tool_calling_iterations",
+             "2", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+    assert main(agent_flags(folder, prompts, tmp_path / "one", 3, *extra)) == 0
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps([{"argv": agent_flags(folder, prompts, tmp_path / "fsdp", 3, *extra)},
+                                {"argv": agent_flags(folder, prompts, tmp_path / "resumed", 3, *extra),
+                                 "resume_from": str(tmp_path / "fsdp" / "checkpoint" / "step-2")}]))
+    out = run_test_script("layout_runs.py", str(spec), nproc=2, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = {run: [json.loads(line) for line in (tmp_path / run / "rollouts.jsonl").read_text().splitlines()]
+            for run in ("one", "fsdp", "resumed")}
+    for key in ("completion_ids", "completion_mask", "tool_calls", "rewards"):
+        assert [r[key] for r in runs["fsdp"]] == [r[key] for r in runs["one"]], key
+        assert [r[key] for r in runs["resumed"] if r["step"] == 3] == [r[key] for r in runs["one"] if r["step"] == 3]
+    rewards = [r["rewards"]["Calculator"] for r in runs["one"]]
+    assert len(set(rewards)) > 1 and 0 in {m for r in runs["one"] for m in r["completion_mask"]}
+    for tag in ("loss/train", "rl/reward", "rl/tool_calls"):
+        one, fsdp, resumed = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in ("one", "fsdp", "resumed"))
+        assert sorted(fsdp) == [1, 2, 3] and all(fsdp[s] == pytest.approx(one[s], abs=1e-5) for s in one), (tag, one, fsdp)
+        assert sorted(resumed) == [3] and resumed[3] == pytest.approx(one[3], abs=1e-5), (tag, one, resumed)
+    assert any(abs(v) > 1e-4 for v in tensorboard_scalars(tmp_path / "one" / "tb", "loss/train").values())

@@ -17,6 +17,7 @@ An `Episode` is a Completion whose ids are the whole completion, with a mask (1 
 inserted).
 """
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -204,6 +205,11 @@ class Agents:
                  indices: list[int]) -> list[Episode]:
         """groups episodes of each item, completion k sampled from indices[k]'s streams (one per turn)."""
         traces = [self.start(item) for item in items for _ in range(groups)]
+        with getattr(engine, "held", contextlib.nullcontext)():  # the colocated engine gathers the weights once
+            self.turns(engine, traces, sampling, indices)
+        return [trace.episode() for trace in traces]
+
+    def turns(self, engine: RolloutEngine, traces: list[Trace], sampling: Sampling, indices: list[int]) -> None:
         active, turn = list(range(len(traces))), 0
         while active:
             room = max(traces[k].budget - len(traces[k].ids) for k in active)
@@ -216,7 +222,6 @@ class Agents:
                 break
             active = [k for k in active if self.answer_calls(traces[k])]
             turn += 1
-        return [trace.episode() for trace in traces]
 
     def answer_calls(self, trace: Trace) -> bool:
         """The calls of the trace's last turn answered and appended; whether the model goes on."""
