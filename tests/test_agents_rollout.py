@@ -135,13 +135,30 @@ def test_grpo_with_an_environment_trains_only_the_models_tokens(folder, lm, tmp_
         assert scalars == {1: pytest.approx(value), 2: pytest.approx(value)}, (tag, scalars)
 
 
-def test_two_fsdp_ranks_equal_one_process_and_a_resume_is_the_same_run(tmp_path):
+@pytest.fixture(scope="module")
+def uncertain(tmp_path_factory):
     """A model that calls in about 60% of its samples, so that the environment's rewards differ within a group and
-    the steps train. One process (2 micro-batches accumulated) against 2 FSDP ranks, and those ranks resumed from
-    the checkpoint of step 2: the same episodes (ids and masks) and the same losses within 1e-5 (fp32)."""
-    (tmp_path / "qwen3.jinja").write_text(QWEN3_TEMPLATE)
-    folder = calling_model(tmp_path / "model", QWEN3_TEMPLATE, scale=1.2)
-    prompts = prompts_file(tmp_path / "prompts.jsonl", 8)
+    the steps train."""
+    root = tmp_path_factory.mktemp("uncertain")
+    (root / "qwen3.jinja").write_text(QWEN3_TEMPLATE)
+    return calling_model(root / "model", QWEN3_TEMPLATE, scale=1.2), prompts_file(root / "prompts.jsonl", 8)
+
+
+def test_lora_trains_an_agent(uncertain, tmp_path):
+    folder, prompts = uncertain
+    assert main(agent_flags(folder, prompts, tmp_path, 2, "--rl.environment", f"{TOOLS}:Calculator",
+                            "--rl.max_new_tokens", "64", "--lora.rank", "4", "--lora.target_modules", "wq,wv",
+                            "--optimizer.lr", "0.02")) == 0
+    losses = tensorboard_scalars(tmp_path / "tb", "loss/train")
+    assert sorted(losses) == [1, 2] and any(abs(v) > 1e-4 for v in losses.values())
+    lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert any(0 in line["completion_mask"] for line in lines)
+
+
+def test_two_fsdp_ranks_equal_one_process_and_a_resume_is_the_same_run(uncertain, tmp_path):
+    """One process (2 micro-batches accumulated) against 2 FSDP ranks, and those ranks resumed from the checkpoint of
+    step 2: the same episodes (ids and masks) and the same losses within 1e-5 (fp32)."""
+    folder, prompts = uncertain
     extra = ["--rl.environment", f"{TOOLS}:Calculator", "--rl.max_new_tokens", "64", "--rl.max_tool_calling_iterations",
              "2", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
     assert main(agent_flags(folder, prompts, tmp_path / "one", 3, *extra)) == 0
