@@ -275,6 +275,10 @@ class RL:
     off_policy_mask_threshold: float = opt(-1.0, "drop a completion with a negative advantage whose mean sampler - trainer log-probability ratio passes this (DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); -1 = off", at_least=0, sentinels=(-1.0,))
     log_rollouts: bool = opt(False, "write every trained completion (step, policy_step, prompt and completion as text and ids, the sampler's logprobs, rewards, reward, advantage) to <dump_folder>/rollouts.jsonl, each step once")
     log_completions: bool = opt(False, "print a few (prompt, completion, reward) of each rollout batch that serves a logged step to the console, as TRL does")
+    tools: list[str] = opt([], "tools the model may call (docs/agents.md), each path/to/file.py:function or module:function: typed functions with Google-style docstrings, given to the chat template as TRL gives them")
+    environment: str = opt("", "path/to/file.py:Factory (or module:Factory) making one environment per rollout, as TRL's environment_factory: reset(**record) may add text to the prompt, its public methods are tools, an optional get_reward() is one more reward (docs/agents.md)")
+    max_tool_calling_iterations: int = opt(-1, "rounds of tool calls answered at most per completion; -1 = as many as rl.max_new_tokens allows (TRL's None)", at_least=0, sentinels=(-1,))
+    tool_timeout_seconds: float = opt(10.0, "a tool call that has not returned after this long is answered with an error (its thread abandoned)", above=0)
 
 
 @dataclass

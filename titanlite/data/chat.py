@@ -1,7 +1,8 @@
 """Chat and prompt/completion records rendered with a chat template, tokenized with a mask of the tokens to train.
 
-training.dataset_format "chat": records with `messages`, a list of {role, content} (system/user/assistant,
-any number of turns); "prompt_completion": records with `prompt` and `completion`, rendered as one
+training.dataset_format "chat": records with `messages`, a list of {role, content} (system/user/assistant/tool,
+any number of turns, assistant `tool_calls`) and optionally `tools`, the function schemas the template renders (TRL's
+SFT format); "prompt_completion": records with `prompt` and `completion`, rendered as one
 user turn and one assistant turn. The template is the Hugging Face folder's (chat_template.jinja, or
 tokenizer_config.json's "chat_template") or the file at training.chat_template, rendered as transformers'
 apply_chat_template renders it: a sandboxed jinja2 environment with trim_blocks, lstrip_blocks and the
@@ -89,17 +90,18 @@ class ChatRenderer:
         self.specials = special_pattern(tokenizer.special_texts)
         self.prompt: str | None = None  # the generation prompt, from the first conversation rendered
 
-    def variables(self, messages: list[dict], add_generation_prompt: bool) -> dict:
-        return dict(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.tokens)
+    def variables(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> dict:
+        """What the template reads; tools: the function schemas (TRL's and apply_chat_template's `tools`), or None."""
+        return dict(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **self.tokens)
 
     def failed(self, error: Exception) -> UserError:
         """A template that raises (raise_exception, or a Python error such as {{ 1/0 }}) as one sentence naming it."""
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return UserError(f"the chat template of {self.origin} failed on a conversation ({reason}); fix the template or the data")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
         try:
-            return self.template.render(**self.variables(messages, add_generation_prompt))
+            return self.template.render(**self.variables(messages, add_generation_prompt, tools))
         except Exception as error:  # the template is user code: any error it raises is the template's
             raise self.failed(error) from None
 
@@ -116,18 +118,58 @@ class ChatRenderer:
 
     def trained_spans(self, messages: list[dict], train_on: str) -> tuple[str, list[tuple[int, int]]]:
         """(the conversation rendered once, the character spans of the text to train on)."""
+        tools = getattr(messages, "tools", None)  # a Conversation's
         if self.marked and train_on != "all":
             try:
-                text, spans = track_generation(self.template, self.variables(messages, False))
+                text, spans = track_generation(self.template, self.variables(messages, False, tools))
             except Exception as error:
                 raise self.failed(error) from None
         else:
-            text = self.render(messages)
+            text = self.render(messages, tools=tools)
             if train_on == "all":
                 return text, [(0, len(text))]
             spans = assistant_spans(text, messages, self.generation_prompt(messages), self.specials, self.origin)
         spans = trained_turns(spans, messages, self.origin)
         return text, spans[-1:] if train_on == "last_assistant" else spans
+
+
+class Conversation(list):
+    """A record's checked messages, and the function schemas the record carries (TRL's SFT `tools`; None: none),
+    which the template renders as it renders a tools argument."""
+
+    def __init__(self, messages: list[dict], tools: list[dict] | None = None):
+        super().__init__(messages)
+        self.tools = tools
+
+
+def without_nulls(value):
+    """A JSON value without the null members of its objects: the datasets library reads a JSON-lines column of
+    objects as one struct type, filling each member one record lacks with null (one tool's parameters would gain
+    another's as nulls)."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
+
+
+def checked_tools(value, record: str) -> list[dict] | None:
+    """A record's `tools`: a list of function schemas ({"type": "function", "function": {"name", ...}}), or that list
+    as JSON text (how a table with varied schemas stores it); None or empty: none."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{record} has \"tools\" text that is not JSON ({error.msg}); write a list of function "
+                            "schemas") from None
+    if not value:
+        return None
+    value = without_nulls(value)
+    if not isinstance(value, list) or not all(isinstance(tool, dict) and (tool.get("function") or tool).get("name")
+                                              for tool in value):
+        raise UserError(f"{record} has \"tools\" that are not a list of function schemas "
+                        "({\"type\": \"function\", \"function\": {\"name\": ...}}); fix it")
+    return value
 
 
 def sharegpt(turns) -> list:
@@ -154,7 +196,8 @@ def checked_message(message, record: str) -> dict:
         raise UserError(f"{record} has a {role} message whose reasoning_content is not text; fix it")
     if message.get("train") not in (None, True, False):
         raise UserError(f"{record} has a {role} message whose train is {message['train']!r}; use true or false")
-    return {key: message[key] for key in KEPT if message.get(key) is not None} | {"content": content}
+    kept = {key: message[key] for key in KEPT if message.get(key) is not None} | {"content": content}
+    return kept | ({"tool_calls": without_nulls(kept["tool_calls"])} if "tool_calls" in kept else {})
 
 
 def conversation(record: dict, dataset_format: str, number: int, where: str) -> list[dict]:
@@ -172,7 +215,7 @@ def conversation(record: dict, dataset_format: str, number: int, where: str) -> 
     if not any(message["role"] == "assistant" and message.get("train") is not False for message in messages):
         raise UserError(f"{where}: record {number} (counting from 1) has no assistant turn to train, so nothing of it would be "
                         "trained; add one or remove the record")
-    return messages
+    return Conversation(messages, checked_tools(record.get("tools"), f"{where}: record {number} (counting from 1)"))
 
 
 class Conversations(Sequence):
@@ -198,6 +241,8 @@ class Conversations(Sequence):
         if missing:
             raise UserError(f"{key} {dataset_path} has no field {missing[0]!r} (its fields are {', '.join(records.column_names)}), "
                             f"which training.dataset_format {dataset_format} reads; fix the data or the format")
+        if dataset_format == "chat" and "tools" in records.column_names:  # TRL's SFT tools: function schemas per record
+            fields = (*fields, "tools")
         self.records = records.select_columns(list(fields))
         if fault := utf8_column_fault(self.records, fields):  # parquet/arrow text is decoded only as a record is read
             raise UserError(f"{key} {dataset_path} {fault}")

@@ -22,9 +22,10 @@ from titanlite.data.batch import MicroBatch, RolloutTerms
 from titanlite.data.conversation_windows import IGNORED
 from titanlite.errors import UserError
 from titanlite.objectives.reference import Reference, needs_copy
-from titanlite.rewards.functions import load_reward_functions, reward_weights
+from titanlite.rewards.functions import reward_weights
 from titanlite.rl.engine import ColocatedEngine
 from titanlite.log import logger
+from titanlite.rl.episode import Agents, Tools
 from titanlite.rl.grpo_loss import token_logps
 from titanlite.rl.loss_family import (LossSettings, check_loss_settings, entropy_bonus, entropy_threshold,
                                       high_entropy_mask, kept_entropies, per_token_loss, reduce_loss)
@@ -70,7 +71,8 @@ class GRPO:
     def __init__(self, cfg: JobConfig, frozen: Reference | None, device: torch.device):
         self.rl, self.frozen = cfg.rl, frozen
         self.reference = frozen.model if frozen is not None else None
-        functions = load_reward_functions(cfg.rl.reward_functions, "rl.reward_functions")
+        self.tools = Tools(cfg.rl)  # rl.tools and rl.environment, checked now (rl/episode.py)
+        functions = self.tools.rewards()
         self.rewards = Rewards(functions, [function.name for function in functions],
                                reward_weights(cfg.rl.reward_weights, len(functions)))
         self.sums = torch.zeros(len(TOKEN_SUMS), device=device, dtype=torch.float64)
@@ -95,7 +97,10 @@ class GRPO:
         identity = {"prompts": cfg.training.dataset_path, "seed": cfg.job.seed, "num_generations": self.rl.num_generations}
         order = PromptOrder(prompts, per_step, dp_rank, dp_world, cfg.job.seed, identity)
         self.sharing = run.dims.batch_sharing_degree
-        return RolloutStage(run, order, ColocatedEngine(run), self.rewards, self.frozen)
+        agents = Agents(self.tools, run.tokenizer, cfg.training.chat_template, cfg.training.seq_len) if self.tools.enabled else None
+        if agents is not None:
+            agents.check_prompts(prompts.prompts)
+        return RolloutStage(run, order, ColocatedEngine(run), self.rewards, self.frozen, agents)
 
     def step_batches(self, batches: Iterator, accum_steps: int) -> list[MicroBatch]:
         """The step's micro-batches of the rollout stage, whose batch statistics the next scalars() reports."""

@@ -32,6 +32,7 @@ from titanlite.errors import UserError
 
 # The arguments every reward function receives besides the record's fields; a field may not share a name with them.
 RESERVED = ("prompts", "completions", "completion_ids")
+LIVE = ("environments",)  # arguments passed as they are, not copied (objects with state, as TRL passes them)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ def load_module(module_name: str, spec: str, key: str):
                         "module name (or write path/to/file.py:function for a file), or install what it needs") from None
 
 
-def load_reward_function(spec: str, key: str) -> RewardFunction:
+def load_attribute(spec: str, key: str) -> tuple[str, object]:
+    """(the name, the object) that a `path/to/file.py:name` or `module:name` spec names (rl.tools and
+    rl.environment load theirs with it too)."""
     where, colon, attribute = spec.rpartition(":")
     if not colon or not where or not attribute:
         raise UserError(f"{key} entry {spec!r} is not path/to/file.py:function or module:function; write the file or "
@@ -84,7 +87,11 @@ def load_reward_function(spec: str, key: str) -> RewardFunction:
     module = load_file(Path(where), spec, key) if is_file else load_module(where, spec, key)
     if not hasattr(module, attribute):
         raise UserError(f"{key} entry {spec!r}: {where} has no attribute {attribute!r}; name a function it defines")
-    function = getattr(module, attribute)
+    return attribute, getattr(module, attribute)
+
+
+def load_reward_function(spec: str, key: str) -> RewardFunction:
+    attribute, function = load_attribute(spec, key)
     if not callable(function) or isinstance(function, type):
         raise UserError(f"{key} entry {spec!r} names a {type(function).__name__}, not a function; name a reward "
                         "function (prompts, completions, completion_ids, **fields) -> list of floats")
@@ -145,7 +152,9 @@ def checked_rewards(output, function: RewardFunction, count: int) -> list[float]
 def call(function: RewardFunction, prompts: list, completions: list, completion_ids: list, fields: dict) -> list[float]:
     """The function's rewards. It gets copies of its arguments: one that edits them (pops a trailing eos from
     completion_ids, say) changes neither the rows that are trained and logged nor what the next function sees."""
-    prompts, completions, fields = copy.deepcopy((prompts, completions, fields))
+    live = {name: fields[name] for name in LIVE if name in fields}  # rl.environment's instances, as TRL passes them
+    prompts, completions, fields = copy.deepcopy((prompts, completions, {k: v for k, v in fields.items() if k not in live}))
+    fields |= live
     completion_ids = [list(ids) for ids in completion_ids]  # lists of ints: a copy of each list is a deep copy
     try:
         output = function.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)

@@ -153,6 +153,18 @@ class ColocatedEngine:
         self.policy_step = 0
         self.stopping: Callable[[], bool] = lambda: False  # the trainer's stop signal (train.py)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self.model: nn.Module | None = None  # the weights held for several generate() calls (held())
+
+    @contextlib.contextmanager
+    def held(self):
+        """generate() calls within decode one copy of the weights, gathered once on entry (every rank enters
+        together): an agent's turns, whose number differs between ranks (rl/episode.py)."""
+        with gathered_policy(self.run) as model:
+            self.model = model
+            try:
+                yield
+            finally:
+                self.model = None
 
     def update_weights(self, policy_step: int) -> None:
         self.policy_step = policy_step
@@ -161,7 +173,8 @@ class ColocatedEngine:
         run = self.run
         # compile.enable compiles the blocks for training's shapes; a decode step per token through them would
         # recompile past dynamo's limit (every cache length is a new shape), so decoding runs them eagerly.
-        with gathered_policy(run) as model, torch.compiler.set_stance("force_eager"):
+        weights = contextlib.nullcontext(self.model) if self.model is not None else gathered_policy(run)
+        with weights as model, torch.compiler.set_stance("force_eager"):
             recorder = SampledLogprobs(model, sampling.temperature, self.stopping)
             generated = generate_ids(recorder, run.args, run.tokenizer, prompts, sampling, indices=indices)
         return [completion(g, recorder, row, self.policy_step) for row, g in enumerate(generated)]

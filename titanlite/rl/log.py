@@ -15,6 +15,7 @@ import torch.distributed as dist
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.rl.engine import Completion
+from titanlite.rl.episode import Episode
 from titanlite.rl.prompts import PromptItem
 
 SHOWN = 4  # completions rl.log_completions prints per rollout batch
@@ -53,7 +54,7 @@ class RolloutLog:
         return [json.dumps({"step": step, "policy_step": c.policy_step, "prompt": item.prompt, "completion": text,
                             "prompt_ids": item.ids, "completion_ids": c.sampled_ids, "logprobs": c.logprobs,
                             "rewards": {name: number(value) for name, value in zip(names, rewards)},
-                            "reward": number(r), "advantage": a})
+                            "reward": number(r), "advantage": a} | episode_fields(c))
                 for item, c, text, rewards, r, a in zip(owners, completions, texts, per_function.tolist(),
                                                         total.tolist(), advantages.tolist())]
 
@@ -78,6 +79,14 @@ class RolloutLog:
         lines = self.path.read_text().splitlines(keepends=True)
         kept = [line for line in lines if (written := step_of(line)) is not None and written < step]
         self.path.write_text("".join(kept))
+
+
+def episode_fields(c: Completion) -> dict:
+    """An agent's episode (rl/episode.py): its own prompt (rendered with the tools), which completion tokens are the
+    model's (1) or inserted (0), and the tool calls answered."""
+    if not isinstance(c, Episode):
+        return {}
+    return {"prompt_ids": c.prompt_ids, "completion_mask": c.mask, "tool_calls": c.tool_calls}
 
 
 def step_of(line: str) -> int | None:

@@ -32,9 +32,10 @@ from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.functions import score
 from titanlite.rl.ahead import Ahead
 from titanlite.rl.engine import Completion, RolloutEngine, RolloutStopped
+from titanlite.rl.episode import Agents, masked_labels, tool_stats
 from titanlite.rl.grpo_loss import nanstd, token_logps
-from titanlite.rl.loss_family import aggregated_advantages
 from titanlite.rl.log import RolloutLog, is_rank_zero, show_completions
+from titanlite.rl.loss_family import aggregated_advantages
 from titanlite.rl.prompts import PromptItem, PromptOrder
 
 
@@ -174,8 +175,9 @@ class RolloutStage:
 
     state_is_global = False  # the rollouts in use are this rank's own
 
-    def __init__(self, run, order: PromptOrder, engine: RolloutEngine, rewards: Rewards, frozen):
+    def __init__(self, run, order: PromptOrder, engine: RolloutEngine, rewards: Rewards, frozen, agents: Agents | None = None):
         self.run, self.order, self.engine, self.rewards, self.frozen = run, order, engine, rewards, frozen
+        self.agents = agents  # rl.tools / rl.environment: multi-turn episodes (rl/episode.py)
         self.rl, self.size = run.cfg.rl, run.cfg.training.local_batch_size
         self.accum_steps = run.step.accum_steps
         self.current: Rollouts | None = None
@@ -269,9 +271,15 @@ class RolloutStage:
         items = self.order.next_step()
         began = time.perf_counter()
         self.engine.update_weights(step - 1)
+
+        def generate() -> list[Completion]:
+            if self.agents is not None:
+                return self.agents.roll_out(self.engine, items, self.rl.num_generations, *self.request(items)[1:])
+            return self.engine.generate(*self.request(items))
+
         try:
             with self.precision():
-                completions = every_rank_finished(lambda: self.engine.generate(*self.request(items)), self.run.device)
+                completions = every_rank_finished(generate, self.run.device)
         except RolloutStopped:
             self.order.load_state_dict(position)  # its prompts are the next rollout's again: a save after it sees them
             raise
@@ -287,10 +295,10 @@ class RolloutStage:
         groups = rl.num_generations
         owners = [item for item in items for _ in range(groups)]  # each completion's prompt, in sample's order
         sampled = [c.sampled_ids for c in completions]
-        prompts = [item.ids for item in owners]
+        prompts = [c.prompt_ids if self.agents else item.ids for item, c in zip(owners, completions)]
         trained = [not (rl.mask_truncated_completions and c.finish_reason == "length") for c in completions]
         texts = [completion_text(c.ids, run.tokenizer, ()) for c in completions]
-        per_function, total = self.score(owners, texts, sampled)
+        per_function, total = self.score(owners, texts, sampled, completions)
         score_seconds = time.perf_counter() - began
         sharing = run.dims.batch_sharing_degree
         all_functions, all_total = gathered(per_function, sharing), gathered(total, sharing)
@@ -298,6 +306,8 @@ class RolloutStage:
                                                      rl.multi_objective_aggregation)
         n, rank = len(sampled), self.order.dp_rank
         inputs, labels = rows(prompts, sampled, trained, run.tokenizer.eos_id, run.cfg.training.seq_len)
+        if self.agents is not None:  # the tokens the template and the tools inserted are never labels
+            labels = masked_labels(labels, prompts, completions)
         lengths = gathered(torch.tensor([len(c) for c in sampled]), sharing)
         tokens = int(gathered(torch.tensor([int((labels != IGNORED).sum())]), sharing).sum().item())
         say_what_trains_nothing(step, all_total, tokens)
@@ -307,6 +317,8 @@ class RolloutStage:
         with self.precision():
             old, ref = rollout_logps(run.model, self.frozen, inputs, labels, self.size, rl)
         stats["rl/generate_seconds"], stats["rl/score_seconds"] = generate_seconds, score_seconds
+        if self.agents is not None:
+            stats |= tool_stats(completions)
         if self.ahead is not None:
             stats["rl/generate_wait_seconds"] = waited
         if self.log is not None:
@@ -327,12 +339,16 @@ class RolloutStage:
         run = self.run
         return mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type)
 
-    def score(self, owners: list[PromptItem], texts: list[str],
-              completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, owners: list[PromptItem], texts: list[str], completions: list[list[int]],
+              sampled: list[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
         """(each function's rewards [n, F], NaN where one returned None; their weighted sum [n]) of this rank's
         completions; owners[i] is completion i's prompt."""
         shown = [[{"role": "assistant", "content": text}] if isinstance(item.prompt, list) else text
                  for text, item in zip(texts, owners)]  # a chat prompt's completion as messages, as TRL passes it
         prompts = [item.prompt for item in owners]
         fields = {name: [item.fields[name] for item in owners] for name in owners[0].fields}
+        if self.agents is not None:  # an episode's messages (assistant, tool, ...) and environments, as TRL passes them
+            shown = [episode.messages for episode in sampled]
+            if self.agents.tools.environment is not None:
+                fields["environments"] = [episode.environment for episode in sampled]
         return score(self.rewards.functions, self.rewards.weights, prompts, shown, completions, fields)
