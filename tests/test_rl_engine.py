@@ -1,5 +1,5 @@
-"""The rollout engine's completions (titanlite/rl/engine.py): each sampled token's log-probability is the sampler's,
-read off the very logits it was drawn from at the sampling temperature (a bigram model whose next-token logits are
+"""The rollout engine's completions (titanlite/rl/engine.py): each sampled token's log-probability is the sampler's
+(inference/decode.py's, stop token included), of the very logits it was drawn from at the sampling temperature (a bigram model whose next-token logits are
 known by hand), and a completion ended by a stop token keeps it as sampled, with its log-probability.
 That the sampler's log-probabilities equal the trainer's (on one process and from the gathered copy of 2 FSDP
 ranks) is tested on real GRPO runs in test_grpo.py."""
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titanlite.inference.decode import Sampling, generate_ids
-from titanlite.rl.engine import Completion, SampledLogprobs, completion
+from titanlite.rl.engine import Completion, completion
 
 VOCAB, EOS = 11, 0
 
@@ -39,11 +39,10 @@ class Letters:
 
 def test_each_sampled_token_has_the_samplers_logprob_at_the_temperature():
     model, temperature = Bigram(), 0.7
-    recorder = SampledLogprobs(model, temperature, lambda: False)
     args = types.SimpleNamespace(max_seq_len=64, vocab_size=VOCAB, sliding_window=None)
     prompts = [[3, 4], [5], [6, 7, 8]]
-    generated = generate_ids(recorder, args, Letters(), prompts, Sampling(20, temperature, seed=1), indices=[0, 1, 2])
-    made = [completion(g, recorder, row, 7) for row, g in enumerate(generated)]
+    generated = generate_ids(model, args, Letters(), prompts, Sampling(20, temperature, seed=1), indices=[0, 1, 2])
+    made = [completion(g, 7) for g in generated]
     expected_table = (model.table.detach() / temperature).log_softmax(-1)
     for prompt, done in zip(prompts, made):
         previous = [prompt[-1]] + done.sampled_ids[:-1]

@@ -87,6 +87,7 @@ class Generated:
     logprobs: list[float]
     finish_reason: str
     stop_token: int | None = None  # the stop token that ended it (finish_reason "eos"), left out of token_ids
+    stop_logprob: float | None = None  # its log-probability as sampled (RL trains on the stop token too)
 
 
 class Rows:
@@ -120,7 +121,7 @@ class Rows:
             if text is not None:  # found before any stop token
                 out.append(Generated(ids[:text + 1], logprobs[row][:text + 1], "stop"))
             elif eos is not None:
-                out.append(Generated(ids[:eos], logprobs[row][:eos], "eos", ids[eos]))
+                out.append(Generated(ids[:eos], logprobs[row][:eos], "eos", ids[eos], logprobs[row][eos]))
             else:
                 out.append(Generated(ids, logprobs[row][:len(ids)], "length"))
         return out

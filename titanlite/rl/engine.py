@@ -62,33 +62,18 @@ class RolloutEngine(Protocol):
         """The policy has taken `policy_step` optimizer steps: later completions are sampled by those weights."""
 
 
-class SampledLogprobs(nn.Module):
-    """The sampler's model with a record of each sampled token's log-probability under log_softmax(logits /
-    temperature), read off the very logits decode.py's pick_tokens drew it from: each forward's input token was
-    picked from the previous forward's last logits.
-    (Where inference/decode.py's Generated.logprobs gives these at the sampling temperature, read them there.)"""
+class Stoppable(nn.Module):
+    """The sampler's model, ending the decode at its next token once the trainer's stop flag is up (a SIGTERM during a
+    rollout: an unfinished rollout holds nothing to save)."""
 
-    def __init__(self, model: nn.Module, temperature: float, stopping: Callable[[], bool]):
+    def __init__(self, model: nn.Module, stopping: Callable[[], bool]):
         super().__init__()
-        self.model, self.temperature, self.stopping = model, temperature, stopping
-        self.taken: list[torch.Tensor] = []  # [B] per token fed back
-        self.last: torch.Tensor | None = None  # [B, vocab] the last forward's next-token log-probabilities
+        self.model, self.stopping = model, stopping
 
     def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
         if self.stopping():
             raise RolloutStopped
-        if self.last is not None:
-            self.taken.append(self.last.gather(-1, tokens[:, :1])[:, 0])
-        logits = self.model(tokens, **kwargs)
-        self.last = (logits[:, -1].float() / self.temperature).log_softmax(dim=-1)
-        return logits
-
-    def of(self, row: int, sampled: list[int]) -> list[float]:
-        """Row `row`'s log-probabilities of its sampled tokens (at most one past those fed back)."""
-        fed = [float(step[row]) for step in self.taken[:len(sampled)]]
-        if len(sampled) > len(fed):
-            fed.append(float(self.last[row, sampled[len(fed)]]))
-        return fed
+        return self.model(tokens, **kwargs)
 
 
 def plain_name(name: str) -> str:
@@ -175,9 +160,9 @@ class ColocatedEngine:
         # recompile past dynamo's limit (every cache length is a new shape), so decoding runs them eagerly.
         weights = contextlib.nullcontext(self.model) if self.model is not None else gathered_policy(run)
         with weights as model, torch.compiler.set_stance("force_eager"):
-            recorder = SampledLogprobs(model, sampling.temperature, self.stopping)
-            generated = generate_ids(recorder, run.args, run.tokenizer, prompts, sampling, indices=indices)
-        return [completion(g, recorder, row, self.policy_step) for row, g in enumerate(generated)]
+            generated = generate_ids(Stoppable(model, self.stopping), run.args, run.tokenizer, prompts, sampling,
+                                     indices=indices)
+        return [completion(g, self.policy_step) for g in generated]
 
     def submit(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> Future:
         """generate()'s completions, made in the background from the weights as they are now."""
@@ -187,12 +172,14 @@ class ColocatedEngine:
                policy_step: int) -> list[Completion]:
         run = self.run
         with mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type):  # per thread
-            recorder = SampledLogprobs(model, sampling.temperature, self.stopping)
-            generated = generate_ids(recorder, run.args, run.tokenizer, prompts, sampling, indices=indices)
-        return [completion(g, recorder, row, policy_step) for row, g in enumerate(generated)]
+            generated = generate_ids(Stoppable(model, self.stopping), run.args, run.tokenizer, prompts, sampling,
+                                     indices=indices)
+        return [completion(g, policy_step) for g in generated]
 
 
-def completion(generated: Generated, recorder: SampledLogprobs, row: int, policy_step: int) -> Completion:
+def completion(generated: Generated, policy_step: int) -> Completion:
+    """The engine's Completion of decode.py's Generated: the sampler's log-probabilities (log_softmax(logits /
+    temperature) of the very logits each token was drawn from, before top-k and top-p) with the stop token's."""
     stop = generated.stop_token if generated.finish_reason == "eos" else None
-    sampled = generated.token_ids + ([stop] if stop is not None else [])
-    return Completion(generated.token_ids, stop, generated.finish_reason, recorder.of(row, sampled), policy_step)
+    logprobs = generated.logprobs + ([generated.stop_logprob] if stop is not None else [])
+    return Completion(generated.token_ids, stop, generated.finish_reason, logprobs, policy_step)
