@@ -157,8 +157,10 @@ class Loop:
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
     check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
-    init_logger(info.rank, Path(cfg.job.dump_folder) / "logs" if cfg.job.log_rank_files else None)
+    init_logger(info.rank)
     with dump_folder_lock(cfg.job.dump_folder, info.rank):  # one run per dump folder
+        if cfg.job.log_rank_files:  # opened once the folder is this run's: a refused run writes nothing there
+            init_logger(info.rank, Path(cfg.job.dump_folder) / "logs")
         train_in_folder(cfg, info)
 
 

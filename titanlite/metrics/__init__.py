@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config_sections import JobConfig, Metrics
-from titanlite.data.conversation_windows import IGNORED
 from titanlite.log import Progress, duration, logger
 from titanlite.metrics.observers import observer
 from titanlite.metrics.tensorboard import describe_run, open_writer
@@ -141,13 +140,6 @@ class MetricsLogger:
                 self.dashboard.saw(values)
             if flush:
                 self.writer.flush()  # a killed run keeps what it has drawn (SummaryWriter flushes every 2 minutes)
-
-    def counting_trained(self, batches, sharing_degree: int):
-        """The batches, each one's trained labels (not IGNORED) counted as it is drawn: the labels are still on
-        the host, so counting waits for no device. `sharing_degree` ranks (a TP/PP group) share one batch."""
-        for batch in batches:  # (inputs, labels) or (inputs, labels, extras): step.py's next_batch
-            self.trained += int((batch[1] != IGNORED).sum()) / sharing_degree
-            yield batch
 
     def trained_per_step(self, step: int) -> float:
         """The trained tokens of the whole global batch, per step since the last line: an all-reduce every rank

@@ -143,7 +143,7 @@ class RunSummary:
     of the first step after `warmup` steps (compilation, allocator warm-up) to the end of the last
     step, so the logging, stop checks and gc between steps are inside it. On CUDA it is read
     after a synchronize, at those two moments only. Its tokens are those the step line counts (step.py's
-    next_batch): a DPO micro-batch is as wide as its longest pair, not seq_len.
+    step_batches): a DPO micro-batch is as wide as its longest pair, not seq_len.
     """
 
     def __init__(self, warmup: int, steps_to_run: int, device: torch.device, predicted=None):
