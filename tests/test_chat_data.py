@@ -15,7 +15,7 @@ from titanlite.data import chat_example
 from titanlite.config_sections import Model
 from titanlite.data.chat import ChatRenderer, tokenize_conversation
 from titanlite.data.datasets import DataSpec, build_dataloader
-from titanlite.data.conversation_windows import IGNORED
+from titanlite.loss import IGNORED
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.loss import cross_entropy_loss

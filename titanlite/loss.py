@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config_sections import Compile, Training
-from titanlite.data.conversation_windows import IGNORED
+
+IGNORED = -100  # the label of a token outside the loss (cross_entropy's ignore_index)
 
 
 def chunk_loss(logits: torch.Tensor, labels: torch.Tensor, grad_scale: float | None = None):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from titanlite.data.conversation_windows import IGNORED
+from titanlite.loss import IGNORED
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 from titanlite.data.chat import ChatRenderer, Conversations, chat_record, checked_message
 from titanlite.data.chat_spans import literal_contents
-from titanlite.data.conversation_windows import IGNORED
+from titanlite.loss import IGNORED
 from titanlite.data.documents import seeded_rng
 from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.packing import padded_width, split_window

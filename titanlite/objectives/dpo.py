@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.config_sections import DPO, JobConfig
-from titanlite.data.conversation_windows import IGNORED
+from titanlite.loss import IGNORED
 from titanlite.data.datasets import training_loader
 from titanlite.log import logger
 from titanlite.data.batch import MicroBatch

@@ -19,7 +19,7 @@ from torch import nn
 
 from titanlite.config_sections import JobConfig
 from titanlite.data.batch import MicroBatch, RolloutTerms
-from titanlite.data.conversation_windows import IGNORED
+from titanlite.loss import IGNORED
 from titanlite.errors import UserError
 from titanlite.objectives.reference import Reference, needs_copy
 from titanlite.rewards.functions import reward_weights

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from titanlite.config_sections import RL
 from titanlite.data.chat import ChatRenderer
-from titanlite.data.conversation_windows import IGNORED
+from titanlite.loss import IGNORED
 from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling
 from titanlite.log import logger

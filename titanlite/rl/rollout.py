@@ -22,7 +22,7 @@ from torch import nn
 
 from titanlite.config_sections import RL
 from titanlite.data.batch import MicroBatch, Normalizers, RolloutTerms
-from titanlite.data.conversation_windows import IGNORED
+from titanlite.loss import IGNORED
 from titanlite.data.packing import padded_width
 from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling
