@@ -12,7 +12,7 @@ import torch
 
 from titanlite.errors import UserError
 from titanlite.rewards import boxed_format, completion_text, final_answer, format_reward, math_answer
-from titanlite.rewards.functions import RewardFunction, load_reward_functions, reward_weights, score
+from titanlite.rewards.loading import RewardFunction, load_reward_functions, reward_weights, score
 
 
 def chat(text: str) -> list[dict]:
@@ -114,8 +114,8 @@ LOAD_MISTAKES = [
     (["no_such_module_xyz:f"], "importing the module no_such_module_xyz failed (ModuleNotFoundError: No module named "
                                "'no_such_module_xyz')"),
     (["titanlite.rewards:no_such_function"], "titanlite.rewards has no attribute 'no_such_function'"),
-    (["titanlite.rewards:BOXED"], "names a str, not a function"),
-    (["titanlite.rewards.functions:RewardFunction"], "names a type, not a function"),
+    (["titanlite.rewards.shipped:BOXED"], "names a str, not a function"),
+    (["titanlite.rewards.loading:RewardFunction"], "names a type, not a function"),
     (["titanlite.rewards:math_answer", "titanlite.rewards:math_answer"], "names two functions 'math_answer'"),
     (["a/rewards.py:check", "b/rewards.py:check"], "names two functions 'check' (a/rewards.py:check and b/rewards.py:check)"),
     ([], "rl.reward_functions is empty"),

@@ -22,7 +22,7 @@ from titanlite.data.batch import MicroBatch, RolloutTerms
 from titanlite.loss import IGNORED
 from titanlite.errors import UserError
 from titanlite.objectives.reference import Reference, needs_copy
-from titanlite.rewards.functions import reward_weights
+from titanlite.rewards.loading import reward_weights
 from titanlite.rl.engine import ColocatedEngine
 from titanlite.log import logger
 from titanlite.rl.episode import Agents, Tools

@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Callable
 
 from titanlite.errors import UserError
-from titanlite.rewards.functions import RewardFunction, load_attribute
+from titanlite.rewards.loading import RewardFunction, load_attribute
 from titanlite.rl.tools import checked_tool
 
 KEY = "rl.environment"

@@ -32,7 +32,7 @@ from titanlite.loss import IGNORED
 from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling
 from titanlite.log import logger
-from titanlite.rewards.functions import load_reward_functions
+from titanlite.rewards.loading import load_reward_functions
 from titanlite.rl.engine import Completion, RolloutEngine
 from titanlite.rl.environment import Environment
 from titanlite.rl.tools import CALL, answer, load_tools, parse_tool_calls

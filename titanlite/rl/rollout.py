@@ -29,7 +29,7 @@ from titanlite.inference.decode import Sampling
 from titanlite.inference.prompts import completion_text
 from titanlite.log import logger
 from titanlite.parallel.fsdp import mixed_precision_context
-from titanlite.rewards.functions import score
+from titanlite.rewards.loading import score
 from titanlite.rl.ahead import Ahead
 from titanlite.rl.engine import Completion, RolloutEngine, RolloutStopped
 from titanlite.rl.episode import Agents, masked_labels, tool_stats

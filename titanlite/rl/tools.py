@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from titanlite.errors import UserError
-from titanlite.rewards.functions import first_line, load_attribute
+from titanlite.rewards.loading import first_line, load_attribute
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 OPEN = "<tool_call>"
