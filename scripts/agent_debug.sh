@@ -7,9 +7,9 @@
 source "$(dirname "$0")/env.sh"
 source scripts/stages.sh
 stage 1 "the tokenizer" outputs/chat_example/tokenizer/tokenizer.json \
-    "$PY" -m titanlite.data.chat_example --output outputs/chat_example
+    "$PY" -m titanlite.examples.chat_example --output outputs/chat_example
 stage 2 "the arithmetic task with a calculator" outputs/arithmetic_tools/prompts.jsonl \
-    "$PY" -m titanlite.data.arithmetic_tools --out outputs/arithmetic_tools
+    "$PY" -m titanlite.examples.arithmetic_tools --out outputs/arithmetic_tools
 stage 3 "the fine-tuning on tool-calling answers" outputs/arithmetic_tools_sft/checkpoint/step-150-hf/config.json \
     "$PY" -m titanlite.train \
     --job.config_file train_configs/debug_model.toml --job.dump_folder outputs/arithmetic_tools_sft \

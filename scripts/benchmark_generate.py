@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import titanlite  # noqa: E402
-from titanlite.data.chat_example import write_tokenizer_folder  # noqa: E402
+from titanlite.examples.chat_example import write_tokenizer_folder  # noqa: E402
 from titanlite.inference.decode import Sampling  # noqa: E402
 from titanlite.inference.prompts import Prompt  # noqa: E402
 

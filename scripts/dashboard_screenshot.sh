@@ -45,7 +45,7 @@ words = "alpha beta gamma delta epsilon zeta eta theta".split()
     "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
     "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
 PY
-    "$py" -m titanlite.data.chat_example --output "$work/chat_example" >/dev/null
+    "$py" -m titanlite.examples.chat_example --output "$work/chat_example" >/dev/null
     train --job.dump_folder "$work/run" --job.description "GRPO, toy reward" --training.steps 12 --training.dataset_format prompts \
         --training.dataset_path "$work/prompts.jsonl" --training.seq_len 48 --training.local_batch_size 8 \
         --training.global_batch_size 8 --rl.num_generations 4 --rl.max_new_tokens 12 \

@@ -6,7 +6,7 @@
 source "$(dirname "$0")/env.sh"
 source scripts/stages.sh
 stage 1 "the chat data and tokenizer" outputs/chat_example/chats.jsonl \
-    "$PY" -m titanlite.data.chat_example --output outputs/chat_example
+    "$PY" -m titanlite.examples.chat_example --output outputs/chat_example
 stage 2 "the base model on the sample corpus" outputs/debug_base/checkpoint/step-40-hf/config.json \
     "$PY" -m titanlite.train --job.config_file train_configs/debug_model.toml --job.dump_folder outputs/debug_base \
     --model.hf_assets_path outputs/chat_example/tokenizer --checkpoint.enable --checkpoint.last_save_in_hf

@@ -6,9 +6,9 @@
 source "$(dirname "$0")/env.sh"
 source scripts/stages.sh
 stage 1 "the tokenizer" outputs/chat_example/tokenizer/tokenizer.json \
-    "$PY" -m titanlite.data.chat_example --output outputs/chat_example
+    "$PY" -m titanlite.examples.chat_example --output outputs/chat_example
 stage 2 "the arithmetic task" outputs/arithmetic/prompts.jsonl \
-    "$PY" -m titanlite.data.arithmetic --out outputs/arithmetic --count 8000
+    "$PY" -m titanlite.examples.arithmetic --out outputs/arithmetic --count 8000
 stage 3 "the fine-tuning on worked answers" outputs/arithmetic_sft/checkpoint/step-600-hf/config.json \
     "$PY" -m titanlite.train \
     --job.config_file train_configs/debug_model.toml --job.dump_folder outputs/arithmetic_sft \

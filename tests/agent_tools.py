@@ -108,7 +108,7 @@ def tokenizer_folder(folder: Path, template: str) -> Path:
     """The chat example's tokenizer with `template` and CALL as one added token."""
     from tokenizers import AddedToken, Tokenizer
 
-    from titanlite.data.chat_example import write_tokenizer_folder
+    from titanlite.examples.chat_example import write_tokenizer_folder
 
     write_tokenizer_folder(folder, chat_template=template)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))

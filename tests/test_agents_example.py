@@ -8,13 +8,13 @@ import pytest
 
 from titanlite.config import load_config
 from titanlite.config_sections import RL, Model
-from titanlite.data.arithmetic_tools import Calculator, main as generate
+from titanlite.examples.arithmetic_tools import Calculator, main as generate
 from titanlite.data.chat import ChatRenderer, Conversations, tokenize_conversation
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.rl.episode import Agents, Tools
 
-ENVIRONMENT = "titanlite.data.arithmetic_tools:Calculator"
+ENVIRONMENT = "titanlite.examples.arithmetic_tools:Calculator"
 
 
 def test_the_generated_task_trains_the_calls_and_the_answers(tmp_path):

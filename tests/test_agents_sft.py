@@ -9,7 +9,7 @@ import pytest
 
 from qwen3_template import QWEN3_TEMPLATE, generation_marked
 from titanlite.data.chat import ChatRenderer, Conversations, tokenize_conversation
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.errors import UserError
 
 transformers = pytest.importorskip("transformers")

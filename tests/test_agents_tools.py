@@ -10,7 +10,7 @@ import agent_tools
 from agent_tools import calling_model, prompts_file
 from conftest import ON_CPU
 from qwen3_template import QWEN3_TEMPLATE
-from titanlite.data.chat_example import CHATML_TEMPLATE
+from titanlite.examples.chat_example import CHATML_TEMPLATE
 from titanlite.rl.tools import ToolCall, answer, load_tools, parse_tool_calls, run_with_timeout
 from titanlite.train import main
 

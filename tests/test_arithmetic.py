@@ -1,4 +1,4 @@
-"""The generated arithmetic task (python -m titanlite.data.arithmetic): chat records titanlite's chat reader takes,
+"""The generated arithmetic task (python -m titanlite.examples.arithmetic): chat records titanlite's chat reader takes,
 prompts with their answers on other questions, the same files from the same seed, one sentence for a bad --out."""
 
 import json
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from titanlite.data.arithmetic import main, questions
+from titanlite.examples.arithmetic import main, questions
 from titanlite.data.chat import Conversations
 from titanlite.rewards import boxed_format, math_answer
 

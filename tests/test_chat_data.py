@@ -11,7 +11,7 @@ import transformers
 
 from conftest import logged_losses
 from test_hf_tokenizer import write_hf_folder
-from titanlite.data import chat_example
+from titanlite.examples import chat_example
 from titanlite.config_sections import Model
 from titanlite.data.chat import ChatRenderer, tokenize_conversation
 from titanlite.data.datasets import DataSpec, build_dataloader

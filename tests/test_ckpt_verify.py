@@ -88,7 +88,7 @@ def test_convert_takes_the_config_toml_of_a_run_started_from_a_hugging_face_fold
     """Such a run's config.toml says model.flavor hf (the folder's dimensions are no flavor's): dcp-to-hf with it writes
     what the run's own last_save_in_hf export holds."""
     transformers = pytest.importorskip("transformers")
-    from titanlite.data.chat_example import write_tokenizer_folder
+    from titanlite.examples.chat_example import write_tokenizer_folder
 
     tokenizer = write_tokenizer_folder(tmp_path / "tokenizer")
     torch.manual_seed(0)

@@ -150,7 +150,7 @@ def write_data(root: Path) -> Path:
     import pyarrow
     import pyarrow.parquet
 
-    from titanlite.data.chat_example import CHATML_TEMPLATE, chat_records, write_tokenizer_folder
+    from titanlite.examples.chat_example import CHATML_TEMPLATE, chat_records, write_tokenizer_folder
     from titanlite.data.prepare import prepare
     from titanlite.data.sample_corpus import sample_split
 

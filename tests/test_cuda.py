@@ -262,7 +262,7 @@ def test_the_cuda_graph_token_step_gives_the_eager_tokens(tmp_path):
     as a CUDA graph at each call's second step and replayed after; greedy and sampled, its tokens are the eager
     step's and its log-probabilities within 1e-4."""
     from test_generate import PROMPTS, transformers_folder
-    from titanlite.data.chat_example import write_tokenizer_folder
+    from titanlite.examples.chat_example import write_tokenizer_folder
     from titanlite.inference.load import load
 
     folder = tmp_path / "llama3"

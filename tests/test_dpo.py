@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from conftest import ON_CPU, run_test_script, tensorboard_scalars
 from titanlite.config_sections import Model
 from titanlite.data import packing
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.train import main

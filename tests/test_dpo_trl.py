@@ -11,7 +11,7 @@ import torch
 from conftest import ON_CPU, tensorboard_scalars
 from test_dpo import turn
 from qwen3_template import QWEN3_TEMPLATE
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.train import main
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import pytest
 
 from test_generate import transformers_folder
 from titanlite.config import load_config
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.eval import main
 from titanlite.eval import evaluate_model
 from titanlite.inference.model import build_inference_model

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from conftest import ON_CPU, tensorboard_scalars
 from qwen3_template import QWEN3_TEMPLATE, generation_marked
 from titanlite.convert import main as convert_main
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.train import main
 
 transformers = pytest.importorskip("transformers")

@@ -204,7 +204,7 @@ def trainer(tmp_path_factory):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
-    from titanlite.data.chat_example import write_tokenizer_folder
+    from titanlite.examples.chat_example import write_tokenizer_folder
 
     root = tmp_path_factory.mktemp("grpo_trl")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(write_tokenizer_folder(root / "tokenizer")))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from conftest import DEBUG_CONFIG, ON_CPU, ROOT, logged_losses, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import list_model_specs
@@ -209,7 +209,7 @@ def test_the_shipped_fine_tuning_example_learns_from_an_exported_folder(tmp_path
     """The commands of train_configs/debug_finetune.toml, shortened: the generated chat data and tokenizer, a debug base
     of 2 layers exported with last_save_in_hf (config.json, weights and the tokenizer files), then full and LoRA fine-tuning of
     that folder; the chat loss falls in both, and the fine-tuned export is a folder a run starts from again."""
-    from titanlite.data.chat_example import main as make_example
+    from titanlite.examples.chat_example import main as make_example
 
     make_example(["--output", str(tmp_path / "example"), "--conversations", "40"])
     short = [*ON_CPU, "--training.seq_len", "128", "--training.local_batch_size", "2", "--metrics.log_freq", "1"]

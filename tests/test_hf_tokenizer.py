@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 from titanlite.config_sections import Model
-from titanlite.data.chat_example import CHATML_TEMPLATE, write_tokenizer_folder
+from titanlite.examples.chat_example import CHATML_TEMPLATE, write_tokenizer_folder
 from titanlite.data.hf_tokenizer import HFTokenizer
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError

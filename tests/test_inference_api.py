@@ -16,7 +16,7 @@ import torch
 import titanlite
 from conftest import ON_CPU, ROOT
 from test_generate import PROMPTS, transformers_folder, transformers_greedy
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.errors import UserError
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_generate import PROMPTS, transformers_folder
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.errors import UserError
 from titanlite.inference.api import LM
 from titanlite.inference.decode import generate_ids

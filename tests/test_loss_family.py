@@ -266,7 +266,7 @@ def scoring_trainer(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     from datasets import Dataset
 
-    from titanlite.data.chat_example import write_tokenizer_folder
+    from titanlite.examples.chat_example import write_tokenizer_folder
 
     root = tmp_path_factory.mktemp("loss_family_trl")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(write_tokenizer_folder(root / "tokenizer")))

@@ -8,7 +8,7 @@ import pytest
 from conftest import DEBUG_CONFIG, ON_CPU, tensorboard_scalars
 from test_chat_data import loader
 from test_pipeline_parallel import launch
-from titanlite.data import chat_example
+from titanlite.examples import chat_example
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from conftest import tensorboard_scalars
 from qwen3_template import QWEN3_TEMPLATE
 from test_chat_data import loader, tensors
 from test_finetune_qwen3 import CHATS, QWEN3, transformers_assistant_loss
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.loss import IGNORED
 from titanlite.data.conversation_windows import PACK_BUFFER, ConversationWindows
 from titanlite.data.global_order import GlobalOrderLoader

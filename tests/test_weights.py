@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import DEBUG_CONFIG, ON_CPU
-from titanlite.data.chat_example import write_tokenizer_folder
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.generate import main as generate_main
 from titanlite.train import main as train_main
 

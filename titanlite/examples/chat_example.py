@@ -1,6 +1,6 @@
 """A small chat data set and a Hugging Face tokenizer folder for it, made here from the sample corpus (no downloads).
 
-    python -m titanlite.data.chat_example --output DIR [--conversations N]
+    python -m titanlite.examples.chat_example --output DIR [--conversations N]
 
 writes DIR/tokenizer/ (tokenizer.json: a byte-level BPE trained on the sample corpus with the ChatML
 special tokens <|endoftext|>, <|im_start|>, <|im_end|>; tokenizer_config.json with eos <|im_end|> and

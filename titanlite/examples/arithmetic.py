@@ -1,6 +1,6 @@
 """A tiny generated arithmetic task for the reinforcement-learning example: sums and differences of numbers below 100.
 
-    python -m titanlite.data.arithmetic --out DIR [--count N] [--prompts M] [--seed S]
+    python -m titanlite.examples.arithmetic --out DIR [--count N] [--prompts M] [--seed S]
 
 writes DIR/sft.jsonl, N chat records to fine-tune on first (training.dataset_format chat):
 
@@ -84,7 +84,7 @@ def write_task(out: str, count: int, prompts: int, seed: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titanlite.data.arithmetic", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m titanlite.examples.arithmetic", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the folder to write sft.jsonl and prompts.jsonl to (made if absent)")
     parser.add_argument("--count", type=int, default=2000, help="chat records in sft.jsonl")

@@ -1,7 +1,7 @@
-"""The arithmetic task of titanlite.data.arithmetic answered with a calculator tool, for the agent example
+"""The arithmetic task of titanlite.examples.arithmetic answered with a calculator tool, for the agent example
 (docs/agents.md, scripts/agent_debug.sh).
 
-    python -m titanlite.data.arithmetic_tools --out DIR [--count N] [--prompts M] [--seed S]
+    python -m titanlite.examples.arithmetic_tools --out DIR [--count N] [--prompts M] [--seed S]
 
 writes DIR/sft.jsonl, N chat records in TRL's SFT format with tools (training.dataset_format chat): the calculator's
 schema in `tools`, and a conversation that calls it, reads its result and answers,
@@ -14,7 +14,7 @@ schema in `tools`, and a conversation that calls it, reads its result and answer
 DIR/prompts.jsonl, M GRPO prompts with their `answer` (the arithmetic task's), and DIR/tool_template.jinja, a
 ChatML template that renders tools, tool calls and tool results (training.chat_template; the chat example's
 tokenizer has none that does). `Calculator` is the environment GRPO gives the model (rl.environment
-titanlite.data.arithmetic_tools:Calculator): its one tool evaluates sums and differences.
+titanlite.examples.arithmetic_tools:Calculator): its one tool evaluates sums and differences.
 """
 
 import argparse
@@ -22,7 +22,7 @@ import re
 import sys
 from pathlib import Path
 
-from titanlite.data.arithmetic import result, task, write_jsonl
+from titanlite.examples.arithmetic import result, task, write_jsonl
 from titanlite.errors import UserError, exit_code
 
 # ChatML with tools: a system turn naming each tool, its parameters and its description, calls as <tool_call> JSON in the assistant's turn, results as
@@ -98,7 +98,7 @@ def write_task(out: str, count: int, prompts: int, seed: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titanlite.data.arithmetic_tools", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m titanlite.examples.arithmetic_tools", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the folder to write sft.jsonl, prompts.jsonl and the template to")
     parser.add_argument("--count", type=int, default=2000, help="tool-calling chat records in sft.jsonl")
