@@ -137,6 +137,9 @@ def test_lora_grpo_keeps_the_base_as_its_reference(prompts, tmp_path, capsys):
     (["--rl.importance_sampling", "token_mask", "--rl.importance_sampling_clip_min", "3"],
      "rl.importance_sampling_clip_min 3 must be below rl.importance_sampling_clip_max 3"),
     (["--rl.importance_sampling", "coin"], "rl.importance_sampling"),
+    (["--rl.reward_weights", "0"], "rl.reward_weights are all 0, so every reward and advantage is 0 and no step can"),
+    (["--rl.loss_type", "vespo", "--rl.importance_sampling", "sequence_mask"], "rl.loss_type vespo folds the sampler's"),
+    (["--rl.top_entropy_quantile", "1.5"], "rl.top_entropy_quantile"),
     (["--rl.off_policy_mask_threshold", "-0.5"], "rl.off_policy_mask_threshold"),
 ])
 def test_errors_are_one_sentence_exit_2(prompts, tmp_path, capsys, extra, message):

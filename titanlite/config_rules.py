@@ -344,6 +344,9 @@ def check_rl(cfg: JobConfig) -> None:
     if not rl.reward_functions and not rl.environment:
         raise UserError("training.dataset_format prompts needs rl.reward_functions, e.g. [\"titanlite.rewards:math_answer\"]; "
                         "set it (docs/rewards.md)")
+    if rl.reward_weights and not any(rl.reward_weights) and not rl.environment and not rl.entropy_coef:
+        raise UserError("rl.reward_weights are all 0, so every reward and advantage is 0 and no step can ever train; give "
+                        "at least one reward function a weight that is not 0")
     if training.global_batch_size == -1 or training.global_batch_size % rl.num_generations:
         raise UserError(f"training.global_batch_size ({training.global_batch_size}) counts completions under GRPO and must "
                         f"be a multiple of rl.num_generations {rl.num_generations}; set it to prompts per step x "
