@@ -100,11 +100,11 @@ def bare_loop(args) -> None:
 
     from titanlite.config_sections import Metrics, Model
     from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.metrics import MetricsLogger
+    from titanlite.metrics.profiling import peak_memory_gib
     from titanlite.models.llama import flops_per_token
     from titanlite.models.llama.args import LLAMA3_FLAVORS
     from titanlite.models.llama.model import Transformer
-    from titanlite.metrics import MetricsLogger
-    from titanlite.metrics.profiling import peak_memory_gib
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     vocab = build_tokenizer(Model()).vocab_size  # the trainer's model takes its vocab from this tokenizer

@@ -14,8 +14,8 @@ machine's own) before running it on a shared machine.
 """
 
 import argparse
-import functools
 import datetime
+import functools
 import json
 import os
 import platform
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 print = functools.partial(print, flush=True)  # each line as it comes, through a pipe too
 sys.path.insert(0, str(ROOT))
 
-from titanlite.examples.chat_example import paragraphs, write_tokenizer_folder  # noqa: E402
 from titanlite.data.sample_corpus import sample_documents  # noqa: E402
+from titanlite.examples.chat_example import paragraphs, write_tokenizer_folder  # noqa: E402
 
 SHORTEST, LONGEST = 50, 150  # tokens of a rendered conversation
 

@@ -17,8 +17,8 @@ os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist
-
 from preloaded import run_python  # noqa: E402
+
 from titanlite.models import get_model_args, get_model_spec
 
 ROOT = Path(__file__).resolve().parent.parent

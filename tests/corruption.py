@@ -14,12 +14,13 @@ import os
 import random
 import re
 import shutil
-import tomllib
 import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+import tomllib
 
 from titanlite.errors import UserError
 

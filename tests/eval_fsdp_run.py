@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config import load_config
-from titanlite.inference.decode import Sampling, generate_ids
 from titanlite.evaluation.in_loop import InLoopEvaluator
+from titanlite.inference.decode import Sampling, generate_ids
 from titanlite.inference.model import build_inference_model
 from titanlite.metrics import MetricsLogger
 from titanlite.parallel.dist import close_distributed, init_distributed

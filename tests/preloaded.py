@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import forked_torchrun  # titanlite's trainer, the families, torchrun, TensorBoard: preloaded below
+
 from titanlite.parallel.dist import exit_process
 
 _SERVER = multiprocessing.get_context("forkserver")

@@ -8,10 +8,11 @@ import pytest
 
 from titanlite.config import load_config
 from titanlite.config_sections import RL, Model
-from titanlite.examples.arithmetic_tools import Calculator, main as generate
 from titanlite.data.chat import ChatRenderer, Conversations, tokenize_conversation
-from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.examples.arithmetic_tools import Calculator
+from titanlite.examples.arithmetic_tools import main as generate
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.rl.episode import Agents, Tools
 
 ENVIRONMENT = "titanlite.examples.arithmetic_tools:Calculator"

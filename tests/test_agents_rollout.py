@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from agent_tools import CALL, calling_model, prompts_file
 from conftest import ON_CPU, run_test_script, tensorboard_scalars
 from qwen3_template import QWEN3_TEMPLATE
+
 from titanlite.config_sections import RL
-from titanlite.loss import IGNORED
 from titanlite.inference.sampling import Sampling
+from titanlite.loss import IGNORED
 from titanlite.rl.engine import ColocatedEngine
 from titanlite.rl.episode import CUT_NOTE, Agents, Tools, masked_labels
 from titanlite.rl.prompts import PromptItem

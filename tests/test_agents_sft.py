@@ -6,11 +6,11 @@ titanlite finds itself)."""
 import json
 
 import pytest
-
 from qwen3_template import QWEN3_TEMPLATE, generation_marked
+
 from titanlite.data.chat import ChatRenderer, Conversations, tokenize_conversation
-from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.errors import UserError
+from titanlite.examples.chat_example import write_tokenizer_folder
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,12 +4,12 @@ exit 2, before step 1."""
 
 import time
 
-import pytest
-
 import agent_tools
+import pytest
 from agent_tools import calling_model, prompts_file
 from conftest import ON_CPU
 from qwen3_template import QWEN3_TEMPLATE
+
 from titanlite.examples.chat_example import CHATML_TEMPLATE
 from titanlite.rl.tools import ToolCall, answer, load_tools, parse_tool_calls, run_with_timeout
 from titanlite.train import main

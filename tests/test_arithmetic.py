@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from titanlite.examples.arithmetic import main, questions
 from titanlite.data.chat import Conversations
+from titanlite.examples.arithmetic import main, questions
 from titanlite.rewards import boxed_format, math_answer
 
 

@@ -4,16 +4,14 @@ model's 90 MB of model and optimizer state is still running in the background.""
 
 from dataclasses import replace
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from conftest import checkpointed_run, checkpointed_training, materialize
 from torch.distributed.checkpoint import FileSystemReader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import checkpointed_run, checkpointed_training, materialize
-from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.async_save import host_tensors
+from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config_sections import Checkpoint
 from titanlite.models import get_model_args, get_model_spec
 

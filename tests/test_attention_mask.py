@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ROOT, materialize
+
 from titanlite.config import load_config
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec

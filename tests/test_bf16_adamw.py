@@ -7,10 +7,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from titanlite.optim.bf16_adamw import AdamWBF16Kahan, fused_kahan_adamw_, kahan_adamw_
 from titanlite.config_sections import Optimizer
 from titanlite.errors import UserError
 from titanlite.optim import build_optimizer
+from titanlite.optim.bf16_adamw import AdamWBF16Kahan, fused_kahan_adamw_, kahan_adamw_
 
 
 def regression(dtype, seed=0, device="cpu"):

@@ -8,17 +8,16 @@ import re
 import pytest
 import torch
 import transformers
-
 from conftest import logged_losses
 from test_hf_tokenizer import write_hf_folder
-from titanlite.examples import chat_example
+
 from titanlite.config_sections import Model
 from titanlite.data.chat import ChatRenderer, tokenize_conversation
 from titanlite.data.datasets import DataSpec, build_dataloader
-from titanlite.loss import IGNORED
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
-from titanlite.loss import cross_entropy_loss
+from titanlite.examples import chat_example
+from titanlite.loss import IGNORED, cross_entropy_loss
 from titanlite.train import main
 
 # Exercises what transformers' environment has: trim_blocks and lstrip_blocks (the indented, line-broken

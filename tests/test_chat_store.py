@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from test_chat_data import CONVERSATIONS, folder, loader, tensors, write_records  # noqa: F401 (folder is a fixture)
+
 from titanlite.data import prepare
 from titanlite.data.store import mask_path
 from titanlite.errors import UserError

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import DEBUG_CONFIG, ON_CPU, ROOT, run_titanlite
+
 from titanlite.checkpoint.fit import holds_training_state, read_metadata
 from titanlite.checkpoint.stopping import StopFlags
 from titanlite.convert import main as convert_main

@@ -4,12 +4,12 @@ ranks; validation), its refusals, and the planner's activation peak."""
 
 import pytest
 import torch
-
 from conftest import ROOT, tensorboard_scalars
 from test_pipeline_parallel import launch, run
+
 from titanlite.config import load_config
-from titanlite.models import get_model_spec
 from titanlite.loss import chunk_loss, chunked_cross_entropy, cross_entropy_loss
+from titanlite.models import get_model_spec
 from titanlite.parallel.dims import ParallelDims
 from titanlite.plan.activations import activations
 from titanlite.plan.job import model_args

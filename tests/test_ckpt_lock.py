@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import DEBUG_CONFIG, ON_CPU, ROOT, with_root_on_path
+
 from titanlite.checkpoint.lock import LOCK, RESTART_POLL, STALE, job_id, machine, process_start, take_lock
 from titanlite.errors import UserError
 from titanlite.train import main as train_main

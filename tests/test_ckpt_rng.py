@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import DEBUG_CONFIG, ON_CPU, logged_losses
+
 from titanlite.checkpoint.fit import load_in_place
 from titanlite.train import main as train_main
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DEBUG_CONFIG, ON_CPU
 from safetensors.torch import load_file
 
-from conftest import DEBUG_CONFIG, ON_CPU
 from titanlite.convert import main as convert_main
 from titanlite.train import main as train_main
 

@@ -5,16 +5,16 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import run_titanlite, tensorboard_scalars
+
 from titanlite.config import load_config
 from titanlite.config_sections import ActivationCheckpoint, Compile
 from titanlite.errors import UserError
+from titanlite.loss import maybe_compile_loss
 from titanlite.models.attention import document_ids
 from titanlite.models.llama.args import LLAMA3_FLAVORS
 from titanlite.models.llama.model import Transformer
 from titanlite.parallel.ac import apply_ac
-from titanlite.loss import maybe_compile_loss
 from titanlite.parallel.compile import apply_compile
 
 

@@ -2,8 +2,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, run_titanlite, with_root_on_path
+
 from titanlite.config import load_config, to_toml, write_resolved_config
 from titanlite.errors import UserError
 

@@ -10,8 +10,8 @@ import math
 import typing
 
 import pytest
-
 from conftest import DEBUG_CONFIG
+
 from titanlite.config_sections import JobConfig
 from titanlite.train import main
 

@@ -16,9 +16,9 @@ from typing import Callable
 
 import pytest
 import torch
-
 from conftest import DEBUG_CONFIG, ON_CPU
 from corruption import OUTCOMES, Target, run_cases
+
 from titanlite.errors import UserError
 
 SEED = int(os.environ.get("FUZZ_SEED", 20261128))  # fixed; another only to explore by hand
@@ -127,6 +127,7 @@ class CheckpointReader:
     def reader(self, load_step: int) -> Callable[[Path], tuple]:
         def read(folder: Path) -> tuple:
             from conftest import checkpointed_training
+
             from titanlite.checkpoint.manager import CheckpointManager
 
             self.cfg.job.dump_folder, self.cfg.checkpoint.load_step = str(folder), load_step
@@ -150,9 +151,9 @@ def write_data(root: Path) -> Path:
     import pyarrow
     import pyarrow.parquet
 
-    from titanlite.examples.chat_example import CHATML_TEMPLATE, chat_records, write_tokenizer_folder
     from titanlite.data.prepare import prepare
     from titanlite.data.sample_corpus import sample_split
+    from titanlite.examples.chat_example import CHATML_TEMPLATE, chat_records, write_tokenizer_folder
 
     tokenizer_folder = write_tokenizer_folder(root / "tokenizer")
     records = chat_records(12)

@@ -8,9 +8,9 @@ import re
 
 import pytest
 import torch
-
 from conftest import run_test_script, run_titanlite, tensorboard_scalars
 from test_pipeline_parallel import launch, losses, run
+
 from titanlite.config_rules import check_context_parallel
 from titanlite.config_sections import Parallelism
 from titanlite.data.prepare import prepare

@@ -14,8 +14,8 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ROOT, run_titanlite, tensorboard_scalars
+
 from titanlite.parallel.dist import default_allocator_setting
 from titanlite.parallel.offload import HeldBytes, OffloadActivations
 
@@ -205,9 +205,9 @@ def test_cpu_ranks_on_a_gpu_machine(tmp_path):
 def test_block_causal_flex_attention_equals_the_cpu_mask_path():
     """On CUDA a document mask runs compiled FlexAttention; on CPU SDPA with the same rule as a dense
     mask. Mistral's window (16) composes with the documents; 200 tokens is no multiple of flex's 128 blocks."""
+    from conftest import materialize
     from torch.nn.attention.flex_attention import BlockMask
 
-    from conftest import materialize
     from titanlite.models import get_model_args, get_model_spec
     from titanlite.models.attention import attention_mask, document_ids
 
@@ -262,6 +262,7 @@ def test_the_cuda_graph_token_step_gives_the_eager_tokens(tmp_path):
     as a CUDA graph at each call's second step and replayed after; greedy and sampled, its tokens are the eager
     step's and its log-probabilities within 1e-4."""
     from test_generate import PROMPTS, transformers_folder
+
     from titanlite.examples.chat_example import write_tokenizer_folder
     from titanlite.inference.load import load
 

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from conftest import logged_losses, run_titanlite
+
 from titanlite.config_sections import Model
 from titanlite.data.datasets import DataParallelLoader, DataSpec, build_dataloader
 from titanlite.data.documents import IndexedDocuments, StreamedDocuments

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import build_meta, materialize
-from test_pipeline_parallel import COMMON, launch, losses, run
+from test_pipeline_parallel import launch, losses, run
+
 from titanlite.checkpoint.fit import load_in_place, model_tensors, read_metadata
 from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
 from titanlite.data.prepare import prepare

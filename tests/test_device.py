@@ -3,10 +3,15 @@
 import os
 
 import pytest
-
 from conftest import DEBUG_CONFIG, run_titanlite
+
 from titanlite.errors import UserError
-from titanlite.parallel.dist import EXPANDABLE_SEGMENTS, choose_device_type, default_allocator_setting, use_default_allocator
+from titanlite.parallel.dist import (
+    EXPANDABLE_SEGMENTS,
+    choose_device_type,
+    default_allocator_setting,
+    use_default_allocator,
+)
 
 
 def test_allocator_default_only_where_the_user_chose_none():

@@ -1,7 +1,6 @@
 """Multi-process runs under torchrun on CPU (gloo): FSDP, HSDP, gradient accumulation."""
 
 import pytest
-
 from conftest import assert_planned_state, logged_losses, run_titanlite, tensorboard_scalars
 
 

@@ -12,13 +12,13 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ON_CPU, run_test_script, tensorboard_scalars
+
 from titanlite.config_sections import Model
 from titanlite.data import packing
-from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.train import main
 
 transformers = pytest.importorskip("transformers")
@@ -281,6 +281,7 @@ def test_pairs_likely_not_meant_train_with_a_warning(folders, tmp_path, capsys):
 
 def test_the_planner_counts_the_reference_and_both_sequences_of_a_pair():
     from conftest import DEBUG_CONFIG
+
     from titanlite.config import load_config
     from titanlite.plan.job import plan_job
 

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import ON_CPU, tensorboard_scalars
-from test_dpo import turn
 from qwen3_template import QWEN3_TEMPLATE
+from test_dpo import turn
+
 from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.train import main
 

@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import DEBUG_CONFIG, ON_CPU, ROOT
+
 from titanlite.errors import UserError
 from titanlite.parallel.dist import check_restartable
 

@@ -6,14 +6,14 @@ import re
 
 import pytest
 import torch
-
 from conftest import run_titanlite, tensorboard_scalars
 from test_deepseek_v3 import saved_routing_biases
+from test_families import moe_inputs
 from test_pipeline_parallel import launch, losses, run
+
 from titanlite.config_sections import Parallelism
 from titanlite.data.prepare import prepare
 from titanlite.errors import UserError
-from test_families import moe_inputs
 from titanlite.models.moe import _grouped_mm_supported, experts_forward
 from titanlite.parallel.dims import ParallelDims
 

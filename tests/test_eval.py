@@ -6,16 +6,15 @@ the same log-likelihoods within 1e-6 (relative); bad input is one sentence, exit
 import contextlib
 import json
 import re
-from types import SimpleNamespace
 import shutil
+from types import SimpleNamespace
 
 import pytest
-
 from test_generate import transformers_folder
+
 from titanlite.config import load_config
+from titanlite.eval import evaluate_model, main
 from titanlite.examples.chat_example import write_tokenizer_folder
-from titanlite.eval import main
-from titanlite.eval import evaluate_model
 from titanlite.inference.model import build_inference_model
 from titanlite.inference.tasks import metric_scalars
 from titanlite.parallel.dist import close_distributed, init_distributed
@@ -126,8 +125,8 @@ def test_in_loop_evaluator_writes_the_scalars_lm_eval_gives(setup, both, tmp_pat
     python -m titanlite.eval as eval/<task>/<metric> scalars, a sample completion in the text tab, the model
     back in training mode and the time left out of the next tps."""
     import torch
-
     from conftest import ON_CPU, tensorboard_scalars
+
     from titanlite.evaluation.in_loop import InLoopEvaluator
     from titanlite.metrics import MetricsLogger
     from titanlite.metrics.tensorboard import run_folder
@@ -257,6 +256,7 @@ def test_two_fsdp_ranks_share_the_requests_and_generate_as_one_process(setup, bo
     lockstep, gives the greedy tokens one process gives for that prompt."""
     from conftest import torchrun_json
     from eval_fsdp_run import NEW_TOKENS, PROMPTS, inference_config
+
     from titanlite.inference.decode import Sampling, generate_ids
 
     folder, tasks = setup

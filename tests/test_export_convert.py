@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
-
 from qwen3_template import QWEN3_TEMPLATE
 from test_finetune_qwen3 import CHATS, chat_flags, qwen3_folder  # noqa: F401 (the fixture)
+
 from titanlite.convert import main as convert_main
 from titanlite.train import main
 

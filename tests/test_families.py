@@ -6,15 +6,22 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ON_CPU, build_meta, materialize, tensorboard_scalars
 from test_pipeline_parallel import launch
+
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.models.attention import attention_mask, window_mask
 from titanlite.models.llama.model import Attention, TransformerBlock, rope_tables
 from titanlite.models.moe import (
-    MoE, _grouped_swiglu, _looped_swiglu, assignments_per_sequence, experts_forward, load_balancing_loss, softmax_then_topk, softmax_topk,
+    MoE,
+    _grouped_swiglu,
+    _looped_swiglu,
+    assignments_per_sequence,
+    experts_forward,
+    load_balancing_loss,
+    softmax_then_topk,
+    softmax_topk,
 )
 
 EXPECTED_PARAMS = {

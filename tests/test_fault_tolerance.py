@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, build_meta, run_titanlite, tensorboard_scalars
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import DEBUG_CONFIG, ON_CPU, ROOT, build_meta, run_titanlite, tensorboard_scalars
 from titanlite.config import load_config
+from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.prepare import prepare
 from titanlite.errors import UserError
-from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.fault_tolerance import replica_groups
 from titanlite.parallel.dist import EXIT_SECONDS, DistInfo
 

@@ -9,11 +9,10 @@ import stat
 import pytest
 import torch
 import torch.nn.functional as F
-
-from safetensors import safe_open
-
 from conftest import ON_CPU, tensorboard_scalars
 from qwen3_template import QWEN3_TEMPLATE, generation_marked
+from safetensors import safe_open
+
 from titanlite.convert import main as convert_main
 from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.train import main

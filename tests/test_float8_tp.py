@@ -11,15 +11,14 @@ float8 loss is far more sensitive: a 1e-7 relative change of its weights moves i
 on one process, and its TP2 losses were measured within 1.6e-3 (its fused q/k/v in high precision).
 """
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
 from conftest import ON_CPU, ROOT, run_titanlite, tensorboard_scalars, torchrun_json, with_root_on_path
 from test_pipeline_parallel import launch
+
 from titanlite.train import main
 
 pytest.importorskip("torchao")

@@ -9,10 +9,12 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import ON_CPU
-from test_deepseek_v3 import ADAPTER as DEEPSEEK_ADAPTER, randomized, small_args as deepseek_args, transformers_model as deepseek_model
+from test_deepseek_v3 import randomized
+from test_deepseek_v3 import small_args as deepseek_args
+from test_deepseek_v3 import transformers_model as deepseek_model
 from test_hf_folder import LLAMA, MISTRAL, SMALL
+
 from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.generate import main
 

@@ -5,7 +5,6 @@ import json
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import DEBUG_CONFIG, ON_CPU, run_test_script, tensorboard_scalars
+
 from titanlite.train import main
 
 LETTERS = "tests/grpo_rewards.py:letter_share"

@@ -8,8 +8,8 @@
 import pytest
 import torch
 
-from titanlite.rl import grpo_loss
 from titanlite.data.batch import Normalizers
+from titanlite.rl import grpo_loss
 from titanlite.rl.grpo_loss import group_advantages, token_logps
 from titanlite.rl.loss_family import LossSettings, per_token_loss, reduce_loss
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import ROOT
 from safetensors import safe_open
 
-from conftest import ROOT
 from titanlite.checkpoint.hf_io import HFReader, HFWriter, read_hf_tensors
 from titanlite.convert import main as convert_main
 from titanlite.models import get_model_spec

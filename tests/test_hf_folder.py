@@ -11,12 +11,12 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import DEBUG_CONFIG, ON_CPU, ROOT, logged_losses, run_titanlite, tensorboard_scalars
+
 from titanlite.config import load_config
-from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.models import list_model_specs
 from titanlite.models.hf_folder import matching_flavor
 from titanlite.plan.job import plan_job

@@ -7,10 +7,10 @@ import pytest
 import transformers
 
 from titanlite.config_sections import Model
-from titanlite.examples.chat_example import CHATML_TEMPLATE, write_tokenizer_folder
 from titanlite.data.hf_tokenizer import HFTokenizer
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
+from titanlite.examples.chat_example import CHATML_TEMPLATE, write_tokenizer_folder
 
 CHAT_TEMPLATE = CHATML_TEMPLATE
 write_hf_folder = write_tokenizer_folder  # (folder, bos_token, chat_template, post_bos)

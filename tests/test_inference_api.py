@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import titanlite
 from conftest import ON_CPU, ROOT
 from test_generate import PROMPTS, transformers_folder, transformers_greedy
-from titanlite.examples.chat_example import write_tokenizer_folder
+
+import titanlite
 from titanlite.errors import UserError
+from titanlite.examples.chat_example import write_tokenizer_folder
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,10 +9,10 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from test_generate import PROMPTS, transformers_folder
-from titanlite.examples.chat_example import write_tokenizer_folder
+
 from titanlite.errors import UserError
+from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.inference.api import LM
 from titanlite.inference.decode import generate_ids
 from titanlite.inference.load import load

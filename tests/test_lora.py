@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import DEBUG_CONFIG, ON_CPU, logged_losses, run_titanlite, tensorboard_scalars
+from test_pipeline_parallel import launch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import DEBUG_CONFIG, ON_CPU, logged_losses, run_titanlite, tensorboard_scalars
-from test_pipeline_parallel import launch
 from titanlite.config_sections import LoRA
 from titanlite.errors import UserError
 from titanlite.models.lora import LoRALinear, apply_lora
@@ -228,8 +228,8 @@ def test_flops_per_token_under_lora_count_what_a_token_uses(family):
     parameter, as the family formula counts them. Llama's count is the one before MoE's share (all frozen matrices).
     Tied embeddings change nothing: the one matrix is the frozen output projection (its embedding side is a lookup)."""
     from titanlite.build import model_flops_per_token
-    from titanlite.models.construct import meta_model
     from titanlite.models import get_model_spec
+    from titanlite.models.construct import meta_model
     from titanlite.models.llama.args import ModelArgs
     from titanlite.models.mixtral.args import MixtralArgs
 

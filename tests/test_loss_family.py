@@ -25,9 +25,19 @@ from collections import defaultdict
 import pytest
 import torch
 
-from titanlite.rl.loss_family import (LOSS_TYPES, LossSettings, Normalizers, aggregated_advantages,
-                                      check_loss_settings, entropy_bonus, entropy_threshold, high_entropy_mask,
-                                      kept_entropies, per_token_loss, reduce_loss)
+from titanlite.rl.loss_family import (
+    LOSS_TYPES,
+    LossSettings,
+    Normalizers,
+    aggregated_advantages,
+    check_loss_settings,
+    entropy_bonus,
+    entropy_threshold,
+    high_entropy_mask,
+    kept_entropies,
+    per_token_loss,
+    reduce_loss,
+)
 
 trl = pytest.importorskip("trl")
 accelerate = pytest.importorskip("accelerate")

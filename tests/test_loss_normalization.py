@@ -4,10 +4,10 @@ micro-batches, accumulation steps and data-parallel ranks (the mean of per-micro
 weigh a short answer like a long one). Text trains on every token: its losses are unchanged."""
 
 import pytest
-
 from conftest import DEBUG_CONFIG, ON_CPU, tensorboard_scalars
 from test_chat_data import loader
 from test_pipeline_parallel import launch
+
 from titanlite.examples import chat_example
 
 

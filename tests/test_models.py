@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import build_meta, materialize
+
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec, list_model_specs
 from titanlite.models.llama.args import ModelArgs, RopeScaling

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_planned_state, run_titanlite, tensorboard_scalars
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_planned_state, run_titanlite, tensorboard_scalars
 from titanlite.checkpoint.hf_io import load_model_from_hf, save_model_as_hf
 from titanlite.config import load_config
 from titanlite.errors import UserError

@@ -6,14 +6,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import assert_planned_state, materialize, run_titanlite, tensorboard_scalars
+
 from titanlite.config import load_config
 from titanlite.config_sections import Optimizer
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec
-from titanlite.optim.muon import Muon, newton_schulz
 from titanlite.optim import build_optimizer
+from titanlite.optim.muon import Muon, newton_schulz
 
 
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24), (3, 16, 32)], ids=["wide", "tall", "batched"])

@@ -1,9 +1,10 @@
 """model.n_layers: a flavor's shapes with fewer blocks (to benchmark a big model on one GPU)."""
 
 from conftest import DEBUG_CONFIG, ON_CPU
+
+from titanlite.build import model_label, resolve_model_args
 from titanlite.config import load_config
 from titanlite.models import get_model_spec
-from titanlite.build import model_label, resolve_model_args
 from titanlite.train import main
 
 

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 import torch
+from conftest import logged_losses, tensorboard_scalars
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import titanlite.objectives.lm
-from conftest import logged_losses, tensorboard_scalars
 from titanlite.train import main
 
 

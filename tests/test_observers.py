@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
+from conftest import DEBUG_CONFIG, ON_CPU, logged_losses
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.tensorboard import SummaryWriter
 
-from conftest import DEBUG_CONFIG, ON_CPU, logged_losses
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.train import main
 

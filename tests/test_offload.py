@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import run_titanlite, tensorboard_scalars
+
 from titanlite.errors import UserError
 from titanlite.parallel.offload import HeldBytes, OffloadActivations, activation_offload_context, check_fsdp_offload
 

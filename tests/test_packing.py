@@ -11,17 +11,17 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from conftest import tensorboard_scalars
 from qwen3_template import QWEN3_TEMPLATE
 from test_chat_data import loader, tensors
 from test_finetune_qwen3 import CHATS, QWEN3, transformers_assistant_loss
-from titanlite.examples.chat_example import write_tokenizer_folder
-from titanlite.loss import IGNORED
+
 from titanlite.data.conversation_windows import PACK_BUFFER, ConversationWindows
 from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.store import TokenStore
 from titanlite.errors import UserError
+from titanlite.examples.chat_example import write_tokenizer_folder
+from titanlite.loss import IGNORED
 from titanlite.train import main
 
 transformers = pytest.importorskip("transformers")

@@ -6,8 +6,8 @@ import json
 import re
 
 import pytest
-
 from conftest import DEBUG_CONFIG, ON_CPU, assert_planned_state, run_test_script, run_titanlite, tensorboard_scalars
+
 from titanlite.config import load_config
 from titanlite.config_sections import Parallelism
 from titanlite.data.prepare import prepare

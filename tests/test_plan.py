@@ -5,23 +5,22 @@ from tests/test_distributed.py, tests/test_tensor_parallel.py and tests/test_pip
 runs they already make, and here for EP2 and CP2; context parallelism's activations and speed below.)"""
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import DEBUG_CONFIG, ROOT, torchrun_json
+
 from titanlite.config import load_config
+from titanlite.loss import build_loss
 from titanlite.models import get_model_spec
-from titanlite.parallel.fsdp import mixed_precision_context
+from titanlite.models.construct import meta_model, parallelizer
 from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.fsdp import mixed_precision_context
+from titanlite.parallel.parallelize import ParallelizeSettings
+from titanlite.parallel.pp import keep_stage
 from titanlite.plan.__main__ import main as plan_main
 from titanlite.plan.activations import activations, measure
-from titanlite.parallel.pp import keep_stage
 from titanlite.plan.job import model_args, plan_job
-from titanlite.models.construct import meta_model, parallelizer
-from titanlite.loss import build_loss
-from titanlite.parallel.parallelize import ParallelizeSettings
 
 SHIPPED = sorted((ROOT / "train_configs").glob("*.toml"))
 # Their model is a Hugging Face folder (generated, downloaded): planned in tests/test_hf_folder.py with one in place.
@@ -321,6 +320,7 @@ def test_planned_state_of_a_cp2_run_equals_the_trainers(tmp_path):
     gradient and optimizer bytes equal, byte for byte, a real 2-process CPU run's, and those of FSDP over 2
     data-parallel ranks."""
     from conftest import assert_planned_state, run_titanlite
+
     from titanlite.plan.job import plan_state
 
     flags = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--training.seq_len", "64",

@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import build_meta, materialize
 from torch import nn
 
-from conftest import build_meta, materialize
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.plan.job import job_speed
 from titanlite.plan.published_rows import ROWS, speed_inputs

@@ -5,8 +5,8 @@ import re
 
 import pytest
 import torch
-
 from conftest import run_titanlite
+
 from titanlite.config_sections import Profiling
 from titanlite.errors import UserError
 from titanlite.metrics.profiling import RunSummary, StepProfiler

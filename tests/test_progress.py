@@ -8,8 +8,8 @@ import re
 
 import pytest
 import torch
-
 from conftest import DEBUG_CONFIG, ON_CPU, tensorboard_scalars
+
 from titanlite.config import load_config
 from titanlite.data.prepare import prepare
 from titanlite.log import Progress, duration

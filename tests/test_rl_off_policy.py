@@ -6,8 +6,8 @@ same batch within 1e-6, for every mode and the mask."""
 
 import pytest
 import torch
+from test_grpo_loss import BETA, EPS_HIGH, EPS_LOW, PROMPTS, REWARDS, TEMPERATURE, G, completion_logits, trainer  # noqa: F401
 
-from test_grpo_loss import EPS_HIGH, EPS_LOW, BETA, G, PROMPTS, REWARDS, TEMPERATURE, completion_logits, trainer  # noqa: F401
 from titanlite.data.batch import Normalizers
 from titanlite.rl.grpo_loss import token_logps
 from titanlite.rl.loss_family import LossSettings, per_token_loss, reduce_loss

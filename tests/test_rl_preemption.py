@@ -9,6 +9,7 @@ import sys
 import time
 
 from conftest import DEBUG_CONFIG, ROOT
+
 from titanlite.train import main
 
 FLAGS = ["--job.device", "cpu", "--job.config_file", DEBUG_CONFIG, "--training.dataset_format", "prompts",

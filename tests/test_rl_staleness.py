@@ -8,9 +8,9 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, tensorboard_scalars
 from test_grpo import grpo_flags, prompts, rollouts  # noqa: F401
+
 from titanlite.train import main
 
 

@@ -5,8 +5,8 @@ import re
 import shutil
 
 import pytest
-
 from conftest import assert_planned_state, logged_losses, run_titanlite, torchrun_json
+
 from titanlite.config_sections import Parallelism
 from titanlite.errors import UserError
 from titanlite.models import get_model_args, get_model_spec

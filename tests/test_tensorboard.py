@@ -13,14 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 import torch
+from conftest import DEBUG_CONFIG, ROOT, checkpointed_run, checkpointed_training, logged_losses, run_titanlite
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from conftest import DEBUG_CONFIG, ROOT, checkpointed_run, checkpointed_training, logged_losses, run_titanlite
-from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.cost import SaveCost
+from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.config_sections import Checkpoint
 from titanlite.log import init_logger
 

@@ -12,12 +12,12 @@ import huggingface_hub
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT, logged_losses, run_titanlite, tensorboard_scalars
+
 from titanlite.config_sections import DataSource
 from titanlite.data.datasets import DataSpec, build_dataloader
 from titanlite.data.documents import IndexedDocuments
-from titanlite.data.global_order import MIX_BLOCK, GlobalOrderLoader, block_counts
+from titanlite.data.global_order import MIX_BLOCK, block_counts
 from titanlite.data.packing import PackedTokens
 from titanlite.data.prepare import main as prepare_main
 from titanlite.data.prepare import prepare
@@ -70,7 +70,7 @@ def global_batches(make, world: int, batch: int, accum: int, steps: int) -> list
         for _ in range(accum):
             for it in iters:
                 inputs, labels = next(it)
-                windows |= {tuple(torch.cat([i[:1], l]).tolist()) for i, l in zip(inputs, labels)}
+                windows |= {tuple(torch.cat([i[:1], lab]).tolist()) for i, lab in zip(inputs, labels)}
         out.append(windows)
     return out
 
@@ -185,7 +185,7 @@ def test_a_state_saved_on_two_ranks_resumes_on_one_and_back(sample_store, tokeni
     one.load_state_dict(state)
     it = iter(one)
     next(it)
-    assert {tuple(torch.cat([i[:1], l]).tolist()) for i, l in zip(*next(it))} == uninterrupted[3]
+    assert {tuple(torch.cat([i[:1], lab]).tolist()) for i, lab in zip(*next(it))} == uninterrupted[3]
     back = [loader(sample_store, tokenizer, dp_rank=r, dp_world=2) for r in range(2)]
     for x in back:
         x.load_state_dict(one.state_dict())

@@ -3,8 +3,8 @@
 import re
 
 import pytest
-
 from conftest import logged_losses, run_titanlite, tensorboard_scalars
+
 from titanlite.train import main
 
 LINE = re.compile(

@@ -13,8 +13,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, with_root_on_path
+
 from titanlite.parallel.dist import EXIT_SECONDS
 
 STUCK = """

@@ -8,8 +8,8 @@ import shutil
 import pyarrow
 import pyarrow.parquet
 import pytest
-
 from conftest import DEBUG_CONFIG, ON_CPU, run_test_script
+
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from titanlite.errors import UserError
 from titanlite.rl.prompts import PromptOrder, PromptSet

@@ -10,18 +10,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from conftest import DEBUG_CONFIG, logged_losses, run_titanlite, tensorboard_scalars
+
 from titanlite.config_sections import Parallelism, Training, Validation
 from titanlite.data.datasets import DataSpec, build_dataloader
-from titanlite.loss import cross_entropy_loss
-from titanlite.run import ForwardSettings
 from titanlite.data.sample_corpus import HELD_OUT, sample_documents, sample_split
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer
 from titanlite.errors import UserError
+from titanlite.loss import cross_entropy_loss
+from titanlite.metrics.validation import Validator, check_validation
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.parallel.dims import ParallelDims
-from titanlite.metrics.validation import Validator, check_validation
+from titanlite.run import ForwardSettings
 
 VALIDATE_LINE = re.compile(r"validate step: (\d+)  loss: (\d+\.\d{4})  perplexity: (\d+\.\d{4})  batches: (\d+)  tokens: ([\d,]+)")
 

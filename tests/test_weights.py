@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import DEBUG_CONFIG, ON_CPU
+
 from titanlite.examples.chat_example import write_tokenizer_folder
 from titanlite.generate import main as generate_main
 from titanlite.train import main as train_main
@@ -69,9 +69,9 @@ def test_a_dpo_reference_of_another_architecture_with_equal_shapes_is_refused(tm
 
 def test_a_peer_of_another_model_is_refused_and_one_of_this_model_restores_every_object(world_of_one, tmp_path):
     """Fault tolerance's recovery goes through the checkpoint's objects and the same model check as a resume."""
+    from conftest import checkpointed_run, checkpointed_training
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from conftest import checkpointed_run, checkpointed_training
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.config_sections import Checkpoint
     from titanlite.errors import UserError

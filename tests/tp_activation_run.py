@@ -8,10 +8,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titanlite.models.construct import meta_model, parallelizer
 from titanlite.config import load_config
 from titanlite.loss import build_loss, loss_parallel_context, micro_batch_loss
 from titanlite.models import get_model_spec
+from titanlite.models.construct import meta_model, parallelizer
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.parallel.parallelize import ParallelizeSettings

@@ -11,15 +11,15 @@ import types
 import torch
 import torch.distributed as dist
 
+from titanlite.build import build_model, forward_settings, resolve_model_args, step_settings
 from titanlite.config import load_config
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.models import get_model_spec
-from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel.dims import ParallelDims
-from titanlite.build import build_model, forward_settings, resolve_model_args, step_settings
 from titanlite.fault_tolerance import Alone
 from titanlite.loss import cross_entropy_loss
+from titanlite.models import get_model_spec
 from titanlite.objectives.lm import LanguageModelling
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallel.dims import ParallelDims
 from titanlite.run import Run, Training
 from titanlite.step import train_step
 

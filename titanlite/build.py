@@ -15,24 +15,24 @@ from titanlite.config_sections import Training as TrainingSection
 from titanlite.data.global_order import steps_for_epochs
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
+from titanlite.fault_tolerance import replica_groups
 from titanlite.loss import build_loss
 from titanlite.metrics import MetricsLogger
+from titanlite.metrics.validation import check_validation
+from titanlite.models import get_model_spec
 from titanlite.models.attention import document_delimiters
+from titanlite.models.construct import materialize, meta_model, model_args, parallelizer, seed_everything
 from titanlite.objectives import build_objective, objective_class
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.cp import sequence_shard
-from titanlite.parallel.float8 import register_float8_scale_precompute
-from titanlite.fault_tolerance import replica_groups
-from titanlite.models import get_model_spec
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo
 from titanlite.parallel.ep import EXPERT_WEIGHTS, is_moe
+from titanlite.parallel.float8 import register_float8_scale_precompute
 from titanlite.parallel.offload import HeldBytes, note_if_offload_saves_nothing, optimizer_device_type
 from titanlite.parallel.parallelize import ParallelizeSettings
 from titanlite.parallel.pp import build_pipeline
 from titanlite.run import ForwardSettings, Run, StepSettings, Training, model_label
-from titanlite.models.construct import materialize, meta_model, model_args, parallelizer, seed_everything
-from titanlite.metrics.validation import check_validation
 
 
 def build_run(cfg: JobConfig, info: DistInfo) -> Run:

@@ -35,16 +35,22 @@ import torch.distributed.checkpoint as dcp
 
 from titanlite.checkpoint.fit import check_model_fits, load_in_place, model_tensors, read_metadata
 from titanlite.checkpoint.folders import METADATA, is_complete
+from titanlite.checkpoint.hf_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    HFReader,
+    copy_tokenizer,
+    layer_groups,
+    read_hf_tensors,
+    write_hf_folder,
+)
 from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, verify_checksums
-from titanlite.checkpoint.hf_io import (DEFAULT_MAX_SHARD_BYTES, HFReader, copy_tokenizer, layer_groups, read_hf_tensors,
-                                        write_hf_folder)
 from titanlite.config import load_config
 from titanlite.config_sections import JobConfig
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError, exit_code
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.models.hf_folder import is_model_folder, read_model_folder
-from titanlite.dtypes import DTYPES
 
 USAGE = """usage: python -m titanlite.convert {hf-to-dcp,dcp-to-hf} SOURCE DESTINATION [--model.name N] [--model.flavor F]
                                   [--job.config_file X.toml] [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000] [--overwrite]"""

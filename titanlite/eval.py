@@ -25,7 +25,6 @@ from titanlite.inference.tasks import evaluate_tasks, task_manager, write_result
 from titanlite.log import init_logger, logger
 from titanlite.parallel.dist import close_distributed, init_distributed
 
-
 # --model_args keys that are not section.key overrides, and the config key each one sets.
 MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file",
                   "checkpoint": "generate.checkpoint"}

@@ -12,29 +12,36 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titanlite.build import build_run, build_training
-from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.lock import dump_folder_lock
+from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.checkpoint.output_folders import check_output_folders
 from titanlite.checkpoint.stopping import NonfiniteSkips, StopFlags, nothing_to_train
 from titanlite.config import load_config, write_resolved_config
 from titanlite.config_sections import JobConfig
 from titanlite.data.global_order import epochs_done
 from titanlite.errors import UserError, sentence
-from titanlite.fault_tolerance import QuorumEnded
 from titanlite.evaluation.in_loop import InLoopEvaluator
+from titanlite.fault_tolerance import QuorumEnded
 from titanlite.log import init_logger, logger
-from titanlite.metrics import (MetricsLogger, log_tokens_by_source, mean_over_ranks, model_metrics, source_scalars,
-                               speed_features, speed_settings)
+from titanlite.metrics import (
+    MetricsLogger,
+    log_tokens_by_source,
+    mean_over_ranks,
+    model_metrics,
+    source_scalars,
+    speed_features,
+    speed_settings,
+)
 from titanlite.metrics.observers import observe
-from titanlite.checkpoint.output_folders import check_output_folders
+from titanlite.metrics.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
+from titanlite.metrics.tensorboard import hyperparameters, run_folder
+from titanlite.metrics.validation import Validator
 from titanlite.parallel.dist import DistInfo, close_distributed, exit_process, init_distributed, say_user_error
 from titanlite.plan.startup import predict_on_gpu
 from titanlite.rl.engine import RolloutStopped
 from titanlite.rl.rollout import RolloutStage
 from titanlite.run import Run, Training
-from titanlite.metrics.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
 from titanlite.step import train_step
-from titanlite.metrics.tensorboard import hyperparameters, run_folder
-from titanlite.metrics.validation import Validator
 from titanlite.watchdog import HangWatchdog
 
 

@@ -22,23 +22,43 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from titanlite.checkpoint.async_save import AsyncSaver, Save
 from titanlite.checkpoint.cost import SaveCost
 from titanlite.checkpoint.fit import choose_load_step, holds_training_state, load_in_place, newest_resumable
-from titanlite.checkpoint.folders import METADATA, REWOUND, list_steps, purge_old, rewind_to, rewound_before, step_folder
-from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, refuse_lost_metadata
+from titanlite.checkpoint.folders import (
+    METADATA,
+    REWOUND,
+    list_steps,
+    purge_old,
+    rewind_to,
+    rewound_before,
+    step_folder,
+)
 from titanlite.checkpoint.hf_io import copy_tokenizer, save_model_as_hf
-from titanlite.checkpoint.async_save import AsyncSaver, Save
+from titanlite.checkpoint.integrity import CHECKSUMS, record_checksums, refuse_lost_metadata
+from titanlite.checkpoint.lora import base_record, merge_lora, save_peft_adapter
 from titanlite.checkpoint.save_errors import stop_if_disk_failure
-from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, OuterOptimizerState, RngState, SavedKeys,
-                                        SchedulerState, TrainState, TrainStateLineage, load_targets, restore_all, saved_state)
+from titanlite.checkpoint.state import (
+    DataState,
+    ModelState,
+    OptimizerState,
+    OuterOptimizerState,
+    RngState,
+    SavedKeys,
+    SchedulerState,
+    TrainState,
+    TrainStateLineage,
+    load_targets,
+    restore_all,
+    saved_state,
+)
+from titanlite.checkpoint.weights import ModelIdentity, check_dcp_checkpoint, load_weights
+from titanlite.dtypes import DTYPES
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.checkpoint.lora import base_record, merge_lora, save_peft_adapter
-from titanlite.checkpoint.weights import ModelIdentity, check_dcp_checkpoint, load_weights
+from titanlite.metrics.profiling import model_state_bytes
 from titanlite.models.lora import has_lora
 from titanlite.run import Run, Training
-from titanlite.dtypes import DTYPES
-from titanlite.metrics.profiling import model_state_bytes
 
 
 class CheckpointManager:

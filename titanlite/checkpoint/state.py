@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint.fit import rng_state, set_rng_state
+from titanlite.checkpoint.lora import check_same_base
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.checkpoint.lora import check_same_base
 from titanlite.models.lora import is_adapter
 from titanlite.run import TrainState
 

@@ -27,8 +27,14 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from titanlite.data.chat_spans import (MARKED, GenerationTracker, assistant_spans, literal_contents, special_pattern,
-                                       track_generation)
+from titanlite.data.chat_spans import (
+    MARKED,
+    GenerationTracker,
+    assistant_spans,
+    literal_contents,
+    special_pattern,
+    track_generation,
+)
 from titanlite.data.hf_tokenizer import HFTokenizer
 from titanlite.data.local_files import find_data_files, read_errors, read_records, utf8_column_fault, utf8_fault
 from titanlite.data.store import TokenStore, concatenate

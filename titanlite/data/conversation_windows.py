@@ -21,12 +21,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from titanlite.loss import IGNORED
 from titanlite.data.documents import seeded_rng
 from titanlite.data.packing import split_window
 from titanlite.data.store import TokenStore
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.loss import IGNORED
 
 # Conversations packed together: enough that best fit finds a short one for nearly every gap (conversations of
 # 50-150 tokens fill windows of 513 tokens 97% full), few enough that each placement's insertion into the sorted free

@@ -57,7 +57,9 @@ class StreamedDocuments:
     """
 
     def __init__(self, stream, text_field: str, dp_rank: int, dp_world: int):
-        from datasets.distributed import split_dataset_by_node  # here: `datasets` is a second of start-up (local_files.py)
+        from datasets.distributed import (
+            split_dataset_by_node,  # here: `datasets` is a second of start-up (local_files.py)
+        )
 
         self.stream = split_dataset_by_node(stream, rank=dp_rank, world_size=dp_world)
         self.text_field = text_field

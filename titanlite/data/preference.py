@@ -31,12 +31,12 @@ from torch.utils.data import Dataset
 
 from titanlite.data.chat import ChatRenderer, Conversations, chat_record, checked_message
 from titanlite.data.chat_spans import literal_contents
-from titanlite.loss import IGNORED
 from titanlite.data.documents import seeded_rng
 from titanlite.data.global_order import GlobalOrderLoader
 from titanlite.data.packing import padded_width, split_window
 from titanlite.errors import UserError
 from titanlite.log import logger
+from titanlite.loss import IGNORED
 
 HALVES = ("chosen", "rejected")
 # The trained tokens as a store or a resume records them: what each completion adds to its prompt (tokenize_pair).

@@ -29,9 +29,18 @@ import xxhash
 from titanlite.data.chat import ChatRenderer, Conversations, chat_record, tokenize_conversation
 from titanlite.data.local_files import LOADER_BY_SUFFIX, load_local_documents
 from titanlite.data.sample_corpus import SAMPLE_SPLITS, sample_split
+from titanlite.data.store import (
+    CHAT_STORE_VERSION,
+    FORMAT,
+    MANIFEST,
+    concatenate,
+    mask_path,
+    shard_max_id,
+    shard_paths,
+    token_dtype,
+    tokenizer_record,
+)
 from titanlite.data.store_checksums import CHUNK_BYTES, sums_path, write_chunk_sums
-from titanlite.data.store import (CHAT_STORE_VERSION, FORMAT, MANIFEST, concatenate, mask_path, shard_max_id, shard_paths,
-                                  token_dtype, tokenizer_record)
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from titanlite.errors import UserError
 from titanlite.log import Progress, init_logger

@@ -22,8 +22,8 @@ import re
 import sys
 from pathlib import Path
 
-from titanlite.examples.arithmetic import result, task, write_jsonl
 from titanlite.errors import UserError, exit_code
+from titanlite.examples.arithmetic import result, task, write_jsonl
 
 # ChatML with tools: a system turn naming each tool, its parameters and its description, calls as <tool_call> JSON in the assistant's turn, results as
 # a user turn in <tool_response>, as Qwen3 writes them, in fewer tokens.

@@ -15,7 +15,6 @@ Train on them with
 import argparse
 import json
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 CHATML_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -12,8 +12,8 @@ import time
 import torch
 
 from titanlite.errors import UserError
-from titanlite.fault_tolerance.torchft_adapter import commit_failures, new_diloco
 from titanlite.fault_tolerance.replicas import ReplicaGroups
+from titanlite.fault_tolerance.torchft_adapter import commit_failures, new_diloco
 from titanlite.log import logger
 
 

@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 from titanlite.config_sections import FaultTolerance
 from titanlite.errors import UserError
-from titanlite.fault_tolerance.torchft_adapter import import_torchft, new_manager, process_group_name, quorum_id
 from titanlite.fault_tolerance.alone import Alone
 from titanlite.fault_tolerance.join import group_store, lighthouse_address, wait_for_lighthouse
 from titanlite.fault_tolerance.peer_state import load_peer_state, peer_state
-from titanlite.models.init import local_tensor
+from titanlite.fault_tolerance.torchft_adapter import import_torchft, new_manager, process_group_name, quorum_id
 from titanlite.log import logger
+from titanlite.models.init import local_tensor
 
 CLAIM_FILE = ".replica_group"  # in a step folder: the replica group that writes that checkpoint
 START_POLL_SECONDS = 0.5  # between the quorums of a fresh job's first step, while groups are missing

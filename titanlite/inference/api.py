@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from titanlite.errors import UserError
-from titanlite.log import Progress
 from titanlite.inference.arguments import check_batch_size, checked_logits_ids, checked_prompts, checked_sampling
 from titanlite.inference.decode import Sampling, Speed, generate_ids, token_step
 from titanlite.inference.prompts import Prompt, checked_record, completion_text, render_prompts
+from titanlite.log import Progress
 
 
 @dataclass(frozen=True)

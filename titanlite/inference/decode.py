@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from titanlite.errors import UserError
-from titanlite.log import logger
 from titanlite.inference.sampling import Sampling, pick_tokens, prompt_seed
+from titanlite.log import logger
 from titanlite.models.kv_cache import KVCache
 
 # Special tokens that end an assistant's turn in the common chat templates; those the tokenizer knows stop generation.

@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titanlite.models.construct import materialize, meta_model, model_args, parallelizer, seed_everything
 from titanlite.checkpoint.weights import ModelIdentity, load_trained_weights
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.models import ModelSpec, get_model_spec
+from titanlite.models.construct import materialize, meta_model, model_args, parallelizer, seed_everything
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.dist import DistInfo
 from titanlite.parallel.parallelize import ParallelizeSettings

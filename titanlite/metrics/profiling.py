@@ -25,8 +25,8 @@ import torch.distributed as dist
 from titanlite.config_sections import Profiling
 from titanlite.errors import UserError
 from titanlite.log import logger
-from titanlite.models.init import local_tensor
 from titanlite.metrics.observers import observer
+from titanlite.models.init import local_tensor
 
 _PROFILER_WARMUP = 3  # steps the profiler runs unrecorded before the recorded one
 _SNAPSHOT_ENTRIES = 100_000  # allocation events kept by the CUDA allocator's history

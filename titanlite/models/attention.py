@@ -36,7 +36,6 @@ from titanlite.models.kv_cache import CacheStep, LayerStep
 from titanlite.parallel.cp import SequenceShard
 
 
-
 @dataclass(frozen=True, eq=False)
 class GatheredKeys:
     """A context-parallel attention's mask: over this rank's queries and the gathered keys ([B or 1, 1,

@@ -8,14 +8,14 @@ over more than 8 ranks would leave most ranks holding padding as large as a whol
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.distributed as dist
 
-from titanlite.parallel.cp import sum_over_ranks
-from titanlite.parallel.ep import all_to_all, exchange_counts, expert_weights
 from titanlite.models.init import trunc_normal_
 from titanlite.models.llama.model import BASE_INIT_STD, FeedForward
+from titanlite.parallel.cp import sum_over_ranks
+from titanlite.parallel.ep import all_to_all, exchange_counts, expert_weights
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,10 +24,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.config_sections import DPO, JobConfig
-from titanlite.loss import IGNORED
+from titanlite.data.batch import MicroBatch
 from titanlite.data.datasets import training_loader
 from titanlite.log import logger
-from titanlite.data.batch import MicroBatch
+from titanlite.loss import IGNORED
 from titanlite.objectives.contract import drawn_batches
 from titanlite.objectives.reference import Reference, needs_copy
 

@@ -19,16 +19,24 @@ from torch import nn
 
 from titanlite.config_sections import JobConfig
 from titanlite.data.batch import MicroBatch, RolloutTerms
-from titanlite.loss import IGNORED
 from titanlite.errors import UserError
+from titanlite.log import logger
+from titanlite.loss import IGNORED
 from titanlite.objectives.reference import Reference, needs_copy
 from titanlite.rewards.loading import reward_weights
 from titanlite.rl.engine import ColocatedEngine
-from titanlite.log import logger
 from titanlite.rl.episode import Agents, Tools
 from titanlite.rl.grpo_loss import token_logps
-from titanlite.rl.loss_family import (LossSettings, check_loss_settings, entropy_bonus, entropy_threshold,
-                                      high_entropy_mask, kept_entropies, per_token_loss, reduce_loss)
+from titanlite.rl.loss_family import (
+    LossSettings,
+    check_loss_settings,
+    entropy_bonus,
+    entropy_threshold,
+    high_entropy_mask,
+    kept_entropies,
+    per_token_loss,
+    reduce_loss,
+)
 from titanlite.rl.off_policy import importance_ratio, off_policy_mask
 from titanlite.rl.prompts import PromptOrder, PromptSet
 from titanlite.rl.rollout import Rewards, RolloutStage

@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from titanlite.data.batch import MicroBatch
 from titanlite.data.datasets import training_loader
 from titanlite.loss import micro_batch_loss
-from titanlite.data.batch import MicroBatch
 from titanlite.objectives.contract import drawn_batches
 
 

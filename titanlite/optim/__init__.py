@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from titanlite.optim.bf16_adamw import build_adamw_bf16_kahan
 from titanlite.config_sections import LRScheduler, Optimizer
+from titanlite.optim.bf16_adamw import build_adamw_bf16_kahan
 from titanlite.optim.muon import build_muon
 
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}

@@ -31,7 +31,6 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-
 # all_gather_single_autograd is torch 2.13's name; all_gather_tensor_autograd (torch 2.11) warns there.
 _gather_dim0 = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 

@@ -36,22 +36,22 @@ a cheap tensor where it is smaller than its inputs); the eager tally is the uppe
 import dataclasses
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlite.config_sections import Compile, JobConfig
 from titanlite.dtypes import DTYPES
-from titanlite.models.lora import apply_lora
 from titanlite.loss import build_loss, micro_batch_loss
 from titanlite.models.attention import GatheredKeys
 from titanlite.models.init import local_tensor
+from titanlite.models.lora import apply_lora
 from titanlite.parallel.ac import apply_ac, every_nth
 from titanlite.parallel.cp import SequenceShard, shard_of, split_batch
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.pp import cut_to_stage
 from titanlite.parallel.fsdp import mixed_precision_context
+from titanlite.parallel.pp import cut_to_stage
 from titanlite.plan.moe import route_evenly
 
 FULL_DEPTH_UP_TO = 8  # deeper models are measured at two depths and extrapolated (the blocks are identical)

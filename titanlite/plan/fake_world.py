@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from titanlite.models.construct import meta_model, parallelizer
 from titanlite.config_sections import JobConfig
+from titanlite.models.construct import meta_model, parallelizer
 from titanlite.models.init import local_tensor
 from titanlite.optim.muon import muon_trains
 from titanlite.parallel.dims import ParallelDims

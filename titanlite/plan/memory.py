@@ -14,8 +14,8 @@ way from the lower to the upper bound.
 from dataclasses import dataclass
 
 from titanlite.config_sections import JobConfig
-from titanlite.parallel.dims import ParallelDims
 from titanlite.dtypes import DTYPES
+from titanlite.parallel.dims import ParallelDims
 from titanlite.plan.activations import Activations
 
 ALLOCATOR_MARGIN = 0.05  # fragmentation of the CUDA caching allocator, as a share of the peak

@@ -14,8 +14,8 @@ counted for the last stage's microbatches in flight (last_stage_in_flight).
 from dataclasses import dataclass
 
 from titanlite.config_sections import JobConfig
-from titanlite.plan.activations import Activations
 from titanlite.parallel.pp import microbatches, stages_per_rank
+from titanlite.plan.activations import Activations
 
 # Zero-bubble schedules split each backward into input (B) and weight (W) gradients and fill the
 # warm-up/cool-down gaps with W: ZB-H1's bubble is (pp - 1)(F + B - W) against 1F1B's (pp - 1)(F + B + W)

@@ -183,8 +183,8 @@ def plan_row(item: Row):
 
 def speed_inputs(item: Row) -> tuple:
     """job_speed's arguments for the row's job (its shards from the fake world; no activation tally)."""
-    from titanlite.models.construct import meta_model
     from titanlite.models import get_model_spec
+    from titanlite.models.construct import meta_model
     from titanlite.parallel.dims import ParallelDims
     from titanlite.plan.job import model_args, plan_states
 

@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from titanlite.config_sections import RL
 from titanlite.data.chat import ChatRenderer
-from titanlite.loss import IGNORED
 from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling
 from titanlite.log import logger
+from titanlite.loss import IGNORED
 from titanlite.rewards.loading import load_reward_functions
 from titanlite.rl.engine import Completion, RolloutEngine
 from titanlite.rl.environment import Environment

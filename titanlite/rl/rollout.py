@@ -22,12 +22,12 @@ from torch import nn
 
 from titanlite.config_sections import RL
 from titanlite.data.batch import MicroBatch, Normalizers, RolloutTerms
-from titanlite.loss import IGNORED
 from titanlite.data.packing import padded_width
 from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling
 from titanlite.inference.prompts import completion_text
 from titanlite.log import logger
+from titanlite.loss import IGNORED
 from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.loading import score
 from titanlite.rl.ahead import Ahead

@@ -21,7 +21,14 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, Se
 from titanlite.models.llama.parallelize import swiglu_plan
 from titanlite.models.mixtral.parallelize import ExpertParallel, _sum_grads
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.tp import apply_tp_plan, colwise, gather_sequence, parallelize_block, rowwise_to_sequence, vocab_parallel_plan
+from titanlite.parallel.tp import (
+    apply_tp_plan,
+    colwise,
+    gather_sequence,
+    parallelize_block,
+    rowwise_to_sequence,
+    vocab_parallel_plan,
+)
 
 
 class Replicated(ParallelStyle):

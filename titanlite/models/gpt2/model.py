@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from titanlite.models.attention import Mask, attend, attention_mask
 from titanlite.models.gpt2.args import GPT2Args
-from titanlite.models.kv_cache import CacheStep
-from titanlite.parallel.cp import SequenceShard
 from titanlite.models.init import trunc_normal_
+from titanlite.models.kv_cache import CacheStep
 from titanlite.models.llama.model import KeepsTiedEmbeddings, check_seq_len, token_positions
+from titanlite.parallel.cp import SequenceShard
 
 # OpenAI's GPT-2 init: weights N(0, 0.02), position embeddings N(0, 0.01), and the projections
 # that write into the residual stream scaled by 1/sqrt(2 * layers).

@@ -6,7 +6,14 @@ from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
 from titanlite.errors import UserError
 from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.tp import RowsByGroups, apply_tp_plan, colwise, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
+from titanlite.parallel.tp import (
+    RowsByGroups,
+    apply_tp_plan,
+    colwise,
+    gather_sequence,
+    rowwise_to_sequence,
+    vocab_parallel_plan,
+)
 
 
 def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:

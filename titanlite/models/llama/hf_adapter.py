@@ -7,7 +7,14 @@ Families built from llama's blocks (Mistral, Mixtral) can subclass LlamaHFAdapte
 import torch
 
 from titanlite.errors import UserError
-from titanlite.models.hf import HFAdapter, build_args, required, rope_halves_to_pairs, rope_parameters, rope_pairs_to_halves
+from titanlite.models.hf import (
+    HFAdapter,
+    build_args,
+    required,
+    rope_halves_to_pairs,
+    rope_pairs_to_halves,
+    rope_parameters,
+)
 from titanlite.models.llama.args import ModelArgs, RopeScaling
 
 

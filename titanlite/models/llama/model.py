@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 from titanlite.errors import UserError
 from titanlite.models.attention import Mask, attend, attention_mask, document_positions, for_layer
-from titanlite.models.kv_cache import CacheStep
-from titanlite.parallel.cp import SequenceShard
 from titanlite.models.init import trunc_normal_
+from titanlite.models.kv_cache import CacheStep
 from titanlite.models.llama.args import ModelArgs, RopeScaling
+from titanlite.parallel.cp import SequenceShard
 
 # Std of the input-side projections; output-side ones are scaled down with depth (below).
 BASE_INIT_STD = 0.02

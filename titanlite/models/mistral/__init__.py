@@ -2,10 +2,10 @@
 
 from titanlite.models import ModelSpec
 from titanlite.models.llama import flops_per_token as llama_flops_per_token
+from titanlite.models.llama.parallelize import apply_tp
 from titanlite.models.mistral.args import MISTRAL_FLAVORS, MistralArgs
 from titanlite.models.mistral.hf_adapter import MistralHFAdapter
 from titanlite.models.mistral.model import Mistral
-from titanlite.models.llama.parallelize import apply_tp
 
 
 def flops_per_token(model: Mistral, seq_len: int) -> float:

@@ -7,8 +7,8 @@ which titanlite stacks row-wise (models/moe_hf.py).
 
 from titanlite.models.hf import required
 from titanlite.models.llama.hf_adapter import LlamaHFAdapter
-from titanlite.models.mixtral.args import MixtralArgs
 from titanlite.models.mistral.hf_adapter import MistralHFAdapter
+from titanlite.models.mixtral.args import MixtralArgs
 from titanlite.models.moe_hf import StackedExpertsHFAdapter
 
 

@@ -9,9 +9,9 @@ mlp.experts.E.gate_proj / down_proj / up_proj, stacked as Mixtral's (models/moe_
 import torch
 
 from titanlite.models.hf import required, rope_halves_to_pairs, rope_pairs_to_halves
-from titanlite.models.qwen3.args import Qwen3Args, Qwen3MoeArgs
 from titanlite.models.llama.hf_adapter import LlamaHFAdapter
 from titanlite.models.moe_hf import StackedExpertsHFAdapter
+from titanlite.models.qwen3.args import Qwen3Args, Qwen3MoeArgs
 
 
 def _as_one_head(reorder, tensor: torch.Tensor) -> torch.Tensor:
