@@ -39,21 +39,33 @@ ROWS = {
     "titanlite": ("titanlite trainer, same job", [], 1),
     "ac_full": ("+ activation_checkpoint.mode full", ["--activation_checkpoint.mode", "full"], 1),
     "ac_op": ("+ selective op-level AC", ["--activation_checkpoint.mode", "selective"], 1),
-    "ac_every2": ("+ selective AC of every 2nd block", ["--activation_checkpoint.mode", "selective",
-                                                        "--activation_checkpoint.selective_ac_option", "2"], 1),
+    "ac_every2": (
+        "+ selective AC of every 2nd block",
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+        1,
+    ),
     "compile": ("+ compile.enable (model + loss, inductor)", ["--compile.enable"], 1),
     "bf16_kahan": ("pure bf16 weights + AdamWBF16Kahan", [*PURE_BF16, "--optimizer.name", "AdamWBF16Kahan"], 1),
     "fsdp2": ("FSDP over 2 ranks (torchrun), per-rank numbers", [], 2),
-    "tp2": ("tensor + sequence parallel over 2 ranks (torchrun), per-rank numbers",
-            ["--parallelism.tensor_parallel_degree", "2"], 2),
-    "pp2": ("pipeline parallel over 2 ranks, 1F1B, microbatch 1 (torchrun), per-rank numbers",
-            ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"], 2),
+    "tp2": (
+        "tensor + sequence parallel over 2 ranks (torchrun), per-rank numbers",
+        ["--parallelism.tensor_parallel_degree", "2"],
+        2,
+    ),
+    "pp2": (
+        "pipeline parallel over 2 ranks, 1F1B, microbatch 1 (torchrun), per-rank numbers",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+        2,
+    ),
     "ckpt_sync": ("synchronous checkpoint saves", ["--checkpoint.enable", "--checkpoint.async_mode", "disabled"], 1),
     "ckpt_async": ("async checkpoint saves", ["--checkpoint.enable", "--checkpoint.async_mode", "async"], 1),
     # Random tokens hold no documents, so these two read the sample corpus (packed help topics).
     "mask_causal": ("sample corpus, model.attention_mask causal", ["--training.dataset", "sample"], 1),
-    "mask_block_causal": ("sample corpus, block_causal (attention inside documents)",
-                          ["--training.dataset", "sample", "--model.attention_mask", "block_causal"], 1),
+    "mask_block_causal": (
+        "sample corpus, block_causal (attention inside documents)",
+        ["--training.dataset", "sample", "--model.attention_mask", "block_causal"],
+        1,
+    ),
 }
 DEFAULT_ROWS = "bare,titanlite,ac_full,ac_op,ac_every2,compile,bf16_kahan,fsdp2,tp2,pp2,ckpt_sync,ckpt_async,mask_causal,mask_block_causal"
 SHORT_ROWS = "bare,titanlite,fsdp2,ckpt_sync,ckpt_async"
@@ -112,8 +124,15 @@ def bare_loop(args) -> None:
     model_args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=vocab)
     model = Transformer(model_args).to(device)
     model.init_weights(seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                  fused=device.type == "cuda", foreach=device.type != "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=8e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        fused=device.type == "cuda",
+        foreach=device.type != "cuda",
+    )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
 
     def now() -> float:
@@ -140,27 +159,53 @@ def bare_loop(args) -> None:
     # Counted as the trainer counts them: the same FLOPs per token, peak table and memory reading.
     metrics = MetricsLogger(Metrics(), 0, device, flops_per_token(model, args.seq_len))
     tps, tflops, mfu_pct = metrics.throughput(args.steps * args.batch * args.seq_len, elapsed)
-    print(json.dumps({
-        "tps": tps, "step": elapsed / args.steps, "tflops": tflops, "mfu": "unknown" if mfu_pct is None else f"{mfu_pct:.2f}%",
-        "mem": peak_memory_gib(device), "data": 100 * data_seconds / elapsed, "loss": loss.item(),
-    }))
+    print(
+        json.dumps(
+            {
+                "tps": tps,
+                "step": elapsed / args.steps,
+                "tflops": tflops,
+                "mfu": "unknown" if mfu_pct is None else f"{mfu_pct:.2f}%",
+                "mem": peak_memory_gib(device),
+                "data": 100 * data_seconds / elapsed,
+                "loss": loss.item(),
+            }
+        )
+    )
 
 
 # ---------------------------------------------------------------- running rows
 def job_flags(folder: Path, seq_len: int, batch: int, steps: int) -> list[str]:
     return [
-        "--job.config_file", CONFIG, "--job.dump_folder", str(folder), "--training.seq_len", str(seq_len),
-        "--training.local_batch_size", str(batch), "--training.steps", str(steps),
+        "--job.config_file",
+        CONFIG,
+        "--job.dump_folder",
+        str(folder),
+        "--training.seq_len",
+        str(seq_len),
+        "--training.local_batch_size",
+        str(batch),
+        "--training.steps",
+        str(steps),
     ]
 
 
 def trainer_flags(args, folder: Path, extra: list[str]) -> list[str]:
     return [
-        *job_flags(folder, args.seq_len, args.batch, args.warmup + args.steps), "--training.dataset", "synthetic",
+        *job_flags(folder, args.seq_len, args.batch, args.warmup + args.steps),
+        "--training.dataset",
+        "synthetic",
         # The bare loop's attention: random tokens have no documents to mask apart (the mask rows set their own).
-        "--model.attention_mask", "causal",
-        "--training.mixed_precision_param", args.dtype, "--metrics.log_freq", str(args.log_freq),
-        "--metrics.summary_warmup_steps", str(args.warmup), "--lr_scheduler.warmup_steps", "2",
+        "--model.attention_mask",
+        "causal",
+        "--training.mixed_precision_param",
+        args.dtype,
+        "--metrics.log_freq",
+        str(args.log_freq),
+        "--metrics.summary_warmup_steps",
+        str(args.warmup),
+        "--lr_scheduler.warmup_steps",
+        "2",
         *extra,
     ]
 
@@ -181,8 +226,24 @@ def run_row(name: str, args, work: Path) -> dict:
 def measure_row(name: str, args, work: Path) -> dict:
     _, extra, procs = ROWS[name]
     if name == "bare":
-        output = run([sys.executable, __file__, "--bare-loop", "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-                      "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype], args.timeout)
+        output = run(
+            [
+                sys.executable,
+                __file__,
+                "--bare-loop",
+                "--seq-len",
+                str(args.seq_len),
+                "--batch",
+                str(args.batch),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--dtype",
+                args.dtype,
+            ],
+            args.timeout,
+        )
         return json.loads(output.strip().splitlines()[-1])
     folder = work / f"{name}-{time.monotonic_ns()}"
     if name.startswith("ckpt"):
@@ -206,7 +267,9 @@ def measure_row(name: str, args, work: Path) -> dict:
         # what those steps took beyond a step that no save touches.
         after = range(1, min(SAVE_STEPS_TOUCHED, args.ckpt_interval - 1) + 1)
         touched = {save: [save + k for k in after if save + k in seconds] for save, _, _ in row["saves"]}
-        untouched = [t for s, t in seconds.items() if s > args.warmup and not any(s in steps for steps in touched.values())]
+        untouched = [
+            t for s, t in seconds.items() if s > args.warmup and not any(s in steps for steps in touched.values())
+        ]
         usual = statistics.median(untouched) if untouched else float("nan")
         row["save_step_extra"] = [sum(seconds[s] - usual for s in steps) for steps in touched.values() if steps]
     return row
@@ -245,7 +308,7 @@ def sharded_memory_line(results: dict[str, dict], name: str) -> str:
     share = sharded["state"] / whole["state"]
     verdict = "within" if share <= 1.05 / 2 else "ABOVE"
     return (
-        f"{ {'fsdp2': 'FSDP', 'tp2': 'TP', 'pp2': 'PP'}[name]} memory: params + grads + optimizer state per rank {sharded['state']:.3f} MiB over 2 ranks vs "
+        f"{ {'fsdp2': 'FSDP', 'tp2': 'TP', 'pp2': 'PP'}[name] } memory: params + grads + optimizer state per rank {sharded['state']:.3f} MiB over 2 ranks vs "
         f"{whole['state']:.3f} MiB unsharded = {share:.4f} of it ({verdict} the 1.05/N = {1.05 / 2:.3f} bound)"
     )
 
@@ -259,7 +322,10 @@ def checkpoint_line(results: dict[str, dict]) -> str:
     async_total = statistics.mean(t for _, t, _ in asyn)
     share = async_blocked / sync_blocked
     verdict = "within" if share <= 0.05 else "ABOVE"
-    extra = {name: statistics.mean(results[name]["save_step_extra"] or [float("nan")]) for name in ("ckpt_sync", "ckpt_async")}
+    extra = {
+        name: statistics.mean(results[name]["save_step_extra"] or [float("nan")])
+        for name in ("ckpt_sync", "ckpt_async")
+    }
     return (
         f"checkpoint: a synchronous save blocks training {sync_blocked:.3f}s; an async save of the same state "
         f"blocks it {async_blocked:.3f}s (and completes in the background in {async_total:.3f}s) = "
@@ -281,9 +347,13 @@ def benchmark(args) -> None:
     work.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now()
     print(f"# titanlite benchmark, {started:%Y-%m-%d %H:%M}")
-    print(f"device: {device_name()}; torch {__import__('torch').__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    print(f"job: llama3 debugmodel, seq {args.seq_len}, batch {args.batch}, {args.dtype}, synthetic data, "
-          f"{args.steps} steps timed after {args.warmup} warm-up steps; {load()} at start")
+    print(
+        f"device: {device_name()}; torch {__import__('torch').__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+    )
+    print(
+        f"job: llama3 debugmodel, seq {args.seq_len}, batch {args.batch}, {args.dtype}, synthetic data, "
+        f"{args.steps} steps timed after {args.warmup} warm-up steps; {load()} at start"
+    )
     print(f"command: {command()}", flush=True)
     busy_at_start = os.getloadavg()[0] > 0.5 * os.cpu_count()
     results: dict[str, list[dict]] = {}
@@ -301,13 +371,17 @@ def benchmark(args) -> None:
     print()
     if "bare" in merged and "titanlite" in merged:
         ratio = merged["titanlite"]["tps"] / merged["bare"]["tps"]
-        print(f"overhead: titanlite runs at {ratio:.3f} x the bare loop's tokens/s ({100 * (1 - ratio):+.1f}% overhead; "
-              f"medians of {args.repeats} alternating runs each)")
+        print(
+            f"overhead: titanlite runs at {ratio:.3f} x the bare loop's tokens/s ({100 * (1 - ratio):+.1f}% overhead; "
+            f"medians of {args.repeats} alternating runs each)"
+        )
         if busy_at_start:
             # Two intra-op threads on cores that other processes also want spin at every barrier: the same
             # step was seen to take from 0.27 s to 4.4 s here, so a ratio taken on a busy machine says little.
-            print("the machine was busy at the start (load average above half the cores): other processes slow the "
-                  "runs unevenly; repeat the ratio on a quiet machine (or with OMP_NUM_THREADS=1 for both)")
+            print(
+                "the machine was busy at the start (load average above half the cores): other processes slow the "
+                "runs unevenly; repeat the ratio on a quiet machine (or with OMP_NUM_THREADS=1 for both)"
+            )
     for name in ("fsdp2", "tp2", "pp2"):
         if name in merged:
             print(sharded_memory_line(merged, name))
@@ -315,8 +389,10 @@ def benchmark(args) -> None:
         print(checkpoint_line(merged))
     if "mask_causal" in merged and "mask_block_causal" in merged:
         ratio = merged["mask_block_causal"]["tps"] / merged["mask_causal"]["tps"]
-        print(f"attention mask: block_causal runs at {ratio:.3f} x causal's tokens/s on the same packed documents "
-              "(MFU counts the same attention FLOPs for both: the mask's skipped scores are not discounted)")
+        print(
+            f"attention mask: block_causal runs at {ratio:.3f} x causal's tokens/s on the same packed documents "
+            "(MFU counts the same attention FLOPs for both: the mask's skipped scores are not discounted)"
+        )
     print(f"{load()} at the end; took {(datetime.datetime.now() - started).total_seconds():.0f}s")
 
 
@@ -340,7 +416,9 @@ def loader_throughput(args) -> None:
     print(f"command: {command()}")
     print("| loader | tokens/s per process |\n|---|---:|")
     for seq_len, batch, workers in LOADER_ROWS:
-        loader = build_dataloader(DataSpec("sample", str(store), seq_len, batch, num_workers=workers), tokenizer, 0, 1, 0)
+        loader = build_dataloader(
+            DataSpec("sample", str(store), seq_len, batch, num_workers=workers), tokenizer, 0, 1, 0
+        )
         batches = iter(loader)
         next(batches)  # start-up (worker processes, the first epoch's order) is not the steady rate
         tokens, began = 0, time.perf_counter()
@@ -362,18 +440,24 @@ def precision_curves(args) -> None:
         "bf16 AdamW (no compensation)": PURE_BF16,
     }
     print(f"# titanlite pure-bf16 check, {datetime.datetime.now():%Y-%m-%d %H:%M}")
-    print(f"device: {device_name()}; llama3 debugmodel on the sample corpus, seq {args.seq_len}, batch {args.batch}, "
-          f"{args.steps} steps, lr 8e-4 with 2 warm-up steps and linear decay to 0.1x")
+    print(
+        f"device: {device_name()}; llama3 debugmodel on the sample corpus, seq {args.seq_len}, batch {args.batch}, "
+        f"{args.steps} steps, lr 8e-4 with 2 warm-up steps and linear decay to 0.1x"
+    )
     print(f"command: {command()}", flush=True)
     curves = {}
     for name, extra in runs.items():
-        flags = [*job_flags(work / f"precision-{time.monotonic_ns()}", args.seq_len, args.batch, args.steps),
-                 "--metrics.log_freq", "1", *extra]
+        flags = [
+            *job_flags(work / f"precision-{time.monotonic_ns()}", args.seq_len, args.batch, args.steps),
+            "--metrics.log_freq",
+            "1",
+            *extra,
+        ]
         output = run([sys.executable, "-m", "titanlite.train", *flags], args.timeout)
         curves[name] = {int(s): float(v) for s, v in LOSS.findall(output)}
     reference = curves["fp32 AdamW"]
     steps = sorted(reference)
-    last = steps[-max(1, len(steps) // 5):]
+    last = steps[-max(1, len(steps) // 5) :]
     print()
     print("| run | final loss | mean abs gap to fp32, all steps | mean abs gap, last 20% of steps |")
     print("| --- | ---: | ---: | ---: |")
@@ -410,8 +494,11 @@ def main() -> None:
     if args.short:
         args.rows = args.rows if args.rows != DEFAULT_ROWS else SHORT_ROWS
         args.seq_len, args.batch = min(args.seq_len, 64), min(args.batch, 2)
-    defaults = {"steps": 4 if args.short else (100 if args.precision else 30), "warmup": 1 if args.short else 5,
-                "repeats": 1 if args.short else 3}
+    defaults = {
+        "steps": 4 if args.short else (100 if args.precision else 30),
+        "warmup": 1 if args.short else 5,
+        "repeats": 1 if args.short else 3,
+    }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -46,10 +46,26 @@ from titanlite.examples.chat_example import write_tokenizer_folder  # noqa: E402
 from titanlite.inference.decode import Sampling  # noqa: E402
 from titanlite.inference.prompts import Prompt  # noqa: E402
 
-CONFIG = dict(vocab_size=2048, hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
-              num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
-HUNDRED_M = dict(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
+CONFIG = dict(
+    vocab_size=2048,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+HUNDRED_M = dict(
+    vocab_size=16384,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
 MARKERS = ("<!-- generate rows -->", "<!-- /generate rows -->")
 
 
@@ -78,12 +94,16 @@ def compare(label: str, ours, theirs, batch: int, new_tokens: int, pairs: int) -
     ratios = [t / o for o, t in times]
     tokens = batch * new_tokens
     for number, ((o, t), ratio) in enumerate(zip(times, ratios), 1):
-        print(f"  {label}, batch {batch}, pair {number}: titanlite {o:.3f}s ({tokens / o:.0f} tok/s), "
-              f"transformers {t:.3f}s ({tokens / t:.0f} tok/s): {ratio:.2f}x")
+        print(
+            f"  {label}, batch {batch}, pair {number}: titanlite {o:.3f}s ({tokens / o:.0f} tok/s), "
+            f"transformers {t:.3f}s ({tokens / t:.0f} tok/s): {ratio:.2f}x"
+        )
     median = statistics.median(ratios)
     o, t = statistics.median(o for o, _ in times), statistics.median(t for _, t in times)
-    row = (f"| {label} | {batch} | {', '.join(map(str, sorted(set(prompt_lengths(batch)))))} | {tokens / o:.0f} | "
-           f"{tokens / t:.0f} | **{median:.2f}x** | {', '.join(f'{r:.2f}' for r in ratios)} |")
+    row = (
+        f"| {label} | {batch} | {', '.join(map(str, sorted(set(prompt_lengths(batch)))))} | {tokens / o:.0f} | "
+        f"{tokens / t:.0f} | **{median:.2f}x** | {', '.join(f'{r:.2f}' for r in ratios)} |"
+    )
     print(f"{label}, batch {batch}: median {median:.2f}x (pairs {', '.join(f'{r:.2f}' for r in ratios)})")
     return row, median
 
@@ -113,16 +133,20 @@ def comparisons_of(folder: Path, theirs, compiled: bool) -> list:
         static = transformers.LlamaForCausalLM.from_pretrained(folder).float().eval()
         static.generation_config.eos_token_id = None
         static.forward = torch.compile(static.forward)
-        comparisons += [("compiled vs default", lm, theirs, {}),
-                        ("compiled vs static + compile", lm, static, {"cache_implementation": "static"})]
+        comparisons += [
+            ("compiled vs default", lm, theirs, {}),
+            ("compiled vs static + compile", lm, static, {"cache_implementation": "static"}),
+        ]
     return comparisons
 
 
 def batch_rows(comparisons: list, batch: int, new_tokens: int, pairs: int) -> list[str]:
     """Each comparison's row at this batch size, the greedy tokens of both sides checked."""
     generator = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(3, CONFIG["vocab_size"], (length,), generator=generator).tolist()
-               for length in prompt_lengths(batch)]
+    prompts = [
+        torch.randint(3, CONFIG["vocab_size"], (length,), generator=generator).tolist()
+        for length in prompt_lengths(batch)
+    ]
     width = max(map(len, prompts))
     input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.arange(width)[None] >= width - torch.tensor([len(p) for p in prompts])[:, None]
@@ -136,8 +160,14 @@ def batch_rows(comparisons: list, batch: int, new_tokens: int, pairs: int) -> li
 
         def run_transformers():
             with torch.no_grad():
-                out = model.generate(input_ids=input_ids, attention_mask=attention_mask.long(), do_sample=False,
-                                     pad_token_id=0, max_new_tokens=new_tokens, **options)
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask.long(),
+                    do_sample=False,
+                    pad_token_id=0,
+                    max_new_tokens=new_tokens,
+                    **options,
+                )
             results["transformers"] = out[:, width:].tolist()
 
         row, _ = compare(label, run_titanlite, run_transformers, batch, new_tokens, pairs)
@@ -169,9 +199,15 @@ def bandwidth_row(folder: Path, new_tokens: int, pairs: int) -> str:
     read = sum(p.numel() * p.element_size() for p in weights)
     matrices = [p for p in weights if p.dim() == 2]
     with torch.no_grad():
-        sweep = min(seconds(lambda: [torch.nn.functional.linear(torch.ones(1, p.shape[1]), p) for p in matrices])
-                    for _ in range(3))
-    prompt = [Prompt("", torch.randint(3, HUNDRED_M["vocab_size"], (32,), generator=torch.Generator().manual_seed(1)).tolist())]
+        sweep = min(
+            seconds(lambda: [torch.nn.functional.linear(torch.ones(1, p.shape[1]), p) for p in matrices])
+            for _ in range(3)
+        )
+    prompt = [
+        Prompt(
+            "", torch.randint(3, HUNDRED_M["vocab_size"], (32,), generator=torch.Generator().manual_seed(1)).tolist()
+        )
+    ]
     sampling = Sampling(new_tokens, ignore_eos=True)
     lm.complete(prompt, sampling)  # the warm-up: compiles
     fractions, rates, limits = [], [], []
@@ -182,16 +218,22 @@ def bandwidth_row(folder: Path, new_tokens: int, pairs: int) -> str:
         rates.append(lm.speed.decode_tokens / lm.speed.decode_seconds)
         limits.append(bandwidth / read)
         fractions.append(rates[-1] / limits[-1])
-        print(f"  ~100M, batch 1, pair {number}: copy {bandwidth / 1e9:.1f} GB/s, limit {limits[-1]:.1f} tok/s, "
-              f"decode {rates[-1]:.1f} tok/s: {fractions[-1]:.2f} of the limit")
+        print(
+            f"  ~100M, batch 1, pair {number}: copy {bandwidth / 1e9:.1f} GB/s, limit {limits[-1]:.1f} tok/s, "
+            f"decode {rates[-1]:.1f} tok/s: {fractions[-1]:.2f} of the limit"
+        )
     median = statistics.median(fractions)
     params = sum(p.numel() for p in lm.model.parameters())
-    print(f"~100M ({params / 1e6:.1f}M parameters, {read / 1e6:.0f} MB read per token), batch 1: decode at {median:.2f} "
-          f"of the bandwidth limit (pairs {', '.join(f'{f:.2f}' for f in fractions)}); reading the weights once with "
-          f"F.linear: {1 / sweep / statistics.median(limits):.2f} of the limit")
-    return (f"| compiled, batch 1, {params / 1e6:.1f}M parameters ({read / 1e6:.0f} MB per token) | "
-            f"{statistics.median(limits):.1f} | {statistics.median(rates):.1f} | **{median:.2f}** | "
-            f"{', '.join(f'{f:.2f}' for f in fractions)} | {1 / sweep / statistics.median(limits):.2f} |")
+    print(
+        f"~100M ({params / 1e6:.1f}M parameters, {read / 1e6:.0f} MB read per token), batch 1: decode at {median:.2f} "
+        f"of the bandwidth limit (pairs {', '.join(f'{f:.2f}' for f in fractions)}); reading the weights once with "
+        f"F.linear: {1 / sweep / statistics.median(limits):.2f} of the limit"
+    )
+    return (
+        f"| compiled, batch 1, {params / 1e6:.1f}M parameters ({read / 1e6:.0f} MB per token) | "
+        f"{statistics.median(limits):.1f} | {statistics.median(rates):.1f} | **{median:.2f}** | "
+        f"{', '.join(f'{f:.2f}' for f in fractions)} | {1 / sweep / statistics.median(limits):.2f} |"
+    )
 
 
 def main() -> None:
@@ -210,13 +252,18 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     try:
         comparisons = comparisons_of(root / "small", random_folder(CONFIG, root / "small"), args.compiled)
-        print(f"CPU ({platform.processor() or platform.machine()}), {args.threads} thread(s), torch {torch.__version__}, "
-              f"transformers {transformers.__version__}; Llama {CONFIG['num_hidden_layers']} layers dim "
-              f"{CONFIG['hidden_size']} vocab {CONFIG['vocab_size']}, {args.new_tokens} new tokens, greedy fp32, "
-              f"median of {args.pairs} alternated pairs after a warm-up pair")
+        print(
+            f"CPU ({platform.processor() or platform.machine()}), {args.threads} thread(s), torch {torch.__version__}, "
+            f"transformers {transformers.__version__}; Llama {CONFIG['num_hidden_layers']} layers dim "
+            f"{CONFIG['hidden_size']} vocab {CONFIG['vocab_size']}, {args.new_tokens} new tokens, greedy fp32, "
+            f"median of {args.pairs} alternated pairs after a warm-up pair"
+        )
         load = f"{os.getloadavg()[0]:.1f}"
-        rows = [row for batch in map(int, args.batches.split(",")) for row in
-                batch_rows(comparisons, batch, args.new_tokens, args.pairs)]
+        rows = [
+            row
+            for batch in map(int, args.batches.split(","))
+            for row in batch_rows(comparisons, batch, args.new_tokens, args.pairs)
+        ]
         del comparisons
         limit = bandwidth_row(root / "100M", args.new_tokens, args.pairs) if args.bandwidth else None
         load += f" to {os.getloadavg()[0]:.1f}"
@@ -233,14 +280,18 @@ def write_rows(path: Path, rows: list[str], limit: str | None, threads: int, loa
     import transformers
 
     command = "python " + shlex.join(["scripts/benchmark_generate.py", *sys.argv[1:]])
-    block = (f"{datetime.date.today()}, CPU ({platform.machine()}, {os.cpu_count()} cores, {threads} thread(s) used, "
-             f"load average {load} during the run), torch {torch.__version__}, transformers {transformers.__version__}: "
-             f"`{command}`\n\n"
-             "| titanlite vs transformers | batch | prompt tokens | titanlite tok/s | transformers tok/s | speed-up (median) | "
-             "pairs | same tokens |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    block = (
+        f"{datetime.date.today()}, CPU ({platform.machine()}, {os.cpu_count()} cores, {threads} thread(s) used, "
+        f"load average {load} during the run), torch {torch.__version__}, transformers {transformers.__version__}: "
+        f"`{command}`\n\n"
+        "| titanlite vs transformers | batch | prompt tokens | titanlite tok/s | transformers tok/s | speed-up (median) | "
+        "pairs | same tokens |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
     if limit:
-        block += ("\n| decode against the bandwidth limit | limit tok/s | decode tok/s | fraction (median) | pairs | "
-                  "reading the weights once |\n|---|---|---|---|---|---|\n" + limit + "\n")
+        block += (
+            "\n| decode against the bandwidth limit | limit tok/s | decode tok/s | fraction (median) | pairs | "
+            "reading the weights once |\n|---|---|---|---|---|---|\n" + limit + "\n"
+        )
     text = path.read_text()
     start = text.index(MARKERS[0]) + len(MARKERS[0])
     path.write_text(text[:start] + "\n" + block + "\n" + text[start:].lstrip("\n"))

@@ -55,7 +55,7 @@ def write_chats(folder: Path, count: int, seed: int = 0) -> tuple[Path, list[int
     while len(records) < count:
         words = texts[rng.integers(len(texts))].split()
         target, start = int(rng.integers(SHORTEST, LONGEST + 1)), int(rng.integers(0, len(words) - 8))
-        question = {"role": "user", "content": f"Tell me about {' '.join(words[start:start + 3])}."}
+        question = {"role": "user", "content": f"Tell me about {' '.join(words[start : start + 3])}."}
         around = rendered_length(tokenizer, [question, {"role": "assistant", "content": ""}])
         answer = tokenizer(" ".join(words[start:]), add_special_tokens=False)["input_ids"][: max(target - around, 1)]
         messages = [question, {"role": "assistant", "content": tokenizer.decode(answer).strip()}]
@@ -70,19 +70,49 @@ def write_chats(folder: Path, count: int, seed: int = 0) -> tuple[Path, list[int
 
 def train(folder: Path, data: Path, args, packing: bool) -> dict:
     """One run; returns its mean step, trained tokens per step and trained tokens per second."""
-    argv = [sys.executable, "-m", "titanlite.train", "--job.config_file", "train_configs/debug_model.toml",
-            "--job.device", "cpu", "--job.dump_folder", str(folder / "dump"), "--model.name", "qwen3",
-            "--model.flavor", "debugmodel", "--model.hf_assets_path", str(folder / "tokenizer"),
-            "--training.dataset_path", str(data), "--training.dataset_format", "chat", "--training.seq_len",
-            str(args.seq_len), "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
-            "--training.packing", str(packing).lower(), "--training.mixed_precision_param", "float32",
-            "--metrics.log_freq", "1", "--metrics.summary_warmup_steps", str(args.warmup)]
+    argv = [
+        sys.executable,
+        "-m",
+        "titanlite.train",
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.device",
+        "cpu",
+        "--job.dump_folder",
+        str(folder / "dump"),
+        "--model.name",
+        "qwen3",
+        "--model.flavor",
+        "debugmodel",
+        "--model.hf_assets_path",
+        str(folder / "tokenizer"),
+        "--training.dataset_path",
+        str(data),
+        "--training.dataset_format",
+        "chat",
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.local_batch_size",
+        str(args.batch),
+        "--training.steps",
+        str(args.steps),
+        "--training.packing",
+        str(packing).lower(),
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.summary_warmup_steps",
+        str(args.warmup),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"the {'packed' if packing else 'unpacked'} run failed:\n{out.stderr[-3000:]}")
-    trained = {int(step): int(count.replace(",", "")) for step, count in
-               re.findall(r"step: +(\d+) .*trained: ([\d,]+)", out.stderr)}
+    trained = {
+        int(step): int(count.replace(",", ""))
+        for step, count in re.findall(r"step: +(\d+) .*trained: ([\d,]+)", out.stderr)
+    }
     step = float(re.search(r"run summary: .* step: ([\d.]+)s", out.stderr).group(1))
     fill = re.search(r"the windows are (\d+)% full", out.stderr).group(1)
     per_step = statistics.mean(trained[s] for s in range(args.warmup + 1, args.steps + 1))
@@ -107,22 +137,31 @@ def main(argv: list[str] | None = None) -> int:
 def measure(work: Path, args) -> int:
     write_tokenizer_folder(work / "tokenizer")
     data, lengths = write_chats(work, args.conversations)
-    print(f"device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s) "
-          f"per run), torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s) "
+        f"per run), torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"command: python scripts/benchmark_packing.py {shlex.join(sys.argv[1:])}")
-    print(f"data: {len(lengths)} ChatML conversations of {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}); "
-          f"debug Qwen3, seq_len {args.seq_len}, local batch {args.batch}, fp32, steps {args.warmup + 1}-{args.steps} timed")
+    print(
+        f"data: {len(lengths)} ChatML conversations of {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}); "
+        f"debug Qwen3, seq_len {args.seq_len}, local batch {args.batch}, fp32, steps {args.warmup + 1}-{args.steps} timed"
+    )
     ratios = []
     for number in range(1, args.pairs + 1):
         order = (True, False) if number % 2 else (False, True)
         runs = {packing: train(work, data, args, packing) for packing in order}
         ratios.append(runs[True]["tps"] / runs[False]["tps"])
-        sides = ";  ".join(f"{'packed' if p else 'unpacked'} {r['tps']:,.0f} trained tok/s ({r['trained_per_step']:,.0f} "
-                           f"per step of {r['step']:.3f} s, windows {r['fill']}% full)" for p, r in runs.items())
+        sides = ";  ".join(
+            f"{'packed' if p else 'unpacked'} {r['tps']:,.0f} trained tok/s ({r['trained_per_step']:,.0f} "
+            f"per step of {r['step']:.3f} s, windows {r['fill']}% full)"
+            for p, r in runs.items()
+        )
         print(f"pair {number}: {sides}: {ratios[-1]:.2f}x")
-    print(f"packed / unpacked trained tokens per second: median {statistics.median(ratios):.2f}x "
-          f"(pairs {', '.join(f'{r:.2f}' for r in ratios)})")
+    print(
+        f"packed / unpacked trained tokens per second: median {statistics.median(ratios):.2f}x "
+        f"(pairs {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -35,7 +35,7 @@ def tiktoken_merge(parts: list[bytes], ranks: dict[bytes, int]) -> list[bytes]:
                 best_rank, best_at = rank, at
         if best_rank is None:
             break
-        parts[best_at:best_at + 2] = [parts[best_at] + parts[best_at + 1]]
+        parts[best_at : best_at + 2] = [parts[best_at] + parts[best_at + 1]]
     return parts
 
 
@@ -84,7 +84,9 @@ def train_bpe(pieces: Counter, num_ranks: int) -> tuple[dict[bytes, int], dict[b
 
 
 def write_tiktoken_file(ranks: dict[bytes, int], path: Path) -> None:
-    lines = [f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    lines = [
+        f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(lines))
 

@@ -26,14 +26,20 @@ def item_fields(f: dataclasses.Field) -> str:
     item = typing.get_args(f.type)[0] if typing.get_origin(f.type) is list else None
     if not dataclasses.is_dataclass(item):
         return ""
-    return "; each item: " + ", ".join(f"`{g.name}` ({field_doc(g)}; default {shown_default(g) or 'empty'})"
-                                       for g in dataclasses.fields(item))
+    return "; each item: " + ", ".join(
+        f"`{g.name}` ({field_doc(g)}; default {shown_default(g) or 'empty'})" for g in dataclasses.fields(item)
+    )
 
 
 def reference() -> str:
     aliases = {section: alias for alias, section in SECTION_ALIASES.items()}
-    lines = [HEADING, "", "Generated from `titanlite/config_sections.py` by `scripts/config_reference.py`; "
-             "`python -m titanlite.train --help` prints the same.", ""]
+    lines = [
+        HEADING,
+        "",
+        "Generated from `titanlite/config_sections.py` by `scripts/config_reference.py`; "
+        "`python -m titanlite.train --help` prints the same.",
+        "",
+    ]
     for name, section in _sections().items():
         also = f" (also `[{aliases[name]}]`)" if name in aliases else ""
         lines += [f"**`[{name}]`**{also}", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]

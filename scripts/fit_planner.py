@@ -47,11 +47,20 @@ def set_constants(values) -> None:
 def fit_memory() -> None:
     """memory.COMPILED_KEPT on the compiled tuning rows with a measured peak: the peak, where the start of
     backward sets it, is lower + kept x (eager - lower); a reserved figure adds the allocator's margin."""
-    rows = [(item, plan_row(item).memory) for item in ROWS if item.tuning and item.memory_gib and row_config(item).compile.enable]
+    rows = [
+        (item, plan_row(item).memory)
+        for item in ROWS
+        if item.tuning and item.memory_gib and row_config(item).compile.enable
+    ]
 
     def residuals(kept):
-        return np.array([np.log(predicted_memory_gib(item, low + kept[0] * (high - low)) / item.memory_gib)
-                         for item, memory in rows for low, high in [memory.peak_range]])
+        return np.array(
+            [
+                np.log(predicted_memory_gib(item, low + kept[0] * (high - low)) / item.memory_gib)
+                for item, memory in rows
+                for low, high in [memory.peak_range]
+            ]
+        )
 
     fit = least_squares(residuals, [0.3], bounds=([0.0], [1.0]))
     print(f"COMPILED_KEPT = {fit.x[0]:.3g}")
@@ -67,8 +76,11 @@ def main() -> None:
         set_constants(values)
         return np.array([np.log(job_speed(*inputs).tps / item.tps) for item, inputs in rows])
 
-    fit = least_squares(residuals, [start for _, start, _ in CONSTANTS],
-                        bounds=([low for _, _, (low, _) in CONSTANTS], [high for _, _, (_, high) in CONSTANTS]))
+    fit = least_squares(
+        residuals,
+        [start for _, start, _ in CONSTANTS],
+        bounds=([low for _, _, (low, _) in CONSTANTS], [high for _, _, (_, high) in CONSTANTS]),
+    )
     for (name, _, _), value in zip(CONSTANTS, fit.x):
         print(f"{name} = {value:.3g}")
     for (item, _), error in zip(rows, residuals(fit.x)):

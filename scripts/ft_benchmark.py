@@ -50,26 +50,70 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ft_benchmark_"))
     env = child_env()
-    subprocess.run([sys.executable, "-m", "titanlite.data.prepare", "--input", "sample", "--output", str(work / "store")],
-                   env=env, check=True, capture_output=True)
-    common = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.device", args.device,
-              "--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len), "--training.local_batch_size", "4",
-              "--training.dataset_path", str(work / "store"), "--metrics.log_freq", "1000"]
-    hsdp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "titanlite.train", *common, "--parallelism.data_parallel_replicate_degree", "2",
-                           "--job.dump_folder", str(work / "hsdp")], env=env, capture_output=True, text=True)
-    rows = [("plain HSDP (torchrun, dp_replicate 2, FSDP2):", step_seconds([hsdp.stdout + hsdp.stderr])),
-            ("no torchft, one gloo all-reduce per tensor:", pair_step_seconds(common, work, "plain", ["tensors"])),
-            ("no torchft, one flat all-reduce (torch.cat):", pair_step_seconds(common, work, "flat", ["flat"])),
-            ("torchft, quorum + average + commit per step:", pair_step_seconds(common, work, "ft", [])),
-            (f"torchft DiLoCo, sync every {args.sync_steps} steps:",
-             pair_step_seconds(common, work, "diloco", ["--fault_tolerance.semi_sync_method", "diloco",
-                                                         "--fault_tolerance.sync_steps", str(args.sync_steps)]))]
+    subprocess.run(
+        [sys.executable, "-m", "titanlite.data.prepare", "--input", "sample", "--output", str(work / "store")],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    common = [
+        "--job.config_file",
+        str(ROOT / "train_configs" / "debug_model.toml"),
+        "--job.device",
+        args.device,
+        "--training.steps",
+        str(args.steps),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.local_batch_size",
+        "4",
+        "--training.dataset_path",
+        str(work / "store"),
+        "--metrics.log_freq",
+        "1000",
+    ]
+    hsdp = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "titanlite.train",
+            *common,
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--job.dump_folder",
+            str(work / "hsdp"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    rows = [
+        ("plain HSDP (torchrun, dp_replicate 2, FSDP2):", step_seconds([hsdp.stdout + hsdp.stderr])),
+        ("no torchft, one gloo all-reduce per tensor:", pair_step_seconds(common, work, "plain", ["tensors"])),
+        ("no torchft, one flat all-reduce (torch.cat):", pair_step_seconds(common, work, "flat", ["flat"])),
+        ("torchft, quorum + average + commit per step:", pair_step_seconds(common, work, "ft", [])),
+        (
+            f"torchft DiLoCo, sync every {args.sync_steps} steps:",
+            pair_step_seconds(
+                common,
+                work,
+                "diloco",
+                ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(args.sync_steps)],
+            ),
+        ),
+    ]
     base = rows[1][1]
     print(f"device {args.device}, debug model seq {args.seq_len}, 2 processes x local batch 4, {args.steps} steps")
     for label, seconds in rows:
-        print(f"{label:<48}{seconds:.4f} s/step  ({seconds - base:+.4f} s, {100 * (seconds / base - 1):+.1f}% against "
-              "the per-tensor all-reduce without torchft)")
+        print(
+            f"{label:<48}{seconds:.4f} s/step  ({seconds - base:+.4f} s, {100 * (seconds / base - 1):+.1f}% against "
+            "the per-tensor all-reduce without torchft)"
+        )
 
 
 def pair_step_seconds(common: list[str], work: Path, name: str, mode: list[str]) -> float:
@@ -79,23 +123,62 @@ def pair_step_seconds(common: list[str], work: Path, name: str, mode: list[str])
     env, port = child_env(), free_port()
     lighthouse = None
     if mode in (["tensors"], ["flat"]):
-        commands = [[sys.executable, __file__, "--baseline_worker", str(r), str(port), mode[0], *common,
-                     "--job.dump_folder", str(work / f"{name}{r}")] for r in (0, 1)]
+        commands = [
+            [
+                sys.executable,
+                __file__,
+                "--baseline_worker",
+                str(r),
+                str(port),
+                mode[0],
+                *common,
+                "--job.dump_folder",
+                str(work / f"{name}{r}"),
+            ]
+            for r in (0, 1)
+        ]
     else:
-        lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
-                                       "--bind", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        lighthouse = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "torchft_lighthouse"),
+                "--min_replicas",
+                "1",
+                "--bind",
+                f"127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         env["TORCHFT_LIGHTHOUSE"] = f"http://127.0.0.1:{port}"
         time.sleep(1)
-        commands = [[sys.executable, "-m", "titanlite.train", *common, "--fault_tolerance.enable", "true",
-                     "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(r),
-                     "--fault_tolerance.min_replica_size", "2", "--job.dump_folder", str(work / f"{name}{r}"), *mode]
-                    for r in (0, 1)]
+        commands = [
+            [
+                sys.executable,
+                "-m",
+                "titanlite.train",
+                *common,
+                "--fault_tolerance.enable",
+                "true",
+                "--fault_tolerance.group_size",
+                "2",
+                "--fault_tolerance.replica_id",
+                str(r),
+                "--fault_tolerance.min_replica_size",
+                "2",
+                "--job.dump_folder",
+                str(work / f"{name}{r}"),
+                *mode,
+            ]
+            for r in (0, 1)
+        ]
     # Each group's output goes to a file: read from pipes one after the other, a group whose pipe filled (torchft
     # logs every quorum) would block on its next line, miss its quorum and end the other group's run too.
     logs = [work / f"{name}{r}.log" for r in (0, 1)]
     try:
-        groups = [subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-                  for command, log in zip(commands, logs)]
+        groups = [
+            subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+            for command, log in zip(commands, logs)
+        ]
         for group in groups:
             group.wait()
         return step_seconds([log.read_text() for log in logs])
@@ -123,14 +206,16 @@ def baseline_worker(rank: int, port: int, mode: str, train_args: list[str]) -> i
             self.pg = dist.ProcessGroupGloo(dist.TCPStore("127.0.0.1", port, 2, rank == 0), rank, 2)
 
         def average(self, model, loss, expert_loads=None) -> None:
-            tensors = [local_tensor(param.grad) for param in model.parameters() if param.grad is not None] + [loss.view(1)]
+            tensors = [local_tensor(param.grad) for param in model.parameters() if param.grad is not None] + [
+                loss.view(1)
+            ]
             if mode == "flat":
                 flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
                 self.pg.allreduce([flat]).wait()
                 flat /= 2
                 offset = 0
                 for tensor in tensors:  # the flat path's second copy, back into the gradients
-                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
                 return
             for work in [self.pg.allreduce([tensor]) for tensor in tensors]:

@@ -27,12 +27,37 @@ CONFIG = "train_configs/llama3_1b.toml"
 # tokens would make block_causal cut windows at random bos ids), no AC, no compile, no float8 unless a
 # row says so. The shipped tokenizer: nothing to download. 30 steps, the first 10 left out of the summary.
 COMMON = [
-    "--model.tokenizer_path=", "--training.dataset", "synthetic", "--model.attention_mask", "causal",
-    "--training.local_batch_size", "2", "--training.seq_len", "8192", "--training.steps", "30",
-    "--metrics.log_freq", "10", "--metrics.summary_warmup_steps", "10", "--metrics.enable_tensorboard", "false",
-    "--activation_checkpoint.mode", "none", "--compile.enable", "false", "--float8.enable", "false",
-    "--float8.enable_fsdp_float8_all_gather", "false", "--float8.precompute_float8_dynamic_scale_for_fsdp", "false",
-    "--plan.nodes", "1", "--plan.gpus_per_node", "1",
+    "--model.tokenizer_path=",
+    "--training.dataset",
+    "synthetic",
+    "--model.attention_mask",
+    "causal",
+    "--training.local_batch_size",
+    "2",
+    "--training.seq_len",
+    "8192",
+    "--training.steps",
+    "30",
+    "--metrics.log_freq",
+    "10",
+    "--metrics.summary_warmup_steps",
+    "10",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--activation_checkpoint.mode",
+    "none",
+    "--compile.enable",
+    "false",
+    "--float8.enable",
+    "false",
+    "--float8.enable_fsdp_float8_all_gather",
+    "false",
+    "--float8.precompute_float8_dynamic_scale_for_fsdp",
+    "false",
+    "--plan.nodes",
+    "1",
+    "--plan.gpus_per_node",
+    "1",
 ]
 COMPILE = ["--compile.enable"]
 OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
@@ -43,8 +68,16 @@ LOSS_CHUNKS = ["--training.loss_chunk_tokens", "4096"]
 SAMPLE = ["--training.dataset", "sample"]
 BLOCK_CAUSAL = ["--model.attention_mask", "block_causal"]
 LAYERS_8B = ["--model.flavor", "8B", "--model.n_layers", "8", "--training.local_batch_size", "1"]
-SAVES = ["--training.steps", "40", "--checkpoint.enable", "--checkpoint.interval", "10",
-         "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "20"]
+SAVES = [
+    "--training.steps",
+    "40",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "10",
+    "--profiling.enable_memory_snapshot",
+    "--profiling.profile_freq",
+    "20",
+]
 
 GROUPS: dict[str, dict[str, list[str]]] = {
     "table": {  # the issue's table, row by row
@@ -53,8 +86,15 @@ GROUPS: dict[str, dict[str, list[str]]] = {
         "compile_ac_op": COMPILE + OP_AC,
         "float8_tensorwise": COMPILE + FLOAT8,
         "float8_rowwise": COMPILE + ["--float8.enable", "--float8.recipe_name", "rowwise"],
-        "bf16_kahan": COMPILE + ["--training.param_dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16",
-                                 "--optimizer.name", "AdamWBF16Kahan"],
+        "bf16_kahan": COMPILE
+        + [
+            "--training.param_dtype",
+            "bfloat16",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--optimizer.name",
+            "AdamWBF16Kahan",
+        ],
     },
     "offload": {  # batch 1 as the issue ran it; target: offload at most 1.3x slower than without
         "eager_b1": BATCH_1,
@@ -128,7 +168,9 @@ def markdown(results: dict[str, dict]) -> str:
 
 def write_report(out: Path) -> str:
     """gpu_check.json and gpu_check.md from every run's log present in `out`, in RUNS order."""
-    results = {name: summary_figures((out / f"{name}.log").read_text()) for name in RUNS if (out / f"{name}.log").exists()}
+    results = {
+        name: summary_figures((out / f"{name}.log").read_text()) for name in RUNS if (out / f"{name}.log").exists()
+    }
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     (out / "gpu_check.md").write_text(table)
@@ -143,8 +185,24 @@ TEST_GROUPS = {  # name -> pytest's selection
 
 def run_tests(group: str, out: Path) -> None:
     with open(out / f"{group}.log", "w") as log:
-        code = subprocess.call([sys.executable, "-m", "pytest", "-n", "8", "-v", "-p", "no:cacheprovider", "-rfEs",
-                                *TEST_GROUPS[group], "tests"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        code = subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-n",
+                "8",
+                "-v",
+                "-p",
+                "no:cacheprovider",
+                "-rfEs",
+                *TEST_GROUPS[group],
+                "tests",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     print(f"{group}: {'passed' if code == 0 else f'FAILED (exit {code}), see {out}/{group}.log'}", flush=True)
 
 
@@ -152,13 +210,27 @@ RUN_TIMEOUT_S = 240  # a run takes about a minute; a hung one must not take the 
 
 
 def train(name: str, out: Path, gpu: str) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-               "-m", "titanlite.train", *job_arguments(name, out, gpu)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        "-m",
+        "titanlite.train",
+        *job_arguments(name, out, gpu),
+    ]
     with open(out / f"{name}.log", "w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
-        run = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+        run = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+        )
         try:
             code = run.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -178,14 +250,19 @@ def main(argv: list[str]) -> int:
         return 0
     items = argv[1:]
     if not items or any(item not in (*TEST_GROUPS, *GROUPS, *RUNS) for item in items):
-        print(f"usage: python3 scripts/gpu_check.py OUT_DIR ITEM [ITEM ...] (groups: {' '.join([*TEST_GROUPS, *GROUPS])}; "
-              "or run names, see --list) | --list", file=sys.stderr)
+        print(
+            f"usage: python3 scripts/gpu_check.py OUT_DIR ITEM [ITEM ...] (groups: {' '.join([*TEST_GROUPS, *GROUPS])}; "
+            "or run names, see --list) | --list",
+            file=sys.stderr,
+        )
         return 2
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_check.py: no CUDA GPU is visible (torch.cuda.is_available() is false); run it on a GPU machine",
-              file=sys.stderr)
+        print(
+            "gpu_check.py: no CUDA GPU is visible (torch.cuda.is_available() is false); run it on a GPU machine",
+            file=sys.stderr,
+        )
         return 1
     device_name = torch.cuda.get_device_name()
     out = Path(argv[0]).resolve()

@@ -22,15 +22,36 @@ def main() -> None:
     parser.add_argument("--model", default="outputs/arithmetic_sft/checkpoint/step-600-hf")
     parser.add_argument("--prompts", default="outputs/arithmetic/prompts.jsonl")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--gradient_checkpointing", default="true", choices=("true", "false"),
-                        help="TRL's default is true; titanlite's activation_checkpoint.mode is none")
+    parser.add_argument(
+        "--gradient_checkpointing",
+        default="true",
+        choices=("true", "false"),
+        help="TRL's default is true; titanlite's activation_checkpoint.mode is none",
+    )
     parser.add_argument("--output", default="/tmp/trl_grpo")
     args = parser.parse_args()
     config = GRPOConfig(
-        output_dir=args.output, use_cpu=True, bf16=False, max_steps=args.steps, per_device_train_batch_size=32,
-        gradient_accumulation_steps=4, num_generations=8, max_completion_length=32, temperature=1.0, loss_type="dapo",
-        beta=0.0, learning_rate=2e-4, warmup_steps=5, lr_scheduler_type="linear", weight_decay=0.0, logging_steps=5,
-        save_strategy="no", report_to="none", seed=0, gradient_checkpointing=args.gradient_checkpointing == "true")
+        output_dir=args.output,
+        use_cpu=True,
+        bf16=False,
+        max_steps=args.steps,
+        per_device_train_batch_size=32,
+        gradient_accumulation_steps=4,
+        num_generations=8,
+        max_completion_length=32,
+        temperature=1.0,
+        loss_type="dapo",
+        beta=0.0,
+        learning_rate=2e-4,
+        warmup_steps=5,
+        lr_scheduler_type="linear",
+        weight_decay=0.0,
+        logging_steps=5,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        gradient_checkpointing=args.gradient_checkpointing == "true",
+    )
     prompts = datasets.load_dataset("json", data_files=args.prompts, split="train")
     trainer = GRPOTrainer(model=args.model, reward_funcs=[math_answer], args=config, train_dataset=prompts)
     began = time.perf_counter()

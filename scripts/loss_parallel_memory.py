@@ -36,8 +36,10 @@ def main() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     plain, parallel = peaks(None), peaks(mesh)
-    print(f"torch {torch.__version__}: peak fp32 logits copies (forward, backward): plain kernels "
-          f"{plain[0]:.1f}, {plain[1]:.1f}; loss_parallel {parallel[0]:.1f}, {parallel[1]:.1f}")
+    print(
+        f"torch {torch.__version__}: peak fp32 logits copies (forward, backward): plain kernels "
+        f"{plain[0]:.1f}, {plain[1]:.1f}; loss_parallel {parallel[0]:.1f}, {parallel[1]:.1f}"
+    )
     dist.destroy_process_group()
 
 

@@ -20,8 +20,16 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 
 STEPS, BATCH, SEQ, EVAL_EVERY, EVAL_BATCHES = 40, 4, 128, 5, 4
 # (optimizer, lr, muon_lr): Muon's AdamW half (embedding, norms, output) keeps AdamW's best lr; its matrices' lr is swept.
-RUNS = [("AdamW", 3e-4, -1.0), ("AdamW", 1e-3, -1.0), ("AdamW", 3e-3, -1.0), ("AdamW", 1e-2, -1.0),
-        ("Muon", 1e-3, 3e-3), ("Muon", 1e-3, 1e-2), ("Muon", 1e-3, 3e-2), ("Muon", 1e-3, 1e-1)]
+RUNS = [
+    ("AdamW", 3e-4, -1.0),
+    ("AdamW", 1e-3, -1.0),
+    ("AdamW", 3e-3, -1.0),
+    ("AdamW", 1e-2, -1.0),
+    ("Muon", 1e-3, 3e-3),
+    ("Muon", 1e-3, 1e-2),
+    ("Muon", 1e-3, 3e-2),
+    ("Muon", 1e-3, 1e-1),
+]
 SCHEDULE = LRScheduler(warmup_steps=4, decay_type="linear", min_lr_factor=0.1)
 
 
@@ -33,7 +41,9 @@ def batches(tokenizer, dataset: str, count: int) -> list:
 
 @torch.no_grad()
 def held_out_loss(model, held_out: list) -> float:
-    return sum(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item() for x, y, *_ in held_out) / len(held_out)
+    return sum(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item() for x, y, *_ in held_out) / len(
+        held_out
+    )
 
 
 def train(name: str, lr: float, muon_lr: float, data: list, held_out: list, vocab: int) -> list[float]:

@@ -117,7 +117,9 @@ def tokenizer_folder(folder: Path, template: str) -> Path:
     return folder
 
 
-def calling_model(folder: Path, template: str, scale: float = 10.0, prompt_end: str = "<|im_start|>assistant\n") -> Path:
+def calling_model(
+    folder: Path, template: str, scale: float = 10.0, prompt_end: str = "<|im_start|>assistant\n"
+) -> Path:
     """An HF folder of the model described above, its tokenizer beside it (the template as its chat template). With a
     smaller `scale` it calls less surely: at 1.2 it writes CALL after the prompt in about 60% of the samples, some
     random token otherwise (and goes on at random)."""
@@ -128,9 +130,16 @@ def calling_model(folder: Path, template: str, scale: float = 10.0, prompt_end: 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     last = tokenizer.encode(prompt_end, add_special_tokens=False).ids[-1]
     call, end = tokenizer.token_to_id(CALL), tokenizer.token_to_id("<|im_end|>")
-    config = transformers.LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                      max_position_embeddings=1024, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM(config).float()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -144,6 +153,10 @@ def calling_model(folder: Path, template: str, scale: float = 10.0, prompt_end: 
 
 
 def prompts_file(path: Path, count: int) -> Path:
-    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 3?"}],
-                                        "answer": str(i + 3)}) + "\n" for i in range(count)))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 3?"}], "answer": str(i + 3)}) + "\n"
+            for i in range(count)
+        )
+    )
     return path

@@ -29,14 +29,22 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_addoption(parser):
-    parser.addoption("--extended", action="store_true",
-                     help="also run the extended tier: wider or repeated checks of what the default tier checks more cheaply")
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        help="also run the extended tier: wider or repeated checks of what the default tier checks more cheaply",
+    )
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: runs the real GPU code paths; skipped (with the reason) without a CUDA GPU")
-    config.addinivalue_line("markers", "extended: a wider or repeated check of a capability the default tier checks more "
-                                       "cheaply (every layout, schedule, family or shipped config); run with --extended")
+    config.addinivalue_line(
+        "markers", "cuda: runs the real GPU code paths; skipped (with the reason) without a CUDA GPU"
+    )
+    config.addinivalue_line(
+        "markers",
+        "extended: a wider or repeated check of a capability the default tier checks more "
+        "cheaply (every layout, schedule, family or shipped config); run with --extended",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,8 +83,9 @@ def titanlite_logger_fresh():
     yield
 
 
-def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict | None = None,
-                  fresh_ranks: bool = False) -> subprocess.CompletedProcess:
+def run_titanlite(
+    args: list[str], nproc: int = 0, timeout: int = 300, env: dict | None = None, fresh_ranks: bool = False
+) -> subprocess.CompletedProcess:
     """python -m titanlite.train (nproc 0) or torchrun --standalone with nproc processes, on the CPU
     unless args say --job.device cuda/auto: the command a user types, run by tests/preloaded.py (the
     launcher's own imports done once). torchrun's ranks are forked from that launcher
@@ -88,7 +97,9 @@ def run_titanlite(args: list[str], nproc: int = 0, timeout: int = 300, env: dict
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     else:
         launcher = []
-    return run_python([*launcher, "-m", "titanlite.train", *ON_CPU, *args], str(ROOT), {**os.environ, **(env or {})}, timeout)
+    return run_python(
+        [*launcher, "-m", "titanlite.train", *ON_CPU, *args], str(ROOT), {**os.environ, **(env or {})}, timeout
+    )
 
 
 def with_root_on_path() -> dict:
@@ -145,9 +156,19 @@ def assert_planned_state(args: list[str], world: int, output: str, keys=("params
 def tiny_run(tmp_path):
     """Flags for a very small, fast llama debug run writing into tmp_path."""
     return [
-        *ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path),
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "4",
-        "--metrics.log_freq", "1",
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "4",
+        "--metrics.log_freq",
+        "1",
     ]
 
 
@@ -177,9 +198,15 @@ def checkpointed_run(model, checkpoint, dump_folder, model_name: str = "linear",
 
     cfg = JobConfig()
     cfg.checkpoint, cfg.job.dump_folder = checkpoint, str(dump_folder)
-    return SimpleNamespace(cfg=cfg, model=model, label=model_name, args=args, tokenizer=SimpleNamespace(path=None),
-                           spec=SimpleNamespace(hf_adapter=spec.hf_adapter if spec else None),
-                           dims=SimpleNamespace(dp_rank=0, dp_degree=1))
+    return SimpleNamespace(
+        cfg=cfg,
+        model=model,
+        label=model_name,
+        args=args,
+        tokenizer=SimpleNamespace(path=None),
+        spec=SimpleNamespace(hf_adapter=spec.hf_adapter if spec else None),
+        dims=SimpleNamespace(dp_rank=0, dp_degree=1),
+    )
 
 
 def checkpointed_training(optimizer, scheduler, dataloader):
@@ -190,7 +217,9 @@ def checkpointed_training(optimizer, scheduler, dataloader):
     from titanlite.run import Training
 
     alone = Alone()
-    return Training(optimizer, scheduler, dataloader, steps=0, metrics=SimpleNamespace(write_scalars=None), replicas=alone)
+    return Training(
+        optimizer, scheduler, dataloader, steps=0, metrics=SimpleNamespace(write_scalars=None), replicas=alone
+    )
 
 
 @pytest.fixture
@@ -209,9 +238,10 @@ def tmpfs(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode:
         pytest.skip(f"mount -t tmpfs failed: {done.stderr.strip()}")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
-

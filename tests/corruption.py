@@ -25,8 +25,12 @@ import tomllib
 from titanlite.errors import UserError
 
 STRAY_BYTES = 64
-OUTCOMES = ("refused naming the file", "refused a valid user file's value", "read the same",
-            "read a valid user file's other data")
+OUTCOMES = (
+    "refused naming the file",
+    "refused a valid user file's value",
+    "read the same",
+    "read a valid user file's other data",
+)
 
 
 @dataclass
@@ -72,8 +76,17 @@ def flip(path: Path, rng: random.Random) -> str:
 def other_type(value, rng: random.Random):
     """A JSON value of another kind than value's (never null: config.json reads null as "not set")."""
     kinds = {"number": 7, "text": "seven", "bool": True, "list": [1], "object": {"x": 1}}
-    kind = ("bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else
-            "text" if isinstance(value, str) else "list" if isinstance(value, list) else "object")
+    kind = (
+        "bool"
+        if isinstance(value, bool)
+        else "number"
+        if isinstance(value, (int, float))
+        else "text"
+        if isinstance(value, str)
+        else "list"
+        if isinstance(value, list)
+        else "object"
+    )
     return kinds[rng.choice(sorted(set(kinds) - {kind}))]
 
 
@@ -119,7 +132,7 @@ def retype(path: Path, rng: random.Random) -> str:
 
 def other_toml(value, rng: random.Random) -> str:
     literal = json.dumps(other_type(value, rng))
-    return {"true": "true", "{\"x\": 1}": "{ x = 1 }"}.get(literal, literal)
+    return {"true": "true", '{"x": 1}': "{ x = 1 }"}.get(literal, literal)
 
 
 def delete(path: Path, rng: random.Random) -> str:
@@ -175,6 +188,7 @@ def valid_as_its_kind(path: Path) -> bool:
 # ---------------------------------------------------------------- one case
 def copy_folder(source: Path, destination: Path) -> None:
     """Big files as hard links (damage rewrites a file, never edits it in place), small ones copied."""
+
     def link_or_copy(src, dst):
         if os.path.getsize(src) > 1 << 20:
             os.link(src, dst)

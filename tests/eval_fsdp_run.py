@@ -24,20 +24,46 @@ NEW_TOKENS = [8, 3]
 
 def inference_config(folder: str, *flags: str):
     """fp32 throughout: FSDP computes in training.mixed_precision_param (bfloat16 by default), one process in fp32."""
-    return load_config(["--job.device", "cpu", "--model.hf_assets_path", folder, "--eval.batch_size", "4",
-                        "--training.mixed_precision_param", "float32", *flags])
+    return load_config(
+        [
+            "--job.device",
+            "cpu",
+            "--model.hf_assets_path",
+            folder,
+            "--eval.batch_size",
+            "4",
+            "--training.mixed_precision_param",
+            "float32",
+            *flags,
+        ]
+    )
 
 
 def main(out: str, folder: str, tasks: str) -> None:
     torch.set_num_threads(1)
-    cfg = inference_config(folder, "--eval.tasks", TASK_NAMES, "--eval.include_path", tasks, "--eval.at_end", "true",
-                           "--training.steps", "1")
+    cfg = inference_config(
+        folder,
+        "--eval.tasks",
+        TASK_NAMES,
+        "--eval.include_path",
+        tasks,
+        "--eval.at_end",
+        "true",
+        "--training.steps",
+        "1",
+    )
     info = init_distributed("cpu", 60)
     run = build_inference_model(cfg, info)
     metrics = MetricsLogger(cfg.metrics, info.rank, info.device, 0.0)
     scalars = InLoopEvaluator(run, SimpleNamespace(metrics=metrics, steps=1)).evaluate(1)  # what it reads of a Training
-    new = generate_ids(run.model, run.args, run.tokenizer, [PROMPTS[info.rank]], Sampling(NEW_TOKENS[info.rank], stop_ids=()),
-                       lockstep=True)[0].token_ids
+    new = generate_ids(
+        run.model,
+        run.args,
+        run.tokenizer,
+        [PROMPTS[info.rank]],
+        Sampling(NEW_TOKENS[info.rank], stop_ids=()),
+        lockstep=True,
+    )[0].token_ids
     generated = [None] * info.world_size
     dist.all_gather_object(generated, new)
     if info.rank == 0:

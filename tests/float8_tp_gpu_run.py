@@ -33,9 +33,14 @@ def main(device: str, recipe: str) -> None:
     convert_linears(reference, Float8(enable=True, recipe_name=recipe), emulate=device == "cpu")
     model = copy.deepcopy(reference)
     block_plan = {**attention_plan(), **swiglu_plan()}
-    styles = {fqn: type(style).__name__ for fqn, style in with_float8_styles(model.layers["0"], block_plan, device == "cuda").items()}
+    styles = {
+        fqn: type(style).__name__
+        for fqn, style in with_float8_styles(model.layers["0"], block_plan, device == "cuda").items()
+    }
     if device == "cuda" and recipe == "tensorwise":
-        assert styles["attention.wq"] == "Float8ColwiseParallel" and styles["feed_forward.w2"] == "Float8RowwiseParallel", styles
+        assert (
+            styles["attention.wq"] == "Float8ColwiseParallel" and styles["feed_forward.w2"] == "Float8RowwiseParallel"
+        ), styles
         assert styles["attention"] == styles["feed_forward"] == "PrepareFloat8ModuleInput", styles
     else:
         assert styles["attention.wq"] == "ColwiseParallel" and styles["attention"] == "PrepareModuleInput", styles

@@ -14,8 +14,10 @@ def main(out_path: str, families: str = "llama3", recipes: str = "tensorwise,row
         by_recipe = {}
         for recipe in recipes.split(","):
             float8 = ("--float8.enable", "--float8.emulate", "--float8.recipe_name", recipe)
-            by_recipe[recipe] = {name: list(zip(losses(name, world, float8), losses(name, 1, float8), losses(name, 1)))
-                                 for name in families.split(",")}
+            by_recipe[recipe] = {
+                name: list(zip(losses(name, world, float8), losses(name, 1, float8), losses(name, 1)))
+                for name in families.split(",")
+            }
         return by_recipe
 
     write_from_rank0(out_path, results)

@@ -99,9 +99,13 @@ def generation_marked(template: str) -> str:
     header = "'<|im_start|>' + message.role + '\\n"
     marked = template.replace("{{- " + header + "<think>\\n' +", "{{- '<think>\\n' +")
     marked = marked.replace("{{- " + header + "' + content }}", "{{- content }}")
-    marked = marked.replace("        {%- if loop.index0 > ns.last_query_index %}",
-                            "        {{- " + header + "' }}{% generation %}\n        {%- if loop.index0 > ns.last_query_index %}")
-    marked = marked.replace("        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}",
-                            "        {{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}\n    {%- elif message.role == \"tool\" %}")
+    marked = marked.replace(
+        "        {%- if loop.index0 > ns.last_query_index %}",
+        "        {{- " + header + "' }}{% generation %}\n        {%- if loop.index0 > ns.last_query_index %}",
+    )
+    marked = marked.replace(
+        "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}",
+        "        {{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}\n    {%- elif message.role == \"tool\" %}",
+    )
     assert marked.count("{% generation %}") == marked.count("{% endgeneration %}") == 1, "the template changed"
     return marked

@@ -18,10 +18,28 @@ from titanlite.inference.decode import Sampling, generate_ids
 from titanlite.parallel.dist import close_distributed, init_distributed
 from titanlite.rl.engine import ColocatedEngine
 
-FLAGS = ["--job.device", "cpu", "--job.config_file", "train_configs/debug_model.toml", "--training.dataset_format",
-         "prompts", "--rl.reward_functions", "tests/grpo_rewards.py:letter_share", "--training.seq_len", "256",
-         "--training.local_batch_size", "8", "--training.global_batch_size", "16", "--rl.num_generations", "8",
-         "--rl.max_new_tokens", "128", "--training.mixed_precision_param", "float32"]
+FLAGS = [
+    "--job.device",
+    "cpu",
+    "--job.config_file",
+    "train_configs/debug_model.toml",
+    "--training.dataset_format",
+    "prompts",
+    "--rl.reward_functions",
+    "tests/grpo_rewards.py:letter_share",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "8",
+    "--training.global_batch_size",
+    "16",
+    "--rl.num_generations",
+    "8",
+    "--rl.max_new_tokens",
+    "128",
+    "--training.mixed_precision_param",
+    "float32",
+]
 
 
 def decode_rate(generate, prompts) -> tuple[float, int]:
@@ -64,8 +82,10 @@ def main(rounds: int, extra: list[str]) -> None:
         for name, values in rates.items():
             print(f"{name}: " + ", ".join(f"{rate:.1f} tokens/s ({tokens} tokens)" for rate, tokens in values))
         best = {name: max(rate for rate, _ in values) for name, values in rates.items()}
-        print(f"best of {rounds}: per token {best['per token']:.1f}, once {best['once']:.1f} tokens/s, "
-              f"{best['once'] / best['per token']:.2f}x")
+        print(
+            f"best of {rounds}: per token {best['per token']:.1f}, once {best['once']:.1f} tokens/s, "
+            f"{best['once'] / best['per token']:.2f}x"
+        )
     close_distributed()
 
 

@@ -17,7 +17,9 @@ from titanlite.models.llama.model import Transformer
 from titanlite.parallel import ac
 from titanlite.parallel.ac import apply_ac
 
-TINY = replace(LLAMA3_FLAVORS["debugmodel"], dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
+TINY = replace(
+    LLAMA3_FLAVORS["debugmodel"], dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64
+)
 MODES = {
     "full": ActivationCheckpoint(mode="full"),
     "selective-op": ActivationCheckpoint(mode="selective", selective_ac_option="op"),
@@ -34,7 +36,9 @@ def tiny_model() -> Transformer:
 
 def loss_and_grads(model, tokens):
     inputs = tokens[:, :-1]  # with documents: the mask goes through the checkpointed blocks too
-    loss = F.cross_entropy(model(inputs, document_ids=document_ids(inputs, (0, 1))).flatten(0, 1), tokens[:, 1:].flatten())
+    loss = F.cross_entropy(
+        model(inputs, document_ids=document_ids(inputs, (0, 1))).flatten(0, 1), tokens[:, 1:].flatten()
+    )
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
@@ -88,8 +92,11 @@ def forward_backward_stats(model, tokens) -> dict:
     with CountOps() as backward:
         loss.backward()
     attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    return {"saved": sum(saved.values()), "mm": backward.counts[torch.ops.aten.mm.default],
-            "attention": backward.counts[attention]}
+    return {
+        "saved": sum(saved.values()),
+        "mm": backward.counts[torch.ops.aten.mm.default],
+        "attention": backward.counts[attention],
+    }
 
 
 def test_ac_trades_activations_for_recompute(reference):
@@ -120,8 +127,13 @@ def test_op_policy_saves_every_other_matmul_and_attention():
     mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
     attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     forward = [policy(Ctx(False), op) for op in (mm, mm, mm, attention, add)]
-    assert forward == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE,
-                       CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE]
+    assert forward == [
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+    ]
     # The recompute pass counts its own matmuls, so it makes the same choices.
     assert [policy(Ctx(True), op) for op in (mm, mm, mm)] == forward[:3]
 

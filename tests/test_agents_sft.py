@@ -16,24 +16,52 @@ transformers = pytest.importorskip("transformers")
 
 
 def schema(name: str, parameter: str) -> dict:
-    return {"type": "function", "function": {"name": name, "description": f"The {name} tool.", "parameters": {
-        "type": "object", "properties": {parameter: {"type": "string", "description": "its input"}},
-        "required": [parameter]}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"The {name} tool.",
+            "parameters": {
+                "type": "object",
+                "properties": {parameter: {"type": "string", "description": "its input"}},
+                "required": [parameter],
+            },
+        },
+    }
 
 
 RECORDS = [
-    {"tools": [schema("calculate", "expression")],
-     "messages": [{"role": "user", "content": "What is 12 + 7?"},
-                  {"role": "assistant", "content": "", "tool_calls": [
-                      {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "12 + 7"}}}]},
-                  {"role": "tool", "name": "calculate", "content": "19"},
-                  {"role": "assistant", "content": "12 + 7 = 19. \\boxed{19}"}]},
-    {"tools": [schema("read", "path"), schema("calculate", "expression")],  # another tool: datasets unites the structs
-     "messages": [{"role": "user", "content": "Read main.py."},
-                  {"role": "assistant", "content": "Reading it.", "tool_calls": [
-                      {"type": "function", "function": {"name": "read", "arguments": {"path": "main.py"}}}]},
-                  {"role": "tool", "name": "read", "content": "print(1/0)"},
-                  {"role": "assistant", "content": "It divides by zero."}]},
+    {
+        "tools": [schema("calculate", "expression")],
+        "messages": [
+            {"role": "user", "content": "What is 12 + 7?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "12 + 7"}}}
+                ],
+            },
+            {"role": "tool", "name": "calculate", "content": "19"},
+            {"role": "assistant", "content": "12 + 7 = 19. \\boxed{19}"},
+        ],
+    },
+    {
+        "tools": [
+            schema("read", "path"),
+            schema("calculate", "expression"),
+        ],  # another tool: datasets unites the structs
+        "messages": [
+            {"role": "user", "content": "Read main.py."},
+            {
+                "role": "assistant",
+                "content": "Reading it.",
+                "tool_calls": [{"type": "function", "function": {"name": "read", "arguments": {"path": "main.py"}}}],
+            },
+            {"role": "tool", "name": "read", "content": "print(1/0)"},
+            {"role": "assistant", "content": "It divides by zero."},
+        ],
+    },
     {"messages": [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": "Yes."}]},  # no tools
 ]
 
@@ -59,9 +87,14 @@ def test_tools_render_and_train_as_transformers_marks_them(tokenizers, tmp_path,
     for record, messages in zip(RECORDS, conversations):
         assert messages.tools == record.get("tools") and list(messages) == record["messages"]  # no nulls added
         ids, trained = tokenize_conversation(renderer, ours, messages, "assistant")
-        out = theirs.apply_chat_template(record["messages"], tools=record.get("tools"), tokenize=True,
-                                         return_dict=True, return_assistant_tokens_mask=True,
-                                         chat_template=generation_marked(QWEN3_TEMPLATE))
+        out = theirs.apply_chat_template(
+            record["messages"],
+            tools=record.get("tools"),
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            chat_template=generation_marked(QWEN3_TEMPLATE),
+        )
         assert ids == out["input_ids"]
         assert trained == [bool(m) for m in out["assistant_masks"]]
         text = theirs.decode(ids)
@@ -78,5 +111,5 @@ def test_tools_as_json_text_and_bad_tools(tmp_path):
     (messages,) = Conversations(str(data), "chat", "training.dataset_path")
     assert messages.tools == RECORDS[0]["tools"]
     data.write_text(json.dumps(dict(RECORDS[0], tools=[{"type": "function"}])) + "\n")
-    with pytest.raises(UserError, match="record 1 \\(counting from 1\\) has \"tools\" that are not a list of function"):
+    with pytest.raises(UserError, match='record 1 \\(counting from 1\\) has "tools" that are not a list of function'):
         Conversations(str(data), "chat", "training.dataset_path")

@@ -18,14 +18,18 @@ TOOLS = "tests/agent_tools.py"
 
 
 def test_calls_are_parsed_as_qwen3_writes_them():
-    text = ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}\n</tool_call>')
+    text = (
+        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}\n</tool_call>'
+    )
     assert parse_tool_calls(text) == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("add", {"a": 1, "b": 1})]
     assert parse_tool_calls("The answer is 5.") == []
-    malformed = {'<tool_call>{"name": "add", "arguments": {"a": 2</tool_call>': "the tool call is not JSON",
-                 '<tool_call>{"arguments": {}}</tool_call>': 'the tool call has no "name"',
-                 '<tool_call>{"name": "add", "arguments": [1]}</tool_call>': "the tool call's \"arguments\" is not an object",
-                 '<tool_call>{"name": "add", "arguments": {}}': "the tool call is not closed by </tool_call>"}
+    malformed = {
+        '<tool_call>{"name": "add", "arguments": {"a": 2</tool_call>': "the tool call is not JSON",
+        '<tool_call>{"arguments": {}}</tool_call>': 'the tool call has no "name"',
+        '<tool_call>{"name": "add", "arguments": [1]}</tool_call>': 'the tool call\'s "arguments" is not an object',
+        '<tool_call>{"name": "add", "arguments": {}}': "the tool call is not closed by </tool_call>",
+    }
     for text, reason in malformed.items():
         (call,) = parse_tool_calls(text)
         assert call.error.startswith(reason), (text, call)
@@ -34,7 +38,7 @@ def test_calls_are_parsed_as_qwen3_writes_them():
 def test_schemas_are_transformers_and_calls_are_answered_as_trl_answers_them():
     from transformers.utils import get_json_schema
 
-    (name, function, schema), = load_tools([f"{TOOLS}:add"])
+    ((name, function, schema),) = load_tools([f"{TOOLS}:add"])
     assert name == "add" and schema == get_json_schema(agent_tools.add) and function(a=2, b=3) == 5
     assert load_tools(["agent_tools:add"])[0][2] == schema  # module:function too
     tools = {"add": agent_tools.add, "broken": agent_tools.broken}
@@ -43,7 +47,9 @@ def test_schemas_are_transformers_and_calls_are_answered_as_trl_answers_them():
     assert answer(ToolCall("nope", {}), tools, 5) == ("{'error': 'Tool nope not found.'}", True)
     assert answer(ToolCall("add", {"c": 1}), tools, 5)[1]  # wrong arguments: the TypeError is the model's to read
     assert answer(ToolCall(None, None, "the tool call is not JSON"), tools, 5) == (
-        "{'error': 'the tool call is not JSON'}", True)
+        "{'error': 'the tool call is not JSON'}",
+        True,
+    )
 
 
 def test_a_tool_past_its_timeout_is_abandoned():
@@ -64,33 +70,70 @@ def folder(tmp_path_factory):
 
 
 def flags(folder, tmp_path, *extra) -> list[str]:
-    return [*ON_CPU, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(tmp_path),
-            "--training.dataset_format", "prompts", "--training.dataset_path", str(folder.parent / "prompts.jsonl"),
-            "--training.chat_template", str(folder.parent / "qwen3.jinja"), "--training.seq_len", "512",
-            "--training.steps", "1", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
-            "--rl.num_generations", "2", "--rl.max_new_tokens", "40", "--training.mixed_precision_param", "float32",
-            *map(str, extra)]
+    return [
+        *ON_CPU,
+        "--model.hf_assets_path",
+        str(folder),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.dataset_format",
+        "prompts",
+        "--training.dataset_path",
+        str(folder.parent / "prompts.jsonl"),
+        "--training.chat_template",
+        str(folder.parent / "qwen3.jinja"),
+        "--training.seq_len",
+        "512",
+        "--training.steps",
+        "1",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--rl.num_generations",
+        "2",
+        "--rl.max_new_tokens",
+        "40",
+        "--training.mixed_precision_param",
+        "float32",
+        *map(str, extra),
+    ]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--rl.tools", f"{TOOLS}:untyped"], f"rl.tools entry '{TOOLS}:untyped' cannot be described to the model "
-                                         "(TypeHintParsingException: Argument a is missing a type hint"),
-    (["--rl.tools", f"{TOOLS}:undocumented"], "cannot be described to the model (DocstringParsingException"),
-    (["--rl.tools", f"{TOOLS}:NOT_A_TOOL"], f"rl.tools entry '{TOOLS}:NOT_A_TOOL' names a int, not a function"),
-    (["--rl.tools", f"{TOOLS}:add,{TOOLS}:add"], "rl.tools names two tools 'add'"),
-    (["--rl.environment", f"{TOOLS}:NoReset", "--rl.reward_functions", f"{TOOLS}:add"],
-     "makes NoReset instances without a reset method"),
-    (["--rl.environment", f"{TOOLS}:NOT_A_TOOL"], "names a int, which cannot make environments"),
-    (["--rl.environment", f"{TOOLS}:Calculator", "--rl.reward_functions", ""], None),
-    (["--rl.tools", f"{TOOLS}:add", "--training.chat_template", "CHATML"],
-     "writes nothing of the tools it is given, so the model would never see them; set training.chat_template"),
-    (["--rl.tools", f"{TOOLS}:add", "--training.dataset_path", "TEXT"], "must be a list of messages, not text"),
-    (["--rl.max_tool_calling_iterations", "2"], "rl.max_tool_calling_iterations 2 applies to tool calls"),
-    (["--rl.tools", f"{TOOLS}:add", "--rl.max_staleness", "1"], "rl.max_staleness 1 is not supported with rl.tools"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--rl.tools", f"{TOOLS}:untyped"],
+            f"rl.tools entry '{TOOLS}:untyped' cannot be described to the model "
+            "(TypeHintParsingException: Argument a is missing a type hint",
+        ),
+        (["--rl.tools", f"{TOOLS}:undocumented"], "cannot be described to the model (DocstringParsingException"),
+        (["--rl.tools", f"{TOOLS}:NOT_A_TOOL"], f"rl.tools entry '{TOOLS}:NOT_A_TOOL' names a int, not a function"),
+        (["--rl.tools", f"{TOOLS}:add,{TOOLS}:add"], "rl.tools names two tools 'add'"),
+        (
+            ["--rl.environment", f"{TOOLS}:NoReset", "--rl.reward_functions", f"{TOOLS}:add"],
+            "makes NoReset instances without a reset method",
+        ),
+        (["--rl.environment", f"{TOOLS}:NOT_A_TOOL"], "names a int, which cannot make environments"),
+        (["--rl.environment", f"{TOOLS}:Calculator", "--rl.reward_functions", ""], None),
+        (
+            ["--rl.tools", f"{TOOLS}:add", "--training.chat_template", "CHATML"],
+            "writes nothing of the tools it is given, so the model would never see them; set training.chat_template",
+        ),
+        (["--rl.tools", f"{TOOLS}:add", "--training.dataset_path", "TEXT"], "must be a list of messages, not text"),
+        (["--rl.max_tool_calling_iterations", "2"], "rl.max_tool_calling_iterations 2 applies to tool calls"),
+        (
+            ["--rl.tools", f"{TOOLS}:add", "--rl.max_staleness", "1"],
+            "rl.max_staleness 1 is not supported with rl.tools",
+        ),
+    ],
+)
 def test_bad_input_is_one_sentence_exit_2_before_step_1(folder, tmp_path, capsys, extra, message):
-    extra = [{"CHATML": str(folder.parent / "chatml.jinja"), "TEXT": str(folder.parent / "text.jsonl")}.get(e, e)
-             for e in extra]
+    extra = [
+        {"CHATML": str(folder.parent / "chatml.jinja"), "TEXT": str(folder.parent / "text.jsonl")}.get(e, e)
+        for e in extra
+    ]
     if "--rl.reward_functions" not in extra and "--rl.environment" not in extra:
         extra += ["--rl.reward_functions", "titanlite.rewards:math_answer"]
     if message is None:  # the environment's get_reward is the reward: rl.reward_functions may be empty
@@ -102,6 +145,18 @@ def test_bad_input_is_one_sentence_exit_2_before_step_1(folder, tmp_path, capsys
 
 
 def test_tool_keys_need_prompts_data(tmp_path, capsys):
-    assert main([*ON_CPU, "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
-                 "--rl.tools", f"{TOOLS}:add"]) == 2
+    assert (
+        main(
+            [
+                *ON_CPU,
+                "--job.config_file",
+                "train_configs/debug_model.toml",
+                "--job.dump_folder",
+                str(tmp_path),
+                "--rl.tools",
+                f"{TOOLS}:add",
+            ]
+        )
+        == 2
+    )
     assert "rl.tools applies to training.dataset_format prompts only" in capsys.readouterr().err

@@ -53,12 +53,20 @@ def test_the_files_depend_only_on_the_seed(tmp_path):
     assert made["a"] == made["b"] and made["a"][0] != made["c"][0] and made["a"][1] != made["c"][1]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--out", "{file}/task"], "error: --out {file}/task cannot be a folder because {file} is a file; choose another path"),
-    (["--out", "{tmp}/task", "--count", "0"], "error: --count (0) and --prompts (1000) must be at least 1"),
-    (["--out", "{tmp}/task", "--count", "15000", "--prompts", "51"],
-     "error: --count 15000 + --prompts 51 is more than the 15050 distinct questions the task has; ask for fewer"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--out", "{file}/task"],
+            "error: --out {file}/task cannot be a folder because {file} is a file; choose another path",
+        ),
+        (["--out", "{tmp}/task", "--count", "0"], "error: --count (0) and --prompts (1000) must be at least 1"),
+        (
+            ["--out", "{tmp}/task", "--count", "15000", "--prompts", "51"],
+            "error: --count 15000 + --prompts 51 is more than the 15050 distinct questions the task has; ask for fewer",
+        ),
+    ],
+)
 def test_a_bad_request_is_one_sentence(args, message, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     fill = lambda text: text.format(file=tmp_path / "file", tmp=tmp_path)  # noqa: E731

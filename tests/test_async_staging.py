@@ -33,8 +33,14 @@ def test_the_optimizer_step_after_an_async_save_waits_for_its_copy_into_reused_b
     optimizer.step()  # the optimizer now has its moments, saved with the model
     backward(model, args.vocab_size)  # gradients for the step right after the save
 
-    run = checkpointed_run(model, replace(Checkpoint(), enable=True, interval=1, async_mode="async"), tmp_path,
-                           "llama3/debugmodel", args, spec)
+    run = checkpointed_run(
+        model,
+        replace(Checkpoint(), enable=True, interval=1, async_mode="async"),
+        tmp_path,
+        "llama3/debugmodel",
+        args,
+        spec,
+    )
     manager = CheckpointManager(run, checkpointed_training(optimizer, scheduler, StatefulDataLoader(list(range(4)))))
     saved_at = {}
     for step in (1, 2):  # the second save copies into the host buffers the first one made

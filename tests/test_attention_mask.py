@@ -148,7 +148,9 @@ def test_causal_logits_are_bit_identical_to_before(name):
                 block.attention.forward = functools.partial(gpt2_attention_before_document_masks, block.attention)
             else:
                 window = getattr(model.args, "sliding_window", None)
-                block.attention.forward = functools.partial(attention_before_document_masks, block.attention, window=window)
+                block.attention.forward = functools.partial(
+                    attention_before_document_masks, block.attention, window=window
+                )
         before = model(tokens)
     assert torch.equal(now, before)
 

@@ -103,8 +103,12 @@ def test_compiled_step_matches_the_eager_step():
         params = [torch.nn.Parameter(torch.ones(shape, device=device).bfloat16()) for shape in shapes]
         params.append(torch.nn.Parameter(torch.ones(3, device=device)))  # an fp32 weight
         params.append(torch.nn.Parameter(torch.ones(4, 6, device=device).bfloat16().T))  # not contiguous: its own graph
-        optimizer = optimizer_class([{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}],
-                                    lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        optimizer = optimizer_class(
+            [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}],
+            lr=1e-2,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+        )
         generator.manual_seed(0)
         for step in range(5):
             for i, p in enumerate(params):
@@ -121,8 +125,9 @@ def test_compiled_step_matches_the_eager_step():
         for name in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(s[name], t[name], rtol=ulp, atol=0)
         torch.testing.assert_close(p.detach(), q.detach(), rtol=ulp, atol=0)
-        torch.testing.assert_close(p.float() + s["compensation"].float(), q.float() + t["compensation"].float(),
-                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            p.float() + s["compensation"].float(), q.float() + t["compensation"].float(), rtol=1e-6, atol=0
+        )
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +166,9 @@ def test_build_optimizer_refusals():
         build_optimizer(model, Optimizer(name="AdamWBF16Kahan", betas=[0.9, 0.999]), "cpu")
     with pytest.raises(UserError, match="optimizer.implementation foreach does not exist"):
         build_optimizer(model, Optimizer(name="AdamWBF16Kahan", implementation="foreach"), "cpu")
-    assert isinstance(build_optimizer(model, Optimizer(name="AdamWBF16Kahan", implementation="fused"), "cpu"), AdamWBF16Kahan)
+    assert isinstance(
+        build_optimizer(model, Optimizer(name="AdamWBF16Kahan", implementation="fused"), "cpu"), AdamWBF16Kahan
+    )
     assert isinstance(build_optimizer(model, Optimizer(name="AdamWBF16Kahan"), "cpu"), AdamWBF16Kahan)
 
 
@@ -173,5 +180,7 @@ def test_a_failing_compile_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/g++",))
     weight = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
     weight.grad = torch.ones(4, dtype=torch.float16)
-    with pytest.raises(UserError, match="AdamWBF16Kahan compiles its GPU update .*InvalidCxxCompiler.*optimizer.name AdamW"):
+    with pytest.raises(
+        UserError, match="AdamWBF16Kahan compiles its GPU update .*InvalidCxxCompiler.*optimizer.name AdamW"
+    ):
         FusedKahan([weight]).step()

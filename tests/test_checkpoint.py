@@ -25,10 +25,25 @@ from titanlite.train import main
 
 def flags(folder: Path, steps: int, *extra, tb: str = "tb") -> list[str]:
     return [
-        *ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(folder),
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(steps),
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--metrics.save_tb_folder", tb,
-        "--lr_scheduler.min_lr_factor", "1", *map(str, extra),
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(folder),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--metrics.save_tb_folder",
+        tb,
+        "--lr_scheduler.min_lr_factor",
+        "1",
+        *map(str, extra),
     ]
 
 
@@ -69,9 +84,14 @@ def reference_two(tmp_path_factory):
 
 def start(args: list[str], log: Path, nproc: int = 0) -> subprocess.Popen:
     """Launch in the background, stderr into `log`."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
-    return subprocess.Popen(launcher + ["-m", "titanlite.train", *ON_CPU, *args], cwd=ROOT, stderr=log.open("w"),
-                            stdout=subprocess.DEVNULL)
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc
+        else [sys.executable]
+    )
+    return subprocess.Popen(
+        launcher + ["-m", "titanlite.train", *ON_CPU, *args], cwd=ROOT, stderr=log.open("w"), stdout=subprocess.DEVNULL
+    )
 
 
 def wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float = 120) -> None:
@@ -122,7 +142,15 @@ def test_sigusr1_saves_exits_0_and_the_run_resumes_exactly(tmp_path, reference_o
 
 def test_kill_9_during_async_saves_resumes_from_the_last_complete_checkpoint(tmp_path, reference_one):
     # A save every step, each slower than a step: a save is nearly always being written.
-    extra = ("--checkpoint.enable", "--checkpoint.interval", 1, "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", 3)
+    extra = (
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        1,
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.keep_latest_k",
+        3,
+    )
     log = tmp_path / "first.log"
     process = start(flags(tmp_path, 20, *extra), log)
     wait_for(log, "checkpoint step-5 saved", process)
@@ -188,12 +216,22 @@ def small_checkpoint(tmp_path_factory):
     return folder / "checkpoint"
 
 
-@pytest.mark.parametrize("damage, extra, message", [
-    (None, ["--model.name", "llama2"], "does not fit llama2/debugmodel (it was saved from llama3/debugmodel): layers.0.attention.wk.weight is 128x256 there but 256x256 here"),
-    ("__0_0.distcp", [], "cannot be loaded"),
-    (".metadata", [], "is corrupt: its .metadata cannot be read"),
-], ids=["other-family", "corrupt-data", "corrupt-metadata"])
-def test_a_checkpoint_that_does_not_fit_stops_with_one_sentence(tmp_path, small_checkpoint, damage, extra, message, capsys):
+@pytest.mark.parametrize(
+    "damage, extra, message",
+    [
+        (
+            None,
+            ["--model.name", "llama2"],
+            "does not fit llama2/debugmodel (it was saved from llama3/debugmodel): layers.0.attention.wk.weight is 128x256 there but 256x256 here",
+        ),
+        ("__0_0.distcp", [], "cannot be loaded"),
+        (".metadata", [], "is corrupt: its .metadata cannot be read"),
+    ],
+    ids=["other-family", "corrupt-data", "corrupt-metadata"],
+)
+def test_a_checkpoint_that_does_not_fit_stops_with_one_sentence(
+    tmp_path, small_checkpoint, damage, extra, message, capsys
+):
     shutil.copytree(small_checkpoint, tmp_path / "checkpoint")
     folder = tmp_path / "checkpoint" / "step-2"
     if damage:  # DCP's own errors, as for a folder saved before checksums existed, loaded as the user allowed
@@ -235,8 +273,19 @@ def test_bf16_exports_and_loading_the_hf_one_into_two_ranks(tmp_path):
     """Export model-only DCP and HF in bf16; load the HF folder on 2 FSDP ranks and, with lr 0,
     save the loaded weights in float32: they equal the exported bf16 values exactly."""
     export = tmp_path / "export"
-    ok(run_titanlite(flags(export, 4, "--checkpoint.enable", "--checkpoint.last_save_model_only",
-                           "--checkpoint.export_dtype", "bfloat16", "--checkpoint.last_save_in_hf")))
+    ok(
+        run_titanlite(
+            flags(
+                export,
+                4,
+                "--checkpoint.enable",
+                "--checkpoint.last_save_model_only",
+                "--checkpoint.export_dtype",
+                "bfloat16",
+                "--checkpoint.last_save_in_hf",
+            )
+        )
+    )
     dcp_folder, hf_folder = export / "checkpoint" / "step-4", export / "checkpoint" / "step-4-hf"
     metadata = FileSystemReader(str(dcp_folder)).read_metadata().state_dict_metadata
     assert {m.properties.dtype for m in metadata.values()} == {torch.bfloat16}
@@ -244,8 +293,22 @@ def test_bf16_exports_and_loading_the_hf_one_into_two_ranks(tmp_path):
     with safe_open(str(hf_folder / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
 
-    out = ok(run_titanlite(flags(tmp_path / "hf", 1, "--optimizer.lr", 0, "--checkpoint.enable", "--checkpoint.last_save_model_only",
-                                 "--checkpoint.initial_load_path", hf_folder, "--checkpoint.initial_load_in_hf"), nproc=2))
+    out = ok(
+        run_titanlite(
+            flags(
+                tmp_path / "hf",
+                1,
+                "--optimizer.lr",
+                0,
+                "--checkpoint.enable",
+                "--checkpoint.last_save_model_only",
+                "--checkpoint.initial_load_path",
+                hf_folder,
+                "--checkpoint.initial_load_in_hf",
+            ),
+            nproc=2,
+        )
+    )
     assert f"loaded the model from the Hugging Face folder {hf_folder}" in out
     exported = saved_model(dcp_folder, torch.bfloat16)
     loaded = saved_model(tmp_path / "hf" / "checkpoint" / "step-1", torch.float32)

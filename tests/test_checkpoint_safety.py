@@ -28,9 +28,24 @@ LLAMA = ["--model.name", "llama3", "--model.flavor", "debugmodel"]
 
 def flags(folder: Path, steps: int, *extra) -> list[str]:
     return [
-        *ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(folder), "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--training.steps", str(steps), "--metrics.log_freq", "1",
-        "--checkpoint.enable", "true", "--checkpoint.interval", "2", *map(str, extra),
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(folder),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        *map(str, extra),
     ]
 
 
@@ -94,9 +109,14 @@ def test_3_convert_never_writes_over_a_checkpoint_unless_told(capsys, dump, tmp_
     step6, hf = dump / "checkpoint" / "step-6", tmp_path / "hf"
     assert convert_main(["dcp-to-hf", str(step6), str(hf), *LLAMA]) == 0
     assert convert_main(["dcp-to-hf", str(step6), str(hf), *LLAMA]) == 2
-    assert f"the destination {hf} already holds files; choose a new folder, or add --overwrite" in capsys.readouterr().err
+    assert (
+        f"the destination {hf} already holds files; choose a new folder, or add --overwrite" in capsys.readouterr().err
+    )
     assert convert_main(["hf-to-dcp", str(hf), str(step6), *LLAMA]) == 2
-    assert f"the destination {step6} already holds a complete DCP checkpoint; choose a new folder, or add --overwrite" in capsys.readouterr().err
+    assert (
+        f"the destination {step6} already holds a complete DCP checkpoint; choose a new folder, or add --overwrite"
+        in capsys.readouterr().err
+    )
     assert holds_training_state(read_metadata(step6))  # untouched: still the full checkpoint
     assert resumed_step(capsys, dump) == 6
     assert convert_main(["hf-to-dcp", str(hf), str(step6), *LLAMA, "--overwrite"]) == 0
@@ -127,8 +147,10 @@ def test_5_folders_that_cannot_be_written_stop_the_run_before_training(capsys, t
     (tmp_path / "checkpoint").write_text("not a folder")
     code, out = train(capsys, tmp_path, 4)
     assert code == 2
-    assert out.strip() == (f"error: checkpoint.folder: {tmp_path / 'checkpoint'} cannot be a folder because "
-                           f"{tmp_path / 'checkpoint'} is a file; remove that file or choose another path")
+    assert out.strip() == (
+        f"error: checkpoint.folder: {tmp_path / 'checkpoint'} cannot be a folder because "
+        f"{tmp_path / 'checkpoint'} is a file; remove that file or choose another path"
+    )
     code, out = train(capsys, tmp_path / "checkpoint" / "run", 4, "--checkpoint.enable", "false")
     assert code == 2 and "job.dump_folder" in out and "is a file" in out
     if os.geteuid() != 0:
@@ -142,19 +164,25 @@ def test_5_folders_that_cannot_be_written_stop_the_run_before_training(capsys, t
     finally:
         subprocess.run(["umount", str(read_only)], check=True)
     assert code == 2
-    assert out.strip() == (f"error: job.dump_folder: {read_only} is not a writable folder (Read-only file system); "
-                           "fix its permissions or mount, or choose another path")
+    assert out.strip() == (
+        f"error: job.dump_folder: {read_only} is not a writable folder (Read-only file system); "
+        "fix its permissions or mount, or choose another path"
+    )
 
 
 def test_6_a_resume_refuses_another_model_and_stops_past_the_last_step(capsys, dump, tmp_path):
     code, out = train(capsys, dump, 8, "--model.name", "mistral")
     assert code == 2
-    assert (f"error: checkpoint {dump / 'checkpoint' / 'step-6'} was saved from llama3/debugmodel, but this run is "
-            "mistral/debugmodel; set model.name and model.flavor to llama3/debugmodel") in out
+    assert (
+        f"error: checkpoint {dump / 'checkpoint' / 'step-6'} was saved from llama3/debugmodel, but this run is "
+        "mistral/debugmodel; set model.name and model.flavor to llama3/debugmodel"
+    ) in out
     weights_only = ("--model.name", "mistral", "--checkpoint.initial_load_path", dump / "checkpoint" / "step-6")
     code, out = train(capsys, tmp_path / "mistral", 1, *weights_only)  # asked for: the weights alone
     assert code == 0, out
-    assert f"loading the weights of llama3/debugmodel from {dump / 'checkpoint' / 'step-6'} into mistral/debugmodel" in out
+    assert (
+        f"loading the weights of llama3/debugmodel from {dump / 'checkpoint' / 'step-6'} into mistral/debugmodel" in out
+    )
     code, out = train(capsys, dump, 4)
     assert code == 0
     assert "resumed at step 6, which is at or past training.steps 4: nothing to train; raise training.steps" in out
@@ -198,8 +226,12 @@ def test_7_signals_during_the_load_and_ctrl_c(capsys, dump, tmp_path):
 
     twice = tmp_path / "twice"  # a second Ctrl-C exits at once: 130, no traceback, nothing more saved
     log = tmp_path / "twice.log"
-    process = subprocess.Popen([sys.executable, "-m", "titanlite.train", *flags(twice, 1000, "--checkpoint.interval", 1000)],
-                               cwd=ROOT, stderr=log.open("w"), stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "titanlite.train", *flags(twice, 1000, "--checkpoint.interval", 1000)],
+        cwd=ROOT,
+        stderr=log.open("w"),
+        stdout=subprocess.DEVNULL,
+    )
     wait_for_line(log, "step: 1 ", process)
     process.send_signal(signal.SIGINT)
     wait_for_line(log, "Ctrl-C again to exit at once", process)  # two signals sent at once would count as one
@@ -219,12 +251,20 @@ def free_port() -> int:
 
 def test_8_a_missing_rank_times_out_naming_the_address_and_torchrun_adds_its_report(capsys, monkeypatch, tmp_path):
     port = free_port()
-    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+    for key, value in {
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(key, value)
     code, out = train(capsys, tmp_path, 4, "--job.init_timeout_seconds", 1)
     assert code == 2
-    assert (f"error: the 2 ranks (WORLD_SIZE) did not meet at MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} within "
-            "job.init_timeout_seconds 1: 1 joined, 1 missing; start every RANK from 0 to 1") in out
+    assert (
+        f"error: the 2 ranks (WORLD_SIZE) did not meet at MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} within "
+        "job.init_timeout_seconds 1: 1 joined, 1 missing; start every RANK from 0 to 1"
+    ) in out
     monkeypatch.setenv("RANK", "1")  # rank 0 is the one missing: this rank says so itself
     code, out = train(capsys, tmp_path, 4, "--job.init_timeout_seconds", 1)
     assert code == 2
@@ -256,7 +296,7 @@ def test_a_damaged_checkpoint_file_is_named_at_load(capsys, dump):
     shard = dump / "checkpoint" / "step-6" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 400] = bytes(b ^ 0x5A for b in data[middle:middle + 400])
+    data[middle : middle + 400] = bytes(b ^ 0x5A for b in data[middle : middle + 400])
     shard.write_bytes(bytes(data))
     code, out = train(capsys, dump, 8)
     assert code == 2, out
@@ -274,9 +314,14 @@ def test_a_second_run_into_a_live_dump_folder_is_refused_and_a_dead_ones_lock_is
     lock = dump / LOCK
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "job": "", "started": "earlier"}))
     code, out = train(capsys, dump, 7)
-    assert code == 2 and f"job.dump_folder {dump} is in use by another run (host {socket.gethostname()}, pid {os.getppid()}" in out
+    assert (
+        code == 2
+        and f"job.dump_folder {dump} is in use by another run (host {socket.gethostname()}, pid {os.getppid()}" in out
+    )
     assert live_steps(dump) == [2, 4, 6]  # nothing written
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "job": "", "started": "earlier"}))
+    lock.write_text(
+        json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "job": "", "started": "earlier"})
+    )
     code, out = train(capsys, dump, 7)
     assert code == 0 and "taking over the lock" in out and not lock.exists(), out

@@ -85,7 +85,9 @@ def test_without_grad_no_gradient_is_computed():
 
 
 @pytest.mark.extended
-def test_trainer_with_chunks_equals_without_for_llama3_gpt2_mixtral_and_on_two_fsdp_ranks(tmp_path, monkeypatch, capsys):
+def test_trainer_with_chunks_equals_without_for_llama3_gpt2_mixtral_and_on_two_fsdp_ranks(
+    tmp_path, monkeypatch, capsys
+):
     """fp32 TensorBoard losses within 1e-6 at every step, 128 tokens a micro-batch in chunks of 50
     (not a divisor): llama3 (untied output) with validation, gpt2 (tied: the embedding gets both
     gradients), mixtral (its balance loss still reaches the routers). Then gpt2 on 2 FSDP ranks (the
@@ -97,7 +99,12 @@ def test_trainer_with_chunks_equals_without_for_llama3_gpt2_mixtral_and_on_two_f
     monkeypatch.setattr("titanlite.loss.chunk_loss", recording)  # what build_loss hands the model
     for name, flags in models.items():
         for chunk in ("0", "50"):
-            assert main(run(tmp_path, f"{name}_{chunk}", [*base, *flags, "--training.loss_chunk_tokens", chunk], 3)["argv"]) == 0
+            assert (
+                main(
+                    run(tmp_path, f"{name}_{chunk}", [*base, *flags, "--training.loss_chunk_tokens", chunk], 3)["argv"]
+                )
+                == 0
+            )
     # 3 chunks a micro-batch (50 + 50 + 28 tokens): 3 training steps x 3 models, llama3's 2 validation batches.
     assert recording.scales.count(1 / 128) == 27 and recording.scales.count(None) == 6
     assert capsys.readouterr().err.count("| loss chunks 50 tokens |") == 3
@@ -115,12 +122,19 @@ def test_trainer_with_chunks_equals_without_for_llama3_gpt2_mixtral_and_on_two_f
         assert value == pytest.approx(one[step], abs=1e-5), step
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--parallelism.tensor_parallel_degree", "2"],
-     "is not supported with parallelism.tensor_parallel_degree 2 yet (the output projection is vocab-sharded"),
-    (["--float8.enable", "--float8.filter_fqns", "wq"],
-     "multiplies by the output weight in the compute dtype, but float8.filter_fqns wq lets float8 convert the output layer"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--parallelism.tensor_parallel_degree", "2"],
+            "is not supported with parallelism.tensor_parallel_degree 2 yet (the output projection is vocab-sharded",
+        ),
+        (
+            ["--float8.enable", "--float8.filter_fqns", "wq"],
+            "multiplies by the output weight in the compute dtype, but float8.filter_fqns wq lets float8 convert the output layer",
+        ),
+    ],
+)
 def test_tensor_parallelism_and_float8_output_are_refused_in_one_sentence(tiny_run, flags, message, capsys):
     assert main([*tiny_run, "--training.loss_chunk_tokens", "4096", *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -134,10 +148,26 @@ def test_planner_peak_drops_by_at_least_the_fp32_logits():
     tokens = 2 * 1024
     peaks = {}
     for chunk in (0, 256):
-        cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--model.name", "gpt2",
-                           "--model.flavor", "124M", "--model.n_layers", "2", "--training.seq_len", "1024",
-                           "--training.local_batch_size", "2", "--training.mixed_precision_param", "bfloat16",
-                           "--training.loss_chunk_tokens", str(chunk)])
+        cfg = load_config(
+            [
+                "--job.config_file",
+                str(ROOT / "train_configs" / "debug_model.toml"),
+                "--model.name",
+                "gpt2",
+                "--model.flavor",
+                "124M",
+                "--model.n_layers",
+                "2",
+                "--training.seq_len",
+                "1024",
+                "--training.local_batch_size",
+                "2",
+                "--training.mixed_precision_param",
+                "bfloat16",
+                "--training.loss_chunk_tokens",
+                str(chunk),
+            ]
+        )
         spec = get_model_spec("gpt2")
         peaks[chunk] = activations(cfg, spec, model_args(cfg, spec), ParallelDims(1, 1)).peak
     assert peaks[0] - peaks[256] >= tokens * 50257 * 4, peaks
@@ -169,5 +199,7 @@ def test_on_cuda_compiled_chunks_equal_the_logits_path_and_hold_less_than_the_fp
     plain = step(lambda: unfused(h, weight, labels))
     got = step(chunked)
     assert got[0] == pytest.approx(plain[0], rel=1e-4)
-    assert relative(got[1].double(), plain[1].double()) <= 2**-7 and relative(got[2].double(), plain[2].double()) <= 2**-6
+    assert (
+        relative(got[1].double(), plain[1].double()) <= 2**-7 and relative(got[2].double(), plain[2].double()) <= 2**-6
+    )
     assert got[3] <= plain[3] - n * v * 4, (got[3], plain[3])

@@ -66,7 +66,10 @@ def assert_one_winner(folder: Path, outcomes: list) -> None:
     (winner,) = [pid for kind, pid in outcomes if kind == "took"]
     assert json.loads((folder / LOCK).read_text())["pid"] == winner
     for _, said in (o for o in outcomes if o[0] == "refused"):
-        assert said.startswith(f"job.dump_folder {folder} is in use by another run (host ") and "give this run another" in said
+        assert (
+            said.startswith(f"job.dump_folder {folder} is in use by another run (host ")
+            and "give this run another" in said
+        )
     assert sorted(p.name for p in folder.iterdir()) == [LOCK]  # no stray partial files
 
 
@@ -111,17 +114,38 @@ def test_a_dump_folder_turned_read_only_ends_in_the_save_sentence_not_the_locks_
     """The save's sentence, exit 2: the lock that cannot be removed at exit no longer raises over it."""
     remounting = remount_read_only_when(tmpfs / "config.toml", tmpfs)
     capsys.readouterr()
-    code = train_main([*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmpfs), "--training.seq_len", "64",
-                       "--training.local_batch_size", "2", "--training.steps", "4", "--checkpoint.enable", "true",
-                       "--checkpoint.interval", "2"])
+    code = train_main(
+        [
+            *ON_CPU,
+            "--job.config_file",
+            DEBUG_CONFIG,
+            "--job.dump_folder",
+            str(tmpfs),
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "4",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "2",
+        ]
+    )
     gc.enable()  # the trainer leaves gc off when a run stops with an error
     remounting.join()
     out = capsys.readouterr().err
     assert code == 2, out
     assert "Traceback" not in out
-    assert (f"error: checkpoint step-2 could not be written to {tmpfs / 'checkpoint'}: the filesystem is read-only; make it "
-            "writable") in out
-    assert f"the lock {tmpfs / LOCK} could not be removed (Read-only file system); the next run takes it over as stale" in out
+    assert (
+        f"error: checkpoint step-2 could not be written to {tmpfs / 'checkpoint'}: the filesystem is read-only; make it "
+        "writable"
+    ) in out
+    assert (
+        f"the lock {tmpfs / LOCK} could not be removed (Read-only file system); the next run takes it over as stale"
+        in out
+    )
     subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
     assert json.loads((tmpfs / LOCK).read_text())["pid"] == os.getpid()
     with pytest.raises(UserError, match="is in use by another run"):  # this process (the dead run's stand-in) lives
@@ -130,9 +154,19 @@ def test_a_dump_folder_turned_read_only_ends_in_the_save_sentence_not_the_locks_
 
 # Issue 61: two jobs are told apart by their processes first, and by a job id only where no other job can share it.
 
+
 def holder_record(**fields) -> str:
-    return json.dumps({"host": "elsewhere", "pid": 4242, "machine": "another-boot pid:[1]", "pid_start": "1",
-                       "job": "", "started": "earlier"} | fields)
+    return json.dumps(
+        {
+            "host": "elsewhere",
+            "pid": 4242,
+            "machine": "another-boot pid:[1]",
+            "pid_start": "1",
+            "job": "",
+            "started": "earlier",
+        }
+        | fields
+    )
 
 
 def lock_aged(folder: Path, record: str, seconds: float) -> None:
@@ -158,7 +192,9 @@ def test_job_ids_count_only_where_no_other_job_shares_them(monkeypatch):
     assert job_id() == "slurm 77.batch"
     monkeypatch.setenv("SLURM_STEP_ID", "3")
     assert job_id() == "slurm 77.3"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id: every job's, inside one allocation too
+    monkeypatch.setenv(
+        "TORCHELASTIC_RUN_ID", "none"
+    )  # torchrun without --rdzv-id: every job's, inside one allocation too
     assert job_id() == ""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "5d0c6f7e")  # --standalone's uuid, or the --rdzv-id given
     assert job_id() == "torchrun 5d0c6f7e"
@@ -170,14 +206,17 @@ def test_a_live_process_of_this_machine_keeps_its_lock_whatever_its_job_and_age(
     (another start time) is not it."""
     pid, started = sleeper
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "same-job")
-    live = holder_record(host=socket.gethostname(), pid=pid, machine=machine(), pid_start=started, job="torchrun same-job")
+    live = holder_record(
+        host=socket.gethostname(), pid=pid, machine=machine(), pid_start=started, job="torchrun same-job"
+    )
     lock_aged(tmp_path, live, 600)
     with pytest.raises(UserError) as refused:
         take_lock(tmp_path)
     assert str(refused.value) == (
         f"job.dump_folder {tmp_path} is in use by another run (host {socket.gethostname()}, pid {pid}, job torchrun "
         "same-job, started earlier): two runs in one folder would overwrite each other's checkpoints; give this run "
-        "another job.dump_folder, or stop that run first (a lock is never taken from a live process on its machine)")
+        "another job.dump_folder, or stop that run first (a lock is never taken from a live process on its machine)"
+    )
     assert (tmp_path / LOCK).read_text() == live
     lock_aged(tmp_path, holder_record(host=socket.gethostname(), pid=pid, machine=machine(), pid_start="1"), 0)
     take_lock(tmp_path)  # that pid is a later process's: the holder is gone
@@ -188,7 +227,11 @@ def test_a_lock_taken_on_another_machine_is_this_jobs_only_by_an_id_no_other_job
     caplog.set_level("INFO")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    for ours, theirs, taken in (("none", "", False), ("job-a", "torchrun job-b", False), ("job-a", "torchrun job-a", True)):
+    for ours, theirs, taken in (
+        ("none", "", False),
+        ("job-a", "torchrun job-b", False),
+        ("job-a", "torchrun job-a", True),
+    ):
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", ours)
         lock_aged(tmp_path, holder_record(job=theirs), 5)
         if taken:
@@ -196,8 +239,11 @@ def test_a_lock_taken_on_another_machine_is_this_jobs_only_by_an_id_no_other_job
             assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
             assert "it belongs to this job (torchrun job-a), restarted" in caplog.text
         else:
-            with pytest.raises(UserError, match=r"in use by another run \(host elsewhere, pid 4242, job "
-                                                r".*or stop that run \(its lock .* is taken over once 120 s old\)"):
+            with pytest.raises(
+                UserError,
+                match=r"in use by another run \(host elsewhere, pid 4242, job "
+                r".*or stop that run \(its lock .* is taken over once 120 s old\)",
+            ):
                 take_lock(tmp_path)
 
 
@@ -225,18 +271,54 @@ def free_port() -> int:
 def torchrun_job(dump: Path, steps: int, log: Path) -> subprocess.Popen:
     """One rank of the debug model under torchrun as a multi-node job is started (docs/parallelism.md), without
     --standalone: a c10d rendezvous of its own, and torchrun's run id "none", as every such job's."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "1", "--rdzv-backend",
-               "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", "-m", "titanlite.train", *ON_CPU, "--job.config_file",
-               DEBUG_CONFIG, "--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
-               "--metrics.log_freq", "1", "--training.steps", str(steps), "--job.dump_folder", str(dump),
-               "--checkpoint.enable", "true", "--checkpoint.interval", "100000"]
-    return subprocess.Popen(command, cwd=ROOT, env=with_root_on_path() | {"OMP_NUM_THREADS": "1"}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{free_port()}",
+        "-m",
+        "titanlite.train",
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--model.n_layers",
+        "1",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--training.steps",
+        str(steps),
+        "--job.dump_folder",
+        str(dump),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "100000",
+    ]
+    return subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=with_root_on_path() | {"OMP_NUM_THREADS": "1"},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def contents(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` but the lock (whose heartbeat touches it), by path."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK
+    }
 
 
 def test_two_torchrun_jobs_without_standalone_do_not_share_a_dump_folder(tmp_path):
@@ -266,7 +348,8 @@ def test_two_torchrun_jobs_without_standalone_do_not_share_a_dump_folder(tmp_pat
         f"error: job.dump_folder {dump} is in use by another run (host {socket.gethostname()}, pid {holder['pid']}, job "
         f"without an id, started {holder['started']}): two runs in one folder would overwrite each other's checkpoints; "
         "give this run another job.dump_folder, or stop that run first (a lock is never taken from a live process on "
-        "its machine)")
+        "its machine)"
+    )
     assert "exitcode  : 2" in said  # torchrun's report of its rank
     assert said.startswith(sentence)  # the rank's sentence first; torchrun's own report of the failed rank follows
     stopped = re.search(r"stopped at step (\d+) on SIGTERM; exiting", first_log.read_text())

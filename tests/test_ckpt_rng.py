@@ -16,10 +16,34 @@ from titanlite.train import main as train_main
 
 def train(capsys, folder: Path, steps: int, *data: str) -> str:
     capsys.readouterr()
-    code = train_main([*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(folder), "--training.seq_len", "64",
-                       "--training.local_batch_size", "2", "--training.steps", str(steps), "--metrics.log_freq", "1",
-                       "--lr_scheduler.min_lr_factor", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-                       "--lora.rank", "4", "--lora.dropout", "0.5", *data])
+    code = train_main(
+        [
+            *ON_CPU,
+            "--job.config_file",
+            DEBUG_CONFIG,
+            "--job.dump_folder",
+            str(folder),
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            str(steps),
+            "--metrics.log_freq",
+            "1",
+            "--lr_scheduler.min_lr_factor",
+            "1",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "2",
+            "--lora.rank",
+            "4",
+            "--lora.dropout",
+            "0.5",
+            *data,
+        ]
+    )
     gc.enable()  # the trainer leaves it off
     out = capsys.readouterr().err
     assert code == 0, out
@@ -42,7 +66,9 @@ def token_store(folder: Path) -> str:
     return str(folder / "store")
 
 
-@pytest.mark.parametrize("data", ["sample", "store"])  # the two loaders: a raw dataset's per rank, a store's global order
+@pytest.mark.parametrize(
+    "data", ["sample", "store"]
+)  # the two loaders: a raw dataset's per rank, a store's global order
 def test_resumes_restore_the_cpu_rng_exactly_and_dropout_trains_the_same(capsys, tmp_path, data):
     flags = ["--training.dataset_path", token_store(tmp_path)] if data == "store" else []
     reference = logged_losses(train(capsys, tmp_path / "reference", 6, *flags))

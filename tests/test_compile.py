@@ -20,9 +20,22 @@ from titanlite.parallel.compile import apply_compile
 
 def synthetic_run(folder, extra=()):
     return [
-        "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(folder),
-        "--training.dataset", "synthetic", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", *extra,
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(folder),
+        "--training.dataset",
+        "synthetic",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "3",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        *extra,
     ]
 
 

@@ -24,10 +24,18 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
 
 
 def test_cli_forms_equals_bare_bool_and_lists(tmp_path):
-    cfg = load_config([
-        "--training.steps=3", "--training.deterministic", "--metrics.enable_tensorboard", "false",
-        "--optimizer.betas", "0.8,0.99", "--lr_scheduler.decay_ratio", "-1",
-    ])
+    cfg = load_config(
+        [
+            "--training.steps=3",
+            "--training.deterministic",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--optimizer.betas",
+            "0.8,0.99",
+            "--lr_scheduler.decay_ratio",
+            "-1",
+        ]
+    )
     assert cfg.training.steps == 3
     assert cfg.training.deterministic is True
     assert cfg.metrics.enable_tensorboard is False
@@ -43,19 +51,31 @@ def test_float8_alias_section(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--training.stepz", "3"], "unknown config key training.stepz in the command line; did you mean training.steps?"),
+        (
+            ["--training.stepz", "3"],
+            "unknown config key training.stepz in the command line; did you mean training.steps?",
+        ),
         (["--trainig.steps", "3"], "unknown config section [trainig] in the command line; did you mean [training]?"),
         (["--training.steps", "many"], "training.steps expects an integer, got 'many' in the command line"),
         (["--training.deterministic", "maybe"], "training.deterministic expects a boolean"),
-        (["--training.mixed_precision_param", "fp16"], "training.mixed_precision_param must be one of bfloat16, float32; got 'fp16'"),
+        (
+            ["--training.mixed_precision_param", "fp16"],
+            "training.mixed_precision_param must be one of bfloat16, float32; got 'fp16'",
+        ),
         (["--job.config_file", "/no/such.toml"], "config file /no/such.toml does not exist"),
         (["steps"], "unexpected command-line argument 'steps'"),
         (["--optimizer.betas", "0.9"], "optimizer.betas must hold 2 items; got [0.9] in the command line"),
         (["--optimizer.lr", "inf"], "optimizer.lr must be a finite number at least 0; got inf"),
         (["--validation.steps", "0"], "validation.steps must be at least 1, or -1; got 0 in the command line"),
         (["--activation_checkpoint.selective_ac_option", "0"], "selective_ac_option must be op or a positive integer"),
-        (["--activation_checkpoint.selective_ac_option", "two"], "selective_ac_option must be op or a positive integer"),
-        (["--training.param_dtype", "bfloat16", "--training.mixed_precision_param", "float32"], "set training.mixed_precision_param bfloat16 too"),
+        (
+            ["--activation_checkpoint.selective_ac_option", "two"],
+            "selective_ac_option must be op or a positive integer",
+        ),
+        (
+            ["--training.param_dtype", "bfloat16", "--training.mixed_precision_param", "float32"],
+            "set training.mixed_precision_param bfloat16 too",
+        ),
     ],
 )
 def test_bad_cli_input(argv, message):
@@ -69,7 +89,9 @@ def test_toml_errors_name_file_line_and_key(tmp_path):
     with pytest.raises(UserError, match=r"job.toml is not valid TOML: .*line 3"):
         load_config(["--job.config_file", broken])
     unknown = write(tmp_path, "[training]\nbatch_size = 5\n")
-    with pytest.raises(UserError, match=r"unknown config key training.batch_size in .*job.toml; did you mean training.\w+_batch_size\?"):
+    with pytest.raises(
+        UserError, match=r"unknown config key training.batch_size in .*job.toml; did you mean training.\w+_batch_size\?"
+    ):
         load_config(["--job.config_file", unknown])
     wrong_type = write(tmp_path, '[training]\nsteps = "ten"\n')
     with pytest.raises(UserError, match="training.steps expects an integer, got 'ten'"):
@@ -137,6 +159,11 @@ def test_readme_reference_is_what_the_generator_writes():
     import subprocess
     import sys
 
-    check = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=ROOT,
-                           env=with_root_on_path(), capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "scripts/config_reference.py", "--check"],
+        cwd=ROOT,
+        env=with_root_on_path(),
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, "docs/configuration.md's reference is stale: run python scripts/config_reference.py"

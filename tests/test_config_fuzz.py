@@ -69,7 +69,9 @@ def assert_one_sentence(code: int, lines: list[str], *needles: str) -> None:
         assert needle in lines[0], (needle, lines)
 
 
-@pytest.mark.parametrize("key", [key for key in KEYS if key != "job.config_file"])  # refused in a TOML whatever its type
+@pytest.mark.parametrize(
+    "key", [key for key in KEYS if key != "job.config_file"]
+)  # refused in a TOML whatever its type
 def test_wrong_type_in_toml_names_the_key(key, tmp_path, capsys, monkeypatch):
     section, name = key.split(".")
     f = KEYS[key]
@@ -110,8 +112,10 @@ def test_every_default_is_in_its_range():
         (["--training.num_workers", "-1"], "training.num_workers must be at least 0; got -1"),
         (["--metrics.log_freq", "0"], "metrics.log_freq must be at least 1; got 0"),
         # issue 42: keys that conflicted quietly
-        (["--training.max_nonfinite_skips", "3"], "training.max_nonfinite_skips 3 counts skipped steps, but "
-                                                   "training.on_nonfinite stop never skips one"),
+        (
+            ["--training.max_nonfinite_skips", "3"],
+            "training.max_nonfinite_skips 3 counts skipped steps, but training.on_nonfinite stop never skips one",
+        ),
     ],
 )
 def test_issue_commands_end_in_one_sentence(flags, sentence, capsys, monkeypatch):
@@ -143,7 +147,9 @@ def test_prepare_names_its_own_flags(tmp_path, capsys):
 def test_a_config_json_number_written_as_text_is_one_sentence(tmp_path, capsys, monkeypatch):
     """Issue 42: "hidden_size": "256" raised TypeError deep in the model args, in train and in plan."""
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": "256"}')
-    code, lines = run_main(["--job.config_file", DEBUG_CONFIG, "--model.hf_assets_path", str(tmp_path)], capsys, monkeypatch)
+    code, lines = run_main(
+        ["--job.config_file", DEBUG_CONFIG, "--model.hf_assets_path", str(tmp_path)], capsys, monkeypatch
+    )
     assert_one_sentence(code, lines, f'{tmp_path / "config.json"}: "hidden_size" is "256", which is not a number')
 
 

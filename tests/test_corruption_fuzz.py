@@ -50,12 +50,18 @@ def loader_reader(tokenizer, **spec) -> Callable[[Path], str]:
     from titanlite.data.datasets import DataSpec, build_dataloader
 
     def read(folder: Path) -> str:
-        fields = {key: str(folder / value) if key in ("dataset_path", "chat_template") and value and not Path(value).is_absolute()
-                  else value for key, value in spec.items()}
+        fields = {
+            key: str(folder / value)
+            if key in ("dataset_path", "chat_template") and value and not Path(value).is_absolute()
+            else value
+            for key, value in spec.items()
+        }
         fields.setdefault("dataset_path", str(folder))
         fields.setdefault("seq_len", SEQ)
-        return loader_digest(build_dataloader(DataSpec("sample", batch_size=8, infinite=False, **fields),
-                                              tokenizer, 0, 1, 0))
+        return loader_digest(
+            build_dataloader(DataSpec("sample", batch_size=8, infinite=False, **fields), tokenizer, 0, 1, 0)
+        )
+
     return read
 
 
@@ -73,8 +79,16 @@ def read_hf_folder(folder: Path) -> tuple:
         model = model_folder.spec.model_cls(model_folder.args)
     state = {name: torch.zeros(t.shape, dtype=t.dtype) for name, t in model.state_dict().items()}
     load_model_from_hf(state, folder, model_folder.spec.hf_adapter, model_folder.args, cfg.model.name)
-    return (cfg.model.name, cfg.model.flavor, repr(model_folder.args), tokenizer.vocab_size, tokenizer.bos_id,
-            tokenizer.eos_id, tokenizer.encode("What does Python's help say?", bos=True, eos=True), tensors_digest(state.values()))
+    return (
+        cfg.model.name,
+        cfg.model.flavor,
+        repr(model_folder.args),
+        tokenizer.vocab_size,
+        tokenizer.bos_id,
+        tokenizer.eos_id,
+        tokenizer.encode("What does Python's help say?", bos=True, eos=True),
+        tensors_digest(state.values()),
+    )
 
 
 def read_config_toml(folder: Path) -> str:
@@ -133,15 +147,22 @@ class CheckpointReader:
             self.cfg.job.dump_folder, self.cfg.checkpoint.load_step = str(folder), load_step
             for tensor in self.run.model.parameters():  # what a load leaves unset must show in the digest
                 tensor.data.fill_(float("nan"))
-            manager = CheckpointManager(self.run, checkpointed_training(self.optimizer, self.scheduler, self.dataloader))
+            manager = CheckpointManager(
+                self.run, checkpointed_training(self.optimizer, self.scheduler, self.dataloader)
+            )
             try:
                 state = manager.load()
             finally:
                 manager.close()
             optimizer = self.optimizer.state_dict()["state"]
-            return (state.step, state.tokens_seen, tensors_digest(self.run.model.state_dict().values()),
-                    tensors_digest(t for by_name in optimizer.values() for t in by_name.values()),
-                    repr(self.dataloader.state_dict()))
+            return (
+                state.step,
+                state.tokens_seen,
+                tensors_digest(self.run.model.state_dict().values()),
+                tensors_digest(t for by_name in optimizer.values() for t in by_name.values()),
+                repr(self.dataloader.state_dict()),
+            )
+
         return read
 
 
@@ -157,16 +178,23 @@ def write_data(root: Path) -> Path:
 
     tokenizer_folder = write_tokenizer_folder(root / "tokenizer")
     records = chat_records(12)
-    for name, write in (("jsonl", lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records))),
-                        ("parquet", lambda p: pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), p))):
+    for name, write in (
+        ("jsonl", lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records))),
+        ("parquet", lambda p: pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), p)),
+    ):
         (root / name).mkdir()
         write(root / name / f"chats.{name}")
     (root / "template").mkdir()
     (root / "template" / "chat.jinja").write_text(CHATML_TEMPLATE)
     (root / "texts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in sample_split("train")[:12]))
     prepare(str(root / "texts.jsonl"), str(root / "store"), documents_per_shard=6)
-    prepare(str(root / "jsonl" / "chats.jsonl"), str(root / "chat_store"), str(tokenizer_folder), dataset_format="chat",
-            documents_per_shard=6)
+    prepare(
+        str(root / "jsonl" / "chats.jsonl"),
+        str(root / "chat_store"),
+        str(tokenizer_folder),
+        dataset_format="chat",
+        documents_per_shard=6,
+    )
     return tokenizer_folder
 
 
@@ -181,14 +209,41 @@ def write_model_files(root: Path, tokenizer_folder: Path, vocab_size: int) -> li
 
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(root / "hf")
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(root / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_folder / name, root / "hf" / name)
-    flags = [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(root / "dump"), "--model.n_layers", "1",
-             "--training.seq_len", "16", "--training.local_batch_size", "2", "--training.steps", "2",
-             "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--metrics.log_freq", "1"]
+    flags = [
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(root / "dump"),
+        "--model.n_layers",
+        "1",
+        "--training.seq_len",
+        "16",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "2",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "1",
+        "--metrics.log_freq",
+        "1",
+    ]
     assert main(flags) == 0
     gc.enable()  # the trainer leaves it off
     (root / "dump" / "checkpoint" / REWOUND).write_text(json.dumps({"step": 1, "at": "2026-11-28 09:00:00"}))
@@ -212,33 +267,122 @@ def targets(tmp_path_factory):
     chat = dict(dataset_format="chat", seq_len=256)  # a window holds a conversation
     step = "checkpoint/step-2"
     yield [
-        (Target("store", root / "store", ["manifest.json", "shard-00000.bin", "shard-00000.bin.xxh3", "shard-00000.idx.npy",
-                                          "shard-00001.bin"], loader_reader(shipped)), 4, STRAY_STORE),
-        (Target("chat_store", root / "chat_store", ["manifest.json", "shard-00000.bin", "shard-00000.mask.bin",
-                                                    "shard-00000.mask.bin.xxh3", "shard-00001.idx.npy"],
-                loader_reader(hf_tokenizer, **chat)), 4, STRAY_STORE),
-        (Target("jsonl", root / "jsonl", ["chats.jsonl"], loader_reader(hf_tokenizer, dataset_path="chats.jsonl", **chat),
-                ("chats.jsonl",)), 4, ["notes.txt"]),
-        (Target("parquet", root / "parquet", ["chats.parquet"],
-                loader_reader(hf_tokenizer, dataset_path="chats.parquet", **chat), ("chats.parquet",)), 3, ["notes.txt"]),
-        (Target("template", root / "template", ["chat.jinja"],
-                loader_reader(hf_tokenizer, dataset_path=str(root / "jsonl" / "chats.jsonl"), chat_template="chat.jinja", **chat),
-                ("chat.jinja",)), 3, ["notes.txt"]),
-        (Target("hf", root / "hf", ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"],
-                read_hf_folder, ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")), 4,
-         ["model.safetensors.index.json", "model-00002-of-00002.safetensors", "notes.txt", "pytorch_model.bin"]),
-        (Target("checkpoint", root / "dump", [f"{step}/__0_0.distcp", f"{step}/.metadata", f"{step}/checksums/rank0.json"],
-                checkpoint.reader(-1)), 3,
-         [f"{step}/__1_0.distcp", f"{step}/notes.txt", f"{step}/checksums/rank1.json", "checkpoint/step-3/.metadata"]),
-        (Target("convert", root / "dump", [f"{step}/__0_0.distcp", f"{step}/.metadata", f"{step}/checksums/rank0.json"],
-                read_converted), 2, [f"{step}/notes.txt"]),
+        (
+            Target(
+                "store",
+                root / "store",
+                ["manifest.json", "shard-00000.bin", "shard-00000.bin.xxh3", "shard-00000.idx.npy", "shard-00001.bin"],
+                loader_reader(shipped),
+            ),
+            4,
+            STRAY_STORE,
+        ),
+        (
+            Target(
+                "chat_store",
+                root / "chat_store",
+                [
+                    "manifest.json",
+                    "shard-00000.bin",
+                    "shard-00000.mask.bin",
+                    "shard-00000.mask.bin.xxh3",
+                    "shard-00001.idx.npy",
+                ],
+                loader_reader(hf_tokenizer, **chat),
+            ),
+            4,
+            STRAY_STORE,
+        ),
+        (
+            Target(
+                "jsonl",
+                root / "jsonl",
+                ["chats.jsonl"],
+                loader_reader(hf_tokenizer, dataset_path="chats.jsonl", **chat),
+                ("chats.jsonl",),
+            ),
+            4,
+            ["notes.txt"],
+        ),
+        (
+            Target(
+                "parquet",
+                root / "parquet",
+                ["chats.parquet"],
+                loader_reader(hf_tokenizer, dataset_path="chats.parquet", **chat),
+                ("chats.parquet",),
+            ),
+            3,
+            ["notes.txt"],
+        ),
+        (
+            Target(
+                "template",
+                root / "template",
+                ["chat.jinja"],
+                loader_reader(
+                    hf_tokenizer, dataset_path=str(root / "jsonl" / "chats.jsonl"), chat_template="chat.jinja", **chat
+                ),
+                ("chat.jinja",),
+            ),
+            3,
+            ["notes.txt"],
+        ),
+        (
+            Target(
+                "hf",
+                root / "hf",
+                ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"],
+                read_hf_folder,
+                ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"),
+            ),
+            4,
+            ["model.safetensors.index.json", "model-00002-of-00002.safetensors", "notes.txt", "pytorch_model.bin"],
+        ),
+        (
+            Target(
+                "checkpoint",
+                root / "dump",
+                [f"{step}/__0_0.distcp", f"{step}/.metadata", f"{step}/checksums/rank0.json"],
+                checkpoint.reader(-1),
+            ),
+            3,
+            [
+                f"{step}/__1_0.distcp",
+                f"{step}/notes.txt",
+                f"{step}/checksums/rank1.json",
+                "checkpoint/step-3/.metadata",
+            ],
+        ),
+        (
+            Target(
+                "convert",
+                root / "dump",
+                [f"{step}/__0_0.distcp", f"{step}/.metadata", f"{step}/checksums/rank0.json"],
+                read_converted,
+            ),
+            2,
+            [f"{step}/notes.txt"],
+        ),
         # Deleting rewound.json is how a user rewinds again (folders.py), not damage.
-        (Target("lineage", root / "dump", ["checkpoint/rewound.json"], checkpoint.reader(1),
-                kinds=("truncate", "flip", "retype")), 3, ["checkpoint/notes.txt"]),
+        (
+            Target(
+                "lineage",
+                root / "dump",
+                ["checkpoint/rewound.json"],
+                checkpoint.reader(1),
+                kinds=("truncate", "flip", "retype"),
+            ),
+            3,
+            ["checkpoint/notes.txt"],
+        ),
         # The lock of a live run: a pid flipped into another is a run gone as far as anyone can tell, and a deleted
         # lock no lock; a damaged record must still hold the folder (it ages into staleness).
-        (Target("lock", root / "lock", [".titanlite.lock"], read_lock, kinds=("truncate", "retype")), 4,
-         ["notes.txt", ".titanlite.partial"]),
+        (
+            Target("lock", root / "lock", [".titanlite.lock"], read_lock, kinds=("truncate", "retype")),
+            4,
+            ["notes.txt", ".titanlite.partial"],
+        ),
         (Target("config_toml", root / "toml", ["config.toml"], read_config_toml, ("config.toml",)), 3, ["notes.txt"]),
     ]
     close_distributed()
@@ -251,7 +395,10 @@ def test_every_reader_refuses_damage_in_one_sentence_or_reads_the_same(targets, 
         print(f"\ncorruption fuzz, seed {SEED}:")
         for target, per_file, stray_names in targets:
             by_target = run_cases(target, tmp_path, rng, per_file, stray_names)
-            print(f"  {target.name}: " + ", ".join(f"{count} {how}" for how, count in by_target.items() if how in OUTCOMES))
+            print(
+                f"  {target.name}: "
+                + ", ".join(f"{count} {how}" for how, count in by_target.items() if how in OUTCOMES)
+            )
             ended += by_target
         print(f"  {sum(ended.values())} cases")
     failures = [problem for problem in ended if problem not in OUTCOMES]
@@ -273,7 +420,9 @@ def parquet_with_invalid_utf8(path: Path) -> None:
     content = pyarrow.array([b"Hello?", b"\xffHi."], pyarrow.binary()).view(pyarrow.string())
     turns = pyarrow.StructArray.from_arrays([pyarrow.array(["user", "assistant"]), content], names=["role", "content"])
     path.unlink()
-    pyarrow.parquet.write_table(pyarrow.table({"messages": pyarrow.ListArray.from_arrays(pyarrow.array([0, 2], pyarrow.int32()), turns)}), path)
+    pyarrow.parquet.write_table(
+        pyarrow.table({"messages": pyarrow.ListArray.from_arrays(pyarrow.array([0, 2], pyarrow.int32()), turns)}), path
+    )
 
 
 FOUND = {  # the damage of each defect the fuzzer found (on other seeds too), kept as a case of its own
@@ -283,7 +432,8 @@ FOUND = {  # the damage of each defect the fuzzer found (on other seeds too), ke
     ("lineage", "checkpoint/rewound.json"): lambda p: edit_json(p, lambda c: c.update(step="1")),
     ("checkpoint", "checkpoint/step-2/.metadata"): lambda p: p.unlink(),
     ("checkpoint", "checkpoint/step-2/checksums/rank0.json"): lambda p: edit_json(
-        p, lambda sums: sums.update({"__7_0.distcp": sums.pop("__0_0.distcp")})),
+        p, lambda sums: sums.update({"__7_0.distcp": sums.pop("__0_0.distcp")})
+    ),
 }
 
 

@@ -26,13 +26,26 @@ FAMILIES = {  # name: flags; each trains 5 steps on one process and under CP2 (4
     "llama3": ["--model.attention_mask", "block_causal", "--model.reset_position_ids"],
     "mistral": ["--model.name", "mistral"],  # its debug window (32) is shorter than the 64-token windows
     "gpt2": ["--model.name", "gpt2", "--model.attention_mask", "block_causal"],
-    "deepseek_v3": ["--model.name", "deepseek_v3", "--model.attention_mask", "block_causal", "--model.moe_aux_loss_coeff", "0.01"],
+    "deepseek_v3": [
+        "--model.name",
+        "deepseek_v3",
+        "--model.attention_mask",
+        "block_causal",
+        "--model.moe_aux_loss_coeff",
+        "0.01",
+    ],
 }
 LLAMA = [*FAMILIES["llama3"], *VALIDATE]  # llama3's one-process and CP2 runs validate too
 LAYOUTS_OF_FOUR = {  # the same 4 windows per step
     "cp2_fsdp2": [*CP2, "--training.local_batch_size", "2", "--training.global_batch_size", "4"],
     "cp2_tp2": [*CP2, "--parallelism.tensor_parallel_degree", "2"],
-    "cp2_pp2": [*CP2, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+    "cp2_pp2": [
+        *CP2,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+    ],
 }
 # Every layout for llama3 (documents); mistral's window and gpt2's positions under CP2 x FSDP2, which keeps the
 # suite short (their CP2 x TP2 and CP2 x PP2 runs passed this test too, 2026-11-25; README "Context parallel").
@@ -73,14 +86,38 @@ def test_cp2_trains_as_one_process_composes_with_fsdp_tp_pp_and_checkpoints_move
         validated = LLAMA if saved else flags
         ones.append(run(tmp_path, f"{family}_one", validated, RESUMED_STEPS if saved else STEPS, checkpoint=saved))
         twos.append(run(tmp_path, f"{family}_cp2", [*validated, *CP2], STEPS, checkpoint=saved))
-        fours += [run(tmp_path, f"{family}_{name}", [*flags, *LAYOUTS_OF_FOUR[name]], STEPS)
-                  for name in four_rank.get(family, ())]
+        fours += [
+            run(tmp_path, f"{family}_{name}", [*flags, *LAYOUTS_OF_FOUR[name]], STEPS)
+            for name in four_rank.get(family, ())
+        ]
     # Each launch runs in order, so a resume follows the run that saved its checkpoint.
-    launch([*twos, run(tmp_path, "llama3_cp2_to_fsdp2", [*LLAMA, *FSDP2], RESUMED_STEPS, resume_from="llama3_cp2")],
-           2, tmp_path, "world2")
-    launch([*ones, run(tmp_path, "llama3_cp2_to_one", LLAMA, RESUMED_STEPS, resume_from="llama3_cp2")], 1, tmp_path, "world1")
-    launch([*fours, run(tmp_path, "llama3_one_to_cp2_fsdp2", [*LLAMA, *LAYOUTS_OF_FOUR["cp2_fsdp2"]], RESUMED_STEPS,
-                        resume_from="llama3_one")], 4, tmp_path, "world4")
+    launch(
+        [*twos, run(tmp_path, "llama3_cp2_to_fsdp2", [*LLAMA, *FSDP2], RESUMED_STEPS, resume_from="llama3_cp2")],
+        2,
+        tmp_path,
+        "world2",
+    )
+    launch(
+        [*ones, run(tmp_path, "llama3_cp2_to_one", LLAMA, RESUMED_STEPS, resume_from="llama3_cp2")],
+        1,
+        tmp_path,
+        "world1",
+    )
+    launch(
+        [
+            *fours,
+            run(
+                tmp_path,
+                "llama3_one_to_cp2_fsdp2",
+                [*LLAMA, *LAYOUTS_OF_FOUR["cp2_fsdp2"]],
+                RESUMED_STEPS,
+                resume_from="llama3_one",
+            ),
+        ],
+        4,
+        tmp_path,
+        "world4",
+    )
     trained = list(range(1, STEPS + 1))
     for family in families:
         assert_as_one_process(tmp_path, f"{family}_cp2", f"{family}_one", trained)
@@ -147,13 +184,26 @@ def test_cp_errors_are_one_sentence(tmp_path):
     """A seq_len that does not cut into 2 x cp chunks, and CP with expert parallelism, are refused before any work;
     the seq_len is judged once the degrees are known to fit the world (issue 42: a CP degree the world cannot hold
     was reported as a seq_len problem first)."""
-    out = run_titanlite(["--job.config_file", "train_configs/debug_model.toml", *CP2, "--training.seq_len", "66",
-                         "--job.dump_folder", str(tmp_path)])
+    out = run_titanlite(
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            *CP2,
+            "--training.seq_len",
+            "66",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "context_parallel_degree 2" in out.stderr and "do not divide the world size 1" in out.stderr
     assert "seq_len" not in out.stderr.strip().splitlines()[-1]
-    with pytest.raises(UserError, match=re.escape("training.seq_len 66 does not split into 2 x "
-                                                  "parallelism.context_parallel_degree 2 = 4 equal chunks")):
+    with pytest.raises(
+        UserError,
+        match=re.escape(
+            "training.seq_len 66 does not split into 2 x parallelism.context_parallel_degree 2 = 4 equal chunks"
+        ),
+    ):
         check_context_parallel(66, 2)
     both = Parallelism(context_parallel_degree=2, expert_parallel_degree=2)
     with pytest.raises(UserError, match="expert_parallel_degree and context_parallel_degree cannot both be above 1"):

@@ -20,17 +20,34 @@ from titanlite.parallel.dist import default_allocator_setting
 from titanlite.parallel.offload import HeldBytes, OffloadActivations
 
 pytestmark = pytest.mark.cuda
-users_allocator = pytest.mark.skipif(default_allocator_setting(os.environ) == "",
-                                     reason="PYTORCH_CUDA_ALLOC_CONF is set here, so titanlite keeps it")
+users_allocator = pytest.mark.skipif(
+    default_allocator_setting(os.environ) == "", reason="PYTORCH_CUDA_ALLOC_CONF is set here, so titanlite keeps it"
+)
 
 
 def gpu_flags(folder, steps: int = 4, *extra) -> list[str]:
     """The debug model on synthetic tokens, on the GPU, deterministic kernels (so reruns are bit-equal)."""
     return [
-        "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(folder),
-        "--job.device", "cuda", "--training.dataset", "synthetic", "--training.seq_len", "256",
-        "--training.local_batch_size", "4", "--training.steps", str(steps), "--training.deterministic",
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--lr_scheduler.min_lr_factor", "1",
+        "--job.config_file",
+        str(ROOT / "train_configs" / "debug_model.toml"),
+        "--job.dump_folder",
+        str(folder),
+        "--job.device",
+        "cuda",
+        "--training.dataset",
+        "synthetic",
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "4",
+        "--training.steps",
+        str(steps),
+        "--training.deterministic",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--lr_scheduler.min_lr_factor",
+        "1",
         *map(str, extra),
     ]
 
@@ -65,15 +82,18 @@ def test_activation_offload_is_exact_in_eager(tmp_path, eager):
 @pytest.mark.parametrize("ac", ["none", "selective"])
 def test_activation_offload_under_compile(tmp_path, compiled, ac):
     """Crashed in backward (saved tensors came back contiguous: `expected ... stride 524288==64`)."""
-    losses = trained(tmp_path, "--compile.enable", "--activation_checkpoint.offload_activations",
-                     "--activation_checkpoint.mode", ac)
+    losses = trained(
+        tmp_path, "--compile.enable", "--activation_checkpoint.offload_activations", "--activation_checkpoint.mode", ac
+    )
     assert losses == pytest.approx(compiled, rel=1e-4)
 
 
 def test_offloaded_tensors_come_back_with_their_strides_and_gradients():
     """In process, on the side stream: more saved tensors than the prefetch window, transposed views."""
     torch.manual_seed(0)
-    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(12)]).cuda()
+    layers = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(12)]
+    ).cuda()
     x = torch.randn(32, 64, device="cuda")
     grads = []
     for offload in (False, True):
@@ -95,7 +115,9 @@ def test_activation_offload_frees_device_memory_it_reports():
     device memory of forward + backward drops by most of what HeldBytes reports held in host memory
     (the prefetch window of 8 tensors comes back early, by design)."""
     torch.manual_seed(0)
-    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU()) for _ in range(12)]).cuda()
+    layers = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU()) for _ in range(12)]
+    ).cuda()
     x = torch.randn(4096, 1024, device="cuda")
     peaks, held = [], HeldBytes()
     for offload in (False, True):
@@ -113,20 +135,38 @@ def test_activation_offload_frees_device_memory_it_reports():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="float8 needs torchao (pip install torchao)")
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                    reason="float8 needs compute capability 8.9 or newer")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+    reason="float8 needs compute capability 8.9 or newer",
+)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_converts_and_trains(tmp_path, compiled, recipe):
-    losses = trained(tmp_path, "--compile.enable", "--float8.enable", "--float8.recipe_name", recipe,
-                     "--training.mixed_precision_param", "bfloat16")
+    losses = trained(
+        tmp_path,
+        "--compile.enable",
+        "--float8.enable",
+        "--float8.recipe_name",
+        recipe,
+        "--training.mixed_precision_param",
+        "bfloat16",
+    )
     assert losses == pytest.approx(compiled, rel=0.05)  # float8 matmuls: close to the fp32 run, not equal
 
 
 def test_pure_bf16_training_with_the_kahan_optimizer_tracks_fp32(tmp_path, eager):
     """bf16 weights and states, AdamWBF16Kahan's compiled (Triton) update inside the trainer: 4 steps' losses
     within 2% of the fp32 run's (bf16 matmuls and weights, not equal), and the run resumes exactly."""
-    flags = ["--training.param_dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16",
-             "--optimizer.name", "AdamWBF16Kahan", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    flags = [
+        "--training.param_dtype",
+        "bfloat16",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--optimizer.name",
+        "AdamWBF16Kahan",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
     losses = trained(tmp_path, *flags)
     assert losses == pytest.approx(eager, rel=0.02)
     shutil.rmtree(tmp_path / "checkpoint" / "step-4")
@@ -176,12 +216,33 @@ def test_memory_snapshot_with_the_allocator_default(tmp_path):
 def test_eager_1b_shape_trains_with_expandable_segments(tmp_path):
     """The shape that ran out of memory by fragmentation at step 1 (1B, seq 8192, batch 2, eager, bf16),
     on 2 of its 16 layers so that it takes seconds."""
-    out = run_titanlite([
-        "--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path),
-        "--job.device", "cuda", "--model.flavor", "1B", "--model.n_layers", "2", "--training.dataset", "synthetic",
-        "--training.seq_len", "8192", "--training.local_batch_size", "2", "--training.steps", "3",
-        "--training.mixed_precision_param", "bfloat16", "--metrics.log_freq", "1",
-    ], timeout=600)
+    out = run_titanlite(
+        [
+            "--job.config_file",
+            str(ROOT / "train_configs" / "debug_model.toml"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--job.device",
+            "cuda",
+            "--model.flavor",
+            "1B",
+            "--model.n_layers",
+            "2",
+            "--training.dataset",
+            "synthetic",
+            "--training.seq_len",
+            "8192",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "3",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--metrics.log_freq",
+            "1",
+        ],
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert "PYTORCH_CUDA_ALLOC_CONF is not set: using expandable_segments:True" in out.stderr
     assert "step: 3  loss:" in out.stderr
@@ -189,9 +250,13 @@ def test_eager_1b_shape_trains_with_expandable_segments(tmp_path):
 
 def test_more_processes_than_gpus_is_one_sentence(tmp_path):
     visible = torch.cuda.device_count()
-    out = run_titanlite(gpu_flags(tmp_path, 1, "--job.device", "auto"), nproc=visible + 1, timeout=300, fresh_ranks=True)
+    out = run_titanlite(
+        gpu_flags(tmp_path, 1, "--job.device", "auto"), nproc=visible + 1, timeout=300, fresh_ranks=True
+    )
     assert out.returncode != 0
-    assert (f"error: {visible + 1} processes on this machine but {visible} visible GPU") in out.stderr, out.stderr[-3000:]
+    assert (f"error: {visible + 1} processes on this machine but {visible} visible GPU") in out.stderr, out.stderr[
+        -3000:
+    ]
     assert "titanlite/" not in "".join(line for line in out.stderr.splitlines() if line.strip().startswith("File "))
 
 
@@ -211,8 +276,13 @@ def test_block_causal_flex_attention_equals_the_cpu_mask_path():
     from titanlite.models import get_model_args, get_model_spec
     from titanlite.models.attention import attention_mask, document_ids
 
-    args = dataclasses.replace(get_model_args(get_model_spec("mistral"), "debugmodel"), vocab_size=97, n_layers=2,
-                               max_seq_len=256, sliding_window=16)
+    args = dataclasses.replace(
+        get_model_args(get_model_spec("mistral"), "debugmodel"),
+        vocab_size=97,
+        n_layers=2,
+        max_seq_len=256,
+        sliding_window=16,
+    )
     cpu = materialize("mistral", args)
     gpu = copy.deepcopy(cpu).cuda()
     tokens = torch.randint(2, 97, (2, 201), generator=torch.Generator().manual_seed(0))
@@ -249,8 +319,9 @@ def test_context_parallel_flex_attention_equals_the_cpu_path(window, documents):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("extra", [[], ["--compile.enable", "--activation_checkpoint.mode", "selective"]],
-                         ids=["eager", "compiled-op-ac"])
+@pytest.mark.parametrize(
+    "extra", [[], ["--compile.enable", "--activation_checkpoint.mode", "selective"]], ids=["eager", "compiled-op-ac"]
+)
 def test_block_causal_trains_on_documents(tmp_path, extra):
     """The default mask on the sample corpus (several documents per 256-token window) through the trainer."""
     losses = trained(tmp_path, "--training.dataset", "sample", "--model.reset_position_ids", *extra)

@@ -119,9 +119,18 @@ def sentencepiece_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("sentencepiece") / "tokenizer.model"
     with path.open("wb") as out:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter("\n".join(sample_documents()[:60]).splitlines()), model_writer=out,
-            vocab_size=400, model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
-            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            sentence_iterator=iter("\n".join(sample_documents()[:60]).splitlines()),
+            model_writer=out,
+            vocab_size=400,
+            model_type="bpe",
+            byte_fallback=True,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            minloglevel=2,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
         )
     return path
 
@@ -145,7 +154,9 @@ def test_llama2_trains_with_a_sentencepiece_tokenizer(tiny_run, sentencepiece_mo
 def test_a_damaged_sentencepiece_file_is_one_sentence(tmp_path, sentencepiece_model):
     bad = tmp_path / "tokenizer.model"
     bad.write_bytes(sentencepiece_model.read_bytes()[:3000])
-    with pytest.raises(UserError, match=f"cannot use the tokenizer file {re.escape(str(bad))}: .*set model.tokenizer_path"):
+    with pytest.raises(
+        UserError, match=f"cannot use the tokenizer file {re.escape(str(bad))}: .*set model.tokenizer_path"
+    ):
         build_tokenizer(Model(tokenizer_path=str(bad)))
 
 
@@ -160,13 +171,16 @@ def test_windows_pack_the_token_stream_without_overlap(tokenizer):
     for i, (inputs, labels) in enumerate(windows):
         assert inputs.shape == labels.shape == (32,) and inputs.dtype == torch.long
         assert torch.equal(inputs[1:], labels[:-1])
-        assert torch.cat([inputs, labels[-1:]]).tolist() == stream[i * 33:(i + 1) * 33]
+        assert torch.cat([inputs, labels[-1:]]).tolist() == stream[i * 33 : (i + 1) * 33]
 
 
 def test_ranks_read_disjoint_documents_that_cover_all():
     texts = numbered_texts(11)
     per_rank = [
-        [text for text, _ in IndexedDocuments(texts, dp_rank=rank, dp_world=2, seed=0).documents(epoch=0, position=None)]
+        [
+            text
+            for text, _ in IndexedDocuments(texts, dp_rank=rank, dp_world=2, seed=0).documents(epoch=0, position=None)
+        ]
         for rank in range(2)
     ]
     assert not set(per_rank[0]) & set(per_rank[1])
@@ -179,7 +193,9 @@ def test_ranks_of_a_loader_see_disjoint_txt_documents(tokenizer, tmp_path):
     seen = []
     for rank in range(2):
         batches = loader(tokenizer, dataset_path=str(tmp_path), dp_rank=rank, dp_world=2, seq_len=8, infinite=False)
-        tokens = [t for inputs, labels in batches for row in torch.cat([inputs, labels[:, -1:]], 1) for t in row.tolist()]
+        tokens = [
+            t for inputs, labels in batches for row in torch.cat([inputs, labels[:, -1:]], 1) for t in row.tolist()
+        ]
         seen.append(set(re.findall(r"document (\d+)", tokenizer.decode(tokens))))
     assert not seen[0] & seen[1]
     assert seen[0] | seen[1] == {str(i) for i in range(10)}
@@ -261,7 +277,7 @@ def test_local_jsonl_parquet_and_txt_folder(tokenizer, tmp_path):
     for path, field in [(jsonl, "body"), (parquet, "text"), (folder, "text")]:
         decoded = first_window_text(tokenizer, dataset="local", dataset_path=str(path), text_field=field)
         assert decoded.startswith("<|begin_of_text|>document ")
-        assert any(text.startswith(decoded[len("<|begin_of_text|>"):][:40]) for text in texts)
+        assert any(text.startswith(decoded[len("<|begin_of_text|>") :][:40]) for text in texts)
 
 
 def test_wrong_text_field_names_the_fields_that_exist(tokenizer, tmp_path):
@@ -320,7 +336,9 @@ def local_fault(tokenizer, path) -> str:
 def test_text_field_that_is_not_a_string_names_the_record(tokenizer, tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "fine"}\n{"text": 5}\n')
-    assert local_fault(tokenizer, path).endswith(f"{path} record 2 (counting from 1) holds 5 in 'text', not text; fix or remove that record")
+    assert local_fault(tokenizer, path).endswith(
+        f"{path} record 2 (counting from 1) holds 5 in 'text', not text; fix or remove that record"
+    )
 
 
 def test_record_without_the_text_field_names_the_record(tokenizer, tmp_path):
@@ -329,7 +347,9 @@ def test_record_without_the_text_field_names_the_record(tokenizer, tmp_path):
     assert "record 3 (counting from 1) has no 'text'" in local_fault(tokenizer, path)
 
 
-@pytest.mark.parametrize("name, loader_name", [("docs.parquet", "parquet"), ("docs.arrow", "arrow"), ("docs.json", "json")])
+@pytest.mark.parametrize(
+    "name, loader_name", [("docs.parquet", "parquet"), ("docs.arrow", "arrow"), ("docs.json", "json")]
+)
 def test_file_that_is_not_what_its_suffix_says(tokenizer, tmp_path, name, loader_name):
     path = tmp_path / name
     path.write_text("just some words, not a data file {\n")
@@ -342,7 +362,9 @@ def test_text_that_is_not_utf8_is_refused_with_where(tokenizer, tmp_path):
     txt.mkdir()
     (txt / "a.txt").write_text("plain words\n")
     (txt / "b.txt").write_bytes("line one\ncaf\u00e9 in Latin-1\n".encode("latin-1"))
-    assert local_fault(tokenizer, txt).endswith(f"{txt / 'b.txt'} is not UTF-8 text (byte 0xe9 on line 2); re-encode it as UTF-8 or remove it")
+    assert local_fault(tokenizer, txt).endswith(
+        f"{txt / 'b.txt'} is not UTF-8 text (byte 0xe9 on line 2); re-encode it as UTF-8 or remove it"
+    )
     inside_json = tmp_path / "docs.jsonl"
     inside_json.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     assert "record 2 (counting from 1) holds text in 'text' that is not UTF-8" in local_fault(tokenizer, inside_json)
@@ -378,8 +400,16 @@ def test_folder_with_an_unreadable_file_names_that_file(tokenizer, tmp_path):
 @pytest.mark.parametrize(
     "name, content, fault",
     [
-        ("docs.jsonl", '{"text": 5}\n', "record 1 (counting from 1) holds 5 in 'text', not text; fix or remove that record"),
-        ("docs.parquet", "not parquet\n", "could not be read as parquet (Parquet magic bytes not found in footer); fix or replace it"),
+        (
+            "docs.jsonl",
+            '{"text": 5}\n',
+            "record 1 (counting from 1) holds 5 in 'text', not text; fix or remove that record",
+        ),
+        (
+            "docs.parquet",
+            "not parquet\n",
+            "could not be read as parquet (Parquet magic bytes not found in footer); fix or replace it",
+        ),
         ("docs.jsonl", "", "is empty (or only whitespace); remove it or write the data into it"),
     ],
 )
@@ -418,4 +448,7 @@ def test_a_dataloader_workers_user_error_is_printed_as_its_one_sentence(capfd):
     with pytest.raises(UserError, match="^Caught UserError in DataLoader worker process 0"):
         read_in_a_worker()
     assert exit_code(read_in_a_worker) == 2
-    assert capfd.readouterr().err == "error: training.dataset_path data.bin: window 0 is damaged; prepare the store again\n"
+    assert (
+        capfd.readouterr().err
+        == "error: training.dataset_path data.bin: window 0 is damaged; prepare the store again\n"
+    )

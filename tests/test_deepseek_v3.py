@@ -28,10 +28,29 @@ def small_args(**overrides):
     mscale != mscale_all_dim (both magnitudes matter), v_head_dim unlike the qk head, 8 experts in 4
     groups of which a token may use 2, one dense block then MoE blocks."""
     args = dataclasses.replace(
-        SPEC.flavors["debugmodel"], vocab_size=97, n_layers=3, n_dense_layers=1, dim=64, n_heads=4, ffn_hidden_dim=96,
-        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, moe_hidden_dim=24,
-        num_experts=8, num_shared_experts=2, top_k=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, max_seq_len=64,
-        norm_eps=1e-5, rope_scaling=YarnScaling(factor=4.0, original_max_seq_len=16, mscale=0.9, mscale_all_dim=0.7))
+        SPEC.flavors["debugmodel"],
+        vocab_size=97,
+        n_layers=3,
+        n_dense_layers=1,
+        dim=64,
+        n_heads=4,
+        ffn_hidden_dim=96,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        moe_hidden_dim=24,
+        num_experts=8,
+        num_shared_experts=2,
+        top_k=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        max_seq_len=64,
+        norm_eps=1e-5,
+        rope_scaling=YarnScaling(factor=4.0, original_max_seq_len=16, mscale=0.9, mscale_all_dim=0.7),
+    )
     return dataclasses.replace(args, **overrides)
 
 
@@ -83,7 +102,9 @@ def test_yarn_frequencies_and_scales_are_transformers():
         torch.testing.assert_close(sin, angles.sin() * magnitude)
         assert softmax_scale(args) == pytest.approx(DeepseekV3Attention(config, 0).scaling, rel=1e-12)
     # DeepSeek-V3: cos/sin unscaled (mscale == mscale_all_dim), softmax scale (0.1 ln 40 + 1)^2 / sqrt(192).
-    assert softmax_scale(SPEC.flavors["671B"]) == pytest.approx((0.1 * torch.tensor(40.0).log().item() + 1) ** 2 / 192**0.5)
+    assert softmax_scale(SPEC.flavors["671B"]) == pytest.approx(
+        (0.1 * torch.tensor(40.0).log().item() + 1) ** 2 / 192**0.5
+    )
 
 
 # --- the router, against transformers' ---
@@ -159,7 +180,9 @@ def titanlite_model(args):
 TOKENS = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))  # 40 positions: past YaRN's 16
 
 
-@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 0, "rope_scaling": None}], ids=["low-rank-q-yarn", "direct-q"])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"q_lora_rank": 0, "rope_scaling": None}], ids=["low-rank-q-yarn", "direct-q"]
+)
 def test_transformers_checkpoint_loads_with_equal_logits(tmp_path, overrides):
     """transformers writes a random DeepseekV3ForCausalLM (save_pretrained); titanlite reads the folder
     as it loads HF weights into a model, and the logits agree within 1e-4 (fp32), routing included."""
@@ -174,7 +197,9 @@ def test_transformers_checkpoint_loads_with_equal_logits(tmp_path, overrides):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 0, "rope_scaling": None}], ids=["low-rank-q-yarn", "direct-q"])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"q_lora_rank": 0, "rope_scaling": None}], ids=["low-rank-q-yarn", "direct-q"]
+)
 def test_export_loads_in_transformers_with_equal_logits(tmp_path, overrides):
     """titanlite writes its random model as an HF folder (as checkpoint.last_save_in_hf does);
     transformers' from_pretrained reads it, every tensor used, and the logits agree within 1e-4."""
@@ -183,21 +208,29 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, overrides):
     args = small_args(**overrides)
     ours = randomized(titanlite_model(args), seed=1)
     save_model_as_hf(ours.state_dict(), tmp_path, ADAPTER, args, torch.float32, writer_rank=True)
-    theirs, info = DeepseekV3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", output_loading_info=True)
+    theirs, info = DeepseekV3ForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", output_loading_info=True
+    )
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
     with torch.no_grad():
         expected, got = theirs.eval()(TOKENS).logits, ours(TOKENS)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["architectures"], config["rope_interleave"], config["num_nextn_predict_layers"]) == (
-        ["DeepseekV3ForCausalLM"], True, 0)
+        ["DeepseekV3ForCausalLM"],
+        True,
+        0,
+    )
 
 
 def test_folder_of_another_model_is_one_sentence(tmp_path):
     args = small_args()
     transformers_model(dataclasses.replace(args, routed_scaling_factor=1.0)).save_pretrained(tmp_path)
-    with pytest.raises(UserError, match=f"the Hugging Face folder {tmp_path} does not fit deepseek_v3/test: "
-                                        "its config.json has routed_scaling_factor 1.0 where this model has 2.5"):
+    with pytest.raises(
+        UserError,
+        match=f"the Hugging Face folder {tmp_path} does not fit deepseek_v3/test: "
+        "its config.json has routed_scaling_factor 1.0 where this model has 2.5",
+    ):
         load_model_from_hf(titanlite_model(args).state_dict(), tmp_path, ADAPTER, args, "deepseek_v3/test")
 
 
@@ -231,8 +264,13 @@ def test_float8_keeps_the_routers_and_small_matmuls_in_high_precision():
     model = materialize("deepseek_v3", small_args(num_experts=16))
     convert_linears(model, Float8(enable=True), emulate=True)
     converted = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
-    assert {"layers.1.attention.wq_b", "layers.1.attention.wkv_b", "layers.1.attention.wo",
-            "layers.1.feed_forward.shared_experts.w1", "layers.0.feed_forward.w1"} <= converted
+    assert {
+        "layers.1.attention.wq_b",
+        "layers.1.attention.wkv_b",
+        "layers.1.attention.wo",
+        "layers.1.feed_forward.shared_experts.w1",
+        "layers.0.feed_forward.w1",
+    } <= converted
     assert not converted & {"layers.1.feed_forward.gate", "layers.1.attention.wkv_a", "output"}
     model(TOKENS).float().logsumexp(-1).mean().backward()
     assert model.layers["1"].feed_forward.gate.weight.grad.abs().sum() > 0
@@ -241,15 +279,18 @@ def test_float8_keeps_the_routers_and_small_matmuls_in_high_precision():
 # --- bad shapes: one sentence each ---
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"kv_lora_rank": 0}, "the MLA ranks q_lora_rank 32 and kv_lora_rank 0 must be low ranks of dim"),
-    ({"q_lora_rank": 64}, "the MLA ranks q_lora_rank 64 and kv_lora_rank 16 must be low ranks of dim"),
-    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim 7, qk_nope_head_dim 8 and v_head_dim 12 must be an even"),
-    ({"top_k": 9}, r"top_k \(num_experts_per_tok\) 9 must be between 1 and num_experts \(n_routed_experts\) 8"),
-    ({"topk_group": 5}, "topk_group 5 must be between 1 and n_group 4"),
-    ({"n_group": 3}, r"n_group 3 must divide num_experts \(n_routed_experts\) 8"),
-    ({"top_k": 5}, "top_k .* exceeds the 4 experts of the topk_group 2 groups"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"kv_lora_rank": 0}, "the MLA ranks q_lora_rank 32 and kv_lora_rank 0 must be low ranks of dim"),
+        ({"q_lora_rank": 64}, "the MLA ranks q_lora_rank 64 and kv_lora_rank 16 must be low ranks of dim"),
+        ({"qk_rope_head_dim": 7}, "qk_rope_head_dim 7, qk_nope_head_dim 8 and v_head_dim 12 must be an even"),
+        ({"top_k": 9}, r"top_k \(num_experts_per_tok\) 9 must be between 1 and num_experts \(n_routed_experts\) 8"),
+        ({"topk_group": 5}, "topk_group 5 must be between 1 and n_group 4"),
+        ({"n_group": 3}, r"n_group 3 must divide num_experts \(n_routed_experts\) 8"),
+        ({"top_k": 5}, "top_k .* exceeds the 4 experts of the topk_group 2 groups"),
+    ],
+)
 def test_inconsistent_shapes_are_one_sentence(overrides, message):
     with pytest.raises(UserError, match=message) as error:
         small_args(**overrides)
@@ -287,7 +328,9 @@ def test_trains_on_the_sample_under_fsdp2_tp2_pp2_as_on_one_process(tmp_path):
     prepare("sample", str(tmp_path / "store"))  # the same windows at any data-parallel degree
     deepseek = ["--model.name", "deepseek_v3", "--model.moe_aux_loss_coeff", "0.01"]
     runs = [run(tmp_path, name, [*deepseek, *flags], STEPS) for name, (_, flags) in LAYOUTS.items()]
-    runs += [run(tmp_path, f"{name}_saved", [*deepseek, *flags], 5, checkpoint=True) for name, (_, flags) in LAYOUTS.items()]
+    runs += [
+        run(tmp_path, f"{name}_saved", [*deepseek, *flags], 5, checkpoint=True) for name, (_, flags) in LAYOUTS.items()
+    ]
     layout_of_run = [LAYOUTS[name][0] for name in LAYOUTS] * 2
     launch([r for r, world in zip(runs, layout_of_run) if world == 2], 2, tmp_path, "world2")
     resumed = run(tmp_path, "pp2_to_one", deepseek, 7, resume_from="pp2_saved")  # PP2's step 5, on one process

@@ -31,13 +31,16 @@ def test_a_users_allocator_setting_is_kept(monkeypatch):
     assert note.startswith("PYTORCH_CUDA_ALLOC_CONF is not set: using expandable_segments:True")
 
 
-@pytest.mark.parametrize("requested, gpus, local_rank, local_world, expected", [
-    ("auto", 0, 0, 1, "cpu"),
-    ("auto", 1, 0, 1, "cuda"),
-    ("auto", 8, 7, 8, "cuda"),
-    ("cpu", 8, 1, 2, "cpu"),  # CPU ranks on a GPU machine
-    ("cuda", 2, 1, 2, "cuda"),
-])
+@pytest.mark.parametrize(
+    "requested, gpus, local_rank, local_world, expected",
+    [
+        ("auto", 0, 0, 1, "cpu"),
+        ("auto", 1, 0, 1, "cuda"),
+        ("auto", 8, 7, 8, "cuda"),
+        ("cpu", 8, 1, 2, "cpu"),  # CPU ranks on a GPU machine
+        ("cuda", 2, 1, 2, "cuda"),
+    ],
+)
 def test_device_choice(requested, gpus, local_rank, local_world, expected):
     assert choose_device_type(requested, gpus, local_rank, local_world) == expected
 
@@ -54,8 +57,10 @@ def test_more_local_ranks_than_gpus_is_one_sentence(requested):
 
 def test_cuda_without_a_gpu_exits_2_with_one_line(tmp_path):
     """No GPU visible (CUDA_VISIBLE_DEVICES empty), so this is the same on a GPU machine."""
-    out = run_titanlite(["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--job.device", "cuda"],
-                        env={"CUDA_VISIBLE_DEVICES": ""})
+    out = run_titanlite(
+        ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--job.device", "cuda"],
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
         "error: job.device cuda, but this process sees no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES); "

@@ -7,10 +7,24 @@ from conftest import assert_planned_state, logged_losses, run_titanlite, tensorb
 def synthetic_run(tmp_path, name, local_batch, steps=4, extra=()):
     folder = tmp_path / name
     return folder, [
-        "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(folder),
-        "--training.dataset", "synthetic", "--training.seq_len", "64", "--training.local_batch_size", str(local_batch),
-        "--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
-        "--training.mixed_precision_param", "float32", *extra,
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(folder),
+        "--training.dataset",
+        "synthetic",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        str(local_batch),
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--training.mixed_precision_param",
+        "float32",
+        *extra,
     ]
 
 
@@ -40,7 +54,9 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path):
     """
     big_dir, big = synthetic_run(tmp_path, "big", local_batch=4)
     acc_dir, acc = synthetic_run(
-        tmp_path, "acc", local_batch=2,
+        tmp_path,
+        "acc",
+        local_batch=2,
         extra=["--training.global_batch_size", "8", "--parallelism.fsdp_reshard_after_forward", "never"],
     )
     assert run_titanlite(big, nproc=2).returncode == 0
@@ -55,9 +71,20 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path):
 
 @pytest.mark.parametrize("replicate", ["1", pytest.param("2", marks=pytest.mark.extended)], ids=["fsdp", "hsdp-2x1"])
 def test_two_ranks_learn_on_the_sample_corpus(tmp_path, replicate):
-    flags = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
-             "--training.seq_len", "128", "--training.steps", "16", "--metrics.log_freq", "1",
-             "--parallelism.data_parallel_replicate_degree", replicate]
+    flags = [
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "128",
+        "--training.steps",
+        "16",
+        "--metrics.log_freq",
+        "1",
+        "--parallelism.data_parallel_replicate_degree",
+        replicate,
+    ]
     out = run_titanlite(flags, nproc=2)
     assert out.returncode == 0, out.stderr
     losses = logged_losses(out.stderr)
@@ -69,10 +96,19 @@ def test_two_ranks_learn_on_the_sample_corpus(tmp_path, replicate):
 
 def test_impossible_degrees_name_degrees_and_world(tmp_path):
     out = run_titanlite(
-        ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
-         "--parallelism.data_parallel_replicate_degree", "3"],
-        nproc=2, fresh_ranks=True,
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--parallelism.data_parallel_replicate_degree",
+            "3",
+        ],
+        nproc=2,
+        fresh_ranks=True,
     )
     assert out.returncode != 0
-    assert ("error: parallelism degrees data_parallel_replicate_degree 3 x context_parallel_degree 1 x "
-            "tensor_parallel_degree 1 x pipeline_parallel_degree 1 = 3 do not divide the world size 2") in out.stderr
+    assert (
+        "error: parallelism degrees data_parallel_replicate_degree 3 x context_parallel_degree 1 x "
+        "tensor_parallel_degree 1 x pipeline_parallel_degree 1 = 3 do not divide the world size 2"
+    ) in out.stderr

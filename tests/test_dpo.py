@@ -23,9 +23,18 @@ from titanlite.train import main
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA = dict(vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-             initializer_range=0.2)
+LLAMA = dict(
+    vocab_size=640,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+)
 
 
 def turn(role, content):
@@ -34,17 +43,39 @@ def turn(role, content):
 
 # Learnable: the chosen answers agree, the rejected ones refuse; one prompt has an earlier assistant turn (context only).
 PAIRS = [
-    {"prompt": [turn("user", "Say yes.")], "chosen": [turn("assistant", "Yes.")], "rejected": [turn("assistant", "No.")]},
-    {"prompt": [turn("system", "Be kind."), turn("user", "Hello?"), turn("assistant", "Hi."), turn("user", "Help me?")],
-     "chosen": [turn("assistant", "Yes, gladly.")], "rejected": [turn("assistant", "No, go away.")]},
-    {"prompt": [turn("user", "Is it true?")], "chosen": [turn("assistant", "Yes, it is.")],
-     "rejected": [turn("assistant", "No.")]},
-    {"prompt": [turn("user", "Can you?")], "chosen": [turn("assistant", "Yes.")], "rejected": [turn("assistant", "No, never.")]},
+    {
+        "prompt": [turn("user", "Say yes.")],
+        "chosen": [turn("assistant", "Yes.")],
+        "rejected": [turn("assistant", "No.")],
+    },
+    {
+        "prompt": [
+            turn("system", "Be kind."),
+            turn("user", "Hello?"),
+            turn("assistant", "Hi."),
+            turn("user", "Help me?"),
+        ],
+        "chosen": [turn("assistant", "Yes, gladly.")],
+        "rejected": [turn("assistant", "No, go away.")],
+    },
+    {
+        "prompt": [turn("user", "Is it true?")],
+        "chosen": [turn("assistant", "Yes, it is.")],
+        "rejected": [turn("assistant", "No.")],
+    },
+    {
+        "prompt": [turn("user", "Can you?")],
+        "chosen": [turn("assistant", "Yes.")],
+        "rejected": [turn("assistant", "No, never.")],
+    },
 ]
 
 # Longer than 64 tokens, as is PAIRS[1]: with one pair per micro-batch the widths differ (64, 128).
-LONG = {"prompt": [turn("user", "Count the words, please: " + " ".join(["one two three"] * 4))],
-        "chosen": [turn("assistant", "There are " + " ".join(["many"] * 10) + ".")], "rejected": [turn("assistant", "No.")]}
+LONG = {
+    "prompt": [turn("user", "Count the words, please: " + " ".join(["one two three"] * 4))],
+    "chosen": [turn("assistant", "There are " + " ".join(["many"] * 10) + ".")],
+    "rejected": [turn("assistant", "No.")],
+}
 
 
 def write_jsonl(path, records):
@@ -59,7 +90,11 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     tokenizer = write_tokenizer_folder(root / "tokenizer")
     made = {}
-    for name, seed, config in (("policy", 0, LLAMA), ("reference", 1, LLAMA), ("other", 2, dict(LLAMA, hidden_size=32))):
+    for name, seed, config in (
+        ("policy", 0, LLAMA),
+        ("reference", 1, LLAMA),
+        ("other", 2, dict(LLAMA, hidden_size=32)),
+    ):
         torch.manual_seed(seed)
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).float().save_pretrained(root / name)
         for file in ("tokenizer.json", "tokenizer_config.json"):
@@ -70,18 +105,42 @@ def folders(tmp_path_factory):
 
 
 def dpo_flags(folders, dump, steps, *extra) -> list[str]:
-    return [*ON_CPU, "--model.hf_assets_path", str(folders["policy"]), "--job.dump_folder", str(dump),
-            "--training.dataset_path", str(folders["pairs"]), "--training.dataset_format", "preference",
-            "--training.seq_len", "96", "--training.local_batch_size", "4", "--training.steps", str(steps),
-            "--training.mixed_precision_param", "float32", "--optimizer.lr", "0.005", "--lr_scheduler.warmup_steps", "0",
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", *map(str, extra)]
+    return [
+        *ON_CPU,
+        "--model.hf_assets_path",
+        str(folders["policy"]),
+        "--job.dump_folder",
+        str(dump),
+        "--training.dataset_path",
+        str(folders["pairs"]),
+        "--training.dataset_format",
+        "preference",
+        "--training.seq_len",
+        "96",
+        "--training.local_batch_size",
+        "4",
+        "--training.steps",
+        str(steps),
+        "--training.mixed_precision_param",
+        "float32",
+        "--optimizer.lr",
+        "0.005",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        *map(str, extra),
+    ]
 
 
 def completion_logp(model, tokenizer, prompt, completion) -> float:
     """The summed log-probability of what the completion adds to the prompt with its generation prompt (through the
     <|im_end|> and the newline after it, as TRL scores it), by transformers alone."""
     ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True)["input_ids"]
-    start = len(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+    start = len(
+        tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    )
     end = len(ids)
     with torch.no_grad():
         logps = F.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
@@ -91,12 +150,17 @@ def completion_logp(model, tokenizer, prompt, completion) -> float:
 
 def transformers_dpo_loss(policy_folder, reference_folder, beta=0.1) -> float:
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(policy_folder))
-    policy, reference = (transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-                         for folder in (policy_folder, reference_folder))
+    policy, reference = (
+        transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        for folder in (policy_folder, reference_folder)
+    )
     losses = []
     for pair in PAIRS:
-        ratio = {half: completion_logp(policy, tokenizer, pair["prompt"], pair[half])
-                 - completion_logp(reference, tokenizer, pair["prompt"], pair[half]) for half in ("chosen", "rejected")}
+        ratio = {
+            half: completion_logp(policy, tokenizer, pair["prompt"], pair[half])
+            - completion_logp(reference, tokenizer, pair["prompt"], pair[half])
+            for half in ("chosen", "rejected")
+        }
         losses.append(-F.logsigmoid(torch.tensor(beta * (ratio["chosen"] - ratio["rejected"]))).item())
     return sum(losses) / len(losses)
 
@@ -118,17 +182,29 @@ def test_initial_reference_gives_ln2_and_exports_as_sft(folders, tmp_path):
     assert loss[1] == pytest.approx(math.log(2), abs=1e-6) and loss[3] < loss[1]
     assert tensorboard_scalars(tmp_path / "tb", "dpo/reward_accuracy")[1] == 0.0  # equal rewards: no pair is ahead yet
     export = tmp_path / "checkpoint" / "step-3-hf"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {
-        p.name for p in export.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= {p.name for p in export.iterdir()}
     tokens = torch.randint(0, 600, (1, 16))
     with torch.no_grad():
-        tuned, base = (transformers.AutoModelForCausalLM.from_pretrained(f).eval()(tokens).logits
-                       for f in (export, folders["policy"]))
+        tuned, base = (
+            transformers.AutoModelForCausalLM.from_pretrained(f).eval()(tokens).logits
+            for f in (export, folders["policy"])
+        )
     assert (tuned - base).abs().max() > 1e-3
     # The trained weights as the reference, from the DCP step folder or from the export: the same loss.
     for reference in ("step-3", "step-3-hf"):
-        assert main(dpo_flags(folders, tmp_path / reference, 1, "--dpo.reference", tmp_path / "checkpoint" / reference)) == 0
-    dcp, hf = (tensorboard_scalars(tmp_path / reference / "tb", "loss/train")[1] for reference in ("step-3", "step-3-hf"))
+        assert (
+            main(dpo_flags(folders, tmp_path / reference, 1, "--dpo.reference", tmp_path / "checkpoint" / reference))
+            == 0
+        )
+    dcp, hf = (
+        tensorboard_scalars(tmp_path / reference / "tb", "loss/train")[1] for reference in ("step-3", "step-3-hf")
+    )
     assert dcp == pytest.approx(hf, abs=1e-6) and abs(dcp - math.log(2)) > 1e-3
 
 
@@ -146,9 +222,21 @@ def test_two_fsdp_ranks_and_tp2_equal_one_process(folders, tmp_path):
     """The same 4 pairs per step: one process, 2 FSDP ranks of 2 pairs each, and 2 TP ranks sharing the 4 (one launch)."""
     reference = ["--dpo.reference", folders["reference"]]
     assert main(dpo_flags(folders, tmp_path / "one", 3, *reference)) == 0
-    runs = [{"argv": dpo_flags(folders, tmp_path / "fsdp", 3, *reference, "--training.local_batch_size", "2")},
-            {"argv": dpo_flags(folders, tmp_path / "tp", 3, *reference, "--parallelism.tensor_parallel_degree", "2",
-                               "--parallelism.data_parallel_shard_degree", "1")}]
+    runs = [
+        {"argv": dpo_flags(folders, tmp_path / "fsdp", 3, *reference, "--training.local_batch_size", "2")},
+        {
+            "argv": dpo_flags(
+                folders,
+                tmp_path / "tp",
+                3,
+                *reference,
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+            )
+        },
+    ]
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps(runs))
     out = run_test_script("layout_runs.py", str(spec), nproc=2, timeout=400)
@@ -156,9 +244,14 @@ def test_two_fsdp_ranks_and_tp2_equal_one_process(folders, tmp_path):
     one = tensorboard_scalars(tmp_path / "one" / "tb", "loss/train")
     for layout in ("fsdp", "tp"):
         other = tensorboard_scalars(tmp_path / layout / "tb", "loss/train")
-        assert sorted(other) == [1, 2, 3] and all(other[s] == pytest.approx(one[s], abs=1e-5) for s in one), (layout, other, one)
+        assert sorted(other) == [1, 2, 3] and all(other[s] == pytest.approx(one[s], abs=1e-5) for s in one), (
+            layout,
+            other,
+            one,
+        )
     assert tensorboard_scalars(tmp_path / "fsdp" / "tb", "dpo/margin")[3] == pytest.approx(
-        tensorboard_scalars(tmp_path / "one" / "tb", "dpo/margin")[3], abs=1e-5)
+        tensorboard_scalars(tmp_path / "one" / "tb", "dpo/margin")[3], abs=1e-5
+    )
 
 
 def test_epochs_count_pairs_and_the_step_line_says_the_epoch(folders, tmp_path, capsys):
@@ -184,19 +277,29 @@ def test_a_micro_batch_is_cut_to_its_longest_pair_rounded_up_to_64(folders, tmp_
         spec = DataSpec("sample", str(data), seq_len, pairs_per_batch, infinite=False, dataset_format="preference")
         loader = build_dataloader(spec, tokenizer, 0, 1, 0)
         windows = loader.windows
-        lengths = [max(len(ids) for ids, _ in windows.pairs[g]) for g in windows.order(0)]  # the pairs in epoch 0's order
+        lengths = [
+            max(len(ids) for ids, _ in windows.pairs[g]) for g in windows.order(0)
+        ]  # the pairs in epoch 0's order
         widths = []
         for k, (inputs, labels) in enumerate(loader):
-            longest = max(lengths[k * pairs_per_batch:(k + 1) * pairs_per_batch]) - 1
+            longest = max(lengths[k * pairs_per_batch : (k + 1) * pairs_per_batch]) - 1
             widths.append(inputs.shape[1])
             assert inputs.shape == labels.shape == (2 * pairs_per_batch, min(seq_len, -(-longest // 64) * 64))
-            full_inputs, full_labels = (torch.cat([windows[g][i] for g in range(k * pairs_per_batch, (k + 1) * pairs_per_batch)])
-                                        for i in (0, 1))
-            assert torch.equal(inputs, full_inputs[:, :inputs.shape[1]]) and torch.equal(labels, full_labels[:, :inputs.shape[1]])
+            full_inputs, full_labels = (
+                torch.cat([windows[g][i] for g in range(k * pairs_per_batch, (k + 1) * pairs_per_batch)])
+                for i in (0, 1)
+            )
+            assert torch.equal(inputs, full_inputs[:, : inputs.shape[1]]) and torch.equal(
+                labels, full_labels[:, : inputs.shape[1]]
+            )
             # What is cut off is padding: the last real token is only a label, and no label after it trains.
-            assert (full_inputs[:, longest + 1:] == tokenizer.eos_id).all() and (full_labels[:, longest:] == -100).all()
+            assert (full_inputs[:, longest + 1 :] == tokenizer.eos_id).all() and (
+                full_labels[:, longest:] == -100
+            ).all()
             assert (inputs[:, :longest] == tokenizer.eos_id).any(dim=1).all()  # the pad id is a real token of every row
-        expected = {(256, 1): [64, 64, 64, 128, 128], (256, 2): [64, 128], (96, 1): [64, 64, 64, 96, 96]}[seq_len, pairs_per_batch]
+        expected = {(256, 1): [64, 64, 64, 128, 128], (256, 2): [64, 128], (96, 1): [64, 64, 64, 96, 96]}[
+            seq_len, pairs_per_batch
+        ]
         assert sorted(widths) == expected, (seq_len, pairs_per_batch, widths)
 
 
@@ -207,8 +310,16 @@ def test_cut_micro_batches_give_the_losses_of_padding_to_seq_len(folders, tmp_pa
     bit on the CPU here: steps 1 and 2); the weights' gradients, though, are sums over the batch's positions, and
     the padding's zero terms change how the matmul groups the real ones, so from step 3 they differ by about 4e-7."""
     data = write_jsonl(tmp_path / "pairs.jsonl", [*PAIRS, LONG])
-    flags = ["--training.dataset_path", data, "--training.seq_len", "192", "--training.local_batch_size", "1",
-             "--dpo.reference", folders["reference"]]
+    flags = [
+        "--training.dataset_path",
+        data,
+        "--training.seq_len",
+        "192",
+        "--training.local_batch_size",
+        "1",
+        "--dpo.reference",
+        folders["reference"],
+    ]
     assert main(dpo_flags(folders, tmp_path / "cut", 4, *flags)) == 0
     monkeypatch.setattr(packing, "PAD_MULTIPLE", 192)
     assert main(dpo_flags(folders, tmp_path / "padded", 4, *flags)) == 0
@@ -227,52 +338,105 @@ def test_plain_text_pairs_render_as_one_user_and_one_assistant_turn(folders, tmp
         spec = DataSpec("sample", str(data), 32, 1, infinite=False, dataset_format="preference")
         batches.append(next(iter(build_dataloader(spec, tokenizer, 0, 1, 0))))
     (inputs, labels), (talk_inputs, talk_labels) = batches
-    assert inputs.shape == labels.shape == (2, 32) and torch.equal(inputs, talk_inputs) and torch.equal(labels, talk_labels)
+    assert (
+        inputs.shape == labels.shape == (2, 32)
+        and torch.equal(inputs, talk_inputs)
+        and torch.equal(labels, talk_labels)
+    )
     trained = [tokenizer.decode(row[row != -100].tolist()) for row in labels]
     assert trained == ["Yes.<|im_end|>\n", "No.<|im_end|>\n"]  # all the completion adds to the prompt, as TRL scores it
 
 
-@pytest.mark.parametrize("case, message", [
-    ("no_chosen", "has no field 'chosen' (its fields are prompt, rejected), which training.dataset_format preference reads"),
-    ("other_shapes", "cannot be the reference (the Hugging Face folder"),
-    ("pipeline", "training.dataset_format preference (DPO) with parallelism.pipeline_parallel_degree 2 is not supported yet"),
-    ("text", "dpo.beta applies to training.dataset_format preference only"),
-    ("mixed", "record 2 (counting from 1) is plain text where record 1 is message lists; write every record of the file "
-              "in one form"),
-    ("same", "every pair's chosen and rejected completions are the same, so the DPO loss is constant with no gradient and "
-             "nothing would train; give each pair a different rejected completion"),
-    ("train_flag", "record 1 (counting from 1) has a chosen message with a train flag, which preference data does not read"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            "no_chosen",
+            "has no field 'chosen' (its fields are prompt, rejected), which training.dataset_format preference reads",
+        ),
+        ("other_shapes", "cannot be the reference (the Hugging Face folder"),
+        (
+            "pipeline",
+            "training.dataset_format preference (DPO) with parallelism.pipeline_parallel_degree 2 is not supported yet",
+        ),
+        ("text", "dpo.beta applies to training.dataset_format preference only"),
+        (
+            "mixed",
+            "record 2 (counting from 1) is plain text where record 1 is message lists; write every record of the file "
+            "in one form",
+        ),
+        (
+            "same",
+            "every pair's chosen and rejected completions are the same, so the DPO loss is constant with no gradient and "
+            "nothing would train; give each pair a different rejected completion",
+        ),
+        (
+            "train_flag",
+            "record 1 (counting from 1) has a chosen message with a train flag, which preference data does not read",
+        ),
+    ],
+)
 def test_errors_are_one_sentence_exit_2(folders, tmp_path, capsys, case, message):
     flags = dpo_flags(folders, tmp_path, 1)
-    extra = {"no_chosen": ["--training.dataset_path", str(write_jsonl(tmp_path / "bad.jsonl", [
-                 {"prompt": "Hi.", "rejected": "No."}]))],
-             "other_shapes": ["--dpo.reference", str(folders["other"])],
-             "pipeline": ["--parallelism.pipeline_parallel_degree", "2"],
-             "text": ["--training.dataset_format", "text", "--training.dataset", "synthetic", "--training.dataset_path", "",
-                      "--dpo.beta", "0.5"],
-             "mixed": ["--training.dataset_path", str(write_jsonl(tmp_path / "mixed.jsonl", [
-                 PAIRS[0], {"prompt": "Hi.", "chosen": "Hello.", "rejected": "Go."}]))],
-             "same": ["--training.dataset_path", str(write_jsonl(tmp_path / "same.jsonl", [
-                 {**pair, "rejected": pair["chosen"]} for pair in PAIRS]))],
-             "train_flag": ["--training.dataset_path", str(write_jsonl(tmp_path / "flag.jsonl", [
-                 {**PAIRS[0], "chosen": [{**PAIRS[0]["chosen"][0], "train": False}]}]))]}[case]
+    extra = {
+        "no_chosen": [
+            "--training.dataset_path",
+            str(write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Hi.", "rejected": "No."}])),
+        ],
+        "other_shapes": ["--dpo.reference", str(folders["other"])],
+        "pipeline": ["--parallelism.pipeline_parallel_degree", "2"],
+        "text": [
+            "--training.dataset_format",
+            "text",
+            "--training.dataset",
+            "synthetic",
+            "--training.dataset_path",
+            "",
+            "--dpo.beta",
+            "0.5",
+        ],
+        "mixed": [
+            "--training.dataset_path",
+            str(
+                write_jsonl(
+                    tmp_path / "mixed.jsonl", [PAIRS[0], {"prompt": "Hi.", "chosen": "Hello.", "rejected": "Go."}]
+                )
+            ),
+        ],
+        "same": [
+            "--training.dataset_path",
+            str(write_jsonl(tmp_path / "same.jsonl", [{**pair, "rejected": pair["chosen"]} for pair in PAIRS])),
+        ],
+        "train_flag": [
+            "--training.dataset_path",
+            str(
+                write_jsonl(
+                    tmp_path / "flag.jsonl", [{**PAIRS[0], "chosen": [{**PAIRS[0]["chosen"][0], "train": False}]}]
+                )
+            ),
+        ],
+    }[case]
     assert main([*flags, *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
     if case == "other_shapes":
-        assert "does not fit llama3/hf: its config.json has hidden_size 32 where this model has 64); point dpo.reference" in err
+        assert (
+            "does not fit llama3/hf: its config.json has hidden_size 32 where this model has 64); point dpo.reference"
+            in err
+        )
 
 
 def test_pairs_likely_not_meant_train_with_a_warning(folders, tmp_path, capsys):
     """Some pairs with chosen equal to rejected, or every rejected completion empty, train, and say so before step 1."""
     some_same = write_jsonl(tmp_path / "some_same.jsonl", [{**PAIRS[0], "rejected": PAIRS[0]["chosen"]}, *PAIRS[1:]])
     empty = write_jsonl(tmp_path / "empty.jsonl", [{**pair, "rejected": [turn("assistant", "")]} for pair in PAIRS])
-    warnings = {some_same: "1 of 4 pairs have the same chosen and rejected completion; they add a constant to the loss and "
-                           "nothing to its gradient",
-                empty: "every rejected completion is empty, so DPO only teaches the model not to end its turn at once; "
-                       "check that the rejected field holds the answers"}
+    warnings = {
+        some_same: "1 of 4 pairs have the same chosen and rejected completion; they add a constant to the loss and "
+        "nothing to its gradient",
+        empty: "every rejected completion is empty, so DPO only teaches the model not to end its turn at once; "
+        "check that the rejected field holds the answers",
+    }
     for data, warning in warnings.items():
         assert main(dpo_flags(folders, tmp_path / data.stem, 1, "--training.dataset_path", data)) == 0
         err = capsys.readouterr().err
@@ -298,8 +462,17 @@ def test_the_planner_counts_the_reference_and_both_sequences_of_a_pair():
 
 def test_a_resume_continues_the_losses_of_an_uninterrupted_run(folders, tmp_path):
     """The reference is rebuilt from its source and the pairs continue from the checkpoint's position."""
-    flags = ["--dpo.reference", folders["reference"], "--training.local_batch_size", "2", "--checkpoint.enable",
-             "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+    flags = [
+        "--dpo.reference",
+        folders["reference"],
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.last_save_model_only",
+        "false",
+    ]
     assert main(dpo_flags(folders, tmp_path / "whole", 4, *flags)) == 0
     shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
     assert main(dpo_flags(folders, tmp_path / "resumed", 4, *flags)) == 0
@@ -318,8 +491,9 @@ def test_ipo_and_label_smoothing_follow_their_formulas():
     margin = 0.5 * torch.stack([ratio[0] - ratio[1], ratio[2] - ratio[3]])
     expected = -(0.8 * F.logsigmoid(margin) + 0.2 * F.logsigmoid(-margin)).mean()
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
-    assert stats.tolist() == pytest.approx([2, 2, margin.sum().item(), 0.5 * (ratio[0] + ratio[2]).item(),
-                                            0.5 * (ratio[1] + ratio[3]).item()])
+    assert stats.tolist() == pytest.approx(
+        [2, 2, margin.sum().item(), 0.5 * (ratio[0] + ratio[2]).item(), 0.5 * (ratio[1] + ratio[3]).item()]
+    )
     averaged = policy / counts - reference / counts  # TRL's IPO: log-probabilities averaged over the completion
     loss, _ = preference_loss(policy, reference, counts, DPO(beta=0.5, loss_type="ipo"))
     differences = torch.stack([averaged[0] - averaged[1], averaged[2] - averaged[3]])

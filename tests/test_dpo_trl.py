@@ -17,20 +17,49 @@ from titanlite.train import main
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
-QWEN3 = dict(vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-             initializer_range=0.2)
+QWEN3 = dict(
+    vocab_size=640,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+)
 BETA = 0.1
 
 
 # One prompt holds an earlier assistant turn (context, not trained); one completion has a think block of its own.
 PAIRS = [
-    {"prompt": [turn("user", "Say yes.")], "chosen": [turn("assistant", "Yes.")], "rejected": [turn("assistant", "No.")]},
-    {"prompt": [turn("system", "Be kind."), turn("user", "Hello?"), turn("assistant", "Hi."), turn("user", "Help me?")],
-     "chosen": [turn("assistant", "Yes, gladly.")], "rejected": [turn("assistant", "No, go away.")]},
-    {"prompt": [turn("user", "Is it true?")], "chosen": [turn("assistant", "<think>It is.</think>Yes, it is.")],
-     "rejected": [turn("assistant", "No.")]},
-    {"prompt": [turn("user", "Can you?")], "chosen": [turn("assistant", "Yes.")], "rejected": [turn("assistant", "No, never.")]},
+    {
+        "prompt": [turn("user", "Say yes.")],
+        "chosen": [turn("assistant", "Yes.")],
+        "rejected": [turn("assistant", "No.")],
+    },
+    {
+        "prompt": [
+            turn("system", "Be kind."),
+            turn("user", "Hello?"),
+            turn("assistant", "Hi."),
+            turn("user", "Help me?"),
+        ],
+        "chosen": [turn("assistant", "Yes, gladly.")],
+        "rejected": [turn("assistant", "No, go away.")],
+    },
+    {
+        "prompt": [turn("user", "Is it true?")],
+        "chosen": [turn("assistant", "<think>It is.</think>Yes, it is.")],
+        "rejected": [turn("assistant", "No.")],
+    },
+    {
+        "prompt": [turn("user", "Can you?")],
+        "chosen": [turn("assistant", "Yes.")],
+        "rejected": [turn("assistant", "No, never.")],
+    },
 ]
 
 
@@ -56,27 +85,70 @@ def trl_step_one(folders, out) -> dict[str, float]:
     """TRL's logged loss and rewards of step 1 (one batch of every pair), in float32 (DPOConfig's bf16 is on by default)."""
     from datasets import Dataset
 
-    load = lambda name: transformers.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32,  # noqa: E731
-                                                                            attn_implementation="eager")
-    config = trl.DPOConfig(output_dir=str(out), beta=BETA, bf16=False, per_device_train_batch_size=len(PAIRS), max_steps=1,
-                           logging_steps=1, learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True,
-                           gradient_checkpointing=False, max_length=None, seed=0)
-    trainer = trl.DPOTrainer(load("policy"), ref_model=load("reference"), args=config, train_dataset=Dataset.from_list(PAIRS),
-                             processing_class=transformers.AutoTokenizer.from_pretrained(str(folders["policy"])))
+    load = lambda name: transformers.AutoModelForCausalLM.from_pretrained(
+        folders[name],
+        dtype=torch.float32,  # noqa: E731
+        attn_implementation="eager",
+    )
+    config = trl.DPOConfig(
+        output_dir=str(out),
+        beta=BETA,
+        bf16=False,
+        per_device_train_batch_size=len(PAIRS),
+        max_steps=1,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        gradient_checkpointing=False,
+        max_length=None,
+        seed=0,
+    )
+    trainer = trl.DPOTrainer(
+        load("policy"),
+        ref_model=load("reference"),
+        args=config,
+        train_dataset=Dataset.from_list(PAIRS),
+        processing_class=transformers.AutoTokenizer.from_pretrained(str(folders["policy"])),
+    )
     trainer.train()
     (logged,) = [entry for entry in trainer.state.log_history if "loss" in entry]
     return logged
 
 
 def test_step_one_loss_and_rewards_equal_trl(folders, tmp_path):
-    argv = [*ON_CPU, "--model.hf_assets_path", str(folders["policy"]), "--dpo.reference", str(folders["reference"]),
-            "--dpo.beta", str(BETA), "--job.dump_folder", str(tmp_path / "run"), "--training.dataset_path", str(folders["pairs"]),
-            "--training.dataset_format", "preference", "--training.seq_len", "96", "--training.local_batch_size",
-            str(len(PAIRS)), "--training.steps", "1", "--training.mixed_precision_param", "float32",
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard"]
+    argv = [
+        *ON_CPU,
+        "--model.hf_assets_path",
+        str(folders["policy"]),
+        "--dpo.reference",
+        str(folders["reference"]),
+        "--dpo.beta",
+        str(BETA),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.dataset_path",
+        str(folders["pairs"]),
+        "--training.dataset_format",
+        "preference",
+        "--training.seq_len",
+        "96",
+        "--training.local_batch_size",
+        str(len(PAIRS)),
+        "--training.steps",
+        "1",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+    ]
     assert main(argv) == 0
-    ours = {tag: tensorboard_scalars(tmp_path / "run" / "tb", tag)[1]
-            for tag in ("loss/train", "dpo/chosen_reward", "dpo/rejected_reward")}
+    ours = {
+        tag: tensorboard_scalars(tmp_path / "run" / "tb", tag)[1]
+        for tag in ("loss/train", "dpo/chosen_reward", "dpo/rejected_reward")
+    }
     theirs = trl_step_one(folders, tmp_path / "trl")
     assert abs(ours["dpo/chosen_reward"]) > 1e-3  # a reference other than the policy: the rewards are not all 0
     assert ours["loss/train"] == pytest.approx(theirs["loss"], abs=1e-5)

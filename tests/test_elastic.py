@@ -34,14 +34,35 @@ def worker_pids(launcher: int) -> dict[int, int]:
 
 def test_a_killed_worker_restarts_the_group_from_the_last_checkpoint(tmp_path):
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-        "-m", "titanlite.train", *ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path),
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-        "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "-m",
+        "titanlite.train",
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        str(STEPS),
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
     ]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     # Whatever happens, nothing this test started outlives it (torchrun and its workers share the session).
     watchdog = threading.Timer(240, os.killpg, (launcher.pid, signal.SIGKILL))
     watchdog.start()
@@ -65,7 +86,7 @@ def test_a_killed_worker_restarts_the_group_from_the_last_checkpoint(tmp_path):
     (resumed,) = re.findall(r"resumed from \S+/step-(\d+) at step (\d+)", output)
     assert resumed[0] == resumed[1] and int(resumed[0]) >= 2, resumed
     start = int(resumed[0])
-    after_resume = output[output.index("resumed from"):]
+    after_resume = output[output.index("resumed from") :]
     steps = [int(s) for s in re.findall(r"(?<!validate )step: (\d+)  loss", after_resume)]
     assert steps == list(range(start + 1, STEPS + 1)), output
     assert f"training finished after {STEPS} steps" in output

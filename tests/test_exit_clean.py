@@ -13,11 +13,36 @@ def test_a_finished_ep2_run_exits_0_though_a_gloo_worker_waits_for_the_gil_at_ex
     # tests/exit_run.py puts rank 0's worker where a starved one was: waiting for the GIL as the interpreter
     # would begin its teardown. Before exit_process, every such run aborted.
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/exit_run.py",
-         *ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--model.name", "qwen3_moe",
-         "--training.seq_len", "64", "--training.steps", "2", "--parallelism.expert_parallel_degree", "2",
-         "--job.log_rank_files", "--checkpoint.enable", "--checkpoint.async_mode", "async"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "tests/exit_run.py",
+            *ON_CPU,
+            "--job.config_file",
+            DEBUG_CONFIG,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--model.name",
+            "qwen3_moe",
+            "--training.seq_len",
+            "64",
+            "--training.steps",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--job.log_rank_files",
+            "--checkpoint.enable",
+            "--checkpoint.async_mode",
+            "async",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "terminate called" not in out.stderr
     for rank in (0, 1):

@@ -21,7 +21,9 @@ STEPS = 25  # enough for the tiny Qwen3 to learn to close its turns
 def run(qwen3_folder, tmp_path_factory):  # noqa: F811
     folder, data = qwen3_folder
     dump = tmp_path_factory.mktemp("run")
-    assert main(chat_flags(folder, data, dump, STEPS, "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1")) == 0
+    assert (
+        main(chat_flags(folder, data, dump, STEPS, "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1")) == 0
+    )
     return dump
 
 
@@ -37,7 +39,8 @@ def test_convert_writes_what_the_runs_own_export_writes_and_generate_stops_at_th
     assert code == 0 and f"named by {run / 'config.toml'}" in said, said
     assert sorted(p.name for p in converted.iterdir()) == sorted(p.name for p in exported.iterdir())
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= {
-        p.name for p in converted.iterdir()}
+        p.name for p in converted.iterdir()
+    }
     for path in converted.iterdir():  # the weights too: the same tensors in the same dtype and order
         assert path.read_bytes() == (exported / path.name).read_bytes(), path.name
 
@@ -47,10 +50,12 @@ def test_convert_writes_what_the_runs_own_export_writes_and_generate_stops_at_th
     model = transformers.AutoModelForCausalLM.from_pretrained(converted).eval()
     stops = model.generation_config.eos_token_id
     assert end_of_turn in (stops if isinstance(stops, list) else [stops])
-    prompt = tokenizer.apply_chat_template(CHATS[2][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        CHATS[2][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=40, do_sample=False)
-    new = out[0, prompt["input_ids"].shape[1]:].tolist()
+    new = out[0, prompt["input_ids"].shape[1] :].tolist()
     assert new[-1] == end_of_turn and len(new) < 40, tokenizer.decode(new)
 
 
@@ -59,10 +64,15 @@ def test_convert_says_what_it_left_out_where_the_tokenizer_is_not_known_or_gone(
     shutil.copytree(run / "checkpoint" / f"step-{STEPS}", alone)
     code, said = convert(capsys, alone, tmp_path / "bare")
     assert code == 0 and sorted(p.name for p in (tmp_path / "bare").iterdir()) == ["config.json", "model.safetensors"]
-    assert (f"config.json and the weights only: no tokenizer files, chat template, generation_config.json or eos_token_id, "
-            f"as the run's tokenizer is not known (no run's config.toml above {alone} names it); add --job.config_file") in said
+    assert (
+        f"config.json and the weights only: no tokenizer files, chat template, generation_config.json or eos_token_id, "
+        f"as the run's tokenizer is not known (no run's config.toml above {alone} names it); add --job.config_file"
+    ) in said
 
-    assert convert_main(["dcp-to-hf", str(alone), str(tmp_path / "named"), "--job.config_file", str(run / "config.toml")]) == 0
+    assert (
+        convert_main(["dcp-to-hf", str(alone), str(tmp_path / "named"), "--job.config_file", str(run / "config.toml")])
+        == 0
+    )
     assert (tmp_path / "named" / "generation_config.json").is_file()  # the flags name the run's config
 
     moved = tmp_path / "moved"  # the run's folder, its tokenizer's folder since deleted
@@ -70,8 +80,14 @@ def test_convert_says_what_it_left_out_where_the_tokenizer_is_not_known_or_gone(
     model_folder = str(qwen3_model(run))
     (moved / "config.toml").write_text((run / "config.toml").read_text().replace(model_folder, str(tmp_path / "gone")))
     code, said = convert(capsys, moved / "checkpoint" / f"step-{STEPS}", tmp_path / "partial")
-    assert code == 0 and sorted(p.name for p in (tmp_path / "partial").iterdir()) == ["config.json", "model.safetensors"]
-    assert f"as the run's tokenizer (named by {moved / 'config.toml'}) cannot be used: " in said and str(tmp_path / "gone") in said
+    assert code == 0 and sorted(p.name for p in (tmp_path / "partial").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    assert (
+        f"as the run's tokenizer (named by {moved / 'config.toml'}) cannot be used: " in said
+        and str(tmp_path / "gone") in said
+    )
 
 
 def qwen3_model(run) -> str:

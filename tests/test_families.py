@@ -80,13 +80,16 @@ def test_gpt2_flops_exclude_only_the_position_table():
 
 
 def test_sliding_window_mask():
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [0, 1, 1, 0, 0],
-        [0, 0, 1, 1, 0],
-        [0, 0, 0, 1, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 1, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(window_mask(5, 2, torch.device("cpu")), expected)
 
 
@@ -141,7 +144,9 @@ def test_mistral_is_the_llama_decoder_with_a_window():
     llama_spec = get_model_spec("llama3")
     with torch.device("meta"):
         llama = llama_spec.model_cls(replace(get_model_args(llama_spec, "debugmodel"), vocab_size=97))
-    assert {k for k in model.state_dict() if k.startswith("layers.0.")} == {k for k in llama.state_dict() if k.startswith("layers.0.")}
+    assert {k for k in model.state_dict() if k.startswith("layers.0.")} == {
+        k for k in llama.state_dict() if k.startswith("layers.0.")
+    }
     assert get_model_args(get_model_spec("mistral"), "mathstral-7B").sliding_window is None
 
 
@@ -157,7 +162,6 @@ def test_route_picks_the_top2_and_weights_sum_to_one():
     # Mixtral's rule: softmax over all experts, renormalised over the chosen two.
     probs = logits.softmax(-1).gather(-1, experts)
     torch.testing.assert_close(weights, probs / probs.sum(-1, keepdim=True))
-
 
 
 def test_softmax_then_topk_hand_checked():
@@ -177,6 +181,7 @@ def test_softmax_then_topk_hand_checked():
     with pytest.raises(ValueError, match="router 'sigmoid' is not one of softmax_topk, softmax_then_topk"):
         MoE(8, 16, 4, 2, router="sigmoid")
 
+
 def test_balance_loss_hand_checked():
     # Two tokens, three experts, top-2. Router probabilities (0.6, 0.3, 0.1) and (0.1, 0.3, 0.6):
     # assignments {0, 1} and {2, 1}, so f = (1/4, 2/4, 1/4); P = (0.35, 0.3, 0.35);
@@ -187,9 +192,13 @@ def test_balance_loss_hand_checked():
     assert load_balancing_loss(logits, assignments_per_sequence(experts, 3)).item() == pytest.approx(0.975)
     # Top-1, both tokens to expert 0 with probability 0.75: 2 * (1 * 0.75 + 0 * 0.25) = 1.5.
     lopsided = torch.tensor([[[3.0, 1.0], [3.0, 1.0]]]).log()
-    assert load_balancing_loss(lopsided, assignments_per_sequence(softmax_topk(lopsided, 1)[1], 2)).item() == pytest.approx(1.5)
+    assert load_balancing_loss(
+        lopsided, assignments_per_sequence(softmax_topk(lopsided, 1)[1], 2)
+    ).item() == pytest.approx(1.5)
     uniform = torch.zeros(1, 4, 4)
-    assert load_balancing_loss(uniform, assignments_per_sequence(torch.arange(4).view(1, 4, 1), 4)).item() == pytest.approx(1.0)
+    assert load_balancing_loss(
+        uniform, assignments_per_sequence(torch.arange(4).view(1, 4, 1), 4)
+    ).item() == pytest.approx(1.0)
 
 
 def test_balance_loss_is_the_mean_over_sequences():
@@ -197,8 +206,12 @@ def test_balance_loss_is_the_mean_over_sequences():
     torch.manual_seed(0)
     logits = torch.randn(4, 16, 8)
     experts = softmax_topk(logits, 2)[1]
-    per_sequence = [load_balancing_loss(logits[i : i + 1], assignments_per_sequence(experts[i : i + 1], 8)) for i in range(4)]
-    torch.testing.assert_close(load_balancing_loss(logits, assignments_per_sequence(experts, 8)), torch.stack(per_sequence).mean())
+    per_sequence = [
+        load_balancing_loss(logits[i : i + 1], assignments_per_sequence(experts[i : i + 1], 8)) for i in range(4)
+    ]
+    torch.testing.assert_close(
+        load_balancing_loss(logits, assignments_per_sequence(experts, 8)), torch.stack(per_sequence).mean()
+    )
 
 
 def naive_moe(x, weights, experts, w1, w2, w3):
@@ -263,7 +276,9 @@ def test_moe_module_returns_balance_loss_and_load():
     assert tokens_per_expert.tolist() == torch.bincount(softmax_topk(moe.gate(x), 2)[1].flatten(), minlength=4).tolist()
     assert tokens_per_expert.sum() == 3 * 10 * 2
     logits = moe.gate(x)
-    torch.testing.assert_close(aux_loss, load_balancing_loss(logits, assignments_per_sequence(softmax_topk(logits, 2)[1], 4)))
+    torch.testing.assert_close(
+        aux_loss, load_balancing_loss(logits, assignments_per_sequence(softmax_topk(logits, 2)[1], 4))
+    )
 
 
 def test_mixtral_collects_aux_loss_and_router_metrics():
@@ -374,13 +389,31 @@ def window_sized_documents(folder, count: int):
 
 def family_run(folder, data, family, local_batch):
     return [
-        *ON_CPU, "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(folder),
-        "--model.name", family, "--training.dataset_path", str(data), "--training.seq_len", str(SEQ_LEN),
-        "--training.local_batch_size", str(local_batch), "--training.steps", str(STEPS),
-        "--optimizer.lr", "3e-3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
-        "--training.mixed_precision_param", "float32",
+        *ON_CPU,
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(folder),
+        "--model.name",
+        family,
+        "--training.dataset_path",
+        str(data),
+        "--training.seq_len",
+        str(SEQ_LEN),
+        "--training.local_batch_size",
+        str(local_batch),
+        "--training.steps",
+        str(STEPS),
+        "--optimizer.lr",
+        "3e-3",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--training.mixed_precision_param",
+        "float32",
         # A strong balance loss, so a rank-dependent one would show in the losses.
-        "--model.moe_aux_loss_coeff", "1.0",
+        "--model.moe_aux_loss_coeff",
+        "1.0",
     ]
 
 
@@ -393,9 +426,18 @@ def test_fsdp_two_ranks_equal_one_process_and_learn(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     window_sized_documents(data, count=8 * STEPS)
-    launch([{"argv": family_run(tmp_path / f"{family}_one", data, family, local_batch=8)} for family in families], 1, tmp_path, "one")
-    two_ranks = launch([{"argv": family_run(tmp_path / f"{family}_two", data, family, local_batch=4)} for family in families],
-                       2, tmp_path, "two")
+    launch(
+        [{"argv": family_run(tmp_path / f"{family}_one", data, family, local_batch=8)} for family in families],
+        1,
+        tmp_path,
+        "one",
+    )
+    two_ranks = launch(
+        [{"argv": family_run(tmp_path / f"{family}_two", data, family, local_batch=4)} for family in families],
+        2,
+        tmp_path,
+        "two",
+    )
     assert two_ranks.count("mesh dp_replicate 1 x dp_shard 2") >= len(families), two_ranks[-2000:]
     for family in families:
         single = tensorboard_scalars(tmp_path / f"{family}_one" / "tb", "loss/train")
@@ -407,7 +449,9 @@ def test_fsdp_two_ranks_equal_one_process_and_learn(tmp_path):
         if family in ("mixtral", "qwen3_moe"):
             aux = tensorboard_scalars(tmp_path / f"{family}_two" / "tb", "moe/balance_loss")
             assert sorted(aux) == list(range(1, STEPS + 1)) and all(1.0 <= v < 8.0 for v in aux.values()), family
-            shares = [tensorboard_scalars(tmp_path / f"{family}_two" / "tb", f"moe/expert_share/{i}")[STEPS] for i in range(8)]
+            shares = [
+                tensorboard_scalars(tmp_path / f"{family}_two" / "tb", f"moe/expert_share/{i}")[STEPS] for i in range(8)
+            ]
             assert sum(shares) == pytest.approx(1.0, abs=1e-4), family
 
 
@@ -445,19 +489,29 @@ EXPECTED_HF_LAYOUT = {
     "mixtral": {
         **LLAMA_LAYOUT,
         "model.layers.0.block_sparse_moe.gate.weight": (3, 64),
-        **{f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight": (64, 192) if w == "w2" else (192, 64)
-           for e in range(3) for w in ("w1", "w2", "w3")},
+        **{
+            f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight": (64, 192) if w == "w2" else (192, 64)
+            for e in range(3)
+            for w in ("w1", "w2", "w3")
+        },
     },
     "gpt2": {  # Conv1D weights are [in, out]
         "transformer.wte.weight": (50, 64),
         "transformer.wpe.weight": (16, 64),
-        "transformer.h.0.ln_1.weight": (64,), "transformer.h.0.ln_1.bias": (64,),
-        "transformer.h.0.attn.c_attn.weight": (64, 192), "transformer.h.0.attn.c_attn.bias": (192,),
-        "transformer.h.0.attn.c_proj.weight": (64, 64), "transformer.h.0.attn.c_proj.bias": (64,),
-        "transformer.h.0.ln_2.weight": (64,), "transformer.h.0.ln_2.bias": (64,),
-        "transformer.h.0.mlp.c_fc.weight": (64, 256), "transformer.h.0.mlp.c_fc.bias": (256,),
-        "transformer.h.0.mlp.c_proj.weight": (256, 64), "transformer.h.0.mlp.c_proj.bias": (64,),
-        "transformer.ln_f.weight": (64,), "transformer.ln_f.bias": (64,),
+        "transformer.h.0.ln_1.weight": (64,),
+        "transformer.h.0.ln_1.bias": (64,),
+        "transformer.h.0.attn.c_attn.weight": (64, 192),
+        "transformer.h.0.attn.c_attn.bias": (192,),
+        "transformer.h.0.attn.c_proj.weight": (64, 64),
+        "transformer.h.0.attn.c_proj.bias": (64,),
+        "transformer.h.0.ln_2.weight": (64,),
+        "transformer.h.0.ln_2.bias": (64,),
+        "transformer.h.0.mlp.c_fc.weight": (64, 256),
+        "transformer.h.0.mlp.c_fc.bias": (256,),
+        "transformer.h.0.mlp.c_proj.weight": (256, 64),
+        "transformer.h.0.mlp.c_proj.bias": (64,),
+        "transformer.ln_f.weight": (64,),
+        "transformer.ln_f.bias": (64,),
     },
 }
 
@@ -503,8 +557,15 @@ def test_hf_configs():
     mistral, mixtral, gpt2 = (get_model_spec(f) for f in FAMILIES)
     config = mistral.hf_adapter.hf_config(mistral.flavors["7B"], "bfloat16")
     assert config["architectures"] == ["MistralForCausalLM"] and config["model_type"] == "mistral"
-    assert {k: config[k] for k in ("sliding_window", "rope_theta", "vocab_size", "intermediate_size", "num_key_value_heads")} == {
-        "sliding_window": 4096, "rope_theta": 10000.0, "vocab_size": 32000, "intermediate_size": 14336, "num_key_value_heads": 8}
+    assert {
+        k: config[k] for k in ("sliding_window", "rope_theta", "vocab_size", "intermediate_size", "num_key_value_heads")
+    } == {
+        "sliding_window": 4096,
+        "rope_theta": 10000.0,
+        "vocab_size": 32000,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+    }
     assert "attention_bias" not in config
     mathstral = mistral.hf_adapter.hf_config(mistral.flavors["mathstral-7B"])
     assert mathstral["sliding_window"] is None and mathstral["rope_theta"] == 1e6 and mathstral["vocab_size"] == 32768
@@ -514,8 +575,16 @@ def test_hf_configs():
     assert config["sliding_window"] is None and config["rope_theta"] == 1e6
     config = gpt2.hf_adapter.hf_config(gpt2.flavors["124M"])
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
-    assert {k: config[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "activation_function")} == {
-        "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "activation_function": "gelu_new"}
+    assert {
+        k: config[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "activation_function")
+    } == {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "activation_function": "gelu_new",
+    }
     assert "n_embd 1" in gpt2.hf_adapter.config_mismatch({**config, "n_embd": 1}, gpt2.flavors["124M"])
 
 

@@ -25,8 +25,18 @@ from titanlite.fault_tolerance import replica_groups
 from titanlite.parallel.dist import EXIT_SECONDS, DistInfo
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
-TINY = ["--job.config_file", DEBUG_CONFIG, "--model.n_layers", "1", "--training.seq_len", "32", "--metrics.log_freq", "1",
-        "--lr_scheduler.warmup_steps", "2"]
+TINY = [
+    "--job.config_file",
+    DEBUG_CONFIG,
+    "--model.n_layers",
+    "1",
+    "--training.seq_len",
+    "32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+]
 STEP_LINE = re.compile(r"step: (\d+)  loss: ([\d.]+)")
 
 
@@ -45,9 +55,21 @@ def free_port() -> int:
 
 def start_lighthouse(port: int, min_replicas: int) -> subprocess.Popen:
     """torchft_lighthouse on 127.0.0.1:port, once it answers."""
-    process = subprocess.Popen([str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
-                                "--heartbeat_timeout_ms", "1000", "--join_timeout_ms", "30000"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            str(LIGHTHOUSE),
+            "--min_replicas",
+            str(min_replicas),
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--heartbeat_timeout_ms",
+            "1000",
+            "--join_timeout_ms",
+            "30000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     for _ in range(100):
         with contextlib.suppress(OSError):
@@ -70,10 +92,28 @@ def lighthouse(min_replicas: int):
 
 
 def group_command(store: str, replica: int, dump: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "titanlite.train", *ON_CPU, *TINY, "--training.dataset_path", store,
-            "--training.local_batch_size", "2", "--training.steps", str(steps), "--job.dump_folder", str(dump),
-            "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
-            "--fault_tolerance.replica_id", str(replica), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "titanlite.train",
+        *ON_CPU,
+        *TINY,
+        "--training.dataset_path",
+        store,
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        str(steps),
+        "--job.dump_folder",
+        str(dump),
+        "--fault_tolerance.enable",
+        "true",
+        "--fault_tolerance.group_size",
+        "2",
+        "--fault_tolerance.replica_id",
+        str(replica),
+        *extra,
+    ]
 
 
 def start_group(command: list[str], log: Path, address: str) -> subprocess.Popen:
@@ -107,8 +147,20 @@ def model_weights(dump: Path, step: int, tmp_path: Path) -> dict:
 
 def one_process(store: str, tmp_path: Path, steps: int, *extra: str) -> str:
     """One process reading both groups' windows (local batch 4 = 2 groups x 2) into tmp_path/one; its log."""
-    one = run_titanlite([*TINY, "--training.dataset_path", store, "--training.local_batch_size", "4", *extra,
-                         "--training.steps", str(steps), "--job.dump_folder", str(tmp_path / "one")])
+    one = run_titanlite(
+        [
+            *TINY,
+            "--training.dataset_path",
+            store,
+            "--training.local_batch_size",
+            "4",
+            *extra,
+            "--training.steps",
+            str(steps),
+            "--job.dump_folder",
+            str(tmp_path / "one"),
+        ]
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     return one.stderr
 
@@ -137,8 +189,10 @@ GROUP_LAYOUTS = {  # name: (the model, each group's layout over its 2 ranks)
     "cp2": ([], ["--parallelism.context_parallel_degree", "2"]),
     # a dense block and an MoE block whose 8 experts split over the group's 2 data-parallel ranks (a window each),
     # routed with biases
-    "deepseek_ep2": (["--model.name", "deepseek_v3"], ["--parallelism.expert_parallel_degree", "2",
-                                                         "--training.local_batch_size", "1"]),
+    "deepseek_ep2": (
+        ["--model.name", "deepseek_v3"],
+        ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "1"],
+    ),
 }
 
 
@@ -173,8 +227,14 @@ def test_groups_of_two_ranks_under_any_layout_equal_one_process(store, tmp_path,
     for log in logs:
         assert losses(log) == pytest.approx(expected, abs=1e-4), log[-3000:]  # as printed: 4 decimals
     if name == "deepseek_ep2":
-        biases = [{key: value for key, value in model_weights(tmp_path / folder, steps, tmp_path).items()
-                   if key.endswith("expert_bias")} for folder in ("one", "r0", "r1")]
+        biases = [
+            {
+                key: value
+                for key, value in model_weights(tmp_path / folder, steps, tmp_path).items()
+                if key.endswith("expert_bias")
+            }
+            for folder in ("one", "r0", "r1")
+        ]
         assert biases[0] and any(bias.abs().sum() > 0 for bias in biases[0].values())  # the steps moved them
         for got in biases[1:]:
             assert got.keys() == biases[0].keys()
@@ -182,9 +242,17 @@ def test_groups_of_two_ranks_under_any_layout_equal_one_process(store, tmp_path,
                 assert torch.equal(got[key], biases[0][key]), key
 
 
-@pytest.mark.parametrize("semi_sync", [[], pytest.param(["--fault_tolerance.semi_sync_method", "diloco",
-                                                          "--fault_tolerance.sync_steps", "5"], marks=pytest.mark.extended)],
-                         ids=["every_step", "diloco"])
+@pytest.mark.parametrize(
+    "semi_sync",
+    [
+        [],
+        pytest.param(
+            ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "5"],
+            marks=pytest.mark.extended,
+        ),
+    ],
+    ids=["every_step", "diloco"],
+)
 def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_path, semi_sync):
     """Replica 1 is killed and started again with the same command: it recovers from replica 0 at the next quorum
     (every step, or DiLoCo's next synchronization), and both end with the same weights to the bit."""
@@ -223,19 +291,42 @@ def test_a_killed_group_is_left_behind_then_recovers_from_its_peer(store, tmp_pa
 
 
 def diloco(sync_steps: int, outer_lr: float, outer_momentum: float) -> list[str]:
-    return ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(sync_steps),
-            "--fault_tolerance.outer_lr", str(outer_lr), "--fault_tolerance.outer_momentum", str(outer_momentum),
-            "--checkpoint.enable", "true", "--checkpoint.interval", str(sync_steps)]  # a save at every synchronization
+    return [
+        "--fault_tolerance.semi_sync_method",
+        "diloco",
+        "--fault_tolerance.sync_steps",
+        str(sync_steps),
+        "--fault_tolerance.outer_lr",
+        str(outer_lr),
+        "--fault_tolerance.outer_momentum",
+        str(outer_momentum),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        str(sync_steps),
+    ]  # a save at every synchronization
 
 
-def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: int, *extra: str, ranks: int = 1,
-               apart: bool = False, documented: bool = False) -> list[str]:
+def run_groups(
+    store: str,
+    tmp_path: Path,
+    name: str,
+    replicas: tuple,
+    steps: int,
+    *extra: str,
+    ranks: int = 1,
+    apart: bool = False,
+    documented: bool = False,
+) -> list[str]:
     """The replica groups `replicas` (of 2), each of `ranks` ranks, side by side on one lighthouse, every quorum of
     them all (apart: each alone on a lighthouse of its own, at the same time); their logs. `documented`: the
     lighthouse as docs/launching.md starts it (--min_replicas 1), and each group started once the one before has
     joined it; else the lighthouse forms no quorum without all the groups, started together."""
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     "--nproc_per_node", str(ranks)]
+    launcher = (
+        [sys.executable]
+        if ranks == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    )
     meetings = [(r,) for r in replicas] if apart else [replicas]
     with contextlib.ExitStack() as stack:
         groups = []
@@ -244,8 +335,19 @@ def run_groups(store: str, tmp_path: Path, name: str, replicas: tuple, steps: in
             together = ["--fault_tolerance.min_replica_size", str(len(meeting))]
             for r in meeting:
                 log = tmp_path / f"{name}{r}.log"
-                groups.append((start_group([*launcher, *group_command(store, r, tmp_path / f"{name}{r}", steps, *together,
-                                                                      *extra)[1:]], log, address), r))
+                groups.append(
+                    (
+                        start_group(
+                            [
+                                *launcher,
+                                *group_command(store, r, tmp_path / f"{name}{r}", steps, *together, *extra)[1:],
+                            ],
+                            log,
+                            address,
+                        ),
+                        r,
+                    )
+                )
                 if documented:
                     wait_for(log, "fault tolerance: replica group", groups[-1][0])
         return [finish(group, tmp_path / f"{name}{r}.log") for group, r in groups]
@@ -278,7 +380,10 @@ def test_diloco_averages_the_groups_weights_after_their_steps_alone(store, tmp_p
 def test_diloco_groups_resumed_from_their_checkpoints_equal_an_uninterrupted_run(store, tmp_path):
     """Two DiLoCo groups (Nesterov outer SGD) stopped after their first synchronization and started again from their
     checkpoints end with the weights of groups that never stopped, to the bit: the outer momentum is saved too."""
-    steps, semi_sync = 4, [*diloco(2, 0.7, 0.9), "--lr_scheduler.min_lr_factor", "1"]  # an lr that ignores training.steps
+    steps, semi_sync = (
+        4,
+        [*diloco(2, 0.7, 0.9), "--lr_scheduler.min_lr_factor", "1"],
+    )  # an lr that ignores training.steps
     run_groups(store, tmp_path, "whole", (0, 1), steps, *semi_sync)
     run_groups(store, tmp_path, "cut", (0, 1), 2, *semi_sync)
     run_groups(store, tmp_path, "cut", (0, 1), steps, *semi_sync)
@@ -293,18 +398,30 @@ def test_diloco_groups_resumed_from_their_checkpoints_equal_an_uninterrupted_run
 def test_bad_input_is_one_sentence(monkeypatch, store):
     """In-process: the config rules at load, the model's and the lighthouse's checks where the group joins, the model's
     before any lighthouse is contacted (none is set here)."""
-    base = [*ON_CPU, *TINY, "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
-            "--training.dataset_path", store]
+    base = [
+        *ON_CPU,
+        *TINY,
+        "--fault_tolerance.enable",
+        "true",
+        "--fault_tolerance.group_size",
+        "2",
+        "--training.dataset_path",
+        store,
+    ]
     with pytest.raises(UserError, match="fault_tolerance.replica_id 2 must be below fault_tolerance.group_size 2"):
         load_config([*base, "--fault_tolerance.replica_id", "2"])
-    with pytest.raises(UserError, match="fault_tolerance.outer_lr applies to fault_tolerance.semi_sync_method diloco only"):
+    with pytest.raises(
+        UserError, match="fault_tolerance.outer_lr applies to fault_tolerance.semi_sync_method diloco only"
+    ):
         load_config([*base, "--fault_tolerance.outer_lr", "1"])
     with pytest.raises(UserError, match="training.steps 10 is not a multiple of fault_tolerance.sync_steps 4"):
         load_config([*base, *diloco(4, 0.7, 0.9), "--training.steps", "10"])
     with pytest.raises(UserError, match="checkpoint.interval 6 is not a multiple of fault_tolerance.sync_steps 4"):
         load_config([*base, *diloco(4, 0.7, 0.9), "--training.steps", "8", "--checkpoint.interval", "6"])
     with pytest.raises(UserError, match="diloco with parallelism.pipeline_parallel_degree 2 is not supported yet"):
-        load_config([*base, *diloco(4, 0.7, 0.9), "--training.steps", "8", "--parallelism.pipeline_parallel_degree", "2"])
+        load_config(
+            [*base, *diloco(4, 0.7, 0.9), "--training.steps", "8", "--parallelism.pipeline_parallel_degree", "2"]
+        )
     with pytest.raises(UserError, match="needs a data position a peer can hand over, which training.dataset 'sample'"):
         load_config([arg for arg in base if arg not in ("--training.dataset_path", store)])  # a stream read per rank
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
@@ -323,8 +440,19 @@ def test_bad_input_is_one_sentence(monkeypatch, store):
 
 def group_alone(store: str, dump: Path, *extra: str) -> list[str]:
     """One replica group (group_size 1) that trains until stopped, saving only when forced."""
-    return group_command(store, 0, dump, 100000, "--fault_tolerance.group_size", "1", "--checkpoint.enable", "true",
-                         "--checkpoint.interval", "100000", *extra)
+    return group_command(
+        store,
+        0,
+        dump,
+        100000,
+        "--fault_tolerance.group_size",
+        "1",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "100000",
+        *extra,
+    )
 
 
 def saved(dump: Path, step: int) -> bool:
@@ -374,10 +502,12 @@ def test_a_lost_lighthouse_ends_the_run_saved_with_one_sentence(store, tmp_path)
     assert time.monotonic() - lost < 30
     text = log.read_text()
     (sentence,) = [line for line in text.splitlines() if line.startswith("error:")]
-    stopped = re.fullmatch(rf"error: no quorum came from the lighthouse at TORCHFT_LIGHTHOUSE {address} for step \d+ within "
-                           r"fault_tolerance.quorum_timeout_seconds 3 \(\w+\); this group stopped at step (\d+), its last "
-                           r"committed \(saved where checkpoint.enable is on\): restart torchft_lighthouse at that address, .*",
-                           sentence)
+    stopped = re.fullmatch(
+        rf"error: no quorum came from the lighthouse at TORCHFT_LIGHTHOUSE {address} for step \d+ within "
+        r"fault_tolerance.quorum_timeout_seconds 3 \(\w+\); this group stopped at step (\d+), its last "
+        r"committed \(saved where checkpoint.enable is on\): restart torchft_lighthouse at that address, .*",
+        sentence,
+    )
     assert stopped, sentence
     assert int(stopped.group(1)) == max(losses(text)) and saved(dump, int(stopped.group(1)))
     assert "Traceback" not in text
@@ -392,7 +522,9 @@ def test_a_quorum_that_never_comes_is_a_hang_the_watchdog_names(store, tmp_path)
         group = start_group(group_alone(store, tmp_path / "r0", "--job.hang_timeout_seconds", "3"), log, address)
         wait_for(log, r"step: 5  loss", group)
     assert group.wait(timeout=120) == 3, log.read_text()[-3000:]
-    assert re.search(r"over the hang timeout of 3s; this rank is in .*fault_tolerance/torchft_adapter.py", log.read_text())
+    assert re.search(
+        r"over the hang timeout of 3s; this rank is in .*fault_tolerance/torchft_adapter.py", log.read_text()
+    )
 
 
 @pytest.mark.extended
@@ -401,8 +533,13 @@ def test_sigterm_in_a_diloco_synchronization_saves_and_exits(store, tmp_path):
     is gone saves the last counted step and exits 0 within seconds."""
     log, dump = tmp_path / "r0.log", tmp_path / "r0"
     with lighthouse(min_replicas=1) as address:
-        group = start_group(group_alone(store, dump, "--fault_tolerance.semi_sync_method", "diloco",
-                                        "--fault_tolerance.sync_steps", "2"), log, address)
+        group = start_group(
+            group_alone(
+                store, dump, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2"
+            ),
+            log,
+            address,
+        )
         wait_for(log, r"step: 5  loss", group)
     time.sleep(3)  # at most 2 steps later, its synchronization waits
     last = max(losses(log.read_text()))
@@ -422,10 +559,19 @@ def test_a_group_stopped_after_its_lighthouse_died_exits_within_seconds(store, t
     that line (exit_process leaves within EXIT_SECONDS whatever still waits; the group used to stay past 30 s)."""
     port = free_port()
     light = start_lighthouse(port, 2)
-    flags = ["--checkpoint.enable", "true", "--checkpoint.interval", "100000", "--fault_tolerance.min_replica_size", "2"]
+    flags = [
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "100000",
+        "--fault_tolerance.min_replica_size",
+        "2",
+    ]
     logs = [tmp_path / f"r{r}.log" for r in (0, 1)]
-    groups = [start_group(group_command(store, r, tmp_path / f"r{r}", 100000, *flags), logs[r], f"http://127.0.0.1:{port}")
-              for r in (0, 1)]
+    groups = [
+        start_group(group_command(store, r, tmp_path / f"r{r}", 100000, *flags), logs[r], f"http://127.0.0.1:{port}")
+        for r in (0, 1)
+    ]
     try:
         wait_for(logs[0], r"step: 5  loss", groups[0])
         light.kill()

@@ -19,17 +19,36 @@ from titanlite.train import main
 
 transformers = pytest.importorskip("transformers")
 
-QWEN3 = dict(vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-             initializer_range=0.2)
+QWEN3 = dict(
+    vocab_size=640,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+)
 
 CHATS = [
-    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a bee?"},
-     {"role": "assistant", "content": "An insect that makes honey."}, {"role": "user", "content": "And a wasp?"},
-     {"role": "assistant", "content": "An insect that stings.", "reasoning_content": "Wasps sting."}],
-    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
-     {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green."},
-     {"role": "user", "content": "One more?"}, {"role": "assistant", "content": "Red."}],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is a bee?"},
+        {"role": "assistant", "content": "An insect that makes honey."},
+        {"role": "user", "content": "And a wasp?"},
+        {"role": "assistant", "content": "An insect that stings.", "reasoning_content": "Wasps sting."},
+    ],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Green."},
+        {"role": "user", "content": "One more?"},
+        {"role": "assistant", "content": "Red."},
+    ],
     [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": "Yes."}],
     [{"role": "user", "content": "Is the sky blue?"}, {"role": "assistant", "content": "Yes, by day."}],
 ]
@@ -56,11 +75,31 @@ WINDOWS = 3  # best fit packs the 4 chats into 3 windows of 129 tokens: a batch 
 
 
 def chat_flags(folder, data, dump, steps, *extra) -> list[str]:
-    return [*ON_CPU, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(dump), "--training.dataset_path",
-            str(data), "--training.dataset_format", "chat", "--training.seq_len", "128", "--training.local_batch_size",
-            str(WINDOWS), "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
-            *map(str, extra)]
+    return [
+        *ON_CPU,
+        "--model.hf_assets_path",
+        str(folder),
+        "--job.dump_folder",
+        str(dump),
+        "--training.dataset_path",
+        str(data),
+        "--training.dataset_format",
+        "chat",
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        str(WINDOWS),
+        "--training.steps",
+        str(steps),
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--checkpoint.enable",
+        "--checkpoint.last_save_in_hf",
+        *map(str, extra),
+    ]
 
 
 def transformers_assistant_loss(folder, template: str = QWEN3_TEMPLATE) -> tuple[float, int]:
@@ -71,8 +110,13 @@ def transformers_assistant_loss(folder, template: str = QWEN3_TEMPLATE) -> tuple
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     total, count = 0.0, 0
     for chat in CHATS:
-        out = tokenizer.apply_chat_template(chat, chat_template=generation_marked(template), tokenize=True,
-                                            return_dict=True, return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            chat,
+            chat_template=generation_marked(template),
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
         ids, mask = torch.tensor([out["input_ids"]]), torch.tensor(out["assistant_masks"], dtype=torch.bool)
         assert ids[0, 0] != tokenizer.convert_tokens_to_ids("<|im_end|>")  # nothing before the template's text
         labels = ids[0, 1:].masked_fill(~mask[1:], -100)
@@ -103,20 +147,26 @@ def test_qwen3_template_trains_multi_turn_and_the_export_stops_at_the_end_of_tur
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(export))
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     generation = json.loads((export / "generation_config.json").read_text())
-    assert end_of_turn in (generation["eos_token_id"] if isinstance(generation["eos_token_id"], list) else [generation["eos_token_id"]])
+    assert end_of_turn in (
+        generation["eos_token_id"] if isinstance(generation["eos_token_id"], list) else [generation["eos_token_id"]]
+    )
     assert json.loads((export / "config.json").read_text())["eos_token_id"] == end_of_turn
     assert all(stat.S_IMODE(path.stat().st_mode) == 0o644 for path in export.iterdir())
     assert tokenizer.chat_template == QWEN3_TEMPLATE
     # transformers' greedy generate on the export stops at the end of turn it learnt to write
     model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
-    prompt = tokenizer.apply_chat_template(CHATS[2][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        CHATS[2][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=40, do_sample=False)
-    new = out[0, prompt["input_ids"].shape[1]:].tolist()
+    new = out[0, prompt["input_ids"].shape[1] :].tolist()
     assert new[-1] == end_of_turn and len(new) < 40, tokenizer.decode(new)
 
 
-def test_generate_finds_the_run_checkpoint_as_training_does_and_equals_its_export(qwen3_folder, full_run, tmp_path, capsys):
+def test_generate_finds_the_run_checkpoint_as_training_does_and_equals_its_export(
+    qwen3_folder, full_run, tmp_path, capsys
+):
     """titanlite.generate from the run's checkpoint folder (checkpoint.enable: the newest step, here the last one),
     from generate.checkpoint, and from the Hugging Face export of the same step: the same greedy tokens, which end
     at the end of turn the run learnt to write."""
@@ -127,9 +177,11 @@ def test_generate_finds_the_run_checkpoint_as_training_does_and_equals_its_expor
     prompts.write_text(json.dumps({"messages": CHATS[2][:1]}) + "\n")
     flags = [*ON_CPU, "--generate.prompts_file", str(prompts), "--generate.max_new_tokens", "40"]
     outputs, logs = [], []
-    for source in (["--model.hf_assets_path", str(folder), "--checkpoint.enable", "--job.dump_folder", str(full_run)],
-                   ["--model.hf_assets_path", str(folder), "--generate.checkpoint", str(full_run / "checkpoint" / "step-25")],
-                   ["--model.hf_assets_path", str(full_run / "checkpoint" / "step-25-hf")]):
+    for source in (
+        ["--model.hf_assets_path", str(folder), "--checkpoint.enable", "--job.dump_folder", str(full_run)],
+        ["--model.hf_assets_path", str(folder), "--generate.checkpoint", str(full_run / "checkpoint" / "step-25")],
+        ["--model.hf_assets_path", str(full_run / "checkpoint" / "step-25-hf")],
+    ):
         assert generate([*flags, *source]) == 0
         captured = capsys.readouterr()
         outputs.append(json.loads(captured.out)["token_ids"])
@@ -144,13 +196,23 @@ def test_convert_exports_a_run_started_from_a_folder(full_run, tmp_path, capsys)
     as the run's own export; flags naming another model are refused; no arguments print the usage, exit 2."""
     step = full_run / "checkpoint" / "step-25"
     assert convert_main(["dcp-to-hf", str(step), str(tmp_path / "hf")]) == 0
-    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as ours, \
-            safe_open(str(full_run / "checkpoint" / "step-25-hf" / "model.safetensors"), "pt") as export:
+    with (
+        safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as ours,
+        safe_open(str(full_run / "checkpoint" / "step-25-hf" / "model.safetensors"), "pt") as export,
+    ):
         assert sorted(ours.keys()) == sorted(export.keys())
         assert all(torch.equal(ours.get_tensor(name), export.get_tensor(name)) for name in ours.keys())
     capsys.readouterr()
-    assert convert_main(["dcp-to-hf", str(step), str(tmp_path / "other"), "--model.name", "llama3", "--model.flavor", "debugmodel"]) == 2
-    assert f"{step} was saved from qwen3/hf, but the flags name llama3/debugmodel; drop --model.name" in capsys.readouterr().err
+    assert (
+        convert_main(
+            ["dcp-to-hf", str(step), str(tmp_path / "other"), "--model.name", "llama3", "--model.flavor", "debugmodel"]
+        )
+        == 2
+    )
+    assert (
+        f"{step} was saved from qwen3/hf, but the flags name llama3/debugmodel; drop --model.name"
+        in capsys.readouterr().err
+    )
     assert convert_main([]) == 2 and capsys.readouterr().err.startswith("usage: python -m titanlite.convert")
 
 
@@ -159,12 +221,31 @@ def test_lora_on_the_output_layer_exports_a_peft_adapter_equal_to_the_merged_wei
     folder, data = qwen3_folder
     marked = tmp_path / "marked.jinja"  # a template of the run's own, which the exports must carry
     marked.write_text(generation_marked(QWEN3_TEMPLATE))
-    assert main(chat_flags(folder, data, tmp_path / "lora", 3, "--lora.rank", "4", "--lora.target_modules", "wq,output",
-                           "--optimizer.lr", "1e-2", "--training.chat_template", marked)) == 0
+    assert (
+        main(
+            chat_flags(
+                folder,
+                data,
+                tmp_path / "lora",
+                3,
+                "--lora.rank",
+                "4",
+                "--lora.target_modules",
+                "wq,output",
+                "--optimizer.lr",
+                "1e-2",
+                "--training.chat_template",
+                marked,
+            )
+        )
+        == 0
+    )
     assert "LoRA rank 4 adapters on 3 linear layers: layers.*.attention.wq (2), output (1)" in capsys.readouterr().err
     adapter = tmp_path / "lora" / "checkpoint" / "step-3-peft"
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert sorted(config["target_modules"]) == ["lm_head", "q_proj"] and config["base_model_name_or_path"] == str(folder)
+    assert sorted(config["target_modules"]) == ["lm_head", "q_proj"] and config["base_model_name_or_path"] == str(
+        folder
+    )
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {p.name for p in adapter.iterdir()}
     export = tmp_path / "lora" / "checkpoint" / "step-3-hf"
     assert transformers.AutoTokenizer.from_pretrained(str(export)).chat_template == marked.read_text()
@@ -173,7 +254,9 @@ def test_lora_on_the_output_layer_exports_a_peft_adapter_equal_to_the_merged_wei
         base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         base_logits = base(tokens).logits
         peft_logits = peft.PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
-        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "checkpoint" / "step-3-hf").eval()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "lora" / "checkpoint" / "step-3-hf"
+        ).eval()
         merged_logits = merged(tokens).logits
     assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
     assert (peft_logits - merged_logits).abs().max() < 1e-5
@@ -181,7 +264,11 @@ def test_lora_on_the_output_layer_exports_a_peft_adapter_equal_to_the_merged_wei
 
 TOOL_CHAT = [
     {"from": "human", "value": "Read main.py."},
-    {"from": "gpt", "value": None, "tool_calls": [{"type": "function", "function": {"name": "read", "arguments": {"path": "main.py"}}}]},
+    {
+        "from": "gpt",
+        "value": None,
+        "tool_calls": [{"type": "function", "function": {"name": "read", "arguments": {"path": "main.py"}}}],
+    },
     {"from": "tool", "value": "print(1/0)"},
     {"from": "gpt", "value": "It divides by zero.", "reasoning_content": "Look at the code."},
     {"from": "human", "value": "Thanks."},
@@ -205,11 +292,16 @@ def test_sharegpt_tool_calls_reasoning_and_untrained_turns_as_transformers_marks
     ids, trained = tokenize_conversation(ChatRenderer(ours, ""), ours, messages, "assistant")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     plain = [{k: v for k, v in m.items() if k != "train"} for m in messages]
-    out = tokenizer.apply_chat_template(plain, chat_template=generation_marked(QWEN3_TEMPLATE), tokenize=True,
-                                        return_dict=True, return_assistant_tokens_mask=True)
+    out = tokenizer.apply_chat_template(
+        plain,
+        chat_template=generation_marked(QWEN3_TEMPLATE),
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
     assert ids == out["input_ids"]
     text = tokenizer.decode(ids)
-    assert "<tool_call>\n{\"name\": \"read\"" in text and "<tool_response>\nprint(1/0)" in text
+    assert '<tool_call>\n{"name": "read"' in text and "<tool_response>\nprint(1/0)" in text
     last_turn = len(ids) - ids[::-1].index(tokenizer.convert_tokens_to_ids("<|im_start|>"))  # the untrained last turn
     assert trained == [bool(m) and i < last_turn for i, m in enumerate(out["assistant_masks"])]
     assert any(out["assistant_masks"][last_turn:]) and not any(trained[last_turn:])

@@ -57,10 +57,16 @@ def test_missing_torchao_is_one_sentence(fake_gpu, monkeypatch):
         check_float8(Float8(enable=True))
 
 
-@pytest.mark.parametrize("cfg, message", [
-    (Float8(enable=True, recipe_name="rowwise", enable_fsdp_float8_all_gather=True), "tensorwise only"),
-    (Float8(enable=True, precompute_float8_dynamic_scale_for_fsdp=True), "needs float8.enable_fsdp_float8_all_gather"),
-])
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (Float8(enable=True, recipe_name="rowwise", enable_fsdp_float8_all_gather=True), "tensorwise only"),
+        (
+            Float8(enable=True, precompute_float8_dynamic_scale_for_fsdp=True),
+            "needs float8.enable_fsdp_float8_all_gather",
+        ),
+    ],
+)
 def test_options_that_do_not_go_together(fake_gpu, cfg, message):
     fake_gpu((9, 0))
     with pytest.raises(UserError, match=message):

@@ -41,13 +41,25 @@ def test_tp2_float8_equals_one_process_float8(tmp_path):
 
 @pytest.mark.extended
 def test_gpt2_fused_qkv_in_float8_under_tp_is_one_sentence(tiny_run):
-    out = run_titanlite([*tiny_run, "--model.name", "gpt2", "--float8.enable", "--float8.emulate",
-                         "--parallelism.tensor_parallel_degree", "2"], nproc=2, fresh_ranks=True)
+    out = run_titanlite(
+        [
+            *tiny_run,
+            "--model.name",
+            "gpt2",
+            "--float8.enable",
+            "--float8.emulate",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+        nproc=2,
+        fresh_ranks=True,
+    )
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors and set(errors) == {
         "error: float8.enable cannot run attention.wqkv (split by RowsByGroups, which computes its own matmul) in float8 "
-        "under parallelism.tensor_parallel_degree above 1: add \"wqkv\" to float8.filter_fqns"}, out.stderr[-2000:]
+        'under parallelism.tensor_parallel_degree above 1: add "wqkv" to float8.filter_fqns'
+    }, out.stderr[-2000:]
 
 
 @pytest.mark.extended
@@ -55,15 +67,47 @@ def test_fsdp2_tp2_float8_trains_and_resumes_exactly(tmp_path):
     """4 ranks, tensorwise with FSDP's float8 all-gather and the scales precomputed after each step:
     the first step is the 1-process float8 loss (same global batch of 4), and a run resumed from the
     step-2 checkpoint gives the uninterrupted run's loss and gradient norm to the bit."""
-    flags = [*ON_CPU, "--job.config_file", "train_configs/debug_model.toml", "--training.dataset", "synthetic",
-             "--training.seq_len", "64", "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
-             "--float8.enable", "--float8.emulate"]
-    layout = ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2",
-              "--parallelism.tensor_parallel_degree", "2", "--float8.enable_fsdp_float8_all_gather",
-              "--float8.precompute_float8_dynamic_scale_for_fsdp", "--checkpoint.enable", "--checkpoint.interval", "2"]
-    log = launch([{"argv": [*flags, *layout, "--job.dump_folder", str(tmp_path / "run")]},
-                  {"argv": [*flags, *layout, "--job.dump_folder", str(tmp_path / "resumed")],
-                   "resume_from": str(tmp_path / "run" / "checkpoint" / "step-2")}], 4, tmp_path, "world4")
+    flags = [
+        *ON_CPU,
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--training.dataset",
+        "synthetic",
+        "--training.seq_len",
+        "64",
+        "--training.steps",
+        "3",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--float8.enable",
+        "--float8.emulate",
+    ]
+    layout = [
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--float8.enable_fsdp_float8_all_gather",
+        "--float8.precompute_float8_dynamic_scale_for_fsdp",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
+    log = launch(
+        [
+            {"argv": [*flags, *layout, "--job.dump_folder", str(tmp_path / "run")]},
+            {
+                "argv": [*flags, *layout, "--job.dump_folder", str(tmp_path / "resumed")],
+                "resume_from": str(tmp_path / "run" / "checkpoint" / "step-2"),
+            },
+        ],
+        4,
+        tmp_path,
+        "world4",
+    )
     assert "mesh dp_replicate 1 x dp_shard 2 x tp 2, pp 1" in log and "resumed from" in log
     assert main([*flags, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "one")]) == 0
 
@@ -77,17 +121,31 @@ def test_fsdp2_tp2_float8_trains_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                    reason="float8 needs compute capability 8.9 or newer")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+    reason="float8 needs compute capability 8.9 or newer",
+)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_tp_styles_on_the_real_kernels(recipe):
     """One GPU (NCCL will not put two ranks on one device): Llama's TP plan on a 1-rank mesh, torchao's
     float8 styles (tensorwise) and float8 matmuls, gives the plain float8 model's loss and gradients
     (tests/float8_tp_gpu_run.py; bf16, gradients within 2e-2 relative)."""
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-         str(ROOT / "tests" / "float8_tp_gpu_run.py"), "cuda", recipe],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=with_root_on_path(),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            str(ROOT / "tests" / "float8_tp_gpu_run.py"),
+            "cuda",
+            recipe,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=with_root_on_path(),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"float8 {recipe} under TP on cuda" in out.stdout
@@ -113,7 +171,10 @@ def test_float8_styles_where_the_collectives_carry_float8():
         with torch.device("meta"):
             model = spec.model_cls(args)
         convert_linears(model, Float8(enable=True, recipe_name=recipe), emulate=True)
-        return {fqn: type(style).__name__ for fqn, style in with_float8_styles(model.layers["0"], plan_of(args), True).items()}
+        return {
+            fqn: type(style).__name__
+            for fqn, style in with_float8_styles(model.layers["0"], plan_of(args), True).items()
+        }
 
     llama = styles("llama3", "tensorwise", lambda args: {**attention_plan(), **swiglu_plan()})
     assert llama["attention"] == llama["feed_forward"] == "PrepareFloat8ModuleInput"
@@ -122,7 +183,11 @@ def test_float8_styles_where_the_collectives_carry_float8():
     assert llama["attention_norm"] == "SequenceParallel"
     rowwise = styles("llama3", "rowwise", lambda args: {**attention_plan(), **swiglu_plan()})
     assert rowwise["attention"] == "PrepareModuleInput" and rowwise["attention.wq"] == "ColwiseParallel"
-    deepseek = styles("deepseek_v3", "tensorwise",
-                      lambda args: {**mla_plan(args.q_lora_rank, args.qk_rope_head_dim), **swiglu_plan()})
+    deepseek = styles(
+        "deepseek_v3", "tensorwise", lambda args: {**mla_plan(args.q_lora_rank, args.qk_rope_head_dim), **swiglu_plan()}
+    )
     assert deepseek["attention.wkv_a"] == "Replicated" and deepseek["attention"] == "PrepareModuleInput"
-    assert deepseek["attention.wkv_b"] == "Float8ColwiseParallel" and deepseek["feed_forward"] == "PrepareFloat8ModuleInput"
+    assert (
+        deepseek["attention.wkv_b"] == "Float8ColwiseParallel"
+        and deepseek["feed_forward"] == "PrepareFloat8ModuleInput"
+    )

@@ -35,8 +35,9 @@ def transformers_folder(family: str, folder, tokenizer_folder):
             "llama3": lambda: transformers.LlamaConfig(**LLAMA),
             "mistral": lambda: transformers.MistralConfig(**dict(MISTRAL, sliding_window=8)),  # < 11 + 12 and < 11
             "qwen3": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=96, head_dim=32),
-            "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, moe_intermediate_size=48, num_experts=4,
-                                                             num_experts_per_tok=2, head_dim=32),
+            "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+                **SMALL, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, head_dim=32
+            ),
         }[family]()
         model = transformers.AutoModelForCausalLM.from_config(config)
     model = model.float().eval()
@@ -52,9 +53,15 @@ def transformers_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
     tokens = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = model.generate(input_ids=tokens, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=STOP_IDS, pad_token_id=0)[:, width:].tolist()
-    return [row[:next((i for i, t in enumerate(row) if t in STOP_IDS), len(row))] for row in out]
+        out = model.generate(
+            input_ids=tokens,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=STOP_IDS,
+            pad_token_id=0,
+        )[:, width:].tolist()
+    return [row[: next((i for i, t in enumerate(row) if t in STOP_IDS), len(row))] for row in out]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +73,23 @@ def run_generate(tmp_path, folder, *extra) -> list[dict]:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in PROMPTS))
     output = tmp_path / "out.jsonl"
-    assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
-                 "--generate.max_new_tokens", str(NEW_TOKENS), "--generate.output", str(output), *extra]) == 0
+    assert (
+        main(
+            [
+                *ON_CPU,
+                "--model.hf_assets_path",
+                str(folder),
+                "--generate.prompts_file",
+                str(prompts),
+                "--generate.max_new_tokens",
+                str(NEW_TOKENS),
+                "--generate.output",
+                str(output),
+                *extra,
+            ]
+        )
+        == 0
+    )
     return [json.loads(line) for line in output.read_text().splitlines()]
 
 
@@ -106,15 +128,18 @@ def generate_error(argv: list[str], capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("line, expected", [
-    ('{"token_ids": [1, -3, 7]}', 'line 2: "token_ids" holds -3; token ids start at 0'),
-    ('{"token_ids": [true, 2]}', 'line 2: "token_ids" must be a non-empty list of integers (not [true, 2])'),
-    ('{"token_ids": []}', 'line 2: "token_ids" must be a non-empty list of integers'),
-    ('{"prompt": 5}', 'line 2: "prompt" is 5, neither a string nor a list of messages; quote the text'),
-    ('{"messages": "hi"}', 'line 2: "messages" must be a non-empty list'),
-    ('{"messages": [{"role": "wizard", "content": "hi"}]}', "has a message of unknown role 'wizard'"),
-    ('{"prompt": "a", "token_ids": [1]}', 'line 2 must hold exactly one of "prompt", "messages" or "token_ids"'),
-])
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ('{"token_ids": [1, -3, 7]}', 'line 2: "token_ids" holds -3; token ids start at 0'),
+        ('{"token_ids": [true, 2]}', 'line 2: "token_ids" must be a non-empty list of integers (not [true, 2])'),
+        ('{"token_ids": []}', 'line 2: "token_ids" must be a non-empty list of integers'),
+        ('{"prompt": 5}', 'line 2: "prompt" is 5, neither a string nor a list of messages; quote the text'),
+        ('{"messages": "hi"}', 'line 2: "messages" must be a non-empty list'),
+        ('{"messages": [{"role": "wizard", "content": "hi"}]}', "has a message of unknown role 'wizard'"),
+        ('{"prompt": "a", "token_ids": [1]}', 'line 2 must hold exactly one of "prompt", "messages" or "token_ids"'),
+    ],
+)
 def test_a_bad_prompt_line_is_one_sentence_naming_the_file_and_line(tmp_path, capsys, line, expected):
     """Checked when the file is read, before the model is built (nothing here would load)."""
     prompts = tmp_path / "prompts.jsonl"
@@ -139,16 +164,50 @@ def test_weights_of_another_kind_are_named_before_generating(tmp_path, tokenizer
 
     folder = tmp_path / "mistral"
     transformers_folder("mistral", folder, tokenizer_folder)
-    run = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "1", "--checkpoint.enable",
-           "--job.dump_folder"]
-    assert train([*ON_CPU, "--model.hf_assets_path", str(folder), *run, str(tmp_path / "lora"), "--lora.rank", "4"]) == 0
-    assert train([*ON_CPU, "--model.name", "mistral", "--model.flavor", "debugmodel", *run, str(tmp_path / "full")]) == 0
+    run = [
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "1",
+        "--checkpoint.enable",
+        "--job.dump_folder",
+    ]
+    assert (
+        train([*ON_CPU, "--model.hf_assets_path", str(folder), *run, str(tmp_path / "lora"), "--lora.rank", "4"]) == 0
+    )
+    assert (
+        train([*ON_CPU, "--model.name", "mistral", "--model.flavor", "debugmodel", *run, str(tmp_path / "full")]) == 0
+    )
     capsys.readouterr()
-    err = generate_error([*ON_CPU, "--generate.prompt", "the", "--model.hf_assets_path", str(folder), "--generate.checkpoint",
-                          str(tmp_path / "lora" / "checkpoint" / "step-1")], capsys)
+    err = generate_error(
+        [
+            *ON_CPU,
+            "--generate.prompt",
+            "the",
+            "--model.hf_assets_path",
+            str(folder),
+            "--generate.checkpoint",
+            str(tmp_path / "lora" / "checkpoint" / "step-1"),
+        ],
+        capsys,
+    )
     assert "holds LoRA adapters only (rank 4), but lora.rank is 0 here; set lora.rank 4" in err
-    err = generate_error([*ON_CPU, "--generate.prompt", "the", "--model.name", "llama3", "--model.flavor", "debugmodel",
-                          "--generate.checkpoint", str(tmp_path / "full" / "checkpoint" / "step-1")], capsys)
+    err = generate_error(
+        [
+            *ON_CPU,
+            "--generate.prompt",
+            "the",
+            "--model.name",
+            "llama3",
+            "--model.flavor",
+            "debugmodel",
+            "--generate.checkpoint",
+            str(tmp_path / "full" / "checkpoint" / "step-1"),
+        ],
+        capsys,
+    )
     assert "holds the weights of mistral/debugmodel" in err and "another model family than this job's llama3/" in err
 
 
@@ -160,14 +219,35 @@ def test_each_prompt_is_rendered_as_training_renders_it(tmp_path, tokenizer_fold
     transformers_folder("llama3", folder, tokenizer_folder)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the list module"}]
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in
-                               [{"messages": messages}, {"prompt": "the list module"}, {"token_ids": [5, 17, 300]}]))
+    prompts.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [{"messages": messages}, {"prompt": "the list module"}, {"token_ids": [5, 17, 300]}]
+        )
+    )
     output = tmp_path / "out.jsonl"
-    assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
-                 "--generate.max_new_tokens", "2", "--generate.output", str(output)]) == 0
+    assert (
+        main(
+            [
+                *ON_CPU,
+                "--model.hf_assets_path",
+                str(folder),
+                "--generate.prompts_file",
+                str(prompts),
+                "--generate.max_new_tokens",
+                "2",
+                "--generate.output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in output.read_text().splitlines()]
-    speed = re.search(r"generated 3 completions: prefill [\d.]+ tokens/s \((\d+) tokens in [\d.]+s\), decode [\d.]+ "
-                      r"tokens/s \((\d+) tokens", capsys.readouterr().err)
+    speed = re.search(
+        r"generated 3 completions: prefill [\d.]+ tokens/s \((\d+) tokens in [\d.]+s\), decode [\d.]+ "
+        r"tokens/s \((\d+) tokens",
+        capsys.readouterr().err,
+    )
     assert int(speed[1]) == sum(len(line["prompt_token_ids"]) for line in lines)
     assert int(speed[2]) == sum(len(line["token_ids"]) for line in lines) - 3  # the first tokens come from the prefill
     theirs = transformers.AutoTokenizer.from_pretrained(folder)
@@ -189,9 +269,28 @@ def test_sampling_is_seeded_per_prompt(tmp_path, tokenizer_folder):
         prompts = tmp_path / "prompts.jsonl"
         prompts.write_text((json.dumps({"token_ids": PROMPTS[0]}) + "\n") * count)
         output = tmp_path / "out.jsonl"
-        assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
-                     "--generate.max_new_tokens", "8", "--generate.temperature", "1", "--generate.batch_size",
-                     str(batch_size), "--generate.seed", str(seed), "--generate.output", str(output)]) == 0
+        assert (
+            main(
+                [
+                    *ON_CPU,
+                    "--model.hf_assets_path",
+                    str(folder),
+                    "--generate.prompts_file",
+                    str(prompts),
+                    "--generate.max_new_tokens",
+                    "8",
+                    "--generate.temperature",
+                    "1",
+                    "--generate.batch_size",
+                    str(batch_size),
+                    "--generate.seed",
+                    str(seed),
+                    "--generate.output",
+                    str(output),
+                ]
+            )
+            == 0
+        )
         return [json.loads(line)["token_ids"] for line in output.read_text().splitlines()]
 
     alone = sampled(3, 1)
@@ -205,8 +304,20 @@ def test_a_prompt_too_long_for_the_model_is_named_by_its_line(tmp_path, tokenize
     transformers_folder("llama3", folder, tokenizer_folder)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "fine"}\n' + json.dumps({"token_ids": [5] * 100000}) + "\n")
-    assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
-                 "--generate.batch_size", "1"]) == 2
+    assert (
+        main(
+            [
+                *ON_CPU,
+                "--model.hf_assets_path",
+                str(folder),
+                "--generate.prompts_file",
+                str(prompts),
+                "--generate.batch_size",
+                "1",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and err.splitlines()[-1].startswith("error: ")
     assert f"generate.prompts_file {prompts} line 2 has 100000 tokens, but the model's context is" in err
@@ -229,8 +340,22 @@ def test_a_grpo_prompts_file_generates_as_it_is(tmp_path, tokenizer_folder):
     def completions(records: list[dict]) -> list[dict]:
         prompts, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
-        assert main([*ON_CPU, "--model.hf_assets_path", str(folder), "--generate.prompts_file", str(prompts),
-                     "--generate.max_new_tokens", "3", "--generate.output", str(output)]) == 0
+        assert (
+            main(
+                [
+                    *ON_CPU,
+                    "--model.hf_assets_path",
+                    str(folder),
+                    "--generate.prompts_file",
+                    str(prompts),
+                    "--generate.max_new_tokens",
+                    "3",
+                    "--generate.output",
+                    str(output),
+                ]
+            )
+            == 0
+        )
         return [json.loads(line) for line in output.read_text().splitlines()]
 
     grpo = completions([{"prompt": messages, "answer": "5"}, {"prompt": "2 + 3 =", "answer": "5"}])
@@ -249,11 +374,16 @@ def test_the_command_runs_a_fixed_number_of_tokens_as_transformers(tmp_path, tok
 
     def theirs(**kwargs) -> list[list[int]]:
         with torch.no_grad():
-            out = model.generate(input_ids=tokens, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=0, **kwargs)[:, width:].tolist()
+            out = model.generate(
+                input_ids=tokens,
+                attention_mask=mask,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                **kwargs,
+            )[:, width:].tolist()
         stops = kwargs["eos_token_id"] or ()
-        return [row[:next((i for i, t in enumerate(row) if t in stops), len(row))]
-                for row in out]
+        return [row[: next((i for i, t in enumerate(row) if t in stops), len(row))] for row in out]
 
     ignored = [r["token_ids"] for r in run_generate(tmp_path, folder, "--generate.ignore_eos")]
     assert ignored == theirs(eos_token_id=None) and all(len(ids) == NEW_TOKENS for ids in ignored)

@@ -30,11 +30,21 @@ def test_report_reads_the_run_summary_lines(tmp_path):
         "run summary: 30 steps after 10 warm-up  tps: 12,345  step: 1.3271s  tflops: 400.1  mfu: 40.45%  "
         "peak_memory: 60.125GiB  data: 0.10%  state_per_rank: params 1.000MiB  checkpoints: 2 saves, training lost 0.420s"
         "  activation_offload: peak 7.500GiB held in host memory (not held on the device)\n"
-        "run summary: predicted vs measured: peak_memory 58.000GiB vs 60.125GiB  tps 13,000 vs 12,345\n")
+        "run summary: predicted vs measured: peak_memory 58.000GiB vs 60.125GiB  tps 13,000 vs 12,345\n"
+    )
     table = gpu_check.write_report(tmp_path)
     results = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert results == {"compile": {"tps": 12345.0, "mfu_pct": 40.45, "peak_memory_gib": 60.125, "predicted_peak_gib": 58.0,
-                                   "predicted_tps": 13000.0, "checkpoint_lost_s": 0.42, "offload_held_gib": 7.5}}
+    assert results == {
+        "compile": {
+            "tps": 12345.0,
+            "mfu_pct": 40.45,
+            "peak_memory_gib": 60.125,
+            "predicted_peak_gib": 58.0,
+            "predicted_tps": 13000.0,
+            "checkpoint_lost_s": 0.42,
+            "offload_held_gib": 7.5,
+        }
+    }
     assert "| compile | 12,345.00 | 40.45 | 60.12 | 58.00 | 13,000.00 | 0.42 | 7.50 |" in table
     assert (tmp_path / "gpu_check.md").read_text() == table
 

@@ -24,8 +24,15 @@ SETTINGS = LossSettings(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=BETA)  
 # completion no reward function scored (None: left out of its group's statistics, advantage 0).
 REWARDS = [1.0, 2.0, 3.0, 3.0, 5.0, 5.0, 5.0, 5.0, 0.0, None, 1.0, 0.5]
 PROMPTS = ["one two", "three four five six", "seven"]
-LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=128, initializer_range=0.2)
+LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+)
 
 
 def as_tensor(rewards: list) -> torch.Tensor:
@@ -51,7 +58,7 @@ def trl_loss(logps, old, ref, advantages, mask, loss_type, max_completion_length
 
 def completion_logits(model, ids, attention, prompt_length):
     """The logits that predict each completion token (position t predicts token t + 1)."""
-    return model(input_ids=ids, attention_mask=attention).logits[:, prompt_length - 1:-1]
+    return model(input_ids=ids, attention_mask=attention).logits[:, prompt_length - 1 : -1]
 
 
 def shared_loss(model, ids, attention, prompt_length, old, ref, advantages, mask, loss_type, max_completion_length):
@@ -62,8 +69,11 @@ def shared_loss(model, ids, attention, prompt_length, old, ref, advantages, mask
     for rank in range(2):
         for micro in range(2):
             rows = slice((2 * rank + micro) * len(ids) // 4, (2 * rank + micro + 1) * len(ids) // 4)
-            logps, _ = token_logps(completion_logits(model, ids[rows], attention[rows], prompt_length),
-                                   ids[rows, prompt_length:], TEMPERATURE)
+            logps, _ = token_logps(
+                completion_logits(model, ids[rows], attention[rows], prompt_length),
+                ids[rows, prompt_length:],
+                TEMPERATURE,
+            )
             loss, _ = per_token_loss(logps, old[rows], advantages[rows], mask[rows], SETTINGS, ref_logps=ref[rows])
             share = reduce_loss(loss, mask[rows], loss_type, norm)
             share.backward()
@@ -79,7 +89,9 @@ def perturbed_logps(model, ids, attention, prompt_length, seed, scale=0.02):
     with torch.no_grad():
         for p in copy.parameters():
             p.add_(scale * torch.randn(p.shape, generator=generator))
-        return token_logps(completion_logits(copy, ids, attention, prompt_length), ids[:, prompt_length:], TEMPERATURE)[0]
+        return token_logps(completion_logits(copy, ids, attention, prompt_length), ids[:, prompt_length:], TEMPERATURE)[
+            0
+        ]
 
 
 def grads(model) -> list[torch.Tensor]:
@@ -117,7 +129,9 @@ def test_loss_and_gradient_equal_the_formula_over_the_whole_batch(loss_type):
     expected.backward()
     expected_grads = grads(model)
 
-    ours = shared_loss(model, ids, attention, prompt_length, old, ref, advantages, mask, loss_type, max_completion_length)
+    ours = shared_loss(
+        model, ids, attention, prompt_length, old, ref, advantages, mask, loss_type, max_completion_length
+    )
     torch.testing.assert_close(ours, expected.detach(), atol=1e-6, rtol=0)
     assert_gradients_close(grads(model), expected_grads)
 
@@ -175,8 +189,10 @@ def test_token_logps_at_a_temperature(dtype, monkeypatch):
     torch.testing.assert_close(ours, theirs, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-2)
     # the entropy's gradient (rl.entropy_coef's bonus), alone and with the log-probs'
     expected_entropy = -(reference.exp() * reference).sum(-1)
-    for ours_total, their_total in ((entropy * weights).sum(), (expected_entropy * weights).sum()), (
-            (entropy * weights + logps).sum(), (expected_entropy * weights + expected).sum()):
+    for ours_total, their_total in (
+        ((entropy * weights).sum(), (expected_entropy * weights).sum()),
+        ((entropy * weights + logps).sum(), (expected_entropy * weights + expected).sum()),
+    ):
         (ours,) = torch.autograd.grad(ours_total, logits, retain_graph=True)
         (theirs,) = torch.autograd.grad(their_total, logits, retain_graph=True)
         torch.testing.assert_close(ours, theirs, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
@@ -197,6 +213,7 @@ def test_wrong_arguments_say_which():
 
 # TRL's own code: a real GRPOTrainer on a tiny random Llama, called on one generation batch.
 
+
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     """GRPOTrainer (TRL 1.16) on one process: 3 prompts x G completions of up to 6 tokens at TEMPERATURE, whose one
@@ -216,11 +233,28 @@ def trainer(tmp_path_factory):
     def fixed(prompts, completions, slot, **_):
         return [REWARDS[i] for i in slot]
 
-    config = trl.GRPOConfig(output_dir=str(root / "out"), per_device_train_batch_size=len(REWARDS), num_generations=G,
-                            max_completion_length=6, temperature=TEMPERATURE, epsilon=EPS_LOW, epsilon_high=EPS_HIGH,
-                            beta=BETA, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0)
-    made = trl.GRPOTrainer(model=str(root / "policy"), reward_funcs=fixed, args=config, processing_class=tokenizer,
-                           train_dataset=Dataset.from_list([{"prompt": p, "slot": 0} for p in PROMPTS]))
+    config = trl.GRPOConfig(
+        output_dir=str(root / "out"),
+        per_device_train_batch_size=len(REWARDS),
+        num_generations=G,
+        max_completion_length=6,
+        temperature=TEMPERATURE,
+        epsilon=EPS_LOW,
+        epsilon_high=EPS_HIGH,
+        beta=BETA,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+    )
+    made = trl.GRPOTrainer(
+        model=str(root / "policy"),
+        reward_funcs=fixed,
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": p, "slot": 0} for p in PROMPTS]),
+    )
     made.model.train()  # the batch is scored as in training ("train" metrics, G completions per prompt)
     return made
 
@@ -228,7 +262,8 @@ def trainer(tmp_path_factory):
 def generation_batch(trainer) -> dict:
     """TRL's _generate_and_score_completions on the batch its sampler would give: each prompt G times in a row."""
     return trainer._generate_and_score_completions(
-        [{"prompt": PROMPTS[i // G], "slot": i} for i in range(len(REWARDS))])
+        [{"prompt": PROMPTS[i // G], "slot": i} for i in range(len(REWARDS))]
+    )
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
@@ -256,24 +291,43 @@ def test_loss_and_gradient_equal_trl_compute_loss(trainer, loss_type):
     model = trainer.model
     old = perturbed_logps(model, ids, attention, prompt_length, seed=1, scale=0.05)
     ref = perturbed_logps(model, ids, attention, prompt_length, seed=2)
-    advantages = torch.linspace(-1.5, 1.5, len(ids))[torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))]
+    advantages = torch.linspace(-1.5, 1.5, len(ids))[
+        torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    ]
 
     trainer.loss_type = loss_type
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which this test does not run
-    inputs = dict(batch, completion_mask=mask, advantages=advantages, old_per_token_logps=old,
-                  ref_per_token_logps=ref, num_items_in_batch=mask.sum())
+    inputs = dict(
+        batch,
+        completion_mask=mask,
+        advantages=advantages,
+        old_per_token_logps=old,
+        ref_per_token_logps=ref,
+        num_items_in_batch=mask.sum(),
+    )
     theirs = trainer._compute_loss(model, inputs)
     theirs.backward()
     their_grads = grads(model)
 
-    ours = shared_loss(model, ids, attention, prompt_length, old, ref, advantages, mask.float(), loss_type,
-                       trainer.max_completion_length)
+    ours = shared_loss(
+        model,
+        ids,
+        attention,
+        prompt_length,
+        old,
+        ref,
+        advantages,
+        mask.float(),
+        loss_type,
+        trainer.max_completion_length,
+    )
     torch.testing.assert_close(ours, theirs.detach(), atol=1e-6, rtol=0)
     assert_gradients_close(grads(model), their_grads)
 
     with torch.no_grad():
-        logps, entropy = token_logps(completion_logits(model, ids, attention, prompt_length), ids[:, prompt_length:],
-                                     TEMPERATURE)
+        logps, entropy = token_logps(
+            completion_logits(model, ids, attention, prompt_length), ids[:, prompt_length:], TEMPERATURE
+        )
     _, stats = per_token_loss(logps, old, advantages, mask, SETTINGS, ref_logps=ref)
     metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
     masked_mean = lambda x: ((x.float() * mask).sum() / mask.sum()).item()  # noqa: E731

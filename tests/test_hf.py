@@ -81,13 +81,24 @@ def test_hf_config_of_llama3_8b():
     config = ADAPTER.hf_config(SPEC.flavors["8B"], "bfloat16")
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     expected = {
-        "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "num_hidden_layers": 32, "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     }
     assert {k: config[k] for k in expected} == expected
     assert config["rope_scaling"] == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
     assert "rope_scaling" not in ADAPTER.hf_config(get_model_spec("llama2").flavors["7B"])
@@ -106,12 +117,30 @@ def test_convert_cli_round_trip_dcp_hf_dcp(tmp_path, capsys):
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
 
     out = subprocess.run(  # once as a user runs it
-        [sys.executable, "-m", "titanlite.convert", "dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"),
-         "--model.name", "llama3", "--model.flavor", "debugmodel", "--max_shard_mb", "2",
-         "--checkpoint.allow_unverified", "true"],  # written by dcp.save alone: no checksums
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "titanlite.convert",
+            "dcp-to-hf",
+            str(tmp_path / "dcp"),
+            str(tmp_path / "hf"),
+            "--model.name",
+            "llama3",
+            "--model.flavor",
+            "debugmodel",
+            "--max_shard_mb",
+            "2",
+            "--checkpoint.allow_unverified",
+            "true",
+        ],  # written by dcp.save alone: no checksums
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    unverified = f"checkpoint {tmp_path / 'dcp'} has no checksums folder: it loads unverified (checkpoint.allow_unverified)\n"
+    unverified = (
+        f"checkpoint {tmp_path / 'dcp'} has no checksums folder: it loads unverified (checkpoint.allow_unverified)\n"
+    )
     assert out.returncode == 0 and out.stderr == unverified, out.stderr
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     assert convert_in_process(capsys, "hf-to-dcp", tmp_path / "hf", tmp_path / "back")[0] == 0
@@ -120,8 +149,19 @@ def test_convert_cli_round_trip_dcp_hf_dcp(tmp_path, capsys):
     for name in state:
         assert torch.equal(back[name], state[name]), name
 
-    assert convert_in_process(capsys, "dcp-to-hf", tmp_path / "dcp", tmp_path / "bf16", "--checkpoint.export_dtype", "bfloat16",
-                              "--checkpoint.allow_unverified", "true")[0] == 0
+    assert (
+        convert_in_process(
+            capsys,
+            "dcp-to-hf",
+            tmp_path / "dcp",
+            tmp_path / "bf16",
+            "--checkpoint.export_dtype",
+            "bfloat16",
+            "--checkpoint.allow_unverified",
+            "true",
+        )[0]
+        == 0
+    )
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
@@ -132,8 +172,14 @@ def test_convert_cli_round_trip_dcp_hf_dcp(tmp_path, capsys):
     [
         (["dcp-to-hf", "{tmp}/missing", "{tmp}/hf"], "{tmp}/missing is not a complete DCP checkpoint"),
         (["hf-to-dcp", "{tmp}/missing", "{tmp}/dcp"], "{tmp}/missing is not a Hugging Face model folder"),
-        (["hf-to-dcp", "{tmp}/hf", "{tmp}/dcp", "--model.flavor", "1B"], "does not fit llama3/1B: its config.json has hidden_size 64"),
-        (["hf-to-dcp", "{tmp}/hf", "{tmp}/dcp", "--model.name", "llama2"], "does not fit llama2/debugmodel: its config.json has hidden_size"),
+        (
+            ["hf-to-dcp", "{tmp}/hf", "{tmp}/dcp", "--model.flavor", "1B"],
+            "does not fit llama3/1B: its config.json has hidden_size 64",
+        ),
+        (
+            ["hf-to-dcp", "{tmp}/hf", "{tmp}/dcp", "--model.name", "llama2"],
+            "does not fit llama2/debugmodel: its config.json has hidden_size",
+        ),
         (["to-hf", "{tmp}/a", "{tmp}/b"], "expected a command"),
         (["dcp-to-hf", "{tmp}/a", "{tmp}/b", "--model.flavour", "8B"], "unknown config key model.flavour"),
     ],

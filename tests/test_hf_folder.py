@@ -24,12 +24,29 @@ from titanlite.train import main
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=640, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-             initializer_range=0.2)  # weights large enough that a wrong window or RoPE moves the loss by 0.1, not 1e-5
-LLAMA = dict(SMALL, intermediate_size=96, rope_parameters={  # 96: no size Meta's formula derives from 64
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32})
+SMALL = dict(
+    vocab_size=640,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+)  # weights large enough that a wrong window or RoPE moves the loss by 0.1, not 1e-5
+LLAMA = dict(
+    SMALL,
+    intermediate_size=96,
+    rope_parameters={  # 96: no size Meta's formula derives from 64
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+)
 MISTRAL = dict(SMALL, intermediate_size=128, sliding_window=16)
 
 
@@ -50,16 +67,36 @@ def hf_folder(folder, tokenizer_folder, config_class, **config):
 
 
 def folder_flags(folder, dump, *extra) -> list[str]:
-    return [*ON_CPU, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(dump), "--training.dataset", "synthetic",
-            "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "1",
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", *map(str, extra)]
+    return [
+        *ON_CPU,
+        "--model.hf_assets_path",
+        str(folder),
+        "--job.dump_folder",
+        str(dump),
+        "--training.dataset",
+        "synthetic",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "1",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        *map(str, extra),
+    ]
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_first_step_loss_equals_transformers_on_the_same_batch(tmp_path, tokenizer_folder, capsys, family):
     """Llama on two FSDP ranks (one window each: the weights loaded straight into the shards), Mistral on one
     process; the global batch is the same two synthetic windows."""
-    config_class, config = {"llama": (transformers.LlamaConfig, LLAMA), "mistral": (transformers.MistralConfig, MISTRAL)}[family]
+    config_class, config = {
+        "llama": (transformers.LlamaConfig, LLAMA),
+        "mistral": (transformers.MistralConfig, MISTRAL),
+    }[family]
     folder = hf_folder(tmp_path / "model", tokenizer_folder, config_class, **config)
     flags = folder_flags(folder, tmp_path / "run", "--metrics.enable_tensorboard")
     if family == "llama":
@@ -90,8 +127,18 @@ def test_the_folder_names_the_model_and_the_initial_load(tmp_path, tokenizer_fol
     assert (cfg.model.name, cfg.model.flavor) == ("mistral", "hf")
     assert (cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_in_hf) == (str(folder), True)
     # Keys that agree with the folder are fine; an explicit initial_load_path is kept.
-    cfg = load_config(["--model.hf_assets_path", str(folder), "--model.name", "mistral", "--model.n_layers", "2",
-                       "--checkpoint.initial_load_path", str(tmp_path / "ckpt")])
+    cfg = load_config(
+        [
+            "--model.hf_assets_path",
+            str(folder),
+            "--model.name",
+            "mistral",
+            "--model.n_layers",
+            "2",
+            "--checkpoint.initial_load_path",
+            str(tmp_path / "ckpt"),
+        ]
+    )
     assert cfg.checkpoint.initial_load_path == str(tmp_path / "ckpt") and not cfg.checkpoint.initial_load_in_hf
 
 
@@ -117,36 +164,84 @@ def test_transformers_configs_with_rope_parameters_are_read():
         assert adapter.unsupported_setting(written, args) is None
     assert args.sliding_window == 16
     llama = next(s for s in list_model_specs() if s.name == "llama3").hf_adapter.args_from_hf_config(
-        transformers.LlamaConfig(**LLAMA).to_dict())
+        transformers.LlamaConfig(**LLAMA).to_dict()
+    )
     assert llama.rope_theta == 500000.0 and llama.rope_scaling.original_max_seq_len == 32
 
 
 # meta-llama/Llama-3.1-8B-Instruct's config.json as published (the older rope_theta / rope_scaling spelling).
 LLAMA_3_1_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
-    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256}
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
 
 
 # Qwen/Qwen3-30B-A3B's config.json as published: its dense intermediate_size (6144) is unused, every block sparse.
 QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
-    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
-    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
-    "vocab_size": 151936}
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
 
 
 def test_published_configs_are_their_flavors(tmp_path):
     from titanlite.models.hf_folder import read_model_folder
 
-    for name, config, expected in (("llama", LLAMA_3_1_8B, ("llama3", "8B")), ("qwen", QWEN3_30B_A3B, ("qwen3_moe", "30B-A3B"))):
+    for name, config, expected in (
+        ("llama", LLAMA_3_1_8B, ("llama3", "8B")),
+        ("qwen", QWEN3_30B_A3B, ("qwen3_moe", "30B-A3B")),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
         folder = read_model_folder(tmp_path / name)
@@ -160,8 +255,13 @@ def test_a_published_llama_3_1_8b_folder_is_llama3_8b_and_its_fine_tuning_config
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
     for name in ("model.safetensors.index.json", "tokenizer.json"):
         (tmp_path / name).touch()
-    config = [*ON_CPU, "--job.config_file", str(ROOT / "train_configs" / "llama3_8b_finetune.toml"),
-              "--model.hf_assets_path", str(tmp_path)]
+    config = [
+        *ON_CPU,
+        "--job.config_file",
+        str(ROOT / "train_configs" / "llama3_8b_finetune.toml"),
+        "--model.hf_assets_path",
+        str(tmp_path),
+    ]
     cfg = load_config(config)
     assert (cfg.model.name, cfg.model.flavor, cfg.checkpoint.initial_load_path) == ("llama3", "8B", str(tmp_path))
     for lora in ([], ["--lora.rank", "16", "--optimizer.lr", "2e-4"]):
@@ -180,7 +280,8 @@ def test_bad_folders_and_contradicting_keys_are_one_sentence(tmp_path, tokenizer
     flags = folder_flags(folder, tmp_path / "run")
     capsys.readouterr()  # save_pretrained's progress bar
     assert "error: model.name llama3 contradicts model.hf_assets_path" in error_of(
-        [*flags, "--job.config_file", DEBUG_CONFIG], capsys)
+        [*flags, "--job.config_file", DEBUG_CONFIG], capsys
+    )
     assert "model.flavor 7B contradicts" in error_of([*flags, "--model.flavor", "7B"], capsys)
     assert "model.n_layers 4 contradicts" in error_of([*flags, "--model.n_layers", "4"], capsys)
 
@@ -199,10 +300,14 @@ def test_bad_folders_and_contradicting_keys_are_one_sentence(tmp_path, tokenizer
     assert "MistralForCausalLM" in err
     assert "its config.json has hidden_act 'gelu'" in error_of(variant("gelu", hidden_act="gelu"), capsys)
     assert "holds no model.safetensors or model.safetensors.index.json" in error_of(
-        variant("no_weights", drop=["model.safetensors"]), capsys)
+        variant("no_weights", drop=["model.safetensors"]), capsys
+    )
     assert "holds no tokenizer.json or tokenizer.model" in error_of(
-        variant("no_tokenizer", drop=["tokenizer.json", "tokenizer_config.json"]), capsys)
-    assert "holds safetensors weights but no config.json" in error_of(variant("no_config", drop=["config.json"]), capsys)
+        variant("no_tokenizer", drop=["tokenizer.json", "tokenizer_config.json"]), capsys
+    )
+    assert "holds safetensors weights but no config.json" in error_of(
+        variant("no_config", drop=["config.json"]), capsys
+    )
 
 
 def test_the_shipped_fine_tuning_example_learns_from_an_exported_folder(tmp_path, capsys):
@@ -213,14 +318,42 @@ def test_the_shipped_fine_tuning_example_learns_from_an_exported_folder(tmp_path
 
     make_example(["--output", str(tmp_path / "example"), "--conversations", "40"])
     short = [*ON_CPU, "--training.seq_len", "128", "--training.local_batch_size", "2", "--metrics.log_freq", "1"]
-    assert main([*short, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path / "base"), "--training.steps", "3",
-                 "--model.n_layers", "2", "--model.hf_assets_path", str(tmp_path / "example" / "tokenizer"), "--checkpoint.enable",
-                 "--checkpoint.last_save_in_hf"]) == 0
+    assert (
+        main(
+            [
+                *short,
+                "--job.config_file",
+                DEBUG_CONFIG,
+                "--job.dump_folder",
+                str(tmp_path / "base"),
+                "--training.steps",
+                "3",
+                "--model.n_layers",
+                "2",
+                "--model.hf_assets_path",
+                str(tmp_path / "example" / "tokenizer"),
+                "--checkpoint.enable",
+                "--checkpoint.last_save_in_hf",
+            ]
+        )
+        == 0
+    )
     base = tmp_path / "base" / "checkpoint" / "step-3-hf"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in base.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in base.iterdir()
+    }
     capsys.readouterr()
-    finetune = [*short, "--job.config_file", str(ROOT / "train_configs" / "debug_finetune.toml"), "--model.hf_assets_path",
-                str(base), "--training.dataset_path", str(tmp_path / "example" / "chats.jsonl"), "--training.steps", "8"]
+    finetune = [
+        *short,
+        "--job.config_file",
+        str(ROOT / "train_configs" / "debug_finetune.toml"),
+        "--model.hf_assets_path",
+        str(base),
+        "--training.dataset_path",
+        str(tmp_path / "example" / "chats.jsonl"),
+        "--training.steps",
+        "8",
+    ]
     for name, extra in (("full", ["--optimizer.lr", "2e-3"]), ("lora", ["--lora.rank", "8", "--optimizer.lr", "4e-3"])):
         assert main([*finetune, "--job.dump_folder", str(tmp_path / name), *extra]) == 0
         err = capsys.readouterr().err

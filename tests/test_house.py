@@ -127,11 +127,20 @@ def test_an_observer_runs_no_collective():
     found = []
     for path in PACKAGE.rglob("*.py"):
         for node in functions(path):
-            observed = any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "observer" for d in node.decorator_list)
-            calls = {c.func.attr for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
-                     and getattr(c.func.value, "id", "") == "dist"}
+            observed = any(
+                isinstance(d, ast.Call) and getattr(d.func, "id", "") == "observer" for d in node.decorator_list
+            )
+            calls = {
+                c.func.attr
+                for c in ast.walk(node)
+                if isinstance(c, ast.Call)
+                and isinstance(c.func, ast.Attribute)
+                and getattr(c.func.value, "id", "") == "dist"
+            }
             if observed and calls:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} calls dist.{', dist.'.join(sorted(calls))}")
+                found.append(
+                    f"{path.relative_to(ROOT)}:{node.lineno} {node.name} calls dist.{', dist.'.join(sorted(calls))}"
+                )
     assert found == []
 
 
@@ -145,8 +154,10 @@ def test_starting_a_run_imports_no_library_that_only_some_runs_use():
     """`datasets` (with pyarrow and pandas) and torch.distributed.pipelining took 1.5 of a debug run's 6.3 s of
     start-up on the 2-core CI machine while the shipped sample and most runs use neither: each is imported
     where a run needs it (local_files.py, documents.py, datasets.py; parallel/pp.py)."""
-    code = ("import sys, titanlite.train; "
-            "print(sorted(m for m in ('datasets', 'pyarrow', 'torch.distributed.pipelining') if m in sys.modules))")
+    code = (
+        "import sys, titanlite.train; "
+        "print(sorted(m for m in ('datasets', 'pyarrow', 'torch.distributed.pipelining') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
@@ -159,8 +170,15 @@ def test_a_training_run_does_not_import_lm_eval():
     assert result.stdout.strip() == "False"
 
 
-ENTRY_POINTS = {"titanlite.train", "titanlite.generate", "titanlite.eval", "titanlite.convert", "titanlite.plan.__main__",
-                "titanlite.models.__main__", "titanlite.data.prepare"}
+ENTRY_POINTS = {
+    "titanlite.train",
+    "titanlite.generate",
+    "titanlite.eval",
+    "titanlite.convert",
+    "titanlite.plan.__main__",
+    "titanlite.models.__main__",
+    "titanlite.data.prepare",
+}
 
 
 def test_every_entry_point_named_is_run_as_a_program():
@@ -172,14 +190,23 @@ def test_no_library_module_imports_an_entry_point():
     """An entry point parses arguments, opens and closes the process group and exits; the library it calls never
     imports it back (eval_loop.py once imported generate.py for its prompt reader)."""
     graph = import_graph()
-    assert {(name, target) for name, targets in graph.items() if name not in ENTRY_POINTS
-            for target in targets & ENTRY_POINTS} == set()
+    assert {
+        (name, target)
+        for name, targets in graph.items()
+        if name not in ENTRY_POINTS
+        for target in targets & ENTRY_POINTS
+    } == set()
 
 
 def test_parallel_does_not_import_models():
     graph = import_graph()
-    upward = {(name, target) for name, targets in graph.items() if name.startswith("titanlite.parallel")
-              for target in targets if target.startswith("titanlite.models")}
+    upward = {
+        (name, target)
+        for name, targets in graph.items()
+        if name.startswith("titanlite.parallel")
+        for target in targets
+        if target.startswith("titanlite.models")
+    }
     assert upward == set()
 
 
@@ -192,8 +219,11 @@ def test_no_file_outgrows_one_reading():
 def test_the_readme_layout_names_every_folder_and_top_level_module():
     layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("```", 2)[1]
     listed = {line.split()[0] for line in layout.splitlines() if line.strip()}
-    ours = {f"titanlite/{p.name}" + ("/" if p.is_dir() else "") for p in PACKAGE.iterdir()
-            if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    ours = {
+        f"titanlite/{p.name}" + ("/" if p.is_dir() else "")
+        for p in PACKAGE.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")
+    }
     assert ours - listed == set()
 
 
@@ -207,19 +237,24 @@ def test_the_readme_is_short_and_links_every_docs_page():
 def test_only_the_objectives_builder_compares_the_data_format():
     """The objective is chosen once (titanlite/objectives/__init__.py); the step, the build, the planner and the
     checkpoint ask it. Outside data/ and the config, no other module compares training.dataset_format."""
-    allowed = {"titanlite/objectives/__init__.py", "titanlite/config.py", "titanlite/config_rules.py",
-               "titanlite/config_sections.py"}
+    allowed = {
+        "titanlite/objectives/__init__.py",
+        "titanlite/config.py",
+        "titanlite/config_rules.py",
+        "titanlite/config_sections.py",
+    }
     found = []
     for path in PACKAGE.rglob("*.py"):
         name = path.relative_to(ROOT).as_posix()
         if name in allowed or name.startswith("titanlite/data/"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and any(isinstance(side, ast.Attribute) and side.attr == "dataset_format"
-                                                     for side in [node.left, *node.comparators]):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(side, ast.Attribute) and side.attr == "dataset_format"
+                for side in [node.left, *node.comparators]
+            ):
                 found.append(f"{name}:{node.lineno}")
     assert found == []
-
 
 
 def test_at_most_sixteen_modules_sit_flat_in_the_package():

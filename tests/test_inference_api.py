@@ -54,8 +54,8 @@ def test_greedy_completions_carry_transformers_tokens_and_logprobs(llama):
         assert completion.text == lm.tokenizer.decode(completion.token_ids)
         ids = torch.tensor([prompt + completion.token_ids])
         with torch.no_grad():
-            logprobs = theirs(ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)
-        expected = logprobs.gather(-1, ids[0, len(prompt):, None])[:, 0]
+            logprobs = theirs(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        expected = logprobs.gather(-1, ids[0, len(prompt) :, None])[:, 0]
         assert completion.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
         with torch.no_grad():
             assert torch.allclose(lm.logits(prompt), theirs(torch.tensor([prompt])).logits[0], atol=1e-4)
@@ -79,12 +79,16 @@ def test_a_stop_string_ends_the_completion_at_its_token(llama):
     _, _, lm = llama
     [full] = lm.generate([PROMPTS[0]], max_new_tokens=12)
     decode = lm.tokenizer.decode
-    index = next(i for i in range(1, len(full.token_ids)) if (piece := decode(full.token_ids[:i + 1])[len(decode(
-        full.token_ids[:i])):]).strip() and piece not in decode(full.token_ids[:i]))
-    stop = decode(full.token_ids[:index + 1])[len(decode(full.token_ids[:index])):]
+    index = next(
+        i
+        for i in range(1, len(full.token_ids))
+        if (piece := decode(full.token_ids[: i + 1])[len(decode(full.token_ids[:i])) :]).strip()
+        and piece not in decode(full.token_ids[:i])
+    )
+    stop = decode(full.token_ids[: index + 1])[len(decode(full.token_ids[:index])) :]
     [cut] = lm.generate([PROMPTS[0]], max_new_tokens=12, stop=[stop])
-    assert cut.finish_reason == "stop" and cut.token_ids == full.token_ids[:index + 1]
-    assert cut.text == decode(full.token_ids[:index + 1]).split(stop)[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == full.token_ids[: index + 1]
+    assert cut.text == decode(full.token_ids[: index + 1]).split(stop)[0]
 
 
 def test_load_takes_a_run_folder_a_step_folder_and_a_dtype(llama, tmp_path):
@@ -94,8 +98,25 @@ def test_load_takes_a_run_folder_a_step_folder_and_a_dtype(llama, tmp_path):
 
     folder, _, lm = llama
     run = tmp_path / "run"
-    assert train([*ON_CPU, "--model.hf_assets_path", str(folder), "--training.seq_len", "32", "--training.local_batch_size",
-                  "2", "--training.steps", "1", "--checkpoint.enable", "--job.dump_folder", str(run)]) == 0
+    assert (
+        train(
+            [
+                *ON_CPU,
+                "--model.hf_assets_path",
+                str(folder),
+                "--training.seq_len",
+                "32",
+                "--training.local_batch_size",
+                "2",
+                "--training.steps",
+                "1",
+                "--checkpoint.enable",
+                "--job.dump_folder",
+                str(run),
+            ]
+        )
+        == 0
+    )
     from_run, from_step = titanlite.load(run), titanlite.load(run / "checkpoint" / "step-1")
     trained = from_run.logits(PROMPTS[0])
     assert torch.equal(trained, from_step.logits(PROMPTS[0])) and not torch.allclose(trained, lm.logits(PROMPTS[0]))
@@ -119,18 +140,21 @@ def test_the_docs_example_runs(llama, capsys):
     assert lines[3].startswith("torch.Size([") and lines[3].endswith(", 640])")
 
 
-@pytest.mark.parametrize("call, expected", [
-    (lambda lm: titanlite.load(Path("/nonexistent/run")), "that is neither a Hugging Face model folder"),
-    (lambda lm: titanlite.load(ROOT / "docs", dtype=torch.float16), "dtype=torch.float16: titanlite holds weights"),
-    (lambda lm: titanlite.load(ROOT / "docs", device="tpu"), "device='tpu': give \"cpu\", \"cuda\""),
-    (lambda lm: lm.generate("one prompt"), "wrap a single prompt in a list"),
-    (lambda lm: lm.generate([5, 17, 300]), "wrap a single prompt in a list"),
-    (lambda lm: lm.generate([{"role": "user", "content": "hi"}]), "wrap a single prompt in a list"),
-    (lambda lm: lm.generate([[1, -2]]), 'prompts[0]: "token_ids" holds -2'),
-    (lambda lm: lm.generate([[1]], temperature=-1), "temperature=-1: give 0 (greedy) or more"),
-    (lambda lm: lm.generate([[1]], batch_size=0), "batch_size=0: give a whole number of at least 1"),
-    (lambda lm: lm.logits([1, 100000]), "outside the model's vocabulary of 640"),
-])
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (lambda lm: titanlite.load(Path("/nonexistent/run")), "that is neither a Hugging Face model folder"),
+        (lambda lm: titanlite.load(ROOT / "docs", dtype=torch.float16), "dtype=torch.float16: titanlite holds weights"),
+        (lambda lm: titanlite.load(ROOT / "docs", device="tpu"), 'device=\'tpu\': give "cpu", "cuda"'),
+        (lambda lm: lm.generate("one prompt"), "wrap a single prompt in a list"),
+        (lambda lm: lm.generate([5, 17, 300]), "wrap a single prompt in a list"),
+        (lambda lm: lm.generate([{"role": "user", "content": "hi"}]), "wrap a single prompt in a list"),
+        (lambda lm: lm.generate([[1, -2]]), 'prompts[0]: "token_ids" holds -2'),
+        (lambda lm: lm.generate([[1]], temperature=-1), "temperature=-1: give 0 (greedy) or more"),
+        (lambda lm: lm.generate([[1]], batch_size=0), "batch_size=0: give a whole number of at least 1"),
+        (lambda lm: lm.logits([1, 100000]), "outside the model's vocabulary of 640"),
+    ],
+)
 def test_bad_input_is_one_sentence(llama, call, expected):
     with pytest.raises(UserError, match=re.escape(expected)):
         call(llama[2])
@@ -145,9 +169,15 @@ def compiled_matches_eager(tmp_path, family: str, device: str) -> None:
     assert [c.token_ids for c in compiled.generate(PROMPTS, max_new_tokens=20)] == expected
 
 
-@pytest.mark.parametrize("family", [pytest.param("llama3", marks=pytest.mark.extended), "mistral",
-                                    pytest.param("qwen3_moe", marks=pytest.mark.extended),
-                                    pytest.param("deepseek_v3", marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param("llama3", marks=pytest.mark.extended),
+        "mistral",
+        pytest.param("qwen3_moe", marks=pytest.mark.extended),
+        pytest.param("deepseek_v3", marks=pytest.mark.extended),
+    ],
+)
 def test_the_compiled_decode_step_gives_the_eager_tokens(tmp_path, family):
     """compile=True (CPU inductor, the weights frozen in) against eager, greedy, for the cache's three kinds: keys and
     values, Mistral's ring (a window shorter than the prompt; in the default tier, ~6 s) and DeepSeek's latent; and

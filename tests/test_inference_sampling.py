@@ -56,8 +56,8 @@ def test_sampled_logprobs_are_the_samplers(llama):
     for completion in lm.generate(PROMPTS, max_new_tokens=10, temperature=0.7, top_k=20, top_p=0.9, seed=5):
         ids = torch.tensor([completion.prompt_token_ids + completion.token_ids])
         with torch.no_grad():
-            scaled = (theirs(ids).logits[0, len(completion.prompt_token_ids) - 1:-1] / 0.7).log_softmax(-1)
-        expected = scaled.gather(-1, ids[0, len(completion.prompt_token_ids):, None])[:, 0]
+            scaled = (theirs(ids).logits[0, len(completion.prompt_token_ids) - 1 : -1] / 0.7).log_softmax(-1)
+        expected = scaled.gather(-1, ids[0, len(completion.prompt_token_ids) :, None])[:, 0]
         assert completion.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
 
 
@@ -98,11 +98,18 @@ def test_min_new_tokens_and_ignore_eos_mean_what_transformers_does(llama):
     stop = first_greedy_token_at(lm, prompt, 2)
     for min_new in (0, 6):
         with torch.no_grad():
-            out = theirs.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                  min_new_tokens=min_new, eos_token_id=stop, pad_token_id=0)[0, len(prompt):].tolist()
-        expected = out[:out.index(stop)] if stop in out else out
-        [ours] = generate_ids(lm.model, lm.args, lm.tokenizer, [prompt],
-                              Sampling(12, stop_ids=(stop,), min_new_tokens=min_new))
+            out = theirs.generate(
+                input_ids=torch.tensor([prompt]),
+                max_new_tokens=12,
+                do_sample=False,
+                min_new_tokens=min_new,
+                eos_token_id=stop,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        expected = out[: out.index(stop)] if stop in out else out
+        [ours] = generate_ids(
+            lm.model, lm.args, lm.tokenizer, [prompt], Sampling(12, stop_ids=(stop,), min_new_tokens=min_new)
+        )
         assert ours.token_ids == expected and ours.finish_reason == ("eos" if stop in out else "length")
     [through] = generate_ids(lm.model, lm.args, lm.tokenizer, [prompt], Sampling(12, stop_ids=(stop,), ignore_eos=True))
     assert len(through.token_ids) == 12 and through.token_ids[2] == stop and through.finish_reason == "length"
@@ -120,32 +127,44 @@ def test_token_ids_as_tensors_and_arrays_are_taken_as_lists(llama):
         assert lm.generate([PROMPTS[0]], max_new_tokens=12, stop=stop)[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("call, expected", [
-    (lambda lm: lm.generate([]), "generate got an empty list of prompts; give at least one prompt"),
-    (lambda lm: lm.generate(torch.tensor([1.5, 2.0])), "prompts is a 2 array of float32; token ids are whole numbers"),
-    (lambda lm: lm.generate([np.array([1.0, 2.0])]), "prompts[0] is a 2 array of float64"),
-    (lambda lm: lm.generate([None]), "prompts[0] is a NoneType; give a prompt as each a string"),
-    (lambda lm: lm.generate([[1]], stop=[""]), "stop holds an empty string"),
-    (lambda lm: lm.generate([[1]], stop=["a", 3]), "stop=['a', 3]: give a string, or a list of strings"),
-    (lambda lm: lm.generate([[1]], seed=-1), "seed=-1: give a whole number from 0 to 2**32 - 1"),
-    (lambda lm: lm.generate([[1]], seed=1.5), "seed=1.5: give a whole number"),
-    (lambda lm: lm.generate([[1]], seed="1"), "seed='1': give a whole number"),
-    (lambda lm: lm.generate([[1]], temperature="hot"), "temperature='hot': give 0 (greedy) or more"),
-    (lambda lm: lm.generate([[1]], temperature=math.nan), "temperature=nan: give 0 (greedy) or more"),
-    (lambda lm: lm.generate([[1]], top_p=0), "top_p=0: give a number above 0 and at most 1"),
-    (lambda lm: lm.generate([[1]], top_p=None), "top_p=None: give a number above 0"),
-    (lambda lm: lm.generate([[1]], top_k=2.5), "top_k=2.5: give 0 (every token)"),
-    (lambda lm: lm.generate([[1]], max_new_tokens=True), "max_new_tokens=True: give a whole number of at least 1"),
-    (lambda lm: lm.generate([[1]], max_new_tokens=4, min_new_tokens=5), "min_new_tokens=5: give a whole number from 0"),
-    (lambda lm: lm.generate([[1]], ignore_eos="yes"), "ignore_eos='yes': give True"),
-    (lambda lm: lm.generate([[1], [2], [1] * 100000], batch_size=1), "prompts[2] has 100000 tokens, but the model's"),
-    (lambda lm: lm.logits([]), "logits got list []; give a non-empty list of token ids"),
-    (lambda lm: lm.logits("hello"), "logits got str hello; give a non-empty list"),
-    (lambda lm: lm.logits([[1, 2], [3]]), "not one list of ints nor equally long lists of ints"),
-    (lambda lm: lm.logits([1.5, 2]), "not one list of ints nor equally long lists of ints"),
-    (lambda lm: lm.logits(torch.ones(2, 2)), "token_ids is a 2x2 array of float32"),
-    (lambda lm: lm.logits(np.zeros((1, 1, 2), dtype=np.int64)), "token_ids is a 1x1x2 array of int64"),
-])
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (lambda lm: lm.generate([]), "generate got an empty list of prompts; give at least one prompt"),
+        (
+            lambda lm: lm.generate(torch.tensor([1.5, 2.0])),
+            "prompts is a 2 array of float32; token ids are whole numbers",
+        ),
+        (lambda lm: lm.generate([np.array([1.0, 2.0])]), "prompts[0] is a 2 array of float64"),
+        (lambda lm: lm.generate([None]), "prompts[0] is a NoneType; give a prompt as each a string"),
+        (lambda lm: lm.generate([[1]], stop=[""]), "stop holds an empty string"),
+        (lambda lm: lm.generate([[1]], stop=["a", 3]), "stop=['a', 3]: give a string, or a list of strings"),
+        (lambda lm: lm.generate([[1]], seed=-1), "seed=-1: give a whole number from 0 to 2**32 - 1"),
+        (lambda lm: lm.generate([[1]], seed=1.5), "seed=1.5: give a whole number"),
+        (lambda lm: lm.generate([[1]], seed="1"), "seed='1': give a whole number"),
+        (lambda lm: lm.generate([[1]], temperature="hot"), "temperature='hot': give 0 (greedy) or more"),
+        (lambda lm: lm.generate([[1]], temperature=math.nan), "temperature=nan: give 0 (greedy) or more"),
+        (lambda lm: lm.generate([[1]], top_p=0), "top_p=0: give a number above 0 and at most 1"),
+        (lambda lm: lm.generate([[1]], top_p=None), "top_p=None: give a number above 0"),
+        (lambda lm: lm.generate([[1]], top_k=2.5), "top_k=2.5: give 0 (every token)"),
+        (lambda lm: lm.generate([[1]], max_new_tokens=True), "max_new_tokens=True: give a whole number of at least 1"),
+        (
+            lambda lm: lm.generate([[1]], max_new_tokens=4, min_new_tokens=5),
+            "min_new_tokens=5: give a whole number from 0",
+        ),
+        (lambda lm: lm.generate([[1]], ignore_eos="yes"), "ignore_eos='yes': give True"),
+        (
+            lambda lm: lm.generate([[1], [2], [1] * 100000], batch_size=1),
+            "prompts[2] has 100000 tokens, but the model's",
+        ),
+        (lambda lm: lm.logits([]), "logits got list []; give a non-empty list of token ids"),
+        (lambda lm: lm.logits("hello"), "logits got str hello; give a non-empty list"),
+        (lambda lm: lm.logits([[1, 2], [3]]), "not one list of ints nor equally long lists of ints"),
+        (lambda lm: lm.logits([1.5, 2]), "not one list of ints nor equally long lists of ints"),
+        (lambda lm: lm.logits(torch.ones(2, 2)), "token_ids is a 2x2 array of float32"),
+        (lambda lm: lm.logits(np.zeros((1, 1, 2), dtype=np.int64)), "token_ids is a 1x1x2 array of int64"),
+    ],
+)
 def test_a_bad_argument_is_one_sentence(llama, call, expected):
     with pytest.raises(UserError, match=re.escape(expected)):
         call(llama[1])

@@ -39,7 +39,9 @@ SAMPLE = {
 
 def render(env_vars: dict[str, str]) -> subprocess.CompletedProcess:
     if shutil.which("envsubst") is None:
-        pytest.skip("render.sh needs envsubst, which is missing here: install gettext-base (apt-get install gettext-base)")
+        pytest.skip(
+            "render.sh needs envsubst, which is missing here: install gettext-base (apt-get install gettext-base)"
+        )
     env = {k: v for k, v in os.environ.items() if k not in SAMPLE}
     env.update(env_vars, PYTHON=sys.executable)  # the planner's check runs in this interpreter
     # The planner runs inside (seconds alone; a minute on 2 busy cores).
@@ -93,9 +95,16 @@ def test_render_fills_the_pytorchjob():
 def test_render_refuses_a_job_the_planner_says_does_not_fit():
     out = render({**SAMPLE, "CONFIG_FILE": "train_configs/llama3_405b.toml", "NUM_NODES": "1"})
     assert out.returncode == 1 and out.stdout == ""
-    assert "render.sh: not rendered: python -m titanlite.plan says train_configs/llama3_405b.toml does not fit 1 node(s) x 8 GPUs" in out.stderr
-    assert render({**SAMPLE, "CONFIG_FILE": "train_configs/llama3_405b.toml", "NUM_NODES": "1",
-                   "TITANLITE_SKIP_PLAN": "1"}).returncode == 0
+    assert (
+        "render.sh: not rendered: python -m titanlite.plan says train_configs/llama3_405b.toml does not fit 1 node(s) x 8 GPUs"
+        in out.stderr
+    )
+    assert (
+        render(
+            {**SAMPLE, "CONFIG_FILE": "train_configs/llama3_405b.toml", "NUM_NODES": "1", "TITANLITE_SKIP_PLAN": "1"}
+        ).returncode
+        == 0
+    )
 
 
 def test_render_names_a_missing_variable():
@@ -184,7 +193,11 @@ def test_run_train_launches_the_trainer_from_any_directory(tmp_path):
     env = {**os.environ, "NGPU": "1"}
     out = subprocess.run(
         [str(REPO / "scripts" / "run_train.sh"), "--help"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "usage: python -m titanlite.train" in out.stdout

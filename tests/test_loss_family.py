@@ -57,8 +57,13 @@ VARIANTS = {  # GRPOConfig keys on top of its defaults
 
 def grpo_config(**keys) -> "trl.GRPOConfig":
     """TRL's config with its defaults but for keys (and one process on the CPU, no reports)."""
-    defaults = dict(output_dir="unused", num_generations=2, per_device_train_batch_size=B,
-                    max_completion_length=MAX_COMPLETION_LENGTH, temperature=TEMPERATURE)
+    defaults = dict(
+        output_dir="unused",
+        num_generations=2,
+        per_device_train_batch_size=B,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        temperature=TEMPERATURE,
+    )
     return trl.GRPOConfig(use_cpu=True, report_to="none", bf16=False, **{**defaults, **keys})
 
 
@@ -90,8 +95,9 @@ def settings_of(args) -> LossSettings:
     """Our settings from the same GRPOConfig, by TRL's names."""
     names = {f.name for f in dataclasses.fields(LossSettings)} - {"epsilon_low", "epsilon_high"}
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    return LossSettings(epsilon_low=args.epsilon, epsilon_high=epsilon_high,
-                        **{name: getattr(args, name) for name in names})
+    return LossSettings(
+        epsilon_low=args.epsilon, epsilon_high=epsilon_high, **{name: getattr(args, name) for name in names}
+    )
 
 
 def logps_and_entropies(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,9 +132,15 @@ def make_batch(off_policy: bool) -> Batch:
 
 def trl_loss_and_grad(args, batch: Batch, sampler: bool) -> tuple[torch.Tensor, torch.Tensor, GRPOTrainer]:
     trainer = bare_trainer(args, lambda: logps_and_entropies(batch.logits, batch.targets), sampler)
-    inputs = dict(prompt_ids=torch.zeros(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
-                  completion_ids=batch.targets, completion_mask=batch.mask, advantages=batch.advantages,
-                  ref_per_token_logps=batch.ref, num_items_in_batch=batch.mask.sum())
+    inputs = dict(
+        prompt_ids=torch.zeros(B, 2, dtype=torch.long),
+        prompt_mask=torch.ones(B, 2, dtype=torch.long),
+        completion_ids=batch.targets,
+        completion_mask=batch.mask,
+        advantages=batch.advantages,
+        ref_per_token_logps=batch.ref,
+        num_items_in_batch=batch.mask.sum(),
+    )
     if sampler:  # vespo reads it whenever it is there
         inputs["importance_sampling_ratio"] = batch.sampling_ratio
     if batch.old is not None:
@@ -138,23 +150,37 @@ def trl_loss_and_grad(args, batch: Batch, sampler: bool) -> tuple[torch.Tensor, 
     return loss.detach(), grad, trainer
 
 
-def our_loss_and_grad(s: LossSettings, batch: Batch, sampler: bool,
-                      pieces: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
+def our_loss_and_grad(
+    s: LossSettings, batch: Batch, sampler: bool, pieces: list[slice]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Our shares over pieces of the rows (each a micro-batch on some rank), each with its own forward, summed; the
     entropy threshold from every piece's entropies first (the no-gradient pass the caller makes)."""
     entropies = logps_and_entropies(batch.logits.detach(), batch.targets)[1]
     threshold, entropy_tokens = entropy_threshold(
-        torch.cat([kept_entropies(entropies[rows], batch.mask[rows]) for rows in pieces]), s.top_entropy_quantile)
-    norm = Normalizers(completions=B, tokens=int(batch.mask.sum()), max_completion_length=MAX_COMPLETION_LENGTH,
-                       entropy_tokens=entropy_tokens if s.top_entropy_quantile < 1 else None)
+        torch.cat([kept_entropies(entropies[rows], batch.mask[rows]) for rows in pieces]), s.top_entropy_quantile
+    )
+    norm = Normalizers(
+        completions=B,
+        tokens=int(batch.mask.sum()),
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        entropy_tokens=entropy_tokens if s.top_entropy_quantile < 1 else None,
+    )
     total, grad = 0.0, torch.zeros_like(batch.logits)
     for rows in pieces:
         logps, entropy = logps_and_entropies(batch.logits[rows], batch.targets[rows])
         mask = batch.mask[rows]
         old = logps.detach() if batch.old is None else batch.old[rows]
         keep = high_entropy_mask(entropy, mask, threshold) if s.top_entropy_quantile < 1 else None
-        loss, _ = per_token_loss(logps, old, batch.advantages[rows], mask, s, ref_logps=batch.ref[rows],
-                                 entropy_mask=keep, sampling_ratio=batch.sampling_ratio[rows] if sampler else None)
+        loss, _ = per_token_loss(
+            logps,
+            old,
+            batch.advantages[rows],
+            mask,
+            s,
+            ref_logps=batch.ref[rows],
+            entropy_mask=keep,
+            sampling_ratio=batch.sampling_ratio[rows] if sampler else None,
+        )
         share = reduce_loss(loss, mask, s.loss_type, norm)
         if s.entropy_coef:
             share = share + entropy_bonus(entropy, mask, keep, s.entropy_coef, norm)
@@ -191,8 +217,15 @@ def assert_stats_equal_trl_metrics(s: LossSettings, batch: Batch, trainer: GRPOT
     fp32: 1e-6)."""
     logps = logps_and_entropies(batch.logits.detach(), batch.targets)[0]
     old = logps if batch.old is None else batch.old
-    _, stats = per_token_loss(logps, old, batch.advantages, batch.mask, s, ref_logps=batch.ref,
-                              sampling_ratio=batch.sampling_ratio if sampler else None)
+    _, stats = per_token_loss(
+        logps,
+        old,
+        batch.advantages,
+        batch.mask,
+        s,
+        ref_logps=batch.ref,
+        sampling_ratio=batch.sampling_ratio if sampler else None,
+    )
     metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
     mean = lambda x: ((x.double() * batch.mask).sum() / batch.mask.sum()).item()  # noqa: E731
     if s.beta:
@@ -202,7 +235,11 @@ def assert_stats_equal_trl_metrics(s: LossSettings, batch: Batch, trainer: GRPOT
         if batch.old is not None:
             assert 0 < mean(stats.region_clipped) < 0.5
     elif "clip_ratio/region_mean" in metrics:
-        for name, clipped in [("low", stats.low_clipped), ("high", stats.high_clipped), ("region", stats.region_clipped)]:
+        for name, clipped in [
+            ("low", stats.low_clipped),
+            ("high", stats.high_clipped),
+            ("region", stats.region_clipped),
+        ]:
             assert mean(clipped) == pytest.approx(metrics[f"clip_ratio/{name}_mean"], abs=1e-6)
         if batch.old is not None and s.loss_type in ("grpo", "dapo"):  # both sides clip here
             assert stats.low_clipped.any() and stats.high_clipped.any()
@@ -242,15 +279,19 @@ def test_trls_warnings_and_our_refusals():
     assert check_loss_settings(LossSettings()) == []
     assert check_loss_settings(LossSettings(loss_type="luspo", importance_sampling_level="sequence")) == []
     assert "rl.importance_sampling_level to sequence" in " ".join(check_loss_settings(LossSettings(loss_type="luspo")))
-    assert "set rl.importance_sampling_level to token" in check_loss_settings(
-        LossSettings(loss_type="vespo", importance_sampling_level="sequence"))[0]
+    assert (
+        "set rl.importance_sampling_level to token"
+        in check_loss_settings(LossSettings(loss_type="vespo", importance_sampling_level="sequence"))[0]
+    )
     for loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
         (warning,) = check_loss_settings(LossSettings(loss_type=loss_type, importance_sampling_level="sequence"))
         assert "set rl.loss_type grpo" in warning
-    refused = {"rl.loss_type is 'ppo'": LossSettings(loss_type="ppo"),
-               "rl.importance_sampling_level is 'batch'": LossSettings(importance_sampling_level="batch"),
-               "rl.top_entropy_quantile is 1.5": LossSettings(top_entropy_quantile=1.5),
-               "rl.sapo_temperature_neg is 0": LossSettings(loss_type="sapo", sapo_temperature_neg=0)}
+    refused = {
+        "rl.loss_type is 'ppo'": LossSettings(loss_type="ppo"),
+        "rl.importance_sampling_level is 'batch'": LossSettings(importance_sampling_level="batch"),
+        "rl.top_entropy_quantile is 1.5": LossSettings(top_entropy_quantile=1.5),
+        "rl.sapo_temperature_neg is 0": LossSettings(loss_type="sapo", sapo_temperature_neg=0),
+    }
     for message, s in refused.items():
         with pytest.raises(ValueError, match=message):
             check_loss_settings(s)
@@ -259,8 +300,14 @@ def test_trls_warnings_and_our_refusals():
     with pytest.raises(ValueError, match="rl.entropy_coef is 0.01 but the entropies carry no gradient"):
         entropy_bonus(torch.ones(1, 3), torch.ones(1, 3), None, 0.01, Normalizers(1, 3, 3))
     with pytest.raises(ValueError, match="per token"):
-        per_token_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1), torch.ones(1, 3),
-                       LossSettings(loss_type="vespo"), sampling_ratio=torch.ones(1, 1))
+        per_token_loss(
+            torch.zeros(1, 3),
+            torch.zeros(1, 3),
+            torch.ones(1),
+            torch.ones(1, 3),
+            LossSettings(loss_type="vespo"),
+            sampling_ratio=torch.ones(1, 1),
+        )
 
 
 # TRL's own advantages: a real GRPOTrainer on a tiny random Llama, two reward functions.
@@ -281,9 +328,17 @@ def scoring_trainer(tmp_path_factory):
     root = tmp_path_factory.mktemp("loss_family_trl")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(write_tokenizer_folder(root / "tokenizer")))
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    )
     model.save_pretrained(root / "policy")
     tokenizer.save_pretrained(root / "policy")
 
@@ -293,11 +348,22 @@ def scoring_trainer(tmp_path_factory):
     def length(prompts, completions, slot, **_):
         return [LENGTH[i] for i in slot]
 
-    config = grpo_config(output_dir=str(root / "out"), per_device_train_batch_size=len(CORRECT), num_generations=G,
-                         max_completion_length=4, reward_weights=[1.0, -0.5], save_strategy="no", seed=0)
-    made = trl.GRPOTrainer(model=str(root / "policy"), reward_funcs=[correct, length], args=config,
-                           processing_class=tokenizer,
-                           train_dataset=Dataset.from_list([{"prompt": p, "slot": 0} for p in PROMPTS]))
+    config = grpo_config(
+        output_dir=str(root / "out"),
+        per_device_train_batch_size=len(CORRECT),
+        num_generations=G,
+        max_completion_length=4,
+        reward_weights=[1.0, -0.5],
+        save_strategy="no",
+        seed=0,
+    )
+    made = trl.GRPOTrainer(
+        model=str(root / "policy"),
+        reward_funcs=[correct, length],
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": p, "slot": 0} for p in PROMPTS]),
+    )
     made.model.train()
     return made
 
@@ -307,7 +373,8 @@ def scoring_trainer(tmp_path_factory):
 def test_advantages_equal_trl(scoring_trainer, aggregation, scale_rewards):
     scoring_trainer.multi_objective_aggregation, scoring_trainer.scale_rewards = aggregation, scale_rewards
     batch = scoring_trainer._generate_and_score_completions(
-        [{"prompt": PROMPTS[i // G], "slot": i} for i in range(len(CORRECT))])
+        [{"prompt": PROMPTS[i // G], "slot": i} for i in range(len(CORRECT))]
+    )
     rewards = torch.tensor([[math.nan if r is None else r for r in pair] for pair in zip(CORRECT, LENGTH)])
     advantages, zero_std = aggregated_advantages(rewards, torch.tensor([1.0, -0.5]), G, scale_rewards, aggregation)
     torch.testing.assert_close(advantages, batch["advantages"], atol=1e-6, rtol=0)
@@ -333,8 +400,12 @@ def test_kept_entropies_gathers_every_ranks_tokens_in_rank_order(tmp_path):
     give entropy_threshold."""
     script = tmp_path / "gather.py"
     script.write_text(textwrap.dedent(GATHER))
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store")],
-                              stdout=subprocess.PIPE, text=True) for rank in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(tmp_path / "store")], stdout=subprocess.PIPE, text=True
+        )
+        for rank in range(2)
+    ]
     outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0]
     expected = [0.0, 1.0, 6.0] + [100.0 + i for i in range(12)]

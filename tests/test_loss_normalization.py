@@ -19,13 +19,40 @@ def example(tmp_path_factory):
 
 
 def chat_flags(example, dump, local_batch, *extra, data_parallel=1) -> list[str]:
-    return [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--model.hf_assets_path",
-            str(example / "tokenizer"), "--training.dataset_path", str(example / "chats.jsonl"),
-            "--training.dataset_format", "chat", "--training.seq_len", "256", "--training.local_batch_size",
-            str(local_batch), "--training.steps", "4", "--training.mixed_precision_param", "float32",
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--validation.enable", "--validation.freq", "2",
-            "--validation.steps", "-1", "--validation.dataset_path", str(example / "chats.jsonl"),
-            "--validation.local_batch_size", str(4 // data_parallel), *map(str, extra)]
+    return [
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(dump),
+        "--model.hf_assets_path",
+        str(example / "tokenizer"),
+        "--training.dataset_path",
+        str(example / "chats.jsonl"),
+        "--training.dataset_format",
+        "chat",
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        str(local_batch),
+        "--training.steps",
+        "4",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--validation.enable",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "-1",
+        "--validation.dataset_path",
+        str(example / "chats.jsonl"),
+        "--validation.local_batch_size",
+        str(4 // data_parallel),
+        *map(str, extra),
+    ]
 
 
 def losses(dump) -> dict[int, float]:
@@ -49,13 +76,28 @@ def test_every_layout_gives_the_loss_of_one_process(example, tmp_path):
     holding all 4 (conversations packed several to a window, each with its carried document ids); step 2 on also shows the earlier updates were the same; validation (after steps 2 and 4) sums
     the trained tokens' losses of the same held-out windows over the same count. One launch per world size
     (tests/layout_runs.py)."""
-    def layout_run(name: str, local_batch: int, flags: list[str]) -> dict:
-        return {"argv": chat_flags(example, tmp_path / name, local_batch, *flags, data_parallel=2 if name == "fsdp2" else 1)}
 
-    one = launch([layout_run("one", 4, []), *(layout_run(name, batch, flags) for name, (world, batch, flags) in LAYOUTS.items()
-                                               if world == 1)], 1, tmp_path, "world1")
+    def layout_run(name: str, local_batch: int, flags: list[str]) -> dict:
+        return {
+            "argv": chat_flags(example, tmp_path / name, local_batch, *flags, data_parallel=2 if name == "fsdp2" else 1)
+        }
+
+    one = launch(
+        [
+            layout_run("one", 4, []),
+            *(layout_run(name, batch, flags) for name, (world, batch, flags) in LAYOUTS.items() if world == 1),
+        ],
+        1,
+        tmp_path,
+        "world1",
+    )
     assert "(4 micro-steps)" in one
-    launch([layout_run(name, batch, flags) for name, (world, batch, flags) in LAYOUTS.items() if world == 2], 2, tmp_path, "world2")
+    launch(
+        [layout_run(name, batch, flags) for name, (world, batch, flags) in LAYOUTS.items() if world == 2],
+        2,
+        tmp_path,
+        "world2",
+    )
     one_process = losses(tmp_path / "one")
     # the 16 windows trained hold packed conversations (a window's document ids: its conversations, then the padding)
     windows = next(iter(loader(example / "tokenizer", example / "chats.jsonl", 256, batch_size=16)))
@@ -64,4 +106,8 @@ def test_every_layout_gives_the_loss_of_one_process(example, tmp_path):
     for name in LAYOUTS:
         theirs = losses(tmp_path / name)
         assert sorted(theirs) == sorted(one_process), (name, theirs)
-        assert all(theirs[s] == pytest.approx(one_process[s], rel=1e-6) for s in one_process), (name, one_process, theirs)
+        assert all(theirs[s] == pytest.approx(one_process[s], rel=1e-6) for s in one_process), (
+            name,
+            one_process,
+            theirs,
+        )

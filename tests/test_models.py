@@ -71,7 +71,11 @@ def test_sequence_longer_than_max_seq_len_is_a_user_error():
 
 def test_init_weights_after_meta_is_finite_and_deterministic():
     args = small_args()
-    first, again, other = materialize("llama3", args, seed=0), materialize("llama3", args, seed=0), materialize("llama3", args, seed=1)
+    first, again, other = (
+        materialize("llama3", args, seed=0),
+        materialize("llama3", args, seed=0),
+        materialize("llama3", args, seed=1),
+    )
     for name, value in first.state_dict().items():
         assert torch.isfinite(value).all(), name
         assert torch.equal(value, again.state_dict()[name]), name

@@ -22,9 +22,26 @@ ADAPTER = SPEC.hf_adapter
 
 def small_args(**overrides):
     args = dataclasses.replace(
-        SPEC.flavors["debugmodel"], vocab_size=97, n_layers=2, n_dense_layers=1, dim=32, n_heads=2, ffn_hidden_dim=48,
-        q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, moe_hidden_dim=16,
-        num_experts=4, top_k=2, n_group=2, topk_group=1, max_seq_len=32, mtp_layers=1)
+        SPEC.flavors["debugmodel"],
+        vocab_size=97,
+        n_layers=2,
+        n_dense_layers=1,
+        dim=32,
+        n_heads=2,
+        ffn_hidden_dim=48,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        moe_hidden_dim=16,
+        num_experts=4,
+        top_k=2,
+        n_group=2,
+        topk_group=1,
+        max_seq_len=32,
+        mtp_layers=1,
+    )
     return dataclasses.replace(args, **overrides)
 
 
@@ -42,7 +59,9 @@ def test_the_rolled_window_is_the_truncated_one():
     _, extra = model(tokens, extra_losses=True)
     layer = model.mtp["0"]
     with torch.no_grad():
-        h, _ = model.run_main_blocks(model.tok_embeddings(tokens), model.rope_cos, model.rope_sin, attention_mask(None, None, "cpu"))
+        h, _ = model.run_main_blocks(
+            model.tok_embeddings(tokens), model.rope_cos, model.rope_sin, attention_mask(None, None, "cpu")
+        )
         short = layer(h[:, :-1], model.tok_embeddings(tokens[:, 1:]), model.rope_cos, model.rope_sin, None)
         logits = model.output(layer.norm(short[:, :-1]))
         expected = F.cross_entropy(logits.flatten(0, 1), tokens[:, 2:].flatten())
@@ -59,16 +78,26 @@ def transformers_folder_with_an_mtp_layer(folder, args):
     torch.manual_seed(0)
     config = ADAPTER.hf_config(dataclasses.replace(args, n_layers=args.n_layers + 1, mtp_layers=0))
     DeepseekV3ForCausalLM(DeepseekV3Config(**config)).save_pretrained(folder)
-    tensors = {name: t.normal_() if t.dim() > 1 else t.uniform_() for name, t in load_file(folder / "model.safetensors").items()}
+    tensors = {
+        name: t.normal_() if t.dim() > 1 else t.uniform_()
+        for name, t in load_file(folder / "model.safetensors").items()
+    }
     mtp = f"model.layers.{args.n_layers}."
-    tensors.update({mtp + "enorm.weight": torch.rand(args.dim), mtp + "hnorm.weight": torch.rand(args.dim),
-                    mtp + "eh_proj.weight": torch.randn(args.dim, 2 * args.dim),
-                    mtp + "shared_head.norm.weight": torch.rand(args.dim),
-                    mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
-                    mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    tensors.update(
+        {
+            mtp + "enorm.weight": torch.rand(args.dim),
+            mtp + "hnorm.weight": torch.rand(args.dim),
+            mtp + "eh_proj.weight": torch.randn(args.dim, 2 * args.dim),
+            mtp + "shared_head.norm.weight": torch.rand(args.dim),
+            mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+            mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+        }
+    )
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": args.n_layers, "num_nextn_predict_layers": 1}))
+    (folder / "config.json").write_text(
+        json.dumps({**config, "num_hidden_layers": args.n_layers, "num_nextn_predict_layers": 1})
+    )
     return tensors
 
 
@@ -98,12 +127,17 @@ def test_an_mtp_copy_that_differs_and_a_folder_without_mtp_are_one_sentence(tmp_
         load_model_from_hf(model_of(deeper).state_dict(), tmp_path, ADAPTER, deeper, "deepseek_v3/test")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--model.mtp_layers", "1"], "model llama3 has no multi-token prediction"),
-    (["--model.name", "deepseek_v3", "--model.mtp_layers", "1", "--parallelism.tensor_parallel_degree", "2"],
-     "parallelism.tensor_parallel_degree 2 is not supported yet"),
-    (["--model.mtp_loss_weight", "0.1"], "set model.mtp_layers above 0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model.mtp_layers", "1"], "model llama3 has no multi-token prediction"),
+        (
+            ["--model.name", "deepseek_v3", "--model.mtp_layers", "1", "--parallelism.tensor_parallel_degree", "2"],
+            "parallelism.tensor_parallel_degree 2 is not supported yet",
+        ),
+        (["--model.mtp_loss_weight", "0.1"], "set model.mtp_layers above 0"),
+    ],
+)
 def test_refusals(flags, message):
     with pytest.raises(UserError, match=message):
         load_config(flags)
@@ -111,10 +145,29 @@ def test_refusals(flags, message):
 
 def mtp_run(folder, local_batch):
     return [
-        "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(folder), "--model.name", "deepseek_v3",
-        "--model.mtp_layers", "1", "--training.dataset", "synthetic", "--training.seq_len", "32",
-        "--training.local_batch_size", str(local_batch), "--training.global_batch_size", "4", "--training.steps", "3",
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--training.mixed_precision_param", "float32",
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(folder),
+        "--model.name",
+        "deepseek_v3",
+        "--model.mtp_layers",
+        "1",
+        "--training.dataset",
+        "synthetic",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        str(local_batch),
+        "--training.global_batch_size",
+        "4",
+        "--training.steps",
+        "3",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--training.mixed_precision_param",
+        "float32",
     ]
 
 
@@ -144,11 +197,15 @@ def test_mtp_layers_a_run_leaves_out_are_said_once(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="titanlite"):
         load_model_from_hf(model.state_dict(), tmp_path / "in", ADAPTER, without, "deepseek_v3/test")
     said = [r.getMessage() for r in caplog.records if "multi-token prediction" in r.getMessage()]
-    assert said == [f"the Hugging Face folder {tmp_path / 'in'} holds 1 multi-token prediction layer(s) beyond model.mtp_layers 0 "
-                    "(config.json num_nextn_predict_layers 1): they are not trained, and this run's exports leave them out; "
-                    "set model.mtp_layers 1 to keep them"]
+    assert said == [
+        f"the Hugging Face folder {tmp_path / 'in'} holds 1 multi-token prediction layer(s) beyond model.mtp_layers 0 "
+        "(config.json num_nextn_predict_layers 1): they are not trained, and this run's exports leave them out; "
+        "set model.mtp_layers 1 to keep them"
+    ]
     save_model_as_hf(model.state_dict(), tmp_path / "out", ADAPTER, without, torch.float32, writer_rank=True)
-    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == sorted(n for n in tensors if not n.startswith("model.layers.2."))
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == sorted(
+        n for n in tensors if not n.startswith("model.layers.2.")
+    )
     caplog.clear()
     with caplog.at_level("WARNING", logger="titanlite"):  # read with its MTP layer: nothing left out, nothing said
         load_model_from_hf(model_of(args).state_dict(), tmp_path / "in", ADAPTER, args, "deepseek_v3/test")

@@ -36,7 +36,9 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     optimizer = build_optimizer(model, Optimizer(name="Muon", muon_lr=0.02), "cpu")
     names = {id(p): n for n, p in model.named_parameters()}
     muon, matrices, vectors = ([names[id(p)] for p in g["params"]] for g in optimizer.param_groups)
-    assert all(n.startswith("layers.") and n.endswith(".weight") for n in muon) and "layers.0.attention.wq.weight" in muon
+    assert (
+        all(n.startswith("layers.") and n.endswith(".weight") for n in muon) and "layers.0.attention.wq.weight" in muon
+    )
     assert sorted(matrices) == ["output.weight", "tok_embeddings.weight"]
     assert "norm.weight" in vectors and all("norm" in n for n in vectors)
     assert [g["lr"] for g in optimizer.param_groups] == [0.02, 8e-4, 8e-4]
@@ -58,11 +60,17 @@ def test_its_adamw_half_is_torch_adamw():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--optimizer.muon_momentum", "0.9"], "optimizer.muon_momentum applies to optimizer.name Muon only"),
-    (["--optimizer.name", "Muon", "--optimizer.implementation", "fused"], "optimizer.implementation fused does not exist for Muon"),
-    (["--optimizer.name", "Muon", "--parallelism.fsdp_cpu_offload"], "set fsdp_cpu_offload false or use AdamW"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--optimizer.muon_momentum", "0.9"], "optimizer.muon_momentum applies to optimizer.name Muon only"),
+        (
+            ["--optimizer.name", "Muon", "--optimizer.implementation", "fused"],
+            "optimizer.implementation fused does not exist for Muon",
+        ),
+        (["--optimizer.name", "Muon", "--parallelism.fsdp_cpu_offload"], "set fsdp_cpu_offload false or use AdamW"),
+    ],
+)
 def test_refusals(flags, message):
     with pytest.raises(UserError, match=message):
         load_config(flags)
@@ -70,10 +78,27 @@ def test_refusals(flags, message):
 
 def muon_run(folder, local_batch, steps=5, extra=()):
     return [
-        "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(folder),
-        "--training.dataset", "synthetic", "--training.seq_len", "64", "--training.local_batch_size", str(local_batch),
-        "--training.global_batch_size", "4", "--training.steps", str(steps), "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "--training.mixed_precision_param", "float32", "--optimizer.name", "Muon",
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(folder),
+        "--training.dataset",
+        "synthetic",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        str(local_batch),
+        "--training.global_batch_size",
+        "4",
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--training.mixed_precision_param",
+        "float32",
+        "--optimizer.name",
+        "Muon",
         *extra,
     ]
 

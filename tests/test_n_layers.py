@@ -14,7 +14,10 @@ def test_n_layers_overrides_the_flavors_depth_only():
     two = resolve_model_args(load_config(["--model.flavor", "8B", "--model.n_layers", "2"]), spec, 1000)
     assert (flavor.n_layers, two.n_layers) == (32, 2)
     assert {**vars(two), "n_layers": 32} == vars(flavor)  # every other shape is the 8B's
-    assert model_label(load_config(["--model.flavor", "8B", "--model.n_layers", "2"]).model) == "llama3/8B with model.n_layers 2"
+    assert (
+        model_label(load_config(["--model.flavor", "8B", "--model.n_layers", "2"]).model)
+        == "llama3/8B with model.n_layers 2"
+    )
 
 
 def test_a_checkpoint_of_another_depth_is_refused(tmp_path, capsys):
@@ -25,5 +28,7 @@ def test_a_checkpoint_of_another_depth_is_refused(tmp_path, capsys):
     assert main(flags + ["--model.n_layers", "2", "--training.steps", "1"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
     seed = tmp_path / "checkpoint" / "step-0"
-    assert line.startswith(f"error: checkpoint {seed} does not fit llama3/debugmodel with model.n_layers 2: it holds layers.2."), line
+    assert line.startswith(
+        f"error: checkpoint {seed} does not fit llama3/debugmodel with model.n_layers 2: it holds layers.2."
+    ), line
     assert line.endswith("which this model lacks; check model.name and model.flavor"), line

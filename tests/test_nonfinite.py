@@ -46,9 +46,21 @@ def state_at(dump, step, tmp_path):
 
 
 def flags(tiny_run, dump, steps):
-    return [*tiny_run, "--job.dump_folder", str(dump), "--training.steps", str(steps), "--training.on_nonfinite", "skip",
-            "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.last_save_model_only", "false",
-            "--metrics.enable_tensorboard"]
+    return [
+        *tiny_run,
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(steps),
+        "--training.on_nonfinite",
+        "skip",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.last_save_model_only",
+        "false",
+        "--metrics.enable_tensorboard",
+    ]
 
 
 def equal(a, b) -> bool:
@@ -85,8 +97,10 @@ def test_too_many_skips_in_a_row_stop_the_run_in_one_sentence(tiny_run, tmp_path
     inject(monkeypatch, {2, 3}, what)
     assert main(flags(tiny_run, tmp_path, 6) + ["--training.max_nonfinite_skips", "2"]) == 2
     err = capsys.readouterr().err
-    assert ("error: 2 steps in a row (up to step 3) had a NaN or inf loss or gradient and were skipped "
-            "(training.max_nonfinite_skips 2)") in err
+    assert (
+        "error: 2 steps in a row (up to step 3) had a NaN or inf loss or gradient and were skipped "
+        "(training.max_nonfinite_skips 2)"
+    ) in err
     assert "Traceback" not in err
 
 

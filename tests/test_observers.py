@@ -29,10 +29,31 @@ def final_weights(dump, tmp_path):
 
 def observed_run(dump) -> list[str]:
     """Flags of a 6-step run with every observer on: async saves every 2 steps, TensorBoard, traces."""
-    return [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--training.steps", "6", "--checkpoint.enable",
-            "--checkpoint.interval", "2", "--checkpoint.async_mode", "async", "--checkpoint.last_save_model_only",
-            "--metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "3"]
+    return [
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--training.steps",
+        "6",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.last_save_model_only",
+        "--metrics.enable_tensorboard",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "3",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +77,10 @@ INJECTIONS = {
 
 
 # Two observers in the default tier (one that draws the loss lines, one that does not), the rest in the extended.
-@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in ("metrics", "profiling") else pytest.mark.extended)
-                                  for name in INJECTIONS])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=() if name in ("metrics", "profiling") else pytest.mark.extended) for name in INJECTIONS],
+)
 def test_a_failing_observer_turns_itself_off_and_training_goes_on(name, clean_run, tmp_path, monkeypatch, capsys):
     clean, clean_weights = clean_run
     target = INJECTIONS[name]
@@ -67,7 +90,12 @@ def test_a_failing_observer_turns_itself_off_and_training_goes_on(name, clean_ru
         monkeypatch.setattr(target[0], raises)
     assert main(observed_run(tmp_path / "injected")) == 0
     err = capsys.readouterr().err
-    assert err.count(f"{name} failed and is turned off for the rest of the run; training goes on (RuntimeError: injected failure") == 1, err
+    assert (
+        err.count(
+            f"{name} failed and is turned off for the rest of the run; training goes on (RuntimeError: injected failure"
+        )
+        == 1
+    ), err
     assert "training finished after 6 steps" in err
     if target[1]:  # the loss lines are still printed: the same losses
         assert logged_losses(err) == logged_losses(clean) and len(logged_losses(err)) == 6
@@ -81,7 +109,9 @@ def test_saves_every_step_are_all_reported():
     of them, the bounded history of finished saves dropped saves still waiting to be reported, and the
     share of a step they touched divided by zero (ZeroDivisionError at about step 38 of a real run)."""
     reported = {}
-    cost = SaveCost(lambda step, values: reported.update({step: values["checkpoint/training_lost_seconds"]}), warmup_steps=2)
+    cost = SaveCost(
+        lambda step, values: reported.update({step: values["checkpoint/training_lost_seconds"]}), warmup_steps=2
+    )
     for step in range(1, 41):
         began = float(step)
         if step > 1:  # the previous step's save wrote during the first half of this step

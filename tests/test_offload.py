@@ -13,10 +13,24 @@ from titanlite.parallel.offload import HeldBytes, OffloadActivations, activation
 
 def synthetic_run(folder, local_batch, extra=()):
     return [
-        "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(folder),
-        "--training.dataset", "synthetic", "--training.seq_len", "64", "--training.local_batch_size", str(local_batch),
-        "--training.steps", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
-        "--training.mixed_precision_param", "float32", *extra,
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(folder),
+        "--training.dataset",
+        "synthetic",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        str(local_batch),
+        "--training.steps",
+        "3",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--training.mixed_precision_param",
+        "float32",
+        *extra,
     ]
 
 
@@ -25,8 +39,12 @@ def test_two_ranks_with_cpu_offload_equal_one_process(tmp_path):
     """Same global batch of 4; the offloaded FSDP run steps its optimizer on the CPU shards."""
     one = run_titanlite(synthetic_run(tmp_path / "one", 4))
     assert one.returncode == 0, one.stderr
-    two = run_titanlite(synthetic_run(tmp_path / "two", 2, [
-        "--parallelism.fsdp_cpu_offload", "--activation_checkpoint.offload_activations"]), nproc=2)
+    two = run_titanlite(
+        synthetic_run(
+            tmp_path / "two", 2, ["--parallelism.fsdp_cpu_offload", "--activation_checkpoint.offload_activations"]
+        ),
+        nproc=2,
+    )
     assert two.returncode == 0, two.stderr
     assert "activations already live in CPU memory" in two.stderr
     assert "activation_offload: peak" in two.stderr and "(no memory saved on a CPU run)" in two.stderr
@@ -74,12 +92,16 @@ def test_pinned_memory_only_with_cuda(monkeypatch):
     assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is True
 
 
-@pytest.mark.parametrize("view", [
-    lambda x: x.transpose(1, 2),  # what a compiled backward saw come back contiguous (issue 17)
-    lambda x: x[:, 1::2, 3:],  # gaps and an offset
-    lambda x: x[1:, :1].expand(3, 5, 6),  # stride 0
-    lambda x: x.permute(2, 0, 1).contiguous(),
-], ids=["transposed", "strided-slice", "expanded", "contiguous"])
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda x: x.transpose(1, 2),  # what a compiled backward saw come back contiguous (issue 17)
+        lambda x: x[:, 1::2, 3:],  # gaps and an offset
+        lambda x: x[1:, :1].expand(3, 5, 6),  # stride 0
+        lambda x: x.permute(2, 0, 1).contiguous(),
+    ],
+    ids=["transposed", "strided-slice", "expanded", "contiguous"],
+)
 def test_offloaded_tensor_comes_back_with_its_size_and_strides(view):
     tensor = view(torch.arange(4 * 5 * 6, dtype=torch.float32).reshape(4, 5, 6))
     hooks = OffloadActivations(HeldBytes())

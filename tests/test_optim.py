@@ -16,7 +16,9 @@ def test_warmup_then_linear_decay_to_min():
 
 def test_cosine_and_sqrt_shapes_end_at_min():
     cos = factors(5, warmup_steps=1, decay_type="cosine", decay_ratio=-1, min_lr_factor=0.1)
-    assert cos == pytest.approx([1.0, 0.1 + 0.9 * 0.5 * (1 + 0.7071067811865476), 0.55, 0.1 + 0.9 * 0.5 * (1 - 0.7071067811865476), 0.1])
+    assert cos == pytest.approx(
+        [1.0, 0.1 + 0.9 * 0.5 * (1 + 0.7071067811865476), 0.55, 0.1 + 0.9 * 0.5 * (1 - 0.7071067811865476), 0.1]
+    )
     sqrt = factors(5, warmup_steps=1, decay_type="sqrt", decay_ratio=-1, min_lr_factor=0.0)
     assert sqrt == pytest.approx([1.0, 0.5, 1 - 0.5**0.5, 1 - 0.75**0.5, 0.0])
 

@@ -61,7 +61,11 @@ def test_best_fit_fills_the_windows_and_every_conversation_is_read_once_per_epoc
     inputs, labels, carried = again[g]
     documents = carried["document_ids"]
     mine = windows[g]
-    assert torch.equal(mine[0], inputs) and torch.equal(mine[1], labels) and torch.equal(mine[2]["document_ids"], documents)
+    assert (
+        torch.equal(mine[0], inputs)
+        and torch.equal(mine[1], labels)
+        and torch.equal(mine[2]["document_ids"], documents)
+    )
     # the document ids follow the conversations: each run of ids is one conversation, in the window's order
     order, starts = windows.plan(1)
     conversations = order[starts[7] : starts[8]]
@@ -81,8 +85,15 @@ def test_any_data_parallel_split_reads_the_windows_of_one_process():
     identity = {"packing": "best_fit"}
 
     def batches(rank, world, batch, count):
-        loader = GlobalOrderLoader(windows, batch_size=batch, dp_rank=rank, dp_world=world, identity=identity,
-                                   source_names=["s"], seq_len=SEQ_LEN)
+        loader = GlobalOrderLoader(
+            windows,
+            batch_size=batch,
+            dp_rank=rank,
+            dp_world=world,
+            identity=identity,
+            source_names=["s"],
+            seq_len=SEQ_LEN,
+        )
         it = iter(loader)
         return [tensors(next(it)) for _ in range(count)]
 
@@ -113,8 +124,13 @@ def folders(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**QWEN3, "max_position_embeddings": 512})).float()
     made = {}
-    for name, bos, template in (("chatml", None, QWEN3_TEMPLATE), ("bos", "<|begin_of_text|>", "{{ bos_token }}" + QWEN3_TEMPLATE)):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(write_tokenizer_folder(root / f"tok-{name}", bos_token=bos)))
+    for name, bos, template in (
+        ("chatml", None, QWEN3_TEMPLATE),
+        ("bos", "<|begin_of_text|>", "{{ bos_token }}" + QWEN3_TEMPLATE),
+    ):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(write_tokenizer_folder(root / f"tok-{name}", bos_token=bos))
+        )
         tokenizer.chat_template = template
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
@@ -124,18 +140,45 @@ def folders(tmp_path_factory):
     return made, data
 
 
-@pytest.mark.parametrize("name, device", [("chatml", "cpu"), ("bos", "cpu"),
-                                          pytest.param("chatml", "cuda", marks=pytest.mark.cuda)])
-def test_a_packed_window_has_the_loss_transformers_gives_its_conversations_one_by_one(folders, name, device, tmp_path,
-                                                                                      capsys):
+@pytest.mark.parametrize(
+    "name, device", [("chatml", "cpu"), ("bos", "cpu"), pytest.param("chatml", "cuda", marks=pytest.mark.cuda)]
+)
+def test_a_packed_window_has_the_loss_transformers_gives_its_conversations_one_by_one(
+    folders, name, device, tmp_path, capsys
+):
     """On the CPU the conversations are kept apart by the dense mask; on CUDA by FlexAttention's block mask, built
     from the carried document ids (ChatML: no bos to infer them from)."""
     (folder, template), data = folders[0][name], folders[1]
-    flags = ["--job.device", device, "--model.hf_assets_path", str(folder), "--job.dump_folder", str(tmp_path), "--training.dataset_path",
-             str(data), "--training.dataset_format", "chat", "--training.seq_len", "384", "--training.local_batch_size", "1",
-             "--training.steps", "1", "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-             "--metrics.enable_tensorboard", "--optimizer.lr", "0", "--validation.enable", "--validation.freq", "1",
-             "--validation.dataset_path", str(data)]  # lr 0: validation reads the same window with the same weights
+    flags = [
+        "--job.device",
+        device,
+        "--model.hf_assets_path",
+        str(folder),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.dataset_path",
+        str(data),
+        "--training.dataset_format",
+        "chat",
+        "--training.seq_len",
+        "384",
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        "1",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--optimizer.lr",
+        "0",
+        "--validation.enable",
+        "--validation.freq",
+        "1",
+        "--validation.dataset_path",
+        str(data),
+    ]  # lr 0: validation reads the same window with the same weights
     assert main(flags) == 0
     assert f"an epoch is 1 windows of 385 tokens, {len(CHATS)} conversations" in capsys.readouterr().err
     loss, trained = transformers_assistant_loss(folder, template)
@@ -152,7 +195,10 @@ def test_a_data_position_of_another_packing_is_refused(folders):
     packed = loader(folder, data, 384, batch_size=1, infinite=True)
     state = packed.state_dict()
     assert state["identity"]["packing"] == "best_fit"
-    for identity in ({**state["identity"], "packing": "none"}, {k: v for k, v in state["identity"].items() if k != "packing"}):
+    for identity in (
+        {**state["identity"], "packing": "none"},
+        {k: v for k, v in state["identity"].items() if k != "packing"},
+    ):
         with pytest.raises(UserError, match=r"job.seed, training.seq_len and training.packing$"):
             packed.load_state_dict({**state, "identity": identity})
     unpacked = loader(folder, data, 384, batch_size=1, infinite=True, packing=False)
@@ -163,5 +209,7 @@ def test_a_data_position_of_another_packing_is_refused(folders):
 def test_packing_false_applies_to_chat_data_only(tiny_run, capsys):
     assert main([*tiny_run, "--training.packing", "false"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["error: training.packing false applies to training.dataset_format chat or prompt_completion, not text; "
-                     "leave training.packing at true"]
+    assert lines == [
+        "error: training.packing false applies to training.dataset_format chat or prompt_completion, not text; "
+        "leave training.packing at true"
+    ]

@@ -75,21 +75,40 @@ def measured_fwd_bwd_peak(cfg) -> int:
 AC_MODES = [["none", "op"], ["full", "op"], ["selective", "op"], ["selective", "2"]]
 
 
-@pytest.mark.parametrize("model", [
-    ["--model.flavor", "debugmodel"],
-    # deeper than FULL_DEPTH_UP_TO: measured at 1-2 blocks and extrapolated
-    pytest.param(["--model.n_layers", "10"], marks=pytest.mark.extended),
-    pytest.param(["--model.name", "gpt2", "--model.flavor", "124M", "--model.n_layers", "2", "--model.tokenizer_path", ""],
-                 marks=pytest.mark.extended),
-    # Mixture of experts: the planner routes evenly (plan/moe.py); on one rank the experts' tensors add up to
-    # the batch's N * top_k assignments however the router splits them, so the real step is comparable.
-    ["--model.name", "qwen3_moe"],
-    pytest.param(["--model.name", "deepseek_v3"], marks=pytest.mark.extended),
-], ids=["debug", "debug-10-blocks", "gpt2-124M-2-blocks", "qwen3_moe-debug", "deepseek_v3-debug"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["--model.flavor", "debugmodel"],
+        # deeper than FULL_DEPTH_UP_TO: measured at 1-2 blocks and extrapolated
+        pytest.param(["--model.n_layers", "10"], marks=pytest.mark.extended),
+        pytest.param(
+            ["--model.name", "gpt2", "--model.flavor", "124M", "--model.n_layers", "2", "--model.tokenizer_path", ""],
+            marks=pytest.mark.extended,
+        ),
+        # Mixture of experts: the planner routes evenly (plan/moe.py); on one rank the experts' tensors add up to
+        # the batch's N * top_k assignments however the router splits them, so the real step is comparable.
+        ["--model.name", "qwen3_moe"],
+        pytest.param(["--model.name", "deepseek_v3"], marks=pytest.mark.extended),
+    ],
+    ids=["debug", "debug-10-blocks", "gpt2-124M-2-blocks", "qwen3_moe-debug", "deepseek_v3-debug"],
+)
 def test_activation_peak_within_10_percent_of_a_real_cpu_step(model):
     for mode, option in AC_MODES:
-        cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "128", "--training.local_batch_size", "2",
-                           *model, "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option])
+        cfg = load_config(
+            [
+                "--job.config_file",
+                DEBUG_CONFIG,
+                "--training.seq_len",
+                "128",
+                "--training.local_batch_size",
+                "2",
+                *model,
+                "--activation_checkpoint.mode",
+                mode,
+                "--activation_checkpoint.selective_ac_option",
+                option,
+            ]
+        )
         spec = get_model_spec(cfg.model.name)
         predicted = activations(cfg, spec, model_args(cfg, spec), ParallelDims(1, 1)).peak
         measured = measured_fwd_bwd_peak(cfg)
@@ -102,8 +121,20 @@ def test_a_middle_pipeline_stage_peaks_within_10_percent_of_a_real_one(mode):
     holds, at its backward's peak, one block's recompute above what it saves under full AC: the planner tallies
     such a stage apart (activations.middle_stage_transient: every stage but the last holds that, not the
     loss's), within 10% of the real stage's peak from the CPU profiler."""
-    cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "128", "--training.local_batch_size", "2",
-                       "--activation_checkpoint.mode", mode, "--training.mixed_precision_param", "float32"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            DEBUG_CONFIG,
+            "--training.seq_len",
+            "128",
+            "--training.local_batch_size",
+            "2",
+            "--activation_checkpoint.mode",
+            mode,
+            "--training.mixed_precision_param",
+            "float32",
+        ]
+    )
     model, args, _ = real_model(cfg, middle_stage=True)
     hidden = torch.randn(2, 128, args.dim, requires_grad=True)
 
@@ -122,12 +153,26 @@ def test_tensor_parallel_activations_within_10_percent_of_a_real_tp2_step(tmp_pa
     output projection's gathered input). A real TP2 step on 2 gloo ranks, counted on its local shards by the same
     LiveBytes (tests/tp_activation_run.py), holds 177 / 95 / 46 MB without / with op-level / with full AC, where the
     planner says 183 / 86 / 43 (dividing everything by tp it said 170 / 78 / 40: -17% with op-level AC)."""
-    flags = ["--job.config_file", DEBUG_CONFIG, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "512",
-             "--training.local_batch_size", "4", "--compile.enable", "false", "--training.mixed_precision_param", "float32"]
+    flags = [
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--training.seq_len",
+        "512",
+        "--training.local_batch_size",
+        "4",
+        "--compile.enable",
+        "false",
+        "--training.mixed_precision_param",
+        "float32",
+    ]
     real = torchrun_json("tp_activation_run.py", tmp_path, *flags)
     assert set(real) == {"none", "selective", "full"}
     for mode, measured in real.items():
-        cfg = load_config([*flags, "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", "op"])
+        cfg = load_config(
+            [*flags, "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", "op"]
+        )
         spec = get_model_spec(cfg.model.name)
         predicted = activations(cfg, spec, model_args(cfg, spec), ParallelDims.from_config(cfg.parallelism, 2)).peak
         assert predicted == pytest.approx(measured, rel=0.10), (mode, predicted, measured)
@@ -139,22 +184,46 @@ def test_a_compiled_cpu_step_peaks_between_the_planners_two_counts():
     (blocks and loss compiled) lies between the planner's lower bound and its eager count, without AC and
     with op-level AC (at seq 256 x 4 it sat 0.63 of the way up in both; memory.COMPILED_KEPT puts 0.33)."""
     for mode in ("none", "selective"):
-        cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "128", "--training.local_batch_size", "2",
-                           "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", "op",
-                           "--compile.enable"])
+        cfg = load_config(
+            [
+                "--job.config_file",
+                DEBUG_CONFIG,
+                "--training.seq_len",
+                "128",
+                "--training.local_batch_size",
+                "2",
+                "--activation_checkpoint.mode",
+                mode,
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+                "--compile.enable",
+            ]
+        )
         spec = get_model_spec(cfg.model.name)
         args, dims = model_args(cfg, spec), ParallelDims(1, 1)
         lower, eager = (activations(cfg, spec, args, dims, compiled).peak for compiled in (True, False))
         measured = measured_fwd_bwd_peak(cfg)
-        assert lower < measured < 1.05 * eager, (mode, lower, measured, eager)  # the eager count is itself within 10% (above)
+        assert lower < measured < 1.05 * eager, (
+            mode,
+            lower,
+            measured,
+            eager,
+        )  # the eager count is itself within 10% (above)
 
 
 # Plans of more than ~10 s on 2 cores (128-expert blocks, 28+ layer tallies): the extended tier.
 SLOW_PLANS = {"qwen3_30b_a3b", "llama3_3b", "llama3_405b", "deepseek_v3_16b", "mixtral_8x7b", "llama3_70b"}
 
 
-@pytest.mark.parametrize("config", [pytest.param(path, marks=pytest.mark.extended if path.stem in SLOW_PLANS else ())
-                                    for path in SHIPPED if path.name not in FOLDER_CONFIGS], ids=lambda path: path.stem)
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(path, marks=pytest.mark.extended if path.stem in SLOW_PLANS else ())
+        for path in SHIPPED
+        if path.name not in FOLDER_CONFIGS
+    ],
+    ids=lambda path: path.stem,
+)
 def test_every_shipped_config_fits_its_hardware_with_10_percent_headroom(config):
     text = config.read_text()
     assert text.startswith("# Hardware: ") and "\n[plan]\n" in text  # names its hardware, in words and in [plan]
@@ -168,11 +237,28 @@ def test_405b_table_in_seconds_and_advice_when_it_does_not_fit(capsys):
     assert plan_main(["--job.config_file", config]) == 0
     assert time.perf_counter() - began < 30
     out = capsys.readouterr().out
-    assert "verdict: fits" in out and "world 256" in out and "tp 8, pp 8" in out and "pipeline bubble" in out and "MFU" in out
+    assert (
+        "verdict: fits" in out
+        and "world 256" in out
+        and "tp 8, pp 8" in out
+        and "pipeline bubble" in out
+        and "MFU" in out
+    )
     assert "compiled, lower - eager" in out and "note: a compiled step's peak lies in the range printed" in out
     # 8B at seq 8192, eager, without AC keeps ~70 GiB of activations: over an H100; the advice is one change that fits.
-    assert plan_main(["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"),
-                      "--activation_checkpoint.mode", "none", "--compile.enable", "false"]) == 1
+    assert (
+        plan_main(
+            [
+                "--job.config_file",
+                str(ROOT / "train_configs" / "llama3_8b.toml"),
+                "--activation_checkpoint.mode",
+                "none",
+                "--compile.enable",
+                "false",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "verdict: does not fit" in out and "the cheapest change that fits: --" in out, out
     assert "compiled, lower - eager" not in out and "compiled step" not in out  # eager: one count
@@ -190,34 +276,61 @@ PUBLISHED_FLOAT8_TP = [  # torchtitan's 2D and 3D float8 jobs (docs/benchmarks.m
 def test_float8_with_tp_is_planned_like_any_layout(capsys, config, flags, mesh, tables):
     """70B FSDP x TP8 float8 on 256 H100s and 405B FSDP x TP8 x PP8 on 512: the trainer runs float8 with
     TP (torchao's float8 TP styles), so the plan gives tps and peak memory with no refusal note."""
-    float8 = ["--activation_checkpoint.mode", "full", "--float8.enable", "--float8.enable_fsdp_float8_all_gather",
-              "--float8.precompute_float8_dynamic_scale_for_fsdp"]
+    float8 = [
+        "--activation_checkpoint.mode",
+        "full",
+        "--float8.enable",
+        "--float8.enable_fsdp_float8_all_gather",
+        "--float8.precompute_float8_dynamic_scale_for_fsdp",
+    ]
     assert plan_main(["--job.config_file", str(ROOT / "train_configs" / config), *flags, *float8]) == 0
     out = capsys.readouterr().out
     assert mesh in out and "verdict: fits" in out and "refuses" not in out, out
-    assert out.count("peak (allocated)") == tables and float(out.split("tps per GPU")[1].split()[0].replace(",", "")) > 0
+    assert (
+        out.count("peak (allocated)") == tables and float(out.split("tps per GPU")[1].split()[0].replace(",", "")) > 0
+    )
 
 
 def test_pipeline_plan_shows_first_and_last_stage_with_each_schedules_bubble(capsys):
     """PP2 of the debug model, 4 microbatches: one memory table per role (the first stage with the
     embedding, the last with the output and loss), the bubble of each schedule, GPipe holding all its
     microbatches' activations where 1F1B's first stage holds 2, and the activations sent between stages."""
-    pp2 = ["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "64", "--training.local_batch_size", "4",
-           "--parallelism.pipeline_parallel_degree", "2", "--plan.gpus_per_node", "2"]
+    pp2 = [
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--plan.gpus_per_node",
+        "2",
+    ]
     assert plan_main(pp2) == 0
     out = capsys.readouterr().out
-    assert "memory of pp rank 0 (stage 0; embedding) (GiB):" in out and "memory of pp rank 1 (stage 1; output + loss) (GiB):" in out
+    assert (
+        "memory of pp rank 0 (stage 0; embedding) (GiB):" in out
+        and "memory of pp rank 1 (stage 1; output + loss) (GiB):" in out
+    )
     assert "pipeline bubble           20.0% of the step" in out  # (pp - 1) / (microbatches + pp - 1) = 1 / 5
-    plans = {schedule: plan_job(load_config([*pp2, "--parallelism.pipeline_parallel_schedule", schedule]))
-             for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")}
+    plans = {
+        schedule: plan_job(load_config([*pp2, "--parallelism.pipeline_parallel_schedule", schedule]))
+        for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+    }
     bubbles = {schedule: round(plan.speed.bubble, 4) for schedule, plan in plans.items()}
     # Interleaved: (pp - 1) / v = 0.5 stage-times of warm-up beside 4 microbatches: 0.5 / 4.5
     assert bubbles == {"GPipe": 0.2, "1F1B": 0.2, "Interleaved1F1B": 0.1111, "ZBVZeroBubble": round(0.5 / 4.5 / 3, 4)}
     first_stage = {schedule: plan.roles[0][1].activations for schedule, plan in plans.items()}
     assert first_stage["GPipe"] > 1.5 * first_stage["1F1B"]
-    assert [name for name, _ in plans["ZBVZeroBubble"].roles] == ["pp rank 0 (stages 0, 3; embedding; output + loss)",
-                                                                  "pp rank 1 (stages 1, 2)"]
-    assert plans["1F1B"].speed.pp_s > 0 and plan_job(load_config([*pp2, "--parallelism.pipeline_parallel_degree", "1"])).speed.pp_s == 0
+    assert [name for name, _ in plans["ZBVZeroBubble"].roles] == [
+        "pp rank 0 (stages 0, 3; embedding; output + loss)",
+        "pp rank 1 (stages 1, 2)",
+    ]
+    assert (
+        plans["1F1B"].speed.pp_s > 0
+        and plan_job(load_config([*pp2, "--parallelism.pipeline_parallel_degree", "1"])).speed.pp_s == 0
+    )
 
 
 def test_float8_note_says_when_float8_pays_by_the_measured_figures():
@@ -229,12 +342,20 @@ def test_float8_note_says_when_float8_pays_by_the_measured_figures():
         cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / "llama3_1b.toml"), *flags])
         return float8_note(cfg, dim, GPUS[gpu])
 
-    assert note("--float8.recipe_name", "rowwise").startswith("float8 rowwise measured 0.96x compiled bf16 tps at dim 2048 on one H100: slower")
+    assert note("--float8.recipe_name", "rowwise").startswith(
+        "float8 rowwise measured 0.96x compiled bf16 tps at dim 2048 on one H100: slower"
+    )
     assert note() == "float8 tensorwise measured 1.10x at dim 2048, 1.10x at dim 4096 of compiled bf16 tps on one H100"
     assert note(dim=8192).endswith("; dim 8192 was not measured")
     assert note("--compile.enable", "false").startswith("float8 without compile.enable")
-    off = ["--float8.enable", "false", "--float8.enable_fsdp_float8_all_gather", "false",
-           "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
+    off = [
+        "--float8.enable",
+        "false",
+        "--float8.enable_fsdp_float8_all_gather",
+        "false",
+        "--float8.precompute_float8_dynamic_scale_for_fsdp",
+        "false",
+    ]
     assert note(*off).startswith("float8 is off; float8 tensorwise measured 1.10x at dim 2048")
     assert note(*off, gpu="A100 80GB") is None  # no float8 tensor cores
 
@@ -278,8 +399,22 @@ def test_expert_parallel_plan_gathers_a_ranks_experts_and_adds_the_all_to_alls(f
     from titanlite.plan.fake_world import fake_world, sharded_model
     from titanlite.plan.moe import expert_params, moe_modules
 
-    base = ["--job.config_file", DEBUG_CONFIG, "--model.name", family, "--compile.enable", "false", "--training.seq_len", "64",
-            "--plan.gpus_per_node", "8", "--plan.nodes", "1", "--training.mixed_precision_param", "bfloat16"]
+    base = [
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--model.name",
+        family,
+        "--compile.enable",
+        "false",
+        "--training.seq_len",
+        "64",
+        "--plan.gpus_per_node",
+        "8",
+        "--plan.nodes",
+        "1",
+        "--training.mixed_precision_param",
+        "bfloat16",
+    ]
     plans, meshes = {}, {}
     for ep in (1, 8):
         cfg = load_config([*base, "--parallelism.expert_parallel_degree", str(ep)])
@@ -297,8 +432,13 @@ def test_expert_parallel_plan_gathers_a_ranks_experts_and_adds_the_all_to_alls(f
     assert (one.params, one.grads, one.optimizer) == (eight.params, eight.grads, eight.optimizer)
     whole = meta_model(spec, model_args(cfg, spec), "float32", cfg.lora)
     sizes = [(sum(p.numel() for p in block.parameters()), expert_params(block)) for block in whole.layers.values()]
-    gathered = {ep: max(total - experts * (ep - 1) / ep for total, experts in sizes) for ep in (1, 8)}  # DeepSeek: a dense block at EP8
-    compute, reduce = DTYPES[cfg.training.mixed_precision_param].itemsize, DTYPES[cfg.training.mixed_precision_reduce].itemsize
+    gathered = {
+        ep: max(total - experts * (ep - 1) / ep for total, experts in sizes) for ep in (1, 8)
+    }  # DeepSeek: a dense block at EP8
+    compute, reduce = (
+        DTYPES[cfg.training.mixed_precision_param].itemsize,
+        DTYPES[cfg.training.mixed_precision_reduce].itemsize,
+    )
     assert one.buffers - eight.buffers == pytest.approx((gathered[1] - gathered[8]) * (2 * compute + reduce), abs=16)
     assert plans[1].speed.ep_s == 0 < plans[8].speed.ep_s and plans[8].speed.fsdp_s < plans[1].speed.fsdp_s
 
@@ -308,8 +448,20 @@ def test_planned_state_of_an_ep2_run_equals_the_trainers(tmp_path):
     experts each) equal, byte for byte, what a real 2-process CPU run reports in its summary."""
     from conftest import assert_planned_state, run_titanlite
 
-    flags = ["--job.config_file", DEBUG_CONFIG, "--model.name", "qwen3_moe", "--job.dump_folder", str(tmp_path),
-             "--training.seq_len", "64", "--training.steps", "2", "--parallelism.expert_parallel_degree", "2"]
+    flags = [
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--model.name",
+        "qwen3_moe",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "64",
+        "--training.steps",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+    ]
     out = run_titanlite(flags, nproc=2)
     assert out.returncode == 0, out.stderr
     assert_planned_state(flags, 2, out.stderr)
@@ -323,8 +475,18 @@ def test_planned_state_of_a_cp2_run_equals_the_trainers(tmp_path):
 
     from titanlite.plan.job import plan_state
 
-    flags = ["--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--training.seq_len", "64",
-             "--training.steps", "2", "--parallelism.context_parallel_degree", "2"]
+    flags = [
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "64",
+        "--training.steps",
+        "2",
+        "--parallelism.context_parallel_degree",
+        "2",
+    ]
     out = run_titanlite(flags, nproc=2)
     assert out.returncode == 0, out.stderr
     assert_planned_state(flags, 2, out.stderr)
@@ -343,15 +505,36 @@ def test_context_parallel_activations_are_the_ranks_share_plus_the_whole_windows
     plans = {}
     for mode in ("none", "full"):
         for cp in (1, 2, 4):
-            cfg = load_config(["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "256", "--training.local_batch_size", "2",
-                               "--activation_checkpoint.mode", mode, "--parallelism.context_parallel_degree", str(cp)])
+            cfg = load_config(
+                [
+                    "--job.config_file",
+                    DEBUG_CONFIG,
+                    "--training.seq_len",
+                    "256",
+                    "--training.local_batch_size",
+                    "2",
+                    "--activation_checkpoint.mode",
+                    mode,
+                    "--parallelism.context_parallel_degree",
+                    str(cp),
+                ]
+            )
             spec = get_model_spec(cfg.model.name)
             args = model_args(cfg, spec)
             plans[mode, cp] = activations(cfg, spec, args, ParallelDims.from_config(cfg.parallelism, 4))
-    layer_kv = 2 * cfg.training.local_batch_size * args.n_heads * 256 * args.head_dim * DTYPES[cfg.training.mixed_precision_param].itemsize
+    layer_kv = (
+        2
+        * cfg.training.local_batch_size
+        * args.n_heads
+        * 256
+        * args.head_dim
+        * DTYPES[cfg.training.mixed_precision_param].itemsize
+    )
     for n in (2, 4):
         no_ac, full = plans["none", n], plans["full", n]
-        assert no_ac.saved - plans["none", 1].saved / n == pytest.approx(args.n_layers * layer_kv * (1 - 1 / n), abs=16384)
+        assert no_ac.saved - plans["none", 1].saved / n == pytest.approx(
+            args.n_layers * layer_kv * (1 - 1 / n), abs=16384
+        )
         assert full.saved == pytest.approx(plans["full", 1].saved / n, abs=16384)
         assert full.peak - plans["full", 1].peak / n > 2 * layer_kv * (1 - 1 / n)
 
@@ -364,8 +547,20 @@ def test_context_parallel_speed_divides_the_tokens_and_adds_exposed_key_value_ga
     from titanlite.dtypes import DTYPES
     from titanlite.plan.hardware import COLLECTIVE_EFFICIENCY, GPUS
 
-    base = ["--job.config_file", DEBUG_CONFIG, "--training.seq_len", "1024", "--activation_checkpoint.mode", "full",
-            "--compile.enable", "false", "--plan.gpus_per_node", "8", "--plan.nodes", "1"]
+    base = [
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--training.seq_len",
+        "1024",
+        "--activation_checkpoint.mode",
+        "full",
+        "--compile.enable",
+        "false",
+        "--plan.gpus_per_node",
+        "8",
+        "--plan.nodes",
+        "1",
+    ]
     dp = plan_job(load_config(base))
     cfg = load_config([*base, "--parallelism.context_parallel_degree", "8"])
     cp = plan_job(cfg)
@@ -375,7 +570,14 @@ def test_context_parallel_speed_divides_the_tokens_and_adds_exposed_key_value_ga
         assert cp_parts[kind] == pytest.approx(dp_parts[kind] / 8)
     assert cp.speed.fsdp_s == pytest.approx(dp.speed.fsdp_s) and dp.speed.cp_s == 0
     args = model_args(cfg, get_model_spec(cfg.model.name))
-    window_kv = cfg.training.local_batch_size * 1024 * 2 * args.n_kv_heads * args.head_dim * DTYPES[cfg.training.mixed_precision_param].itemsize
+    window_kv = (
+        cfg.training.local_batch_size
+        * 1024
+        * 2
+        * args.n_kv_heads
+        * args.head_dim
+        * DTYPES[cfg.training.mixed_precision_param].itemsize
+    )
     gbps = GPUS[cfg.plan.gpu].link_gbps * 1e9 * COLLECTIVE_EFFICIENCY
     assert cp.speed.cp_s == pytest.approx(3 * args.n_layers * window_kv * 7 / 8 / gbps)
     assert cp.speed.step_s == pytest.approx(cp.speed.compute_s + cp.speed.cp_s)  # FSDP hidden in both passes
@@ -390,15 +592,29 @@ def test_a_window_too_long_for_one_rank_is_advised_more_context_parallel_ranks(c
 
     from titanlite.errors import UserError
 
-    flags = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), "--training.seq_len", "32768",
-             "--float8.enable", "false", "--float8.enable_fsdp_float8_all_gather", "false",
-             "--float8.precompute_float8_dynamic_scale_for_fsdp", "false"]
+    flags = [
+        "--job.config_file",
+        str(ROOT / "train_configs" / "llama3_8b.toml"),
+        "--training.seq_len",
+        "32768",
+        "--float8.enable",
+        "false",
+        "--float8.enable_fsdp_float8_all_gather",
+        "false",
+        "--float8.precompute_float8_dynamic_scale_for_fsdp",
+        "false",
+    ]
     assert plan_main(flags) == 1
     out = capsys.readouterr().out
-    assert "the cheapest change that fits: --parallelism.context_parallel_degree 2 --training.global_batch_size 8 (" in out, out
+    assert (
+        "the cheapest change that fits: --parallelism.context_parallel_degree 2 --training.global_batch_size 8 (" in out
+    ), out
     cfg = load_config(flags)
-    uneven = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=32760),
-                                 parallelism=dataclasses.replace(cfg.parallelism, context_parallel_degree=8))
+    uneven = dataclasses.replace(
+        cfg,
+        training=dataclasses.replace(cfg.training, seq_len=32760),
+        parallelism=dataclasses.replace(cfg.parallelism, context_parallel_degree=8),
+    )
     with pytest.raises(UserError, match="does not split into 2 x parallelism.context_parallel_degree 8"):
         plan_job(uneven)
 
@@ -409,10 +625,18 @@ def test_a_tp_group_wider_than_a_node_is_said_and_counted_at_the_fabric_speed():
     from titanlite.plan.hardware import GPUS
     from titanlite.plan.notes import plan_notes
 
-    base = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), "--parallelism.tensor_parallel_degree", "8",
-            "--plan.nodes", "2"]
+    base = [
+        "--job.config_file",
+        str(ROOT / "train_configs" / "llama3_8b.toml"),
+        "--parallelism.tensor_parallel_degree",
+        "8",
+        "--plan.nodes",
+        "2",
+    ]
     inside, across = (load_config([*base, "--plan.gpus_per_node", str(n)]) for n in (8, 4))
     assert not any("spans nodes" in note for note in plan_notes(inside, 4096, GPUS[inside.plan.gpu]))
-    assert any(note.startswith("parallelism.tensor_parallel_degree 8 spans nodes of plan.gpus_per_node 4")
-               for note in plan_notes(across, 4096, GPUS[across.plan.gpu]))
+    assert any(
+        note.startswith("parallelism.tensor_parallel_degree 8 spans nodes of plan.gpus_per_node 4")
+        for note in plan_notes(across, 4096, GPUS[across.plan.gpu])
+    )
     assert plan_job(across).speed.tp_s > plan_job(inside).speed.tp_s

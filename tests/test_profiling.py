@@ -15,8 +15,10 @@ SUMMARY = re.compile(r"run summary: 2 steps after 2 warm-up  tps: [\d,]+  step: 
 
 
 def test_traces_every_profile_freq_steps_and_the_summary_line(tmp_path, tiny_run):
-    out = run_titanlite(tiny_run + ["--profiling.enable_profiling", "--profiling.profile_freq", "2",
-                                    "--metrics.summary_warmup_steps", "2"])
+    out = run_titanlite(
+        tiny_run
+        + ["--profiling.enable_profiling", "--profiling.profile_freq", "2", "--metrics.summary_warmup_steps", "2"]
+    )
     assert out.returncode == 0, out.stderr
     traces = tmp_path / "profile_traces"
     assert sorted(p.name for p in traces.iterdir()) == ["iteration_2", "iteration_4"]
@@ -62,5 +64,7 @@ def test_memory_snapshots_every_profile_freq_and_on_oom(tmp_path, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (pretend)")
     folder = tmp_path / "memory_snapshot"
     assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.pickle")) == [
-        "iteration_2/rank3_memory_snapshot.pickle", "oom/rank3_memory_snapshot.pickle"]
+        "iteration_2/rank3_memory_snapshot.pickle",
+        "oom/rank3_memory_snapshot.pickle",
+    ]
     assert history[0][1] == {"max_entries": 100_000} and history[-1][1] == {"enabled": None}  # started, then stopped

@@ -109,19 +109,53 @@ def prompts(tmp_path_factory):
 
 def test_a_grpo_step_that_trains_nothing_says_why(prompts, tmp_path, capsys):
     """Every completion scores 1: every group's rewards are equal, every advantage 0, loss and gradients 0."""
-    assert main([*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path),
-                 "--training.dataset_format", "prompts", "--training.dataset_path", str(prompts / "prompts.jsonl"),
-                 "--training.seq_len", "32", "--training.steps", "2", "--training.local_batch_size", "4",
-                 "--training.global_batch_size", "4", "--rl.num_generations", "2", "--rl.max_new_tokens", "6",
-                 "--rl.reward_functions", f"{prompts / 'rewards.py'}:always_one", "--metrics.log_freq", "1",
-                 "--lr_scheduler.warmup_steps", "0", "--metrics.enable_tensorboard"]) == 0
+    assert (
+        main(
+            [
+                *ON_CPU,
+                "--job.config_file",
+                DEBUG_CONFIG,
+                "--job.dump_folder",
+                str(tmp_path),
+                "--training.dataset_format",
+                "prompts",
+                "--training.dataset_path",
+                str(prompts / "prompts.jsonl"),
+                "--training.seq_len",
+                "32",
+                "--training.steps",
+                "2",
+                "--training.local_batch_size",
+                "4",
+                "--training.global_batch_size",
+                "4",
+                "--rl.num_generations",
+                "2",
+                "--rl.max_new_tokens",
+                "6",
+                "--rl.reward_functions",
+                f"{prompts / 'rewards.py'}:always_one",
+                "--metrics.log_freq",
+                "1",
+                "--lr_scheduler.warmup_steps",
+                "0",
+                "--metrics.enable_tensorboard",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     lines = re.findall(r"step: 2 .*", err)
     assert len(lines) == 1 and "loss: 0.0000  grad_norm: 0.0000" in lines[0], err
-    assert re.search(r"  step_time: [\d.]+s  left: 0s  .*reward: 1.0000  equal_reward_groups: 100%  "
-                     r"completion_tokens: [\d.]+  clipped: 0.0%$", lines[0]), lines[0]
-    assert ("in this step every group's completions had equal rewards (mean 1.0000), so every advantage is 0 and this "
-            "step trained nothing (loss and gradients 0)") in err
+    assert re.search(
+        r"  step_time: [\d.]+s  left: 0s  .*reward: 1.0000  equal_reward_groups: 100%  "
+        r"completion_tokens: [\d.]+  clipped: 0.0%$",
+        lines[0],
+    ), lines[0]
+    assert (
+        "in this step every group's completions had equal rewards (mean 1.0000), so every advantage is 0 and this "
+        "step trained nothing (loss and gradients 0)"
+    ) in err
     step_seconds = tensorboard_scalars(tmp_path / "tb", "time/step_seconds")
     assert sorted(step_seconds) == [1, 2] and all(seconds > 0 for seconds in step_seconds.values())
     lengths = tensorboard_scalars(tmp_path / "tb", "rl/completion_length")
@@ -134,8 +168,9 @@ def test_data_preparation_reports_its_documents(tmp_path, caplog):
     with caplog.at_level("INFO", logger="titanlite"):
         prepare(str(texts), str(tmp_path / "store"), documents_per_shard=4, progress_seconds=0)
     said = [r.getMessage() for r in caplog.records]
-    assert [line.split("  ")[0] for line in said[:3]] == [f"tokenizing {texts}: {n}/10 documents ({10 * n}%)"
-                                                          for n in (4, 8, 10)]
+    assert [line.split("  ")[0] for line in said[:3]] == [
+        f"tokenizing {texts}: {n}/10 documents ({10 * n}%)" for n in (4, 8, 10)
+    ]
     assert re.fullmatch(rf"tokenizing {texts}: 10 documents in \d+s \(\d+ ms/document\)", said[3])
     caplog.clear()
     (tmp_path / "store" / "manifest.json").unlink()  # as if stopped before the manifest: the shards are kept

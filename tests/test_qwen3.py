@@ -35,8 +35,16 @@ def test_param_counts_are_the_published_totals(family, flavor):
 
 def small_args(family: str, **overrides):
     """2 layers, dim 64, 4 query heads of head_dim 32 (not dim / heads = 16), 2 kv heads; 4 experts, top-2."""
-    args = replace(get_model_args(get_model_spec(family), "debugmodel"), vocab_size=50, dim=64, n_layers=2, n_heads=4,
-                   n_kv_heads=2, head_dim=32, max_seq_len=32)
+    args = replace(
+        get_model_args(get_model_spec(family), "debugmodel"),
+        vocab_size=50,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        max_seq_len=32,
+    )
     if family == "qwen3_moe":
         return replace(args, num_experts=4, top_k=2, moe_intermediate_size=48, **overrides)
     return replace(args, intermediate_size=96, **overrides)
@@ -67,8 +75,12 @@ def titanlite_model(family: str, args):
     return model.eval()
 
 
-FAMILY_CASES = [("qwen3", {}), ("qwen3", {"tie_embeddings": True}), ("qwen3_moe", {}),
-                ("qwen3_moe", {"norm_topk_prob": False})]
+FAMILY_CASES = [
+    ("qwen3", {}),
+    ("qwen3", {"tie_embeddings": True}),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", {"norm_topk_prob": False}),
+]
 
 
 @pytest.mark.parametrize("family, overrides", FAMILY_CASES)
@@ -103,7 +115,9 @@ def test_models_table_lists_qwen3_with_active_params():
     import subprocess
     import sys
 
-    table = subprocess.run([sys.executable, "-m", "titanlite.models"], capture_output=True, text=True, check=True).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "titanlite.models"], capture_output=True, text=True, check=True
+    ).stdout
     row = next(line for line in table.splitlines() if line.split()[:2] == ["qwen3_moe", "30B-A3B"])
     assert "30,532,122,624" in row and "3,353,032,704" in row
     assert table.splitlines()[0].split()[:4] == ["family", "flavor", "params", "active"]
@@ -140,10 +154,28 @@ def test_pp2_equals_one_process(tmp_path):
     from titanlite.data.prepare import prepare
 
     prepare("sample", str(tmp_path / "store"))
-    flags = {family: ["--model.name", family, "--training.global_batch_size", "4", "--model.moe_aux_loss_coeff", "1.0",
-                      "--parallelism.pipeline_parallel_microbatch_size", "2"] for family in ("qwen3", "qwen3_moe")}
-    launch([run(tmp_path, f"{f}_pp2", [*flags[f], *PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"], 4)
-            for f in flags], 2, tmp_path, "world2")
+    flags = {
+        family: [
+            "--model.name",
+            family,
+            "--training.global_batch_size",
+            "4",
+            "--model.moe_aux_loss_coeff",
+            "1.0",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "2",
+        ]
+        for family in ("qwen3", "qwen3_moe")
+    }
+    launch(
+        [
+            run(tmp_path, f"{f}_pp2", [*flags[f], *PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"], 4)
+            for f in flags
+        ],
+        2,
+        tmp_path,
+        "world2",
+    )
     launch([run(tmp_path, f"{f}_one", flags[f], 4) for f in flags], 1, tmp_path, "world1")
     for family in flags:
         one, pp2 = losses(tmp_path, f"{family}_one"), losses(tmp_path, f"{family}_pp2")

@@ -42,17 +42,27 @@ def trl_batch(trainer, monkeypatch, mode: str, clip_min, clip_max, threshold):
     monkeypatch.setattr(trainer, "vllm_importance_sampling_clip_max", clip_max)
     monkeypatch.setattr(trainer, "off_policy_mask_threshold", threshold)
     monkeypatch.setattr(trainer, "loss_type", "bnpo")
-    monkeypatch.setattr(trainer, "_generate", lambda _: (prompts, completions, None, ["x"] * len(completions), sampler,
-                                                         {}, None, None))
+    monkeypatch.setattr(
+        trainer, "_generate", lambda _: (prompts, completions, None, ["x"] * len(completions), sampler, {}, None, None)
+    )
     trainer.current_gradient_accumulation_steps = 1
     inputs = [{"prompt": PROMPTS[i // G], "slot": i} for i in range(len(REWARDS))]
     return trainer._generate_and_score_completions(inputs), sampler
 
 
-@pytest.mark.parametrize("mode, clip_min, clip_max, threshold", [
-    ("token_truncate", None, 3.0, None), ("token_mask", None, 3.0, None), ("sequence_truncate", None, 3.0, None),
-    ("sequence_mask", None, 3.0, None), ("token_truncate", 0.5, 2.0, None), ("sequence_mask", 0.5, 1.5, None),
-    ("token_mask", 0.3, 3.0, 0.1), ("sequence_truncate", None, 3.0, 0.0)])
+@pytest.mark.parametrize(
+    "mode, clip_min, clip_max, threshold",
+    [
+        ("token_truncate", None, 3.0, None),
+        ("token_mask", None, 3.0, None),
+        ("sequence_truncate", None, 3.0, None),
+        ("sequence_mask", None, 3.0, None),
+        ("token_truncate", 0.5, 2.0, None),
+        ("sequence_mask", 0.5, 1.5, None),
+        ("token_mask", 0.3, 3.0, 0.1),
+        ("sequence_truncate", None, 3.0, 0.0),
+    ],
+)
 def test_each_correction_equals_trl_compute_loss(trainer, monkeypatch, mode, clip_min, clip_max, threshold):
     batch, sampler_list = trl_batch(trainer, monkeypatch, mode, clip_min, clip_max, threshold)
     model = trainer.model
@@ -63,18 +73,27 @@ def test_each_correction_equals_trl_compute_loss(trainer, monkeypatch, mode, cli
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     prompt_length = batch["prompt_ids"].shape[1]
     with torch.no_grad():
-        logps, _ = token_logps(completion_logits(model, ids, attention, prompt_length), batch["completion_ids"],
-                               TEMPERATURE)
+        logps, _ = token_logps(
+            completion_logits(model, ids, attention, prompt_length), batch["completion_ids"], TEMPERATURE
+        )
     sampler = torch.zeros_like(logps)
     for row, values in enumerate(sampler_list):
-        sampler[row, :len(values)] = torch.tensor(values)
+        sampler[row, : len(values)] = torch.tensor(values)
     old, advantages = batch["old_per_token_logps"], batch["advantages"]
     ratio = importance_ratio(old, sampler, mask, mode, clip_min, clip_max)
     torch.testing.assert_close(ratio, batch["importance_sampling_ratio"], atol=1e-6, rtol=0)
     kept = None if threshold is None else off_policy_mask(advantages, logps, sampler, mask, threshold)
     settings = LossSettings(loss_type="bnpo", epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=BETA)
-    loss, _ = per_token_loss(logps, old, advantages, mask, settings, ref_logps=batch["ref_per_token_logps"],
-                             sampling_ratio=ratio, off_policy_mask=kept)
+    loss, _ = per_token_loss(
+        logps,
+        old,
+        advantages,
+        mask,
+        settings,
+        ref_logps=batch["ref_per_token_logps"],
+        sampling_ratio=ratio,
+        off_policy_mask=kept,
+    )
     ours = reduce_loss(loss, mask, "bnpo", Normalizers(len(ids), int(mask.sum()), trainer.max_completion_length))
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
     assert ratio.min() < 1 < ratio.max()  # the sampler differs both ways: the correction is exercised

@@ -16,11 +16,31 @@ from titanlite.plan.memory import GIB
 def grpo_job(tmp_path, *extra):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "1 + 1 ="}) + "\n")
-    return load_config(["--job.config_file", "train_configs/llama3_8b.toml", "--training.dataset_format", "prompts",
-                        "--training.dataset_path", str(prompts), "--rl.reward_functions",
-                        "titanlite.rewards:math_answer", "--training.seq_len", "1024", "--training.local_batch_size", "2",
-                        "--training.global_batch_size", "64", "--rl.num_generations", "8", "--rl.max_new_tokens", "512",
-                        "--checkpoint.initial_load_path", "", *extra])
+    return load_config(
+        [
+            "--job.config_file",
+            "train_configs/llama3_8b.toml",
+            "--training.dataset_format",
+            "prompts",
+            "--training.dataset_path",
+            str(prompts),
+            "--rl.reward_functions",
+            "titanlite.rewards:math_answer",
+            "--training.seq_len",
+            "1024",
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "64",
+            "--rl.num_generations",
+            "8",
+            "--rl.max_new_tokens",
+            "512",
+            "--checkpoint.initial_load_path",
+            "",
+            *extra,
+        ]
+    )
 
 
 def test_the_rollout_is_counted_by_hand_for_llama3_8b(tmp_path):

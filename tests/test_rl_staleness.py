@@ -28,11 +28,17 @@ def test_each_step_trains_on_the_weights_k_steps_back_and_a_resume_is_the_same_r
     assert 1 - 1e-5 <= low[1] <= high[1] <= 1 + 1e-5  # step 1 is on-policy
     assert all(high[s] - low[s] > 1e-4 for s in (2, 3, 4))  # the others were sampled one update back
 
-    resumed = tmp_path / "resumed"  # the same run killed (-9) in step 3, its step-2 checkpoint holding step 3's rollouts
+    resumed = (
+        tmp_path / "resumed"
+    )  # the same run killed (-9) in step 3, its step-2 checkpoint holding step 3's rollouts
     log = tmp_path / "killed.txt"
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "titanlite.train", *grpo_flags(prompts, resumed, 4, *flags)],
-                                   cwd=ROOT, stdout=out, stderr=out)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "titanlite.train", *grpo_flags(prompts, resumed, 4, *flags)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=out,
+        )
         while "step: 3 " not in log.read_text():
             assert process.poll() is None, log.read_text()[-3000:]
             time.sleep(0.1)
@@ -54,10 +60,13 @@ def test_a_checkpoint_of_another_staleness_is_refused(prompts, tmp_path, capsys)
     assert "the checkpoint's rollouts were sampled at rl.max_staleness 0" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--rl.max_staleness", "1", "--rl.num_iterations", "2"], "rl.num_iterations 2 cannot reuse them"),
-    (["--rl.max_staleness", "17"], "rl.max_staleness"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--rl.max_staleness", "1", "--rl.num_iterations", "2"], "rl.num_iterations 2 cannot reuse them"),
+        (["--rl.max_staleness", "17"], "rl.max_staleness"),
+    ],
+)
 def test_keys_it_cannot_serve_are_one_sentence(prompts, tmp_path, capsys, extra, message):
     assert main(grpo_flags(prompts, tmp_path, 1, *extra)) == 2
     err = capsys.readouterr().err

@@ -37,8 +37,17 @@ name = "AdamWBF16Kahan"
 def test_knobs_from_toml_and_cli(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(TOML)
-    cfg = load_config(["--job.config_file", str(path), "--compile.components", "model,loss",
-                       "--float8.enable_fsdp_float8_all_gather", "--activation_checkpoint.mode", "full"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(path),
+            "--compile.components",
+            "model,loss",
+            "--float8.enable_fsdp_float8_all_gather",
+            "--activation_checkpoint.mode",
+            "full",
+        ]
+    )
     ac, compile_, float8, profiling = cfg.activation_checkpoint, cfg.compile, cfg.float8, cfg.profiling
     assert (ac.mode, ac.selective_ac_option, ac.offload_activations) == ("full", "2", True)
     assert (compile_.enable, compile_.components, compile_.backend) == (True, ["model", "loss"], "aot_eager")

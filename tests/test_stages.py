@@ -15,8 +15,14 @@ last_stage 3 "GRPO" sh -c 'echo grpo ran; echo grpo >> ran.txt'
 
 def run_script(folder, second: str) -> subprocess.CompletedProcess:
     (folder / "quick.sh").write_text(SCRIPT.format(root=ROOT))
-    return subprocess.run(["bash", "quick.sh"], cwd=folder, capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "SECOND": second, "STAGES_SCRIPT": "./quick.sh"})
+    return subprocess.run(
+        ["bash", "quick.sh"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "SECOND": second, "STAGES_SCRIPT": "./quick.sh"},
+    )
 
 
 def test_a_failed_stage_is_named_and_the_later_stages_do_not_run(tmp_path):
@@ -25,7 +31,8 @@ def test_a_failed_stage_is_named_and_the_later_stages_do_not_run(tmp_path):
     assert out.stderr.splitlines()[-1] == (
         "./quick.sh: stage 2 (the fine-tuning) failed (exit code 3) and the stages after it did not run; fix what its "
         "last lines say, then rerun ./quick.sh: the finished stages are skipped and a training stage resumes from its "
-        "last checkpoint")
+        "last checkpoint"
+    )
 
 
 def test_a_stage_stopped_cleanly_without_its_output_is_named_and_a_rerun_resumes(tmp_path):
@@ -33,9 +40,13 @@ def test_a_stage_stopped_cleanly_without_its_output_is_named_and_a_rerun_resumes
     assert out.returncode == 1 and not (tmp_path / "ran.txt").exists()
     assert out.stderr.splitlines()[-1] == (
         "./quick.sh: stage 2 (the fine-tuning) did not finish (model.txt is missing: it was stopped) and the stages "
-        "after it did not run; rerun ./quick.sh to resume it (a training stage from its last checkpoint)")
+        "after it did not run; rerun ./quick.sh to resume it (a training stage from its last checkpoint)"
+    )
 
     again = run_script(tmp_path, "echo trained > model.txt")
     assert again.returncode == 0 and again.stdout == "grpo ran\n"
-    assert again.stderr.splitlines() == ["stage 1 (the data): done already (data.txt)", "stage 2 (the fine-tuning) ...",
-                                         "stage 3 (GRPO) ..."]
+    assert again.stderr.splitlines() == [
+        "stage 1 (the data): done already (data.txt)",
+        "stage 2 (the fine-tuning) ...",
+        "stage 3 (GRPO) ...",
+    ]

@@ -27,8 +27,18 @@ def test_tp2_every_family_equals_one_process(tmp_path):
 
 
 def test_tp2_trainer_logs_the_one_process_losses_and_learns(tmp_path):
-    flags = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",
-             "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--training.steps", "20"]
+    flags = [
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+        "--metrics.log_freq",
+        "1",
+        "--training.steps",
+        "20",
+    ]
     one = run_titanlite([*flags, "--job.dump_folder", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr
     tp_flags = [*flags, "--job.dump_folder", str(tmp_path / "tp"), "--parallelism.tensor_parallel_degree", "2"]
@@ -47,7 +57,11 @@ def test_tp2_trainer_logs_the_one_process_losses_and_learns(tmp_path):
 @pytest.mark.parametrize(
     "degrees, world, message",
     [
-        ({"tensor_parallel_degree": 2}, 3, "data_parallel_replicate_degree 1 x context_parallel_degree 1 x tensor_parallel_degree 2 x pipeline_parallel_degree 1 = 2 do not divide the world size 3"),
+        (
+            {"tensor_parallel_degree": 2},
+            3,
+            "data_parallel_replicate_degree 1 x context_parallel_degree 1 x tensor_parallel_degree 2 x pipeline_parallel_degree 1 = 2 do not divide the world size 3",
+        ),
         ({"tensor_parallel_degree": 2, "data_parallel_shard_degree": 2}, 2, "= 4 do not match the world size 2"),
     ],
 )
@@ -71,8 +85,12 @@ def test_tp_must_divide_the_model_shapes(name, flavor, tp, what):
 
 
 def test_tp_must_divide_experts_and_vocab():
-    mixtral = dataclasses.replace(get_model_args(get_model_spec("mixtral"), "debugmodel"), vocab_size=2256, num_experts=6)
-    with pytest.raises(UserError, match=re.escape("tensor_parallel_degree 4 does not divide the model's experts (num_experts) 6")):
+    mixtral = dataclasses.replace(
+        get_model_args(get_model_spec("mixtral"), "debugmodel"), vocab_size=2256, num_experts=6
+    )
+    with pytest.raises(
+        UserError, match=re.escape("tensor_parallel_degree 4 does not divide the model's experts (num_experts) 6")
+    ):
         ParallelDims(1, 1, tp=4).check_model(mixtral)
     gpt2 = get_model_args(get_model_spec("gpt2"), "124M")  # 12 heads, FFN 3072, an odd vocabulary
     with pytest.raises(UserError, match="vocabulary size 50257"):
@@ -81,11 +99,15 @@ def test_tp_must_divide_experts_and_vocab():
 
 def test_async_tp_needs_cuda_compile_and_tp():
     """Async TP is inductor's micro-pipelining on CUDA symmetric memory: refused elsewhere in one sentence."""
-    with pytest.raises(UserError, match=r"enable_async_tensor_parallel needs CUDA and compile.enable \(this run: cpu, compile on\)"):
+    with pytest.raises(
+        UserError, match=r"enable_async_tensor_parallel needs CUDA and compile.enable \(this run: cpu, compile on\)"
+    ):
         check_tensor_parallel(Parallelism(tensor_parallel_degree=2, enable_async_tensor_parallel=True), "cpu", True)
     with pytest.raises(UserError, match=r"needs CUDA and compile.enable \(this run: cuda, compile off\)"):
         check_tensor_parallel(Parallelism(tensor_parallel_degree=2, enable_async_tensor_parallel=True), "cuda", False)
-    with pytest.raises(UserError, match="enable_async_tensor_parallel needs parallelism.tensor_parallel_degree above 1"):
+    with pytest.raises(
+        UserError, match="enable_async_tensor_parallel needs parallelism.tensor_parallel_degree above 1"
+    ):
         check_tensor_parallel(Parallelism(enable_async_tensor_parallel=True), "cuda", True)
     check_tensor_parallel(Parallelism(tensor_parallel_degree=2, enable_async_tensor_parallel=True), "cuda", True)
 
@@ -93,7 +115,10 @@ def test_async_tp_needs_cuda_compile_and_tp():
 def test_refused_layout_exits_2_without_traceback(tiny_run):
     out = run_titanlite([*tiny_run, "--parallelism.tensor_parallel_degree", "2"])
     assert out.returncode == 2
-    assert "error: parallelism degrees data_parallel_replicate_degree 1 x context_parallel_degree 1 x tensor_parallel_degree 2" in out.stderr
+    assert (
+        "error: parallelism degrees data_parallel_replicate_degree 1 x context_parallel_degree 1 x tensor_parallel_degree 2"
+        in out.stderr
+    )
     assert "Traceback" not in out.stderr
 
 
@@ -101,9 +126,23 @@ def test_refused_layout_exits_2_without_traceback(tiny_run):
 def test_checkpoint_saved_under_tp2_resumes_on_one_process(tmp_path):
     """DCP reshards the TP DTensors (model and optimizer) into plain tensors: the resumed steps
     are the uninterrupted run's. Both layouts have one data-parallel rank, so the data position carries over."""
-    flags = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
-             "--training.seq_len", "64", "--training.local_batch_size", "4", "--training.steps", "6",
-             "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "3"]
+    flags = [
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+        "--training.steps",
+        "6",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+    ]
     tp = run_titanlite([*flags, "--parallelism.tensor_parallel_degree", "2"], nproc=2)
     assert tp.returncode == 0, tp.stderr
     shutil.rmtree(tmp_path / "checkpoint" / "step-6")

@@ -37,13 +37,18 @@ def free_port() -> int:
 def tensorboard_server(logdir: Path):
     """The real `tensorboard` on 127.0.0.1; yields get(path, body=None) -> parsed JSON."""
     port = free_port()
-    server = subprocess.Popen([str(TENSORBOARD), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [str(TENSORBOARD), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     def get(path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())
 
@@ -77,14 +82,39 @@ def config_steps(run: Path) -> list[int]:
 
 @pytest.mark.extended
 def test_two_rank_dashboard_read_over_http(tmp_path):
-    out = run_titanlite([
-        "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(tmp_path), "--job.description", "dash test",
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "13",
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--metrics.save_for_all_ranks",
-        "--metrics.summary_warmup_steps", "1",
-        "--validation.enable", "--validation.freq", "4", "--validation.steps", "2",
-        "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.async_mode", "async",
-    ], nproc=2)
+    out = run_titanlite(
+        [
+            "--job.config_file",
+            DEBUG_CONFIG,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--job.description",
+            "dash test",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "13",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.enable_tensorboard",
+            "--metrics.save_for_all_ranks",
+            "--metrics.summary_warmup_steps",
+            "1",
+            "--validation.enable",
+            "--validation.freq",
+            "4",
+            "--validation.steps",
+            "2",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "4",
+            "--checkpoint.async_mode",
+            "async",
+        ],
+        nproc=2,
+    )
     assert out.returncode == 0, out.stderr
     (job,) = (tmp_path / "tb").iterdir()
     assert re.fullmatch(r"dash_test-\d{8}-\d{6}", job.name)
@@ -92,35 +122,87 @@ def test_two_rank_dashboard_read_over_http(tmp_path):
     with tensorboard_server(tmp_path / "tb") as get:
         tags = get("/data/plugin/scalars/tags")
         assert set(tags) == runs
-        expected = {"loss/train", "loss/validation", "perplexity/validation", "throughput/tps", "throughput/tflops",
-                    "memory/reserved_gib", "memory/share", "memory/capacity_gib", "optim/lr", "optim/grad_norm",
-                    "data/wait_share", "data/trained_tokens", "checkpoint/save_seconds", "checkpoint/blocked_seconds",
-                    "checkpoint/training_lost_seconds", "time/step_seconds"}  # no throughput/mfu: a CPU has no known peak
+        expected = {
+            "loss/train",
+            "loss/validation",
+            "perplexity/validation",
+            "throughput/tps",
+            "throughput/tflops",
+            "memory/reserved_gib",
+            "memory/share",
+            "memory/capacity_gib",
+            "optim/lr",
+            "optim/grad_norm",
+            "data/wait_share",
+            "data/trained_tokens",
+            "checkpoint/save_seconds",
+            "checkpoint/blocked_seconds",
+            "checkpoint/training_lost_seconds",
+            "time/step_seconds",
+        }  # no throughput/mfu: a CPU has no known peak
         assert set(tags[f"{job.name}/rank0"]) == expected
         assert set(tags[f"{job.name}/rank1"]) == expected  # every rank measures its own tps and memory
 
         layout = get("/data/plugin/custom_scalars/layout")
         charts = {c["title"]: c["multiline"]["tag"] for cat in layout["category"] for c in cat["chart"]}
         assert charts["loss: train and validation"] == [r"^loss/(train|validation)$"]
-        assert {"tokens per second per device", "memory against the device's capacity (GiB)", "learning rate",
-                "grad_norm (before clipping)"} <= set(charts)
-        assert charts["no MFU: cpu has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device"] == [
-            r"^throughput/tflops$"]
+        assert {
+            "tokens per second per device",
+            "memory against the device's capacity (GiB)",
+            "learning rate",
+            "grad_norm (before clipping)",
+        } <= set(charts)
+        assert charts[
+            "no MFU: cpu has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device"
+        ] == [r"^throughput/tflops$"]
 
         (text,) = get(f"/data/plugin/text/text?run={job.name}/rank0&tag=config/text_summary")
         assert "seq_len = 64" in text["text"] and 'description = "dash test"' in text["text"]
 
         experiment = get("/data/plugin/hparams/experiment", {"experimentName": ""})
         assert {h["name"] for h in experiment["hparamInfos"]} == {
-            "family", "flavor", "world_size", "mesh", "AC", "compile", "float8", "loss chunks", "batch", "seq_len", "lr", "dataset"}
-        assert [m["name"]["tag"] for m in experiment["metricInfos"]] == ["loss/train", "throughput/tps", "throughput/mfu"]
-        groups = get("/data/plugin/hparams/session_groups", {
-            "experimentName": "", "startIndex": 0, "sliceSize": 10,
-            "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]})
+            "family",
+            "flavor",
+            "world_size",
+            "mesh",
+            "AC",
+            "compile",
+            "float8",
+            "loss chunks",
+            "batch",
+            "seq_len",
+            "lr",
+            "dataset",
+        }
+        assert [m["name"]["tag"] for m in experiment["metricInfos"]] == [
+            "loss/train",
+            "throughput/tps",
+            "throughput/mfu",
+        ]
+        groups = get(
+            "/data/plugin/hparams/session_groups",
+            {
+                "experimentName": "",
+                "startIndex": 0,
+                "sliceSize": 10,
+                "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"],
+            },
+        )
         (group,) = groups["sessionGroups"]  # rank 0 describes the run
         assert group["hparams"] | {"lr": 0} == {
-            "family": "llama3", "flavor": "debugmodel", "world_size": 2.0, "mesh": "dp_replicate 1 x dp_shard 2 x tp 1, pp 1",
-            "AC": "none", "compile": "off", "float8": "off", "loss chunks": "off", "batch": 4.0, "seq_len": 64.0, "lr": 0, "dataset": "sample"}
+            "family": "llama3",
+            "flavor": "debugmodel",
+            "world_size": 2.0,
+            "mesh": "dp_replicate 1 x dp_shard 2 x tp 1, pp 1",
+            "AC": "none",
+            "compile": "off",
+            "float8": "off",
+            "loss chunks": "off",
+            "batch": 4.0,
+            "seq_len": 64.0,
+            "lr": 0,
+            "dataset": "sample",
+        }
         final = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
         assert final["loss/train"] == pytest.approx(logged_losses(out.stderr)[13], abs=1e-4)
 
@@ -137,10 +219,28 @@ def test_two_rank_dashboard_read_over_http(tmp_path):
 
 def resume_flags(folder: Path, *extra) -> list[str]:
     return [
-        sys.executable, "-m", "titanlite.train", "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(folder),
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "8",
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "--checkpoint.enable",
-        "--checkpoint.interval", "1", "--checkpoint.async_mode", "async", *extra,
+        sys.executable,
+        "-m",
+        "titanlite.train",
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(folder),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "8",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.async_mode",
+        "async",
+        *extra,
     ]
 
 
@@ -168,8 +268,9 @@ def test_kill_resume_and_rewind_draw_one_line(tmp_path):
     assert config_steps(job) == [0, resumed_at]  # each start's config, at the step it started from
 
     rewind_started = time.time()
-    rewound = subprocess.run(resume_flags(tmp_path, "--checkpoint.load_step", "3"), cwd=ROOT, capture_output=True,
-                             text=True, timeout=300)
+    rewound = subprocess.run(
+        resume_flags(tmp_path, "--checkpoint.load_step", "3"), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert rewound.returncode == 0, rewound.stderr
     events = scalars(job, "loss/train")
     assert [e.step for e in events] == list(range(1, 9))
@@ -191,8 +292,10 @@ def written_layout(folder: Path) -> dict[str, dict[str, list[str]]]:
     events.Reload()
     last = events.Tensors(metadata.CONFIG_SUMMARY_TAG)[-1]
     layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(last.tensor_proto).item())
-    return {category.title: {chart.title: list(chart.multiline.tag) for chart in category.chart}
-            for category in layout.category}
+    return {
+        category.title: {chart.title: list(chart.multiline.tag) for chart in category.chart}
+        for category in layout.category
+    }
 
 
 @pytest.mark.parametrize("peak", [0.0, 989.0])
@@ -208,30 +311,54 @@ def test_the_dashboard_has_a_chart_for_every_group_a_run_writes(tmp_path, peak):
     metrics.start_tensorboard(tmp_path, job, 0, {"lr": job.optimizer.lr})
     metrics.write_scalars(1, {"loss/train": 8.0, "optim/lr": 8e-4, "optim/grad_norm": 1.0}, flush=True)
     (charts,) = written_layout(tmp_path).values()
-    assert charts["learning rate"] == [r"^optim/lr$"] and charts["grad_norm (before clipping)"] == [r"^optim/grad_norm$"]
+    assert charts["learning rate"] == [r"^optim/lr$"] and charts["grad_norm (before clipping)"] == [
+        r"^optim/grad_norm$"
+    ]
     assert charts["step time (s)"] == [r"^time/step_seconds$"]
     mfu = {title: tags for title, tags in charts.items() if "MFU" in title}
     assert list(charts)[2] in mfu  # beside tps, where it is either way
-    assert mfu == ({"MFU (%)": [r"^throughput/mfu$"]} if peak > 0 else {
-        "no MFU: cpu has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device": [r"^throughput/tflops$"]})
+    assert mfu == (
+        {"MFU (%)": [r"^throughput/mfu$"]}
+        if peak > 0
+        else {
+            "no MFU: cpu has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device": [
+                r"^throughput/tflops$"
+            ]
+        }
+    )
     assert set(written_layout(tmp_path)) == {"titanlite"}  # no empty charts for groups the run has not written
 
-    metrics.write_scalars(2, {"dpo/reward_accuracy": 0.5, "dpo/margin": 0.1, "eval/arc_easy/acc": 0.3,
-                              "eval/arc_easy/acc_norm": 0.3, "eval/mmlu_anatomy/acc": 0.2, "rl/completion_length": 12.0,
-                              "rl/reward/letter_share": 0.2, "rl/reward": 1.0}, flush=True)
+    metrics.write_scalars(
+        2,
+        {
+            "dpo/reward_accuracy": 0.5,
+            "dpo/margin": 0.1,
+            "eval/arc_easy/acc": 0.3,
+            "eval/arc_easy/acc_norm": 0.3,
+            "eval/mmlu_anatomy/acc": 0.2,
+            "rl/completion_length": 12.0,
+            "rl/reward/letter_share": 0.2,
+            "rl/reward": 1.0,
+        },
+        flush=True,
+    )
     metrics.write_scalars(3, {"eval/arc_easy/acc": 0.4, "dpo/margin": 0.2}, flush=True)  # nothing new: no new layout
     layout = written_layout(tmp_path)
     assert layout["titanlite"] == charts
     assert layout["DPO"] == {
         "dpo/reward_accuracy: share of pairs whose chosen reward beats the rejected": [r"^dpo/reward_accuracy$"],
-        "dpo/margin: mean chosen minus rejected reward": [r"^dpo/margin$"]}
-    assert layout["eval"] == {"eval/arc_easy/acc": [r"^eval/arc_easy/acc$"],
-                              "eval/arc_easy/acc_norm": [r"^eval/arc_easy/acc_norm$"],
-                              "eval/mmlu_anatomy/acc": [r"^eval/mmlu_anatomy/acc$"]}
+        "dpo/margin: mean chosen minus rejected reward": [r"^dpo/margin$"],
+    }
+    assert layout["eval"] == {
+        "eval/arc_easy/acc": [r"^eval/arc_easy/acc$"],
+        "eval/arc_easy/acc_norm": [r"^eval/arc_easy/acc_norm$"],
+        "eval/mmlu_anatomy/acc": [r"^eval/mmlu_anatomy/acc$"],
+    }
     assert list(layout["RL"].items()) == [  # the reward first, whatever order the tags came in
         ("rl/reward: mean reward (the weighted sum of the reward functions)", [r"^rl/reward$"]),
         ("rl/reward/letter_share: mean reward of the function letter_share", [r"^rl/reward/letter_share$"]),
-        ("rl/completion_length: mean completion length (tokens)", [r"^rl/completion_length$"])]
+        ("rl/completion_length: mean completion length (tokens)", [r"^rl/completion_length$"]),
+    ]
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert len(events.Tensors("custom_scalars__config__")) == 2  # the start's layout, then once with the new groups
@@ -240,7 +367,8 @@ def test_the_dashboard_has_a_chart_for_every_group_a_run_writes(tmp_path, peak):
         served = get("/data/plugin/custom_scalars/layout")
         tags = set(get("/data/plugin/scalars/tags")["."])
     assert {c["title"]: list(c["multiline"]["tag"]) for c in served["category"][1]["chart"]} == layout[
-        served["category"][1]["title"]]
+        served["category"][1]["title"]
+    ]
     for category in served["category"][1:]:
         for chart in category["chart"]:
             (pattern,) = chart["multiline"]["tag"]
@@ -271,8 +399,11 @@ def test_a_save_that_waits_for_the_previous_write_says_so_once(tmp_path, world_o
     optimizer = torch.optim.AdamW(model.parameters())
     manager = CheckpointManager(
         checkpointed_run(model, Checkpoint(enable=True, interval=1, async_mode="async"), tmp_path),
-        checkpointed_training(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-                              StatefulDataLoader(list(range(4)))),
+        checkpointed_training(
+            optimizer,
+            torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+            StatefulDataLoader(list(range(4))),
+        ),
     )
     for step in (1, 2, 3):  # no training between the saves: each one starts while the previous one writes
         manager.maybe_save(step)

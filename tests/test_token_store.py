@@ -107,7 +107,9 @@ def test_interrupted_prepare_keeps_finished_shards_and_redoes_the_rest(tmp_path,
         for path in shard_paths(broken, shard):
             path.unlink()
     (broken / "shard-00002.bin.tmp").write_bytes(b"\1\2\3")
-    (broken / "shard-00001.bin.xxh3").unlink()  # shard 1 as a titanlite before store checksums finished it: they are added
+    (
+        broken / "shard-00001.bin.xxh3"
+    ).unlink()  # shard 1 as a titanlite before store checksums finished it: they are added
     finished = shard_paths(broken, 0)[0].stat().st_mtime_ns
     prepare(str(source), str(broken), documents_per_shard=8)
     assert shard_paths(broken, 0)[0].stat().st_mtime_ns == finished
@@ -118,24 +120,56 @@ def test_interrupted_prepare_keeps_finished_shards_and_redoes_the_rest(tmp_path,
 
 def test_prepare_cli_tokenizes_a_txt_folder_in_worker_processes(tmp_path):
     source = txt_folder(tmp_path / "txt", 12, "text")
-    done = subprocess.run([sys.executable, "-m", "titanlite.data.prepare", "--input", str(source), "--output",
-                           str(tmp_path / "store"), "--workers", "2", "--documents_per_shard", "5"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titanlite.data.prepare",
+            "--input",
+            str(source),
+            "--output",
+            str(tmp_path / "store"),
+            "--workers",
+            "2",
+            "--documents_per_shard",
+            "5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout and "12 documents" in done.stdout and "in 3 shards" in done.stdout
-    bad = subprocess.run([sys.executable, "-m", "titanlite.data.prepare", "--input", str(tmp_path / "nothing.jsonl"),
-                          "--output", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titanlite.data.prepare",
+            "--input",
+            str(tmp_path / "nothing.jsonl"),
+            "--output",
+            str(tmp_path / "x"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"error: --input {tmp_path / 'nothing.jsonl'} does not exist; point it at a .jsonl/.json/.parquet/.arrow/.txt file or a folder of such files"
     ]
 
 
-@pytest.mark.parametrize("argv, fault", [
-    (["--output", "{out}/other"], "holds a store prepared with other arguments"),
-    (["--output", "{out}/full"], "is a folder with other files in it"),
-    (["--workers", "0"], "--workers (0) and --documents_per_shard (20000) must be at least 1"),
-    (["--tokenizer", "{out}/none.model"], "the tokenizer file"),
-])
+@pytest.mark.parametrize(
+    "argv, fault",
+    [
+        (["--output", "{out}/other"], "holds a store prepared with other arguments"),
+        (["--output", "{out}/full"], "is a folder with other files in it"),
+        (["--workers", "0"], "--workers (0) and --documents_per_shard (20000) must be at least 1"),
+        (["--tokenizer", "{out}/none.model"], "the tokenizer file"),
+    ],
+)
 def test_bad_prepare_arguments_are_one_sentence(tmp_path, capsys, argv, fault):
     prepare("sample_val", str(tmp_path / "other"), documents_per_shard=3)
     (tmp_path / "full").mkdir()
@@ -150,7 +184,10 @@ def test_a_hub_dataset_that_cannot_be_streamed_is_one_sentence(tmp_path, monkeyp
     # Offline mode makes the hub client fail at once instead of retrying for ~20 s.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    with pytest.raises(UserError, match=r"--input allenai/c4 is no local file or folder and could not be streamed from the Hugging Face hub \(.*\); check"):
+    with pytest.raises(
+        UserError,
+        match=r"--input allenai/c4 is no local file or folder and could not be streamed from the Hugging Face hub \(.*\); check",
+    ):
         prepare("allenai/c4", str(tmp_path / "c4"), hf_config="en")
     assert not (tmp_path / "c4").exists()
 
@@ -158,7 +195,10 @@ def test_a_hub_dataset_that_cannot_be_streamed_is_one_sentence(tmp_path, monkeyp
 def test_a_store_from_another_tokenizer_names_both(sample_store, tmp_path):
     other = tmp_path / "tokenizer.model"
     other.write_bytes(SHIPPED_TOKENIZER.read_bytes() + b"\n")  # same ranks, another file
-    with pytest.raises(UserError, match=rf"was prepared with the tokenizer {SHIPPED_TOKENIZER} \(sha256 \w+\) but this run uses {other}"):
+    with pytest.raises(
+        UserError,
+        match=rf"was prepared with the tokenizer {SHIPPED_TOKENIZER} \(sha256 \w+\) but this run uses {other}",
+    ):
         loader(sample_store, load_tokenizer(other))
 
 
@@ -214,11 +254,14 @@ def test_mix_weights_hold_in_every_block_and_resume_exactly(sample_store, tokeni
     assert seen["1_raw"] == SEQ * int(one.windows.windows_seen(24)[1])
 
 
-@pytest.mark.parametrize("mix, fault", [
-    ([{"path": "{tmp}/missing", "weight": 1.0}], r"training.dataset_mix\[0\].path {tmp}/missing does not exist"),
-    ([{"path": "", "weight": 1.0}], r"training.dataset_mix\[0\] has no path"),
-    ([{"path": "{tmp}/empty", "weight": 1.0}], r"training.dataset_mix\[0\].path {tmp}/empty is a folder without"),
-])
+@pytest.mark.parametrize(
+    "mix, fault",
+    [
+        ([{"path": "{tmp}/missing", "weight": 1.0}], r"training.dataset_mix\[0\].path {tmp}/missing does not exist"),
+        ([{"path": "", "weight": 1.0}], r"training.dataset_mix\[0\] has no path"),
+        ([{"path": "{tmp}/empty", "weight": 1.0}], r"training.dataset_mix\[0\].path {tmp}/empty is a folder without"),
+    ],
+)
 def test_a_missing_or_empty_mix_source_is_one_sentence(tokenizer, tmp_path, mix, fault):
     (tmp_path / "empty").mkdir()
     sources = [DataSource(e["path"].format(tmp=tmp_path), e["weight"]) for e in mix]
@@ -231,8 +274,18 @@ def test_a_missing_or_empty_mix_source_is_one_sentence(tokenizer, tmp_path, mix,
 def test_a_mix_trains_and_reports_tokens_per_source(sample_store, tmp_path, tiny_run):
     raw = txt_folder(tmp_path / "raw", 10, "mixed")
     mix = f'[{{ path = "{sample_store}", weight = 0.9 }}, {{ path = "{raw}", weight = 0.3 }}]'
-    done = run_titanlite([*tiny_run, "--training.dataset_mix", mix, "--training.steps", "12", "--metrics.enable_tensorboard",
-                          "--training.mixed_precision_param", "float32"])
+    done = run_titanlite(
+        [
+            *tiny_run,
+            "--training.dataset_mix",
+            mix,
+            "--training.steps",
+            "12",
+            "--metrics.enable_tensorboard",
+            "--training.mixed_precision_param",
+            "float32",
+        ]
+    )
     assert done.returncode == 0, done.stderr
     losses = logged_losses(done.stderr)
     assert losses[12] < losses[1] - 0.5, losses
@@ -247,15 +300,33 @@ def test_a_mix_trains_and_reports_tokens_per_source(sample_store, tmp_path, tiny
 @pytest.mark.extended
 def test_training_resumes_exactly_from_two_ranks_on_one_and_one_on_two(sample_store, tmp_path):
     """fp32, global batch 4: 1 rank x 4, then 2 ranks x 2 from its step-2 checkpoint, then 1 rank from their step 4."""
-    flags = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--training.seq_len", "64",
-             "--training.global_batch_size", "4", "--training.steps", "6", "--training.dataset_path", str(sample_store),
-             "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
-             "--checkpoint.enable", "--checkpoint.interval", "2"]
+    flags = [
+        "--job.config_file",
+        str(ROOT / "train_configs" / "debug_model.toml"),
+        "--training.seq_len",
+        "64",
+        "--training.global_batch_size",
+        "4",
+        "--training.steps",
+        "6",
+        "--training.dataset_path",
+        str(sample_store),
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.enable_tensorboard",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
 
     def run(folder: Path, nproc: int, local_batch: int, resume_from: Path | None = None) -> dict[int, float]:
         if resume_from is not None:
             shutil.copytree(resume_from, folder / "checkpoint" / resume_from.name)
-        done = run_titanlite([*flags, "--job.dump_folder", str(folder), "--training.local_batch_size", str(local_batch)], nproc=nproc)
+        done = run_titanlite(
+            [*flags, "--job.dump_folder", str(folder), "--training.local_batch_size", str(local_batch)], nproc=nproc
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return tensorboard_scalars(folder / "tb", "loss/train")
 
@@ -267,16 +338,33 @@ def test_training_resumes_exactly_from_two_ranks_on_one_and_one_on_two(sample_st
     for step, loss in {**on_two, **back_on_one}.items():
         assert loss == pytest.approx(reference[step], abs=1e-5), step
     # The same job on the raw corpus instead of its store: the saved position is refused, not misread.
-    raw = run_titanlite([*flags, "--training.dataset_path", "", "--training.steps", "8",
-                         "--job.dump_folder", str(tmp_path / "back"), "--training.local_batch_size", "4"])
+    raw = run_titanlite(
+        [
+            *flags,
+            "--training.dataset_path",
+            "",
+            "--training.steps",
+            "8",
+            "--job.dump_folder",
+            str(tmp_path / "back"),
+            "--training.local_batch_size",
+            "4",
+        ]
+    )
     assert raw.returncode == 2 and raw.stderr.strip().splitlines()[-1] == (
         f"error: checkpoint {tmp_path / 'back' / 'checkpoint' / 'step-6'} holds a data position for a token store or mix, but this "
-        "run reads the other kind; resume with the training.dataset_path or dataset_mix it was saved with")
+        "run reads the other kind; resume with the training.dataset_path or dataset_mix it was saved with"
+    )
 
 
 def test_benchmark_prints_the_loader_tokens_per_second(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/benchmark.py", "--loader", "--loader-seconds", "0.3", "--work-dir", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--loader", "--loader-seconds", "0.3", "--work-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     rates = re.findall(r"\| token store, seq \d+, batch 8, \d workers \| ([\d,]+) \|", done.stdout)
     assert len(rates) == 3 and all(int(r.replace(",", "")) > 0 for r in rates), done.stdout
@@ -284,8 +372,13 @@ def test_benchmark_prints_the_loader_tokens_per_second(tmp_path):
 
 def test_validation_reads_a_store_in_one_finite_pass(sample_store, tokenizer):
     def pass_of(rank: int) -> list:
-        finite = build_dataloader(DataSpec("sample_val", str(sample_store), SEQ, 4, infinite=False, section="validation"),
-                                  tokenizer, rank, 2, 0)
+        finite = build_dataloader(
+            DataSpec("sample_val", str(sample_store), SEQ, 4, infinite=False, section="validation"),
+            tokenizer,
+            rank,
+            2,
+            0,
+        )
         first, again = list(finite), list(finite)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again)) and len(first) == len(again)
         return first
@@ -307,22 +400,53 @@ def older_store(folder: Path) -> None:
         sums.unlink()
 
 
-@pytest.mark.parametrize("damage, fault", [
-    (lambda f: edit_manifest(f, lambda m: m["shards"][0].update(tokens=m["shards"][0]["tokens"] + 5)),
-     r"shard-00000.bin holds \d+ bytes but .*manifest.json says \d+ tokens"),
-    (lambda f: edit_manifest(f, lambda m: m.update(dtype="uint32")), "its dtype uint32 is not the one prepare writes"),
-    (lambda f: edit_manifest(f, lambda m: m.update(dtype="float16")), "its dtype 'float16' is not uint16 or uint32"),
-    (lambda f: edit_manifest(f, lambda m: m.pop("tokenizer")), r"its tokenizer record .* is missing or damaged"),
-    (lambda f: edit_manifest(f, lambda m: m["shards"][1].update(documents="20")), "its shards list"),
-    (lambda f: edit_manifest(f, lambda m: m["shards"][1].update(documents=19)), r"shard-00001.idx.npy holds int64 offsets of shape \(21,\)"),
-    (lambda f: edit_manifest(f, lambda m: m["shards"][0].update(max_id=70000)), "holds token id 70000 but its tokenizer has"),
-    (lambda f: (f / "shard-00001.bin").write_bytes((f / "shard-00001.bin").read_bytes()[:-6]), "shard-00001.bin holds"),
-    (lambda f: (f / "shard-00002.idx.npy").write_bytes(b"\x93NUMPY garbled"), "shard-00002.idx.npy does not match the checksum"),
-    (lambda f: older_store(f) or (f / "shard-00002.idx.npy").write_bytes(b"\x93NUMPY garbled"), "cannot be read as document offsets"),
-    (lambda f: older_store(f) or np.save(f / "shard-00000.idx.npy", np.load(f / "shard-00000.idx.npy")[::-1].copy()), "out of order"),
-    (lambda f: (f / "manifest.json").unlink(), "holds token-store shards but no manifest.json"),
-    (lambda f: (f / "manifest.json").write_text("[1, 2]"), "is not a titanlite-token-store-1 manifest"),
-])
+@pytest.mark.parametrize(
+    "damage, fault",
+    [
+        (
+            lambda f: edit_manifest(f, lambda m: m["shards"][0].update(tokens=m["shards"][0]["tokens"] + 5)),
+            r"shard-00000.bin holds \d+ bytes but .*manifest.json says \d+ tokens",
+        ),
+        (
+            lambda f: edit_manifest(f, lambda m: m.update(dtype="uint32")),
+            "its dtype uint32 is not the one prepare writes",
+        ),
+        (
+            lambda f: edit_manifest(f, lambda m: m.update(dtype="float16")),
+            "its dtype 'float16' is not uint16 or uint32",
+        ),
+        (lambda f: edit_manifest(f, lambda m: m.pop("tokenizer")), r"its tokenizer record .* is missing or damaged"),
+        (lambda f: edit_manifest(f, lambda m: m["shards"][1].update(documents="20")), "its shards list"),
+        (
+            lambda f: edit_manifest(f, lambda m: m["shards"][1].update(documents=19)),
+            r"shard-00001.idx.npy holds int64 offsets of shape \(21,\)",
+        ),
+        (
+            lambda f: edit_manifest(f, lambda m: m["shards"][0].update(max_id=70000)),
+            "holds token id 70000 but its tokenizer has",
+        ),
+        (
+            lambda f: (f / "shard-00001.bin").write_bytes((f / "shard-00001.bin").read_bytes()[:-6]),
+            "shard-00001.bin holds",
+        ),
+        (
+            lambda f: (f / "shard-00002.idx.npy").write_bytes(b"\x93NUMPY garbled"),
+            "shard-00002.idx.npy does not match the checksum",
+        ),
+        (
+            lambda f: older_store(f) or (f / "shard-00002.idx.npy").write_bytes(b"\x93NUMPY garbled"),
+            "cannot be read as document offsets",
+        ),
+        (
+            lambda f: (
+                older_store(f) or np.save(f / "shard-00000.idx.npy", np.load(f / "shard-00000.idx.npy")[::-1].copy())
+            ),
+            "out of order",
+        ),
+        (lambda f: (f / "manifest.json").unlink(), "holds token-store shards but no manifest.json"),
+        (lambda f: (f / "manifest.json").write_text("[1, 2]"), "is not a titanlite-token-store-1 manifest"),
+    ],
+)
 def test_a_damaged_store_is_one_sentence_when_it_is_opened(sample_store, tokenizer, tmp_path, damage, fault):
     """Manifest and shards are checked against each other when the store opens (before step 1): sizes, dtype, index
     bounds, the tokenizer record and the largest id."""
@@ -363,8 +487,11 @@ def test_bit_rot_inside_a_shard_stops_the_read_naming_the_file_and_bytes(sample_
         for _ in range(500):
             next(batches)
     # A worker's error arrives wrapped in its traceback; the entry points print its sentence (the next test).
-    assert re.match(rf"training.dataset_path: \S+shard-00001.bin bytes 65536..{size - 1} do not match their checksum in "
-                    r"shard-00001.bin.xxh3 \(recorded by prepare\): one of the two files changed on disk;", sentence(raised.value))
+    assert re.match(
+        rf"training.dataset_path: \S+shard-00001.bin bytes 65536..{size - 1} do not match their checksum in "
+        r"shard-00001.bin.xxh3 \(recorded by prepare\): one of the two files changed on disk;",
+        sentence(raised.value),
+    )
 
 
 def test_damage_a_worker_finds_ends_the_run_in_its_one_sentence(sample_store, tiny_run, tmp_path, capfd):
@@ -378,7 +505,9 @@ def test_damage_a_worker_finds_ends_the_run_in_its_one_sentence(sample_store, ti
     err = capfd.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert "Traceback" not in err and "Caught UserError" not in err and len(errors) == 1
-    assert re.match(r"error: training.dataset_path: \S+shard-\d+.bin bytes 0..\d+ do not match their checksum", errors[0])
+    assert re.match(
+        r"error: training.dataset_path: \S+shard-\d+.bin bytes 0..\d+ do not match their checksum", errors[0]
+    )
 
 
 def test_a_store_prepared_before_checksums_reads_unverified_and_says_so(sample_store, tokenizer, tmp_path, caplog):

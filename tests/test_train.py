@@ -23,7 +23,14 @@ def test_trains_prints_the_line_and_writes_config_and_tensorboard(tmp_path, tiny
     assert "steps = 6" in resolved and "seq_len = 64" in resolved
     scalars = tensorboard_scalars(tmp_path / "tb", "loss/train")
     assert sorted(scalars) == [1, 2, 3, 4, 5, 6]
-    for tag in ("optim/grad_norm", "optim/lr", "throughput/tps", "throughput/tflops", "memory/reserved_gib", "data/wait_share"):
+    for tag in (
+        "optim/grad_norm",
+        "optim/lr",
+        "throughput/tps",
+        "throughput/tflops",
+        "memory/reserved_gib",
+        "data/wait_share",
+    ):
         assert len(tensorboard_scalars(tmp_path / "tb", tag)) == 6
 
 
@@ -66,7 +73,13 @@ def test_tokenizer_larger_than_the_model_vocab_is_refused(tmp_path, tiny_run, ca
 
     tokens = [bytes([b]) for b in range(256)] + [bytes(p) for p in itertools.product(range(256), range(129))]
     (tmp_path / "big.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
-    assert main(tiny_run + ["--model.name", "llama2", "--model.flavor", "7B", "--model.tokenizer_path", str(tmp_path / "big.model")]) == 2
+    assert (
+        main(
+            tiny_run
+            + ["--model.name", "llama2", "--model.flavor", "7B", "--model.tokenizer_path", str(tmp_path / "big.model")]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip() == (
         "error: the tokenizer has 33536 tokens but llama2/7B has a vocabulary of 32000; "
         "use that model's own tokenizer (model.tokenizer_path) or a debugmodel flavor"

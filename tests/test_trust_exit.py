@@ -31,15 +31,23 @@ exit_process(3)
 
 
 def test_a_process_whose_exit_waits_forever_leaves_with_its_code_within_seconds():
-    process = subprocess.Popen([sys.executable, "-c", STUCK], cwd=ROOT, env=with_root_on_path(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", STUCK],
+        cwd=ROOT,
+        env=with_root_on_path(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout.readline() == "exiting\n"
     said = time.monotonic()
     out, err = process.communicate(timeout=EXIT_SECONDS + 30)
     assert process.returncode == 3, err[-3000:]
     assert EXIT_SECONDS <= time.monotonic() - said < EXIT_SECONDS + 5
-    assert err.startswith("warning: the process was still exiting 10 s after its run ended; it leaves now with exit "
-                          "code 3 (where each thread was:)\n"), err[-3000:]
+    assert err.startswith(
+        "warning: the process was still exiting 10 s after its run ended; it leaves now with exit "
+        "code 3 (where each thread was:)\n"
+    ), err[-3000:]
     assert "in wait_for_a_peer_that_is_gone" in err  # the stack of what kept it
 
 
@@ -57,8 +65,14 @@ exit_process(3)
 def test_a_process_whose_exit_holds_the_gil_leaves_too():
     """No Python thread runs while the GIL is held: faulthandler's watchdog (a C thread) ends the process at twice
     EXIT_SECONDS, exit 1."""
-    process = subprocess.Popen([sys.executable, "-c", HOLDING_THE_GIL], cwd=ROOT, env=with_root_on_path(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDING_THE_GIL],
+        cwd=ROOT,
+        env=with_root_on_path(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout.readline() == "exiting\n"
     said = time.monotonic()
     out, err = process.communicate(timeout=EXIT_SECONDS + 30)

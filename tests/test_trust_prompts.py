@@ -31,8 +31,12 @@ def write_jsonl(path, records) -> None:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
 
 
-MIXED = [{"prompt": "a", "answer": "007", "flag": "true"}, {"prompt": "b", "answer": 7, "flag": True},
-         {"prompt": "c", "answer": None}, {"prompt": "d", "tests": ["x"]}]
+MIXED = [
+    {"prompt": "a", "answer": "007", "flag": "true"},
+    {"prompt": "b", "answer": 7, "flag": True},
+    {"prompt": "c", "answer": None},
+    {"prompt": "d", "tests": ["x"]},
+]
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
@@ -46,8 +50,12 @@ def test_fields_reach_the_rewards_as_the_file_holds_them(tmp_path, tokenizer, su
         write_jsonl(path, MIXED)
     prompts = prompt_set(path, tokenizer)
     assert prompts.prompts == ["a", "b", "c", "d"]
-    assert prompts.fields == [{"answer": "007", "flag": "true", "tests": None}, {"answer": 7, "flag": True, "tests": None},
-                              {"answer": None, "flag": None, "tests": None}, {"answer": None, "flag": None, "tests": ["x"]}]
+    assert prompts.fields == [
+        {"answer": "007", "flag": "true", "tests": None},
+        {"answer": 7, "flag": True, "tests": None},
+        {"answer": None, "flag": None, "tests": None},
+        {"answer": None, "flag": None, "tests": ["x"]},
+    ]
     assert [type(field["answer"]) for field in prompts.fields[:2]] == [str, int]
 
 
@@ -57,16 +65,29 @@ def test_parquet_fields_keep_the_files_own_schema(tmp_path, tokenizer):
     assert prompt_set(path, tokenizer).fields == [{"answer": "007", "n": 1}, {"answer": "7", "n": 2}]
 
 
-@pytest.mark.parametrize("text, fault", [
-    (b'{"prompt": "a"}\n\xff\xfe{"prompt": "b"}\n', "is not UTF-8 text (byte 0xff on line 2); re-encode it as UTF-8 or remove it"),
-    (b'{"prompt": "a"}\n{"prompt": \n', 'line 2 is not JSON (Expecting value); fix that line'),
-    (b'{"prompt": "a"}\n\n[1, 2]\n', 'line 3 is [1, 2], not a record {"prompt": ..., other fields}; fix or remove it'),
-    (b'{"prompt": "a"}\n{"question": "b", "answer": 1}\n',
-     'line 2 has no field "prompt" (its fields are question, answer), which training.dataset_format prompts reads'),
-    (b'{"prompt": 7}\n', 'line 1: "prompt" is neither text nor a list of messages; fix or remove it'),
-    (b'{"prompt": "a"}\n{"prompt": [{"role": "user", "content": "b"}, {"role": "robot", "content": "c"}]}\n',
-     "line 2 has a message of unknown role 'robot'; use "),
-])
+@pytest.mark.parametrize(
+    "text, fault",
+    [
+        (
+            b'{"prompt": "a"}\n\xff\xfe{"prompt": "b"}\n',
+            "is not UTF-8 text (byte 0xff on line 2); re-encode it as UTF-8 or remove it",
+        ),
+        (b'{"prompt": "a"}\n{"prompt": \n', "line 2 is not JSON (Expecting value); fix that line"),
+        (
+            b'{"prompt": "a"}\n\n[1, 2]\n',
+            'line 3 is [1, 2], not a record {"prompt": ..., other fields}; fix or remove it',
+        ),
+        (
+            b'{"prompt": "a"}\n{"question": "b", "answer": 1}\n',
+            'line 2 has no field "prompt" (its fields are question, answer), which training.dataset_format prompts reads',
+        ),
+        (b'{"prompt": 7}\n', 'line 1: "prompt" is neither text nor a list of messages; fix or remove it'),
+        (
+            b'{"prompt": "a"}\n{"prompt": [{"role": "user", "content": "b"}, {"role": "robot", "content": "c"}]}\n',
+            "line 2 has a message of unknown role 'robot'; use ",
+        ),
+    ],
+)
 def test_every_fault_is_one_sentence_naming_the_file_and_one_record(tmp_path, tokenizer, text, fault):
     """A message's fault named the record twice ("record 5: record 1 (counting from 1) has a message ..."); a file that
     is not UTF-8 ended in a traceback of the reader."""
@@ -92,15 +113,18 @@ def test_a_resume_on_changed_prompts_is_refused_in_one_sentence(tmp_path, tokeni
     state = saved.state_dict()
     assert set(state["identity"]) == {"prompts", "seed", "num_generations", "records", "sha256"}  # no layout
     order(path, tokenizer).load_state_dict(state)  # the same prompts resume
-    for records in ([{"prompt": f"q{i}", "answer": str(i)} for i in range(5)],
-                    [{"prompt": f"q{i}", "answer": str(i + (i == 3))} for i in range(6)]):
+    for records in (
+        [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)],
+        [{"prompt": f"q{i}", "answer": str(i + (i == 3))} for i in range(6)],
+    ):
         write_jsonl(path, records)
         with pytest.raises(UserError) as refused:
             order(path, tokenizer).load_state_dict(state)
         assert str(refused.value) == (
             f"{KEY} {path} changed since the checkpoint was saved (6 records then, {len(records)} now, other contents): the "
             "run would resume on another order of prompts; resume with the prompts it was saved with, or start a new run "
-            "in another job.dump_folder")
+            "in another job.dump_folder"
+        )
     older = {"identity": {"prompts": str(path), "seed": 0, "num_generations": 4, "dp_world": 2}, "prompts_consumed": 4}
     resumed = order(path, tokenizer)
     resumed.load_state_dict(older)  # a checkpoint from before the checksum, saved on 2 ranks
@@ -108,17 +132,48 @@ def test_a_resume_on_changed_prompts_is_refused_in_one_sentence(tmp_path, tokeni
 
 
 def grpo_flags(prompts, dump, steps, *extra) -> list[str]:
-    return [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--training.dataset_format",
-            "prompts", "--training.dataset_path", str(prompts), "--training.seq_len", "48", "--training.steps", str(steps),
-            "--training.local_batch_size", "4", "--training.global_batch_size", "8", "--rl.num_generations", "4",
-            "--rl.max_new_tokens", "8", "--rl.reward_functions", "tests/grpo_rewards.py:letter_share",
-            "--training.mixed_precision_param", "float32", "--rl.log_rollouts", "--checkpoint.enable",
-            "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false", *extra]
+    return [
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(dump),
+        "--training.dataset_format",
+        "prompts",
+        "--training.dataset_path",
+        str(prompts),
+        "--training.seq_len",
+        "48",
+        "--training.steps",
+        str(steps),
+        "--training.local_batch_size",
+        "4",
+        "--training.global_batch_size",
+        "8",
+        "--rl.num_generations",
+        "4",
+        "--rl.max_new_tokens",
+        "8",
+        "--rl.reward_functions",
+        "tests/grpo_rewards.py:letter_share",
+        "--training.mixed_precision_param",
+        "float32",
+        "--rl.log_rollouts",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.last_save_model_only",
+        "false",
+        *extra,
+    ]
 
 
 def prompts_by_step(dump) -> dict[int, list]:
     rows = [json.loads(line) for line in (dump / "rollouts.jsonl").read_text().splitlines()]
-    return {step: [row["prompt_ids"] for row in rows if row["step"] == step] for step in sorted({row["step"] for row in rows})}
+    return {
+        step: [row["prompt_ids"] for row in rows if row["step"] == step]
+        for step in sorted({row["step"] for row in rows})
+    }
 
 
 def test_a_resume_on_two_ranks_of_a_one_rank_checkpoint_goes_on_at_its_place(tmp_path):
@@ -144,5 +199,8 @@ def test_a_parquet_file_with_text_that_is_not_utf8_is_one_sentence(tmp_path, tok
     with pytest.raises(UserError) as refused:
         prompt_set(path, tokenizer)
     said = str(refused.value)
-    assert said.startswith(f"{KEY}: {path} holds text in 'prompt' that is not UTF-8 (") and said.endswith(
-        "); re-encode the file as UTF-8 or fix that record") and "\n" not in said
+    assert (
+        said.startswith(f"{KEY}: {path} holds text in 'prompt' that is not UTF-8 (")
+        and said.endswith("); re-encode the file as UTF-8 or fix that record")
+        and "\n" not in said
+    )

@@ -23,11 +23,15 @@ from titanlite.models import get_model_args, get_model_spec
 from titanlite.parallel.dims import ParallelDims
 from titanlite.run import ForwardSettings
 
-VALIDATE_LINE = re.compile(r"validate step: (\d+)  loss: (\d+\.\d{4})  perplexity: (\d+\.\d{4})  batches: (\d+)  tokens: ([\d,]+)")
+VALIDATE_LINE = re.compile(
+    r"validate step: (\d+)  loss: (\d+\.\d{4})  perplexity: (\d+\.\d{4})  batches: (\d+)  tokens: ([\d,]+)"
+)
 
 
 def validation_lines(output: str) -> dict[int, tuple[float, float, int]]:
-    return {int(s): (float(loss), float(ppl), int(batches)) for s, loss, ppl, batches, _ in VALIDATE_LINE.findall(output)}
+    return {
+        int(s): (float(loss), float(ppl), int(batches)) for s, loss, ppl, batches, _ in VALIDATE_LINE.findall(output)
+    }
 
 
 def test_sample_val_is_held_out_from_sample():
@@ -58,8 +62,15 @@ def validated(validation: Validation, training: Training, tokenizer, dims):
 
     cfg = JobConfig()
     cfg.validation, cfg.training = validation, training
-    return SimpleNamespace(cfg=cfg, loss_fn=cross_entropy_loss, forward=ForwardSettings(training.mixed_precision_param, False),
-                           pipeline=None, dims=dims, device=torch.device("cpu"), tokenizer=tokenizer)
+    return SimpleNamespace(
+        cfg=cfg,
+        loss_fn=cross_entropy_loss,
+        forward=ForwardSettings(training.mixed_precision_param, False),
+        pipeline=None,
+        dims=dims,
+        device=torch.device("cpu"),
+        tokenizer=tokenizer,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +89,9 @@ def tokenizer():
 
 def tiny_model(vocab_size: int, family: str = "llama3"):
     spec = get_model_spec(family)
-    args = replace(get_model_args(spec, "debugmodel"), vocab_size=vocab_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2)
+    args = replace(
+        get_model_args(spec, "debugmodel"), vocab_size=vocab_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2
+    )
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device="cpu")
@@ -117,8 +130,10 @@ def test_validator_reads_the_same_batches_every_time_and_weighs_tokens(one_rank,
 
 def test_validation_forwards_stay_out_of_the_moe_router_statistics(one_rank, tokenizer):
     model = tiny_model(tokenizer.vocab_size, "mixtral")
-    validator = Validator(validated(Validation(enable=True, steps=2), Training(local_batch_size=2, seq_len=32), tokenizer,
-                                    one_rank), Recorder())
+    validator = Validator(
+        validated(Validation(enable=True, steps=2), Training(local_batch_size=2, seq_len=32), tokenizer, one_rank),
+        Recorder(),
+    )
     validator.validate(model, step=1)
     assert model.extra_metrics() == {}  # what the next training log reports counts training forwards only
 
@@ -144,9 +159,17 @@ def test_synthetic_cannot_be_validated_on(one_rank, tokenizer):
 
 def test_validation_in_a_run_leaves_training_untouched(tmp_path, tiny_run):
     """Console line and TensorBoard agree; the training losses are those of a run without validation."""
-    validated = run_titanlite(tiny_run + [
-        "--validation.enable", "--validation.freq", "2", "--validation.steps", "3", "--metrics.enable_tensorboard",
-    ])
+    validated = run_titanlite(
+        tiny_run
+        + [
+            "--validation.enable",
+            "--validation.freq",
+            "2",
+            "--validation.steps",
+            "3",
+            "--metrics.enable_tensorboard",
+        ]
+    )
     assert validated.returncode == 0, validated.stderr
     plain = run_titanlite(tiny_run + ["--job.dump_folder", str(tmp_path / "plain")])
     assert plain.returncode == 0, plain.stderr
@@ -171,19 +194,42 @@ def test_two_ranks_agree_and_stop_together_with_rank_logs(tmp_path, tokenizer):
     and every rank computes the same loss. Rank 1 prints only its warnings, prefixed, and logs
     everything to its own file."""
     data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"text": f"doc {i}: " + "held out words " * (15 * (i + 1))}) + "\n" for i in range(6)))
+    data.write_text(
+        "".join(json.dumps({"text": f"doc {i}: " + "held out words " * (15 * (i + 1))}) + "\n" for i in range(6))
+    )
     shares = [
         len(list(build_dataloader(DataSpec("local", str(data), 64, 2, infinite=False), tokenizer, rank, 2, 0)))
         for rank in range(2)
     ]
     assert shares[0] != shares[1] and min(shares) > 0, shares
     dump = tmp_path / "run"
-    out = run_titanlite([
-        "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--job.log_rank_files",
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "2",
-        "--metrics.log_freq", "1", "--training.dataset_path", str(data),
-        "--validation.enable", "--validation.freq", "2", "--validation.steps", "-1", "--validation.dataset_path", str(data),
-    ], nproc=2)
+    out = run_titanlite(
+        [
+            "--job.config_file",
+            DEBUG_CONFIG,
+            "--job.dump_folder",
+            str(dump),
+            "--job.log_rank_files",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--training.steps",
+            "2",
+            "--metrics.log_freq",
+            "1",
+            "--training.dataset_path",
+            str(data),
+            "--validation.enable",
+            "--validation.freq",
+            "2",
+            "--validation.steps",
+            "-1",
+            "--validation.dataset_path",
+            str(data),
+        ],
+        nproc=2,
+    )
     assert out.returncode == 0, out.stderr
     ((loss, _, batches),) = validation_lines(out.stderr).values()
     assert batches == min(shares)

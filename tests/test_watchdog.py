@@ -12,16 +12,47 @@ from conftest import DEBUG_CONFIG, ON_CPU, ROOT, logged_losses, run_titanlite
 
 
 def flags(dump) -> list[str]:
-    return [*ON_CPU, "--job.config_file", DEBUG_CONFIG, "--job.dump_folder", str(dump), "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--training.steps", "6", "--metrics.log_freq", "1", "--checkpoint.enable",
-            "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+    return [
+        *ON_CPU,
+        "--job.config_file",
+        DEBUG_CONFIG,
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "6",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.last_save_model_only",
+        "false",
+    ]
 
 
 def run_with_fault(fault: str, args: list[str]) -> subprocess.CompletedProcess:
     """Two ranks under torchrun; rank 1 meets `fault` in its third step (tests/fault_run.py)."""
     env = {**os.environ, "FAULT": fault, "FAULT_RANK": "1", "FAULT_AT_STEP": "3"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "tests/fault_run.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "tests/fault_run.py",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_a_blocked_rank_is_named_the_job_exits_3_and_resumes_from_the_last_checkpoint(tmp_path):
@@ -30,9 +61,14 @@ def test_a_blocked_rank_is_named_the_job_exits_3_and_resumes_from_the_last_check
     err = hung.stderr
     # Rank 1 blocks in step 3; rank 0 waits for it in step 3's first collective.
     (sentence,) = re.findall(r"ERROR (hang: .*)", err)
-    assert sentence.startswith("hang: ranks 0, 1 did not finish step 3; rank 0 finished step 2, now in step 3: "), sentence
-    assert re.search(r"rank 1 finished step 2, now in step 3: train_step_with_a_fault \(.*fault_run.py:\d+\), called from "
-                     r"one_step \(.*titanlite/train.py:\d+\)", sentence), sentence
+    assert sentence.startswith("hang: ranks 0, 1 did not finish step 3; rank 0 finished step 2, now in step 3: "), (
+        sentence
+    )
+    assert re.search(
+        r"rank 1 finished step 2, now in step 3: train_step_with_a_fault \(.*fault_run.py:\d+\), called from "
+        r"one_step \(.*titanlite/train.py:\d+\)",
+        sentence,
+    ), sentence
     assert "exiting with code 3" in sentence
     assert "exitcode  : 3" in err  # torchrun's report: the workers' own exit code
     for rank in (0, 1):
@@ -59,7 +95,9 @@ def test_a_rank_killed_by_an_abort_prints_where_it_was(tmp_path):
     """An abort in a collective library or a segfault kills a rank without a Python traceback; faulthandler
     prints every thread's stack first, so the log says where the rank was, not only "Signal 6"."""
     args = [*flags(tmp_path), "--training.steps", "100000", "--checkpoint.enable", "false"]
-    run = subprocess.Popen([sys.executable, "-m", "titanlite.train", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "titanlite.train", *args], cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
     for line in run.stderr:  # training has begun
         if "step:" in line:
             break

@@ -26,12 +26,18 @@ def peak_of_a_step(cfg) -> int:
     args = model_args(cfg, spec)
     dims = ParallelDims.from_config(cfg.parallelism, dist.get_world_size())
     dims.build_mesh("cpu")
-    model = parallelizer(spec, dims, ParallelizeSettings.of(cfg))(meta_model(spec, args, cfg.training.param_dtype, cfg.lora))
+    model = parallelizer(spec, dims, ParallelizeSettings.of(cfg))(
+        meta_model(spec, args, cfg.training.param_dtype, cfg.lora)
+    )
     model.to_empty(device="cpu")
     model.init_weights(0)
     loss_fn = build_loss(cfg.training, cfg.compile)
-    tokens = torch.randint(0, args.vocab_size, (cfg.training.local_batch_size, cfg.training.seq_len),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0,
+        args.vocab_size,
+        (cfg.training.local_batch_size, cfg.training.seq_len),
+        generator=torch.Generator().manual_seed(0),
+    )
 
     def step():
         with loss_parallel_context(not cfg.parallelism.disable_loss_parallel):
@@ -50,7 +56,9 @@ def main(out: str, flags: list[str]) -> None:
     dist.init_process_group("gloo")
     peaks = {}
     for mode in AC_MODES:
-        cfg = load_config([*flags, "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", "op"])
+        cfg = load_config(
+            [*flags, "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", "op"]
+        )
         peaks[mode] = peak_of_a_step(cfg)
     if dist.get_rank() == 0:
         with open(out, "w") as f:

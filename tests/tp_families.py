@@ -27,8 +27,17 @@ STEPS, BATCH, SEQ = 5, 2, 64
 
 
 def losses(name: str, world: int, flags: tuple[str, ...] = ()) -> list[float]:
-    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--model.name", name,
-                       "--parallelism.tensor_parallel_degree", str(world), *flags])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--model.name",
+            name,
+            "--parallelism.tensor_parallel_degree",
+            str(world),
+            *flags,
+        ]
+    )
     spec = get_model_spec(cfg.model.name)
     tokenizer = build_tokenizer(cfg.model)
     args = resolve_model_args(cfg, spec, tokenizer.vocab_size)
@@ -37,9 +46,22 @@ def losses(name: str, world: int, flags: tuple[str, ...] = ()) -> list[float]:
         dims.build_mesh("cpu")
     model, *_ = build_model(cfg, spec, args, dims, torch.device("cpu"), cross_entropy_loss)
     objective = LanguageModelling()
-    run = Run(cfg, types.SimpleNamespace(device=torch.device("cpu")), dims, spec, args, tokenizer, model, None,
-              cross_entropy_loss, forward_settings(cfg, dims, torch.device("cpu"), tokenizer), step_settings(cfg, 1, objective),
-              0, 0.0, objective)
+    run = Run(
+        cfg,
+        types.SimpleNamespace(device=torch.device("cpu")),
+        dims,
+        spec,
+        args,
+        tokenizer,
+        model,
+        None,
+        cross_entropy_loss,
+        forward_settings(cfg, dims, torch.device("cpu"), tokenizer),
+        step_settings(cfg, 1, objective),
+        0,
+        0.0,
+        objective,
+    )
     optimizer = build_optimizer(model, cfg.optimizer, "cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     metrics = types.SimpleNamespace(data_seconds=0.0, tokens=0, trained=0.0)  # train_step only adds to these
@@ -65,8 +87,9 @@ def write_from_rank0(out_path: str, results) -> None:
 
 
 def main(out_path: str, families: str = "llama3,mistral,mixtral,gpt2") -> None:
-    write_from_rank0(out_path, lambda world: {name: list(zip(losses(name, world), losses(name, 1)))
-                                              for name in families.split(",")})
+    write_from_rank0(
+        out_path, lambda world: {name: list(zip(losses(name, world), losses(name, 1))) for name in families.split(",")}
+    )
 
 
 if __name__ == "__main__":

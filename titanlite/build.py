@@ -54,37 +54,71 @@ def build_run(cfg: JobConfig, info: DistInfo) -> Run:
     copy = functools.partial(build_model, dataclasses.replace(cfg, lora=LoRA()), spec, args, dims, info.device, loss_fn)
     objective = build_objective(cfg, lambda: copy()[0], spec.hf_adapter, args, model_label(cfg.model), info.device)
     accum_steps = grad_accumulation_steps(cfg.training, dims.dp_degree)
-    return Run(cfg, info, dims, spec, args, tokenizer, model, pipeline, loss_fn, forward_settings(cfg, dims, info.device, tokenizer),
-               step_settings(cfg, accum_steps, objective), num_params, flops_per_token, objective)
+    return Run(
+        cfg,
+        info,
+        dims,
+        spec,
+        args,
+        tokenizer,
+        model,
+        pipeline,
+        loss_fn,
+        forward_settings(cfg, dims, info.device, tokenizer),
+        step_settings(cfg, accum_steps, objective),
+        num_params,
+        flops_per_token,
+        objective,
+    )
 
 
 def forward_settings(cfg: JobConfig, dims: ParallelDims, device: torch.device, tokenizer) -> ForwardSettings:
     offload = cfg.activation_checkpoint.offload_activations
-    return ForwardSettings(cfg.training.mixed_precision_param, dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-                           document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
-                           if objective_class(cfg).rows_may_pack else None,
-                           sequence_shard(cfg.training.seq_len, dims.cp_mesh, device) if dims.cp_enabled else None,
-                           HeldBytes() if offload else None)
+    return ForwardSettings(
+        cfg.training.mixed_precision_param,
+        dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+        document_delimiters(cfg.model.attention_mask, tokenizer, cfg.training.dataset)
+        if objective_class(cfg).rows_may_pack
+        else None,
+        sequence_shard(cfg.training.seq_len, dims.cp_mesh, device) if dims.cp_enabled else None,
+        HeldBytes() if offload else None,
+    )
 
 
 def step_settings(cfg: JobConfig, accum_steps: int, objective) -> StepSettings:
-    return StepSettings(accum_steps, cfg.training.max_norm, cfg.model.moe_aux_loss_coeff, cfg.training.on_nonfinite == "skip",
-                        objective.loss_weighting, cfg.model.moe_bias_update_rate)
+    return StepSettings(
+        accum_steps,
+        cfg.training.max_norm,
+        cfg.model.moe_aux_loss_coeff,
+        cfg.training.on_nonfinite == "skip",
+        objective.loss_weighting,
+        cfg.model.moe_bias_update_rate,
+    )
 
 
 def build_training(run: Run) -> Training:
     """What moves while the run trains: the optimizer, the lr schedule over the settled number of steps, the data
     loader (under fault tolerance this replica group's share of the global order), the metrics and the replica groups."""
     cfg, info = run.cfg, run.info
-    replicas = replica_groups(cfg.fault_tolerance)  # met after the checkpoint's load (train.py), every rule checked first
-    optimizer = build_optimizer(run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type))
+    replicas = replica_groups(
+        cfg.fault_tolerance
+    )  # met after the checkpoint's load (train.py), every rule checked first
+    optimizer = build_optimizer(
+        run.model, cfg.optimizer, optimizer_device_type(cfg.parallelism.fsdp_cpu_offload, info.device.type)
+    )
     register_float8_scale_precompute(optimizer, run.model, cfg.float8)
     dataloader = run.objective.dataloader(run, replicas.data_rank(run.dims), replicas.data_world(run.dims))
     steps = cfg.training.steps
     if cfg.training.epochs:  # the steps every reader (schedule, loop, evaluation) then sees
         steps = steps_for_epochs(cfg.training.epochs, dataloader, run.step.accum_steps, steps)
-    return Training(optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler, steps), dataloader, steps,
-                    MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token), replicas)
+    return Training(
+        optimizer,
+        build_lr_scheduler(optimizer, cfg.lr_scheduler, steps),
+        dataloader,
+        steps,
+        MetricsLogger(cfg.metrics, info.rank, info.device, run.flops_per_token),
+        replicas,
+    )
 
 
 def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
@@ -93,8 +127,10 @@ def resolve_model_args(cfg: JobConfig, spec, tokenizer_vocab: int):
     reset = cfg.model.reset_position_ids or objective_class(cfg).resets_positions
     args = dataclasses.replace(model_args(cfg.model, spec, tokenizer_vocab), reset_position_ids=reset)
     if cfg.training.seq_len > args.max_seq_len:
-        raise UserError(f"training.seq_len {cfg.training.seq_len} exceeds the context of {model_label(cfg.model)} "
-                        f"({args.max_seq_len}); lower training.seq_len")
+        raise UserError(
+            f"training.seq_len {cfg.training.seq_len} exceeds the context of {model_label(cfg.model)} "
+            f"({args.max_seq_len}); lower training.seq_len"
+        )
     return args
 
 
@@ -115,11 +151,18 @@ def model_flops_per_token(spec, model: nn.Module, seq_len: int) -> float:
     """The family's training FLOPs per token, less what frozen weights (LoRA's base) do not cost: their
     gradient, 2 FLOPs per weight and token, is never computed. The token embedding is a lookup, never counted.
     A token uses top_k of an MoE block's routed experts, as the family counts them: so much of theirs is saved."""
-    used = {id(w): w.numel() // moe.num_experts * moe.top_k for moe in model.modules() if is_moe(moe)
-            for w in (getattr(moe, name) for name in EXPERT_WEIGHTS)}
+    used = {
+        id(w): w.numel() // moe.num_experts * moe.top_k
+        for moe in model.modules()
+        if is_moe(moe)
+        for w in (getattr(moe, name) for name in EXPERT_WEIGHTS)
+    }
     # every name of a tied matrix: as the output projection it is a matmul, as the embedding a lookup
-    frozen = [used.get(id(p), p.numel()) for name, p in model.named_parameters(remove_duplicate=False)
-              if not p.requires_grad and p.dim() == 2 and "tok_embeddings" not in name]
+    frozen = [
+        used.get(id(p), p.numel())
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if not p.requires_grad and p.dim() == 2 and "tok_embeddings" not in name
+    ]
     return spec.flops_per_token(model, seq_len) - 2.0 * sum(frozen)
 
 
@@ -132,7 +175,8 @@ def build_model(cfg: JobConfig, spec, args, dims: ParallelDims, device: torch.de
     parallelize = parallelizer(spec, dims, ParallelizeSettings.of(cfg))
     allocate = functools.partial(materialize, seed=cfg.job.seed, device=device, tp_enabled=dims.tp_enabled)
     if dims.pp_enabled:
-        model, pipeline = build_pipeline(model, dims, cfg.parallelism, cfg.training.local_batch_size, parallelize, allocate,
-                                         device, loss_fn)
+        model, pipeline = build_pipeline(
+            model, dims, cfg.parallelism, cfg.training.local_batch_size, parallelize, allocate, device, loss_fn
+        )
         return model, num_params, flops_per_token, pipeline
     return allocate(parallelize(model)), num_params, flops_per_token, None

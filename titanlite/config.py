@@ -113,7 +113,9 @@ def _set(cfg: JobConfig, dotted: str, raw: Any, origin: str, from_cli: bool, ori
     try:
         value = _from_text(raw, tp) if from_cli else _from_toml(raw, tp)
     except ValueError:
-        raise UserError(f"{section}.{key} expects {_article(_type_name(tp))} {_type_name(tp)}, got {raw!r} in {origin}") from None
+        raise UserError(
+            f"{section}.{key} expects {_article(_type_name(tp))} {_type_name(tp)}, got {raw!r} in {origin}"
+        ) from None
     setattr(getattr(cfg, section), key, value)
     origins[f"{section}.{key}"] = origin
 
@@ -185,12 +187,16 @@ def _in_range(value: float, meta: dict) -> bool:
 def _check_range(name: str, value: Any, meta: dict, origin: str) -> None:
     """One sentence for a numeric value (or a list's length or item) outside the field's declared range."""
     if meta["length"] is not None and len(value) != meta["length"]:
-        raise UserError(f"{name} must hold {meta['length']} items; got {value!r} in {origin}, give exactly {meta['length']}")
+        raise UserError(
+            f"{name} must hold {meta['length']} items; got {value!r} in {origin}, give exactly {meta['length']}"
+        )
     bounds = range_text({**meta, "length": None})
     for item in value if isinstance(value, list) else [value]:
         where = f"each item of {name}" if isinstance(value, list) else name
         if isinstance(item, float) and not math.isfinite(item):
-            raise UserError(f"{where} must be a finite number{' ' + bounds if bounds else ''}; got {item!r} in {origin}")
+            raise UserError(
+                f"{where} must be a finite number{' ' + bounds if bounds else ''}; got {item!r} in {origin}"
+            )
         if bounds and not _in_range(item, meta):
             raise UserError(f"{where} must be {bounds}; got {item!r} in {origin}; pick a value in that range")
 
@@ -223,8 +229,10 @@ def load_config(argv: list[str]) -> JobConfig:
     if config_file:
         for dotted, value in _flatten_toml(_read_toml(config_file), "", config_file):
             if dotted == "job.config_file":  # it would read as an include that never happens
-                raise UserError(f"{config_file} sets job.config_file, which only the command line can set (a config file "
-                                "includes no other); remove that line and pass --job.config_file on the command line")
+                raise UserError(
+                    f"{config_file} sets job.config_file, which only the command line can set (a config file "
+                    "includes no other); remove that line and pass --job.config_file on the command line"
+                )
             _set(cfg, dotted, value, config_file, from_cli=False, origins=origins)
     for dotted, value in cli:
         _set(cfg, dotted, value, "the command line", from_cli=True, origins=origins)
@@ -258,7 +266,11 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if dataclasses.is_dataclass(value):
-        return "{ " + ", ".join(f"{f.name} = {_toml_value(getattr(value, f.name))}" for f in dataclasses.fields(value)) + " }"
+        return (
+            "{ "
+            + ", ".join(f"{f.name} = {_toml_value(getattr(value, f.name))}" for f in dataclasses.fields(value))
+            + " }"
+        )
     if isinstance(value, float):
         return repr(value)
     return json.dumps(value) if isinstance(value, str) else str(value)
@@ -269,8 +281,11 @@ def to_toml(cfg: JobConfig) -> str:
     comment: only the command line names a config file."""
     blocks = []
     for section in _sections():
-        body = [("# " if (section, k) == ("job", "config_file") else "") + f"{k} = {_toml_value(getattr(getattr(cfg, section), k))}"
-                for k in _fields(section)]
+        body = [
+            ("# " if (section, k) == ("job", "config_file") else "")
+            + f"{k} = {_toml_value(getattr(getattr(cfg, section), k))}"
+            for k in _fields(section)
+        ]
         blocks.append(f"[{section}]\n" + "\n".join(body))
     return "\n\n".join(blocks) + "\n"
 

@@ -36,25 +36,37 @@ def check_dataset_format(cfg: JobConfig) -> None:
     training = cfg.training
     fmt = training.dataset_format
     if fmt in ("text", "preference") and not training.packing:
-        raise UserError(f"training.packing false applies to training.dataset_format chat or prompt_completion, not {fmt}; "
-                        "leave training.packing at true")
+        raise UserError(
+            f"training.packing false applies to training.dataset_format chat or prompt_completion, not {fmt}; "
+            "leave training.packing at true"
+        )
     if fmt == "text":
         if training.train_on != "assistant" or training.chat_template:
-            raise UserError("training.train_on and training.chat_template apply to training.dataset_format chat or "
-                            "prompt_completion; set the format or leave them at their defaults")
+            raise UserError(
+                "training.train_on and training.chat_template apply to training.dataset_format chat or "
+                "prompt_completion; set the format or leave them at their defaults"
+            )
         return
     if fmt == "preference" and training.train_on != "assistant":
-        raise UserError(f"training.train_on {training.train_on} does not apply to training.dataset_format preference, which "
-                        "trains each pair's completion; leave training.train_on at assistant")
+        raise UserError(
+            f"training.train_on {training.train_on} does not apply to training.dataset_format preference, which "
+            "trains each pair's completion; leave training.train_on at assistant"
+        )
     if fmt in ("chat", "prompt_completion") and cfg.model.attention_mask != "block_causal":
-        raise UserError(f"training.dataset_format {fmt} packs several conversations into a window, which must not attend "
-                        "to each other; set model.attention_mask block_causal")
+        raise UserError(
+            f"training.dataset_format {fmt} packs several conversations into a window, which must not attend "
+            "to each other; set model.attention_mask block_causal"
+        )
     if training.loss_chunk_tokens:
-        raise UserError(f"training.dataset_format {fmt} leaves untrained tokens out of the loss, which the chunked loss "
-                        "does not do yet; set training.loss_chunk_tokens 0")
+        raise UserError(
+            f"training.dataset_format {fmt} leaves untrained tokens out of the loss, which the chunked loss "
+            "does not do yet; set training.loss_chunk_tokens 0"
+        )
     if training.dataset_mix or not training.dataset_path:
-        raise UserError(f"training.dataset_format {fmt} reads local jsonl/json/parquet records or a chat store; set "
-                        "training.dataset_path to them (not training.dataset_mix)")
+        raise UserError(
+            f"training.dataset_format {fmt} reads local jsonl/json/parquet records or a chat store; set "
+            "training.dataset_path to them (not training.dataset_mix)"
+        )
 
 
 def check_loss_chunking(cfg: JobConfig) -> None:
@@ -129,9 +141,13 @@ def check_parallelism(cfg: JobConfig) -> None:
 def check_checkpoint(cfg: JobConfig) -> None:
     ckpt = cfg.checkpoint
     if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
-        raise UserError("checkpoint.initial_load_in_hf is set but checkpoint.initial_load_path is empty; set it to the Hugging Face folder")
+        raise UserError(
+            "checkpoint.initial_load_in_hf is set but checkpoint.initial_load_path is empty; set it to the Hugging Face folder"
+        )
     if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
-        raise UserError("a Hugging Face folder holds only the model; set checkpoint.initial_load_model_only true with initial_load_in_hf")
+        raise UserError(
+            "a Hugging Face folder holds only the model; set checkpoint.initial_load_model_only true with initial_load_in_hf"
+        )
 
 
 def check_lora(cfg: JobConfig) -> None:
@@ -142,27 +158,40 @@ def check_lora(cfg: JobConfig) -> None:
             "tensor_parallel_degree 1 (FSDP shards the frozen base over the data-parallel ranks)"
         )
     if cfg.lora.base_dtype == "bfloat16" and (not cfg.lora.rank or cfg.training.mixed_precision_param != "bfloat16"):
-        raise UserError("lora.base_dtype bfloat16 keeps LoRA's frozen weights in the dtype they compute in, so it needs "
-                        "lora.rank above 0 and training.mixed_precision_param bfloat16; set those or lora.base_dtype float32")
+        raise UserError(
+            "lora.base_dtype bfloat16 keeps LoRA's frozen weights in the dtype they compute in, so it needs "
+            "lora.rank above 0 and training.mixed_precision_param bfloat16; set those or lora.base_dtype float32"
+        )
     if cfg.lora.rank and cfg.float8.enable:
-        raise UserError(f"lora.rank {cfg.lora.rank} with float8.enable is not supported yet (float8 would replace the "
-                        "adapted layers); set float8.enable false")
+        raise UserError(
+            f"lora.rank {cfg.lora.rank} with float8.enable is not supported yet (float8 would replace the "
+            "adapted layers); set float8.enable false"
+        )
 
 
 def check_optimizer(cfg: JobConfig) -> None:
     """Muon's keys mean nothing to another optimizer; Muon gathers each matrix whole on the device it trains on."""
     optimizer = cfg.optimizer
-    muon_keys = [k for k in ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype")
-                 if getattr(optimizer, k) != getattr(type(optimizer)(), k)]
+    muon_keys = [
+        k
+        for k in ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype")
+        if getattr(optimizer, k) != getattr(type(optimizer)(), k)
+    ]
     if optimizer.name != "Muon" and muon_keys:
-        raise UserError(f"optimizer.{muon_keys[0]} applies to optimizer.name Muon only; set the name Muon or leave "
-                        "the muon_ keys at their defaults")
+        raise UserError(
+            f"optimizer.{muon_keys[0]} applies to optimizer.name Muon only; set the name Muon or leave "
+            "the muon_ keys at their defaults"
+        )
     if optimizer.name == "Muon" and optimizer.implementation != "auto":
-        raise UserError(f"optimizer.implementation {optimizer.implementation} does not exist for Muon (it steps one "
-                        "parameter at a time); set it to auto")
+        raise UserError(
+            f"optimizer.implementation {optimizer.implementation} does not exist for Muon (it steps one "
+            "parameter at a time); set it to auto"
+        )
     if optimizer.name == "Muon" and cfg.parallelism.fsdp_cpu_offload:
-        raise UserError("optimizer.name Muon gathers each matrix's update across the ranks, which the CPU-offloaded "
-                        "shards of parallelism.fsdp_cpu_offload cannot do; set fsdp_cpu_offload false or use AdamW")
+        raise UserError(
+            "optimizer.name Muon gathers each matrix's update across the ranks, which the CPU-offloaded "
+            "shards of parallelism.fsdp_cpu_offload cannot do; set fsdp_cpu_offload false or use AdamW"
+        )
 
 
 def check_multi_token_prediction(cfg: JobConfig) -> None:
@@ -171,24 +200,38 @@ def check_multi_token_prediction(cfg: JobConfig) -> None:
     model, par = cfg.model, cfg.parallelism
     if not model.mtp_layers:
         if model.mtp_loss_weight != 0.3:
-            raise UserError("model.mtp_loss_weight weighs the multi-token prediction loss; set model.mtp_layers above 0 "
-                            "or leave the weight at its default")
+            raise UserError(
+                "model.mtp_loss_weight weighs the multi-token prediction loss; set model.mtp_layers above 0 "
+                "or leave the weight at its default"
+            )
         return
     if model.name != "deepseek_v3" and not model.hf_assets_path:
-        raise UserError(f"model.mtp_layers {model.mtp_layers}: model {model.name} has no multi-token prediction "
-                        "(deepseek_v3 has); set model.mtp_layers 0")
-    layouts = {"pipeline_parallel_degree": par.pipeline_parallel_degree, "context_parallel_degree": par.context_parallel_degree,
-               "tensor_parallel_degree": par.tensor_parallel_degree, "expert_parallel_degree": par.expert_parallel_degree}
+        raise UserError(
+            f"model.mtp_layers {model.mtp_layers}: model {model.name} has no multi-token prediction "
+            "(deepseek_v3 has); set model.mtp_layers 0"
+        )
+    layouts = {
+        "pipeline_parallel_degree": par.pipeline_parallel_degree,
+        "context_parallel_degree": par.context_parallel_degree,
+        "tensor_parallel_degree": par.tensor_parallel_degree,
+        "expert_parallel_degree": par.expert_parallel_degree,
+    }
     for key, degree in layouts.items():
         if degree > 1:
-            raise UserError(f"model.mtp_layers {model.mtp_layers} with parallelism.{key} {degree} is not supported yet "
-                            f"(the depths run unsharded on whole windows); set {key} 1 or model.mtp_layers 0")
+            raise UserError(
+                f"model.mtp_layers {model.mtp_layers} with parallelism.{key} {degree} is not supported yet "
+                f"(the depths run unsharded on whole windows); set {key} 1 or model.mtp_layers 0"
+            )
     if cfg.training.dataset_format != "text" or cfg.training.loss_chunk_tokens:
-        raise UserError(f"model.mtp_layers {model.mtp_layers} trains on every later token of the window, which needs "
-                        "training.dataset_format text and training.loss_chunk_tokens 0; set those or model.mtp_layers 0")
+        raise UserError(
+            f"model.mtp_layers {model.mtp_layers} trains on every later token of the window, which needs "
+            "training.dataset_format text and training.loss_chunk_tokens 0; set those or model.mtp_layers 0"
+        )
     if cfg.training.seq_len <= model.mtp_layers + 1:
-        raise UserError(f"training.seq_len {cfg.training.seq_len} leaves no position for multi-token prediction depth "
-                        f"{model.mtp_layers}; set seq_len above {model.mtp_layers + 1}")
+        raise UserError(
+            f"training.seq_len {cfg.training.seq_len} leaves no position for multi-token prediction depth "
+            f"{model.mtp_layers}; set seq_len above {model.mtp_layers + 1}"
+        )
 
 
 def check_fault_tolerance(cfg: JobConfig) -> None:
@@ -199,16 +242,22 @@ def check_fault_tolerance(cfg: JobConfig) -> None:
     if not ft.enable:
         return
     if ft.replica_id >= ft.group_size:
-        raise UserError(f"fault_tolerance.replica_id {ft.replica_id} must be below fault_tolerance.group_size {ft.group_size} "
-                        "(groups are numbered from 0); give each group its own id from 0 to group_size - 1")
+        raise UserError(
+            f"fault_tolerance.replica_id {ft.replica_id} must be below fault_tolerance.group_size {ft.group_size} "
+            "(groups are numbered from 0); give each group its own id from 0 to group_size - 1"
+        )
     if ft.min_replica_size > ft.group_size:
-        raise UserError(f"fault_tolerance.min_replica_size {ft.min_replica_size} exceeds fault_tolerance.group_size "
-                        f"{ft.group_size}, so no step could ever commit; set it to at most {ft.group_size}")
+        raise UserError(
+            f"fault_tolerance.min_replica_size {ft.min_replica_size} exceeds fault_tolerance.group_size "
+            f"{ft.group_size}, so no step could ever commit; set it to at most {ft.group_size}"
+        )
     training = cfg.training
     if training.dataset_format == "text" and not training.dataset_mix and not training.dataset_path:
-        raise UserError(f"fault_tolerance.enable needs a data position a peer can hand over, which training.dataset "
-                        f"{training.dataset!r} (a stream read per rank) has not; set training.dataset_path to a token store "
-                        "from python -m titanlite.data.prepare, or a training.dataset_mix")
+        raise UserError(
+            f"fault_tolerance.enable needs a data position a peer can hand over, which training.dataset "
+            f"{training.dataset!r} (a stream read per rank) has not; set training.dataset_path to a token store "
+            "from python -m titanlite.data.prepare, or a training.dataset_mix"
+        )
 
 
 DILOCO_KEYS = ("sync_steps", "outer_lr", "outer_momentum")
@@ -221,62 +270,82 @@ def check_semi_sync(cfg: JobConfig) -> None:
     if ft.semi_sync_method != "diloco":
         changed = [key for key in DILOCO_KEYS if getattr(ft, key) != getattr(default, key)]
         if changed:
-            raise UserError(f"fault_tolerance.{changed[0]} applies to fault_tolerance.semi_sync_method diloco only; set that "
-                            "method or leave the key at its default")
+            raise UserError(
+                f"fault_tolerance.{changed[0]} applies to fault_tolerance.semi_sync_method diloco only; set that "
+                "method or leave the key at its default"
+            )
         return
     if not ft.enable:
-        raise UserError("fault_tolerance.semi_sync_method diloco synchronizes replica groups, which needs fault_tolerance.enable "
-                        "true; enable it or set the method to none")
+        raise UserError(
+            "fault_tolerance.semi_sync_method diloco synchronizes replica groups, which needs fault_tolerance.enable "
+            "true; enable it or set the method to none"
+        )
     if cfg.parallelism.pipeline_parallel_degree > 1:
-        raise UserError(f"fault_tolerance.semi_sync_method diloco with parallelism.pipeline_parallel_degree "
-                        f"{cfg.parallelism.pipeline_parallel_degree} is not supported yet (a stage's model is no whole model "
-                        "to synchronize); set it to 1 or the method to none")
+        raise UserError(
+            f"fault_tolerance.semi_sync_method diloco with parallelism.pipeline_parallel_degree "
+            f"{cfg.parallelism.pipeline_parallel_degree} is not supported yet (a stage's model is no whole model "
+            "to synchronize); set it to 1 or the method to none"
+        )
     if cfg.training.epochs:
-        raise UserError(f"training.epochs {cfg.training.epochs} with fault_tolerance.semi_sync_method diloco is not supported "
-                        f"(the last step must end a synchronization of fault_tolerance.sync_steps {ft.sync_steps}); set "
-                        "training.steps to a multiple of it instead")
+        raise UserError(
+            f"training.epochs {cfg.training.epochs} with fault_tolerance.semi_sync_method diloco is not supported "
+            f"(the last step must end a synchronization of fault_tolerance.sync_steps {ft.sync_steps}); set "
+            "training.steps to a multiple of it instead"
+        )
     ends = {"training.steps": cfg.training.steps}
     if cfg.checkpoint.enable:
         ends["checkpoint.interval"] = cfg.checkpoint.interval
     for key, value in ends.items():
         if value % ft.sync_steps:
-            raise UserError(f"{key} {value} is not a multiple of fault_tolerance.sync_steps {ft.sync_steps}, so it would fall "
-                            "between two DiLoCo synchronizations, where the groups' weights differ; make it a multiple")
+            raise UserError(
+                f"{key} {value} is not a multiple of fault_tolerance.sync_steps {ft.sync_steps}, so it would fall "
+                "between two DiLoCo synchronizations, where the groups' weights differ; make it a multiple"
+            )
 
 
 def check_eval(cfg: JobConfig) -> None:
     ev, par = cfg.eval, cfg.parallelism
     if (ev.interval or ev.at_end) and not ev.tasks and not ev.sample_prompts:
         key = "eval.interval" if ev.interval else "eval.at_end"
-        raise UserError(f"{key} is set but eval.tasks and eval.sample_prompts are empty; name the lm-eval tasks in eval.tasks "
-                        "(e.g. hellaswag) or set eval.interval 0")
+        raise UserError(
+            f"{key} is set but eval.tasks and eval.sample_prompts are empty; name the lm-eval tasks in eval.tasks "
+            "(e.g. hellaswag) or set eval.interval 0"
+        )
     if ev.interval or ev.at_end:
         # The evaluator reads whole logits of whole sequences from one forward of the model.
         for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
             if getattr(par, key) > 1:
-                raise UserError(f"in-loop evaluation ([eval]) runs on data-parallel layouts only, but parallelism.{key} is "
-                                f"{getattr(par, key)}; set eval.interval 0 and eval.at_end false, and evaluate the checkpoint "
-                                "with python -m titanlite.eval")
+                raise UserError(
+                    f"in-loop evaluation ([eval]) runs on data-parallel layouts only, but parallelism.{key} is "
+                    f"{getattr(par, key)}; set eval.interval 0 and eval.at_end false, and evaluate the checkpoint "
+                    "with python -m titanlite.eval"
+                )
     if not (ev.interval or ev.at_end) and (ev.tasks or ev.sample_prompts):
         key = "eval.tasks" if ev.tasks else "eval.sample_prompts"
-        raise UserError(f"{key} is set but eval.interval is 0 and eval.at_end false, so the run would never evaluate; set "
-                        f"eval.interval N or eval.at_end true, or leave {key} empty")
+        raise UserError(
+            f"{key} is set but eval.interval is 0 and eval.at_end false, so the run would never evaluate; set "
+            f"eval.interval N or eval.at_end true, or leave {key} empty"
+        )
 
 
 def refuse_section_keys(section: str, values, dataset_format: str) -> None:
     """An objective's section with a key set away from its default, in a job that trains another objective."""
     changed = [f.name for f in dataclasses.fields(values) if getattr(values, f.name) != getattr(type(values)(), f.name)]
     if changed:
-        raise UserError(f"{section}.{changed[0]} applies to training.dataset_format {dataset_format} only; set that format "
-                        f"or leave the [{section}] keys at their defaults")
+        raise UserError(
+            f"{section}.{changed[0]} applies to training.dataset_format {dataset_format} only; set that format "
+            f"or leave the [{section}] keys at their defaults"
+        )
 
 
 def refuse_degrees(cfg: JobConfig, keys: tuple[str, ...], objective: str, why: str, instead: str) -> None:
     for key in keys:
         degree = getattr(cfg.parallelism, key)
         if degree > 1:
-            raise UserError(f"training.dataset_format {objective} with parallelism.{key} {degree} is not supported yet "
-                            f"({why}); set it to 1 and use {instead}")
+            raise UserError(
+                f"training.dataset_format {objective} with parallelism.{key} {degree} is not supported yet "
+                f"({why}); set it to 1 and use {instead}"
+            )
 
 
 DPO_UNSUPPORTED_DEGREES = ("pipeline_parallel_degree", "context_parallel_degree")
@@ -289,14 +358,23 @@ def check_dpo(cfg: JobConfig) -> None:
     if cfg.training.dataset_format != "preference":
         refuse_section_keys("dpo", dpo, "preference")
         return
-    refuse_degrees(cfg, DPO_UNSUPPORTED_DEGREES, "preference (DPO)",
-                   "a pair's log-probabilities are summed over whole sequences on one model", "FSDP or tensor parallelism")
+    refuse_degrees(
+        cfg,
+        DPO_UNSUPPORTED_DEGREES,
+        "preference (DPO)",
+        "a pair's log-probabilities are summed over whole sequences on one model",
+        "FSDP or tensor parallelism",
+    )
     if dpo.loss_type == "ipo" and dpo.label_smoothing:
-        raise UserError(f"dpo.label_smoothing {dpo.label_smoothing} applies to dpo.loss_type sigmoid only; set it to 0 or "
-                        "use loss_type sigmoid")
+        raise UserError(
+            f"dpo.label_smoothing {dpo.label_smoothing} applies to dpo.loss_type sigmoid only; set it to 0 or "
+            "use loss_type sigmoid"
+        )
     if cfg.validation.enable:
-        raise UserError("validation.enable measures the next-token loss, which means nothing for training.dataset_format "
-                        "preference (DPO) yet; set validation.enable false")
+        raise UserError(
+            "validation.enable measures the next-token loss, which means nothing for training.dataset_format "
+            "preference (DPO) yet; set validation.enable false"
+        )
 
 
 RL_UNSUPPORTED_DEGREES = ("pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree")
@@ -305,30 +383,44 @@ RL_UNSUPPORTED_DEGREES = ("pipeline_parallel_degree", "context_parallel_degree",
 def check_off_policy(rl) -> None:
     """rl.importance_sampling's bounds: an ordered range, and set only where the correction is on."""
     if rl.importance_sampling == "none":
-        for key, value, default in (("clip_max", rl.importance_sampling_clip_max, 3.0),
-                                    ("clip_min", rl.importance_sampling_clip_min, -1.0)):
+        for key, value, default in (
+            ("clip_max", rl.importance_sampling_clip_max, 3.0),
+            ("clip_min", rl.importance_sampling_clip_min, -1.0),
+        ):
             if value != default:
-                raise UserError(f"rl.importance_sampling_{key} {value:g} bounds a correction that rl.importance_sampling "
-                                "none leaves off; choose a mode such as rl.importance_sampling sequence_mask or drop the key")
+                raise UserError(
+                    f"rl.importance_sampling_{key} {value:g} bounds a correction that rl.importance_sampling "
+                    "none leaves off; choose a mode such as rl.importance_sampling sequence_mask or drop the key"
+                )
     if rl.loss_type == "vespo" and rl.importance_sampling.startswith("sequence"):
-        raise UserError(f"rl.loss_type vespo folds the sampler's correction into its weights token by token, which "
-                        f"rl.importance_sampling {rl.importance_sampling} does not give; use token_truncate or token_mask")
+        raise UserError(
+            f"rl.loss_type vespo folds the sampler's correction into its weights token by token, which "
+            f"rl.importance_sampling {rl.importance_sampling} does not give; use token_truncate or token_mask"
+        )
     if rl.importance_sampling_clip_min != -1 and rl.importance_sampling_clip_min >= rl.importance_sampling_clip_max:
-        raise UserError(f"rl.importance_sampling_clip_min {rl.importance_sampling_clip_min:g} must be below "
-                        f"rl.importance_sampling_clip_max {rl.importance_sampling_clip_max:g}; lower it or raise the maximum")
+        raise UserError(
+            f"rl.importance_sampling_clip_min {rl.importance_sampling_clip_min:g} must be below "
+            f"rl.importance_sampling_clip_max {rl.importance_sampling_clip_max:g}; lower it or raise the maximum"
+        )
 
 
 def check_tools(rl) -> None:
     """The tool-calling keys (rl/episode.py) need tools, and episodes are sampled by the current weights."""
     if not rl.tools and not rl.environment:
-        for key, value, default in (("max_tool_calling_iterations", rl.max_tool_calling_iterations, -1),
-                                    ("tool_timeout_seconds", rl.tool_timeout_seconds, 10.0)):
+        for key, value, default in (
+            ("max_tool_calling_iterations", rl.max_tool_calling_iterations, -1),
+            ("tool_timeout_seconds", rl.tool_timeout_seconds, 10.0),
+        ):
             if value != default:
-                raise UserError(f"rl.{key} {value:g} applies to tool calls, but neither rl.tools nor rl.environment is "
-                                "set; give the model tools or drop the key")
+                raise UserError(
+                    f"rl.{key} {value:g} applies to tool calls, but neither rl.tools nor rl.environment is "
+                    "set; give the model tools or drop the key"
+                )
     elif rl.max_staleness:
-        raise UserError(f"rl.max_staleness {rl.max_staleness} is not supported with rl.tools or rl.environment yet (the "
-                        "episodes are sampled in turns by the current weights); set rl.max_staleness 0")
+        raise UserError(
+            f"rl.max_staleness {rl.max_staleness} is not supported with rl.tools or rl.environment yet (the "
+            "episodes are sampled in turns by the current weights); set rl.max_staleness 0"
+        )
 
 
 def check_rl(cfg: JobConfig) -> None:
@@ -339,31 +431,50 @@ def check_rl(cfg: JobConfig) -> None:
     if training.dataset_format != "prompts":
         refuse_section_keys("rl", rl, "prompts")
         return
-    refuse_degrees(cfg, RL_UNSUPPORTED_DEGREES, "prompts (GRPO)",
-                   "the rollouts are generated by whole models on each data-parallel rank", "FSDP, HSDP or TP")
+    refuse_degrees(
+        cfg,
+        RL_UNSUPPORTED_DEGREES,
+        "prompts (GRPO)",
+        "the rollouts are generated by whole models on each data-parallel rank",
+        "FSDP, HSDP or TP",
+    )
     if not rl.reward_functions and not rl.environment:
-        raise UserError("training.dataset_format prompts needs rl.reward_functions, e.g. [\"titanlite.rewards:math_answer\"]; "
-                        "set it (docs/rewards.md)")
+        raise UserError(
+            'training.dataset_format prompts needs rl.reward_functions, e.g. ["titanlite.rewards:math_answer"]; '
+            "set it (docs/rewards.md)"
+        )
     if rl.reward_weights and not any(rl.reward_weights) and not rl.environment and not rl.entropy_coef:
-        raise UserError("rl.reward_weights are all 0, so every reward and advantage is 0 and no step can ever train; give "
-                        "at least one reward function a weight that is not 0")
+        raise UserError(
+            "rl.reward_weights are all 0, so every reward and advantage is 0 and no step can ever train; give "
+            "at least one reward function a weight that is not 0"
+        )
     if training.global_batch_size == -1 or training.global_batch_size % rl.num_generations:
-        raise UserError(f"training.global_batch_size ({training.global_batch_size}) counts completions under GRPO and must "
-                        f"be a multiple of rl.num_generations {rl.num_generations}; set it to prompts per step x "
-                        f"{rl.num_generations}")
+        raise UserError(
+            f"training.global_batch_size ({training.global_batch_size}) counts completions under GRPO and must "
+            f"be a multiple of rl.num_generations {rl.num_generations}; set it to prompts per step x "
+            f"{rl.num_generations}"
+        )
     if rl.reference != "initial" and rl.beta == 0:
-        raise UserError(f"rl.reference {rl.reference} is used only with rl.beta above 0 (the KL penalty); set rl.beta or "
-                        "leave rl.reference initial")
+        raise UserError(
+            f"rl.reference {rl.reference} is used only with rl.beta above 0 (the KL penalty); set rl.beta or "
+            "leave rl.reference initial"
+        )
     if training.epochs:
-        raise UserError("training.epochs counts passes over windows, not prompts; under GRPO set training.steps instead")
+        raise UserError(
+            "training.epochs counts passes over windows, not prompts; under GRPO set training.steps instead"
+        )
     if not training.packing:
-        raise UserError("training.packing false means nothing under training.dataset_format prompts (GRPO), whose rows "
-                        "each hold one prompt and its completion, never packed; leave training.packing at its default")
+        raise UserError(
+            "training.packing false means nothing under training.dataset_format prompts (GRPO), whose rows "
+            "each hold one prompt and its completion, never packed; leave training.packing at its default"
+        )
     check_off_policy(rl)
     if rl.max_staleness and rl.num_iterations > 1:
-        raise UserError(f"rl.max_staleness {rl.max_staleness} samples each step's rollouts ahead for one update, so "
-                        f"rl.num_iterations {rl.num_iterations} cannot reuse them; set rl.num_iterations 1 or "
-                        "rl.max_staleness 0")
+        raise UserError(
+            f"rl.max_staleness {rl.max_staleness} samples each step's rollouts ahead for one update, so "
+            f"rl.num_iterations {rl.num_iterations} cannot reuse them; set rl.num_iterations 1 or "
+            "rl.max_staleness 0"
+        )
     check_tools(rl)
     if cfg.validation.enable or cfg.fault_tolerance.enable:
         key = "validation.enable" if cfg.validation.enable else "fault_tolerance.enable"
@@ -373,8 +484,10 @@ def check_rl(cfg: JobConfig) -> None:
 def check_generate(cfg: JobConfig) -> None:
     generate = cfg.generate
     if generate.min_new_tokens > generate.max_new_tokens:
-        raise UserError(f"generate.min_new_tokens {generate.min_new_tokens} passes generate.max_new_tokens "
-                        f"{generate.max_new_tokens}; lower it or raise generate.max_new_tokens")
+        raise UserError(
+            f"generate.min_new_tokens {generate.min_new_tokens} passes generate.max_new_tokens "
+            f"{generate.max_new_tokens}; lower it or raise generate.max_new_tokens"
+        )
 
 
 def check_rules(cfg: JobConfig) -> None:

@@ -86,7 +86,9 @@ def check_destination(destination: Path, overwrite: bool) -> None:
         raise UserError(f"the destination {destination} is a file; give a folder")
     if destination.is_dir() and any(destination.iterdir()) and not overwrite:
         what = "a complete DCP checkpoint" if is_complete(destination) else "files"
-        raise UserError(f"the destination {destination} already holds {what}; choose a new folder, or add --overwrite to replace them")
+        raise UserError(
+            f"the destination {destination} already holds {what}; choose a new folder, or add --overwrite to replace them"
+        )
 
 
 def recorded_model(source: Path, metadata) -> tuple[str, str]:
@@ -105,26 +107,34 @@ def model_from_checkpoint(source: Path, metadata, named: str | None):
     if not label:
         return None
     if named is not None and named != label.split(" with ")[0]:
-        raise UserError(f"{source} was saved from {label}, but the flags name {named}; drop --model.name and --model.flavor "
-                        "(dcp-to-hf reads the model from the checkpoint)")
+        raise UserError(
+            f"{source} was saved from {label}, but the flags name {named}; drop --model.name and --model.flavor "
+            "(dcp-to-hf reads the model from the checkpoint)"
+        )
     family, flavor = label.split(" with ")[0].split("/", 1)
     spec = get_model_spec(family)
     if config:
         return spec, spec.hf_adapter.args_from_hf_config(json.loads(config)), label
     if flavor == "hf":
-        raise UserError(f"{source} was saved from a run started from a Hugging Face folder before checkpoints recorded the "
-                        "model's config; export it with the run's checkpoint.last_save_in_hf, or resume the run once and save again")
+        raise UserError(
+            f"{source} was saved from a run started from a Hugging Face folder before checkpoints recorded the "
+            "model's config; export it with the run's checkpoint.last_save_in_hf, or resume the run once and save again"
+        )
     args = get_model_args(spec, flavor)
     layers = re.search(r"with model.n_layers (\d+)", label)
     return spec, dataclasses.replace(args, n_layers=int(layers.group(1))) if layers else args, label
 
 
-def dcp_to_hf(source: Path, destination: Path, spec, cfg, max_shard_bytes: int, overwrite: bool, named: bool = False) -> None:
+def dcp_to_hf(
+    source: Path, destination: Path, spec, cfg, max_shard_bytes: int, overwrite: bool, named: bool = False
+) -> None:
     """`cfg`: the job's config (the model's flavor or folder, checkpoint.export_dtype and allow_unverified); `named`: the
     flags name the model (else the checkpoint's record alone does)."""
     if not is_complete(source):
         raise UserError(f"{source} is not a complete DCP checkpoint: it has no {METADATA}")
-    verify_checksums(source, cfg.checkpoint.allow_unverified)  # as a resume does: a file changed on disk is named, never exported
+    verify_checksums(
+        source, cfg.checkpoint.allow_unverified
+    )  # as a resume does: a file changed on disk is named, never exported
     flavor = cfg.model.flavor
     metadata = read_metadata(source)
     saved = model_tensors(metadata)
@@ -184,8 +194,10 @@ def export_tokenizer(destination: Path, run_cfg: JobConfig, origin: str) -> str:
         copy_tokenizer(tokenizer.path, destination, template)
     except UserError as error:  # a run config that moved, or a tokenizer deleted since
         return f"{LEFT_OUT}, as the run's tokenizer (named by {origin}) cannot be used: {error}"
-    return (f"config.json, the weights, the tokenizer files of {tokenizer.path} (named by {origin}), its chat template "
-            "where it has one, and generation_config.json")
+    return (
+        f"config.json, the weights, the tokenizer files of {tokenizer.path} (named by {origin}), its chat template "
+        "where it has one, and generation_config.json"
+    )
 
 
 def hf_to_dcp(source: Path, destination: Path, spec, cfg, overwrite: bool) -> None:
@@ -220,7 +232,9 @@ def run(argv: list[str]) -> None:
         print(USAGE)
         return
     if len(argv) < 3 or argv[0] not in COMMANDS or argv[1].startswith("--") or argv[2].startswith("--"):
-        raise UserError(f"expected a command ({' or '.join(COMMANDS)}), a source and a destination folder; {USAGE.split(chr(10))[0]}")
+        raise UserError(
+            f"expected a command ({' or '.join(COMMANDS)}), a source and a destination folder; {USAGE.split(chr(10))[0]}"
+        )
     command, source, destination = argv[0], Path(argv[1]), Path(argv[2])
     flags, max_shard_mb = _pop_option(argv[3:], "--max_shard_mb", str(DEFAULT_MAX_SHARD_BYTES // 10**6))
     overwrite = "--overwrite" in flags
@@ -242,8 +256,10 @@ def run(argv: list[str]) -> None:
     dcp_to_hf(source, destination, spec, cfg, max_shard_bytes, overwrite, named)
     run_cfg, origin = run_config(source, cfg, flags)
     if run_cfg is None:
-        written = (f"{LEFT_OUT}, as the run's tokenizer is not known ({origin}); add --job.config_file "
-                   "<the run's config.toml> or --model.hf_assets_path <its tokenizer folder> to write them")
+        written = (
+            f"{LEFT_OUT}, as the run's tokenizer is not known ({origin}); add --job.config_file "
+            "<the run's config.toml> or --model.hf_assets_path <its tokenizer folder> to write them"
+        )
     else:
         written = export_tokenizer(destination, run_cfg, origin)
     print(f"wrote {destination}: {written}")

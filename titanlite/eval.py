@@ -26,8 +26,11 @@ from titanlite.log import init_logger, logger
 from titanlite.parallel.dist import close_distributed, init_distributed
 
 # --model_args keys that are not section.key overrides, and the config key each one sets.
-MODEL_ARG_KEYS = {"hf_assets_path": "model.hf_assets_path", "config_file": "job.config_file",
-                  "checkpoint": "generate.checkpoint"}
+MODEL_ARG_KEYS = {
+    "hf_assets_path": "model.hf_assets_path",
+    "config_file": "job.config_file",
+    "checkpoint": "generate.checkpoint",
+}
 
 
 def config_argv(arg_dict: dict) -> list[str]:
@@ -36,8 +39,10 @@ def config_argv(arg_dict: dict) -> list[str]:
     for key, value in arg_dict.items():
         dotted = MODEL_ARG_KEYS.get(key, key)
         if "." not in dotted:
-            raise UserError(f"--model_args {key}={value}: titanlite takes {', '.join(MODEL_ARG_KEYS)} or section.key=value "
-                            "overrides of its config (e.g. training.param_dtype=bfloat16)")
+            raise UserError(
+                f"--model_args {key}={value}: titanlite takes {', '.join(MODEL_ARG_KEYS)} or section.key=value "
+                "overrides of its config (e.g. training.param_dtype=bfloat16)"
+            )
         argv += [f"--{dotted}", str(value).lower() if isinstance(value, bool) else str(value)]
     return argv
 
@@ -50,8 +55,16 @@ def evaluation_config(model_args: str) -> JobConfig:
     return load_config(config_argv(simple_parse_args_string(model_args)))
 
 
-def evaluate_model(loaded: InferenceModel, tasks: list[str], include_path: str | None, *, batch_size: int,
-                   limit: float | None = None, num_fewshot: int | None = None, log_samples: bool = False) -> dict | None:
+def evaluate_model(
+    loaded: InferenceModel,
+    tasks: list[str],
+    include_path: str | None,
+    *,
+    batch_size: int,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    log_samples: bool = False,
+) -> dict | None:
     """lm-eval's results dict for `tasks` on `loaded`, its real evaluation time in it (None on ranks other than 0,
     to which lm-eval hands the results)."""
     from titanlite.inference.lm_eval_model import TitanliteLM
@@ -74,9 +87,15 @@ def results_table(results: dict) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m titanlite.eval", description=__doc__.split("\n\n")[1])
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
-    parser.add_argument("--model_args", default="", help="hf_assets_path=F, or config_file=X.toml,checkpoint=STEP, plus section.key=value overrides")
+    parser.add_argument(
+        "--model_args",
+        default="",
+        help="hf_assets_path=F, or config_file=X.toml,checkpoint=STEP, plus section.key=value overrides",
+    )
     parser.add_argument("--include_path", default=None, help="folder of extra task YAML files")
-    parser.add_argument("--limit", type=float, default=None, help="at most this many examples per task (a fraction below 1)")
+    parser.add_argument(
+        "--limit", type=float, default=None, help="at most this many examples per task (a fraction below 1)"
+    )
     parser.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples in each prompt")
     parser.add_argument("--output_path", default=None, help="folder for lm-eval's results JSON (and samples)")
     parser.add_argument("--log_samples", action="store_true", help="also write every example's inputs and outputs")
@@ -86,16 +105,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UserError("--log_samples writes the samples under --output_path; set --output_path")
     args.tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
     if not args.tasks:
-        raise UserError("--tasks names no task; give comma-separated lm-eval task or group names, e.g. --tasks "
-                        "hellaswag,arc_easy")
+        raise UserError(
+            "--tasks names no task; give comma-separated lm-eval task or group names, e.g. --tasks hellaswag,arc_easy"
+        )
     if args.limit is not None and not math.isfinite(args.limit):
-        raise UserError(f"--limit {args.limit:g} is no number of examples; give a count of at least 1, a fraction "
-                        "between 0 and 1, or leave it out for every example")
+        raise UserError(
+            f"--limit {args.limit:g} is no number of examples; give a count of at least 1, a fraction "
+            "between 0 and 1, or leave it out for every example"
+        )
     if args.limit is not None and not args.limit > 0:
-        raise UserError(f"--limit {args.limit:g} leaves no examples to evaluate; give a count of at least 1, a fraction "
-                        "between 0 and 1, or leave it out for every example")
+        raise UserError(
+            f"--limit {args.limit:g} leaves no examples to evaluate; give a count of at least 1, a fraction "
+            "between 0 and 1, or leave it out for every example"
+        )
     if not args.batch_size.isdigit() or int(args.batch_size) < 1:
-        raise UserError(f"--batch_size {args.batch_size}: titanlite takes a number of sequences per forward of at least 1")
+        raise UserError(
+            f"--batch_size {args.batch_size}: titanlite takes a number of sequences per forward of at least 1"
+        )
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UserError(f"--num_fewshot {args.num_fewshot} is negative; give 0 or more examples, or leave it out")
     if args.output_path:
@@ -110,8 +136,9 @@ def check_writable(output_path: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as error:
-        raise UserError(f"--output_path {output_path} cannot be written ({error.strerror or error}); point it at a "
-                        "writable folder") from None
+        raise UserError(
+            f"--output_path {output_path} cannot be written ({error.strerror or error}); point it at a writable folder"
+        ) from None
 
 
 def evaluate(argv: list[str]) -> None:
@@ -122,8 +149,15 @@ def evaluate(argv: list[str]) -> None:
     task_manager(tuple(tasks), args.include_path)  # a bad task stops the run before the model is built
     try:
         info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
-        results = evaluate_model(build_inference_model(cfg, info, "--model_args checkpoint"), tasks, args.include_path, batch_size=int(args.batch_size),
-                                 limit=args.limit, num_fewshot=args.num_fewshot, log_samples=args.log_samples)
+        results = evaluate_model(
+            build_inference_model(cfg, info, "--model_args checkpoint"),
+            tasks,
+            args.include_path,
+            batch_size=int(args.batch_size),
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
+            log_samples=args.log_samples,
+        )
     finally:
         close_distributed()
     if results is None:  # lm-eval hands the results to rank 0 only

@@ -26,7 +26,9 @@ from titanlite.parallel.dist import close_distributed, init_distributed
 def prompt_records(settings: Generate) -> list[PromptRecord]:
     """generate.prompt, or the records of generate.prompts_file (one of the two)."""
     if settings.prompt and settings.prompts_file:
-        raise UserError(f"generate.prompt and generate.prompts_file {settings.prompts_file} are both set; set one of them")
+        raise UserError(
+            f"generate.prompt and generate.prompts_file {settings.prompts_file} are both set; set one of them"
+        )
     if settings.prompt:
         return [checked_record({"prompt": settings.prompt}, "generate.prompt")]
     if settings.prompts_file:
@@ -38,10 +40,20 @@ def generate_records(lm: LM, records: list[PromptRecord], settings: Generate) ->
     """One {"prompt", "prompt_token_ids", "completion", "token_ids"} per record, in order, in batches of
     generate.batch_size (lm.speed adds their tokens and seconds)."""
     prompts = render_prompts(records, lm.tokenizer, lm.chat_template)
-    sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k, settings.seed,
-                        tuple(settings.stop), min_new_tokens=settings.min_new_tokens, ignore_eos=settings.ignore_eos)
-    return [{"prompt": c.prompt, "prompt_token_ids": c.prompt_token_ids, "completion": c.text, "token_ids": c.token_ids}
-            for c in lm.complete(prompts, sampling, settings.batch_size)]
+    sampling = Sampling(
+        settings.max_new_tokens,
+        settings.temperature,
+        settings.top_p,
+        settings.top_k,
+        settings.seed,
+        tuple(settings.stop),
+        min_new_tokens=settings.min_new_tokens,
+        ignore_eos=settings.ignore_eos,
+    )
+    return [
+        {"prompt": c.prompt, "prompt_token_ids": c.prompt_token_ids, "completion": c.text, "token_ids": c.token_ids}
+        for c in lm.complete(prompts, sampling, settings.batch_size)
+    ]
 
 
 def write_records(records: list[dict], output: str) -> None:

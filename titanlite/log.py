@@ -60,8 +60,15 @@ class Progress:
     Nothing runs in the background: a job that stops advancing prints nothing until it advances again.
     """
 
-    def __init__(self, total: int | None, label: str, every_seconds: float = 30.0, unit: str = "step",
-                 already: int = 0, clock=time.monotonic):
+    def __init__(
+        self,
+        total: int | None,
+        label: str,
+        every_seconds: float = 30.0,
+        unit: str = "step",
+        already: int = 0,
+        clock=time.monotonic,
+    ):
         self.total, self.label, self.every_seconds, self.unit = total, label, every_seconds, unit
         self.clock = clock
         self.already = self.count = already
@@ -78,8 +85,11 @@ class Progress:
     def status(self) -> str:
         """`40/100 prompts (40%)  310 ms/prompt  left 19s`, from what is known so far."""
         units = f"{self.unit}s"
-        text = f"{self.count:,} {units}" if self.total is None else (
-            f"{self.count:,}/{self.total:,} {units} ({100 * self.count / max(self.total, 1):.0f}%)")
+        text = (
+            f"{self.count:,} {units}"
+            if self.total is None
+            else (f"{self.count:,}/{self.total:,} {units} ({100 * self.count / max(self.total, 1):.0f}%)")
+        )
         per, left = self.seconds_per_item(), self.seconds_left()
         if per is not None:
             text += f"  {per_item(per, self.unit)}"
@@ -114,6 +124,7 @@ class Progress:
         """Log and return the closing line: items, wall time and time per item of this process."""
         per = self.seconds_per_item()
         line = f"{self.label}: {self.count:,} {self.unit}s in {duration(self.clock() - self.started)}" + (
-            "" if per is None else f" ({per_item(per, self.unit)})")
+            "" if per is None else f" ({per_item(per, self.unit)})"
+        )
         logger.info(line)
         return line

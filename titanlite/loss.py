@@ -67,25 +67,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
         for start in range(0, n, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            chunk_sum, grad_logits = chunk_math(h_c[rows] @ weight_c.T, labels[rows], 1.0 / n if wants_h or wants_weight else None)
+            chunk_sum, grad_logits = chunk_math(
+                h_c[rows] @ weight_c.T, labels[rows], 1.0 / n if wants_h or wants_weight else None
+            )
             loss += chunk_sum
             if wants_h:
                 torch.mm(grad_logits, weight_c, out=grad_h[rows])
             if wants_weight:
                 grad_weight.add_(grad_logits.T @ h_c[rows])
-        ctx.save_for_backward(None if grad_h is None else grad_h.to(h.dtype),
-                              None if grad_weight is None else grad_weight.to(weight.dtype))
+        ctx.save_for_backward(
+            None if grad_h is None else grad_h.to(h.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+        )
         return loss / n
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_weight = ctx.saved_tensors
-        return (None if grad_h is None else grad_h * grad_loss,
-                None if grad_weight is None else grad_weight * grad_loss, None, None, None, None, None)
+        return (
+            None if grad_h is None else grad_h * grad_loss,
+            None if grad_weight is None else grad_weight * grad_loss,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                          chunk_math: Callable = chunk_loss) -> torch.Tensor:
+def chunked_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, chunk_math: Callable = chunk_loss
+) -> torch.Tensor:
     """The mean fp32 cross-entropy of logits h @ weight.T against labels [N], chunk_tokens tokens at a
     time; h [N, D] are the final hidden states (after the norm), weight [V, D] the output projection.
     It computes in autocast's dtype where autocast is on (as nn.Linear would), else in the weight's."""
@@ -105,15 +117,16 @@ class ChunkedCrossEntropy:
 
     def against(self, labels: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """(hidden states [N, D], output weight) -> the mean loss against labels [B, T]: the model's output_loss."""
-        return functools.partial(chunked_cross_entropy, labels=labels.flatten(), chunk_tokens=self.chunk_tokens,
-                                 chunk_math=self.chunk_math)
+        return functools.partial(
+            chunked_cross_entropy, labels=labels.flatten(), chunk_tokens=self.chunk_tokens, chunk_math=self.chunk_math
+        )
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over the trained tokens, computed in fp32 whatever the compute dtype. Labels
-    IGNORED (-100: chat data outside the trained turns) are left out of the sum and the count; text data
-    has none, so its loss is the plain mean. Chat windows hold at least one trained label each (conversation_windows.py
-leaves out a conversation without one)."""
+        IGNORED (-100: chat data outside the trained turns) are left out of the sum and the count; text data
+        has none, so its loss is the plain mean. Chat windows hold at least one trained label each (conversation_windows.py
+    leaves out a conversation without one)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORED)
 
 
@@ -193,8 +206,9 @@ def local_loss(loss: torch.Tensor) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def micro_batch_loss(model, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn,
-                     forward_context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def micro_batch_loss(
+    model, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn, forward_context
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the mean loss of a micro-batch (a plain tensor), the extra losses its forward returned: with_extra_losses),
     as the train step, validation and the planner run it; `model_kwargs` are the model's keyword inputs
     (document_ids, sequence_shard: parallel/cp.py's split_batch). The chunked loss runs inside the model's forward
@@ -209,8 +223,9 @@ def micro_batch_loss(model, inputs: torch.Tensor, labels: torch.Tensor, model_kw
     return local_loss(loss_fn(logits, labels)), extra
 
 
-def with_extra_losses(loss: torch.Tensor, extra: dict[str, torch.Tensor], scale: "LossScale",
-                      aux_loss_coeff: float) -> torch.Tensor:
+def with_extra_losses(
+    loss: torch.Tensor, extra: dict[str, torch.Tensor], scale: "LossScale", aux_loss_coeff: float
+) -> torch.Tensor:
     """A micro-batch's share of the step's objective: its scaled loss plus the extra losses its forward returned,
     each as the same share: MoE's balance loss "moe_aux" weighted by model.moe_aux_loss_coeff, DeepSeek-V3's
     multi-token prediction "mtp" as the model weighted it (model.mtp_loss_weight)."""
@@ -234,8 +249,17 @@ def stage_loss(output: torch.Tensor, labels: torch.Tensor, loss_fn) -> torch.Ten
     return output.sum() if computed_in_forward(loss_fn) else local_loss(loss_fn(output, labels))
 
 
-def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, loss_fn, forward_context,
-             loss_parallel_enabled: bool) -> torch.Tensor:
+def loss_sum(
+    model,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    model_kwargs: dict,
+    loss_fn,
+    forward_context,
+    loss_parallel_enabled: bool,
+) -> torch.Tensor:
     """The sum of a batch's token losses (validation, under no_grad): its mean times its trained tokens."""
     with loss_parallel_context(loss_parallel_enabled):
-        return micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, forward_context)[0] * trained_tokens(labels)
+        return micro_batch_loss(model, inputs, labels, model_kwargs, loss_fn, forward_context)[0] * trained_tokens(
+            labels
+        )

@@ -23,8 +23,10 @@ from titanlite.run import ForwardSettings, Run, StepSettings, Training
 @contextlib.contextmanager
 def forward_context(settings: ForwardSettings, dims: ParallelDims, device_type: str):
     """Around every training forward: autocast where FSDP does not cast, and activation offload where asked."""
-    with (mixed_precision_context(dims, settings.param_dtype, device_type),
-          activation_offload_context(settings.offloaded)):
+    with (
+        mixed_precision_context(dims, settings.param_dtype, device_type),
+        activation_offload_context(settings.offloaded),
+    ):
         yield
 
 
@@ -39,7 +41,12 @@ def train_step(run: Run, training: Training, batches):
     Under pipeline parallelism the pipeline's schedule runs each micro-batch's forward and backward.
     """
     settings, dims, device, pipeline, model = run.step, run.dims, run.device, run.pipeline, run.model
-    optimizer, scheduler, metrics, replicas = training.optimizer, training.scheduler, training.metrics, training.replicas
+    optimizer, scheduler, metrics, replicas = (
+        training.optimizer,
+        training.scheduler,
+        training.metrics,
+        training.replicas,
+    )
     optimizer.zero_grad(set_to_none=True)
     total_loss = torch.zeros((), device=device)
     micro_batches = [on_device(batch, run) for batch in step_batches(run, batches, metrics)]
@@ -48,8 +55,9 @@ def train_step(run: Run, training: Training, batches):
     for batch, model_kwargs in micro_batches:
         if pipeline is not None:  # the schedule hands every stage its microbatch's document ids
             with context():
-                total_loss += pipeline.train_microstep(batch.inputs, batch.labels, scale, settings.aux_loss_coeff,
-                                                       model_kwargs)
+                total_loss += pipeline.train_microstep(
+                    batch.inputs, batch.labels, scale, settings.aux_loss_coeff, model_kwargs
+                )
             continue
         with loss_parallel_context(run.forward.loss_parallel):
             loss, extra = run.objective.loss(model, batch, model_kwargs, run.loss_fn, context)
@@ -60,8 +68,12 @@ def train_step(run: Run, training: Training, batches):
         pipeline.sum_tied_grads()
     loads = expert_loads(model, pipeline, settings.bias_update_rate, device, settings.accum_steps)
     replicas.average(model, total_loss, loads)
-    grad_norm = clip_grad_norm_(model.parameters(), settings.max_norm, pipeline.group if pipeline else None,
-                                uncounted=pipeline.uncounted if pipeline else ())
+    grad_norm = clip_grad_norm_(
+        model.parameters(),
+        settings.max_norm,
+        pipeline.group if pipeline else None,
+        uncounted=pipeline.uncounted if pipeline else (),
+    )
     lr = scheduler.get_last_lr()[0]
     if settings.skip_nonfinite and not finite_on_every_rank(total_loss, grad_norm):
         optimizer.zero_grad(set_to_none=True)  # the skipped step's expert counts are dropped with it
@@ -72,7 +84,7 @@ def train_step(run: Run, training: Training, batches):
     optimizer.step()
     scheduler.step()
     if loads is not None:
-        for part in (pipeline.parts if pipeline is not None else [model]):
+        for part in pipeline.parts if pipeline is not None else [model]:
             part.balance_experts(loads, settings.bias_update_rate)
     return total_loss, grad_norm, lr, False
 

@@ -49,7 +49,11 @@ def log_start(run: Run, metrics: MetricsLogger) -> None:
     cfg, training = run.cfg, run.cfg.training
     if cfg.job.description:
         logger.info(f"job: {cfg.job.description}")
-    data = f"a mix of {len(training.dataset_mix)} sources" if training.dataset_mix else training.dataset_path or training.dataset
+    data = (
+        f"a mix of {len(training.dataset_mix)} sources"
+        if training.dataset_mix
+        else training.dataset_path or training.dataset
+    )
     logger.info(
         f"model {run.label}: {run.num_params:,} parameters, vocab {run.args.vocab_size} | "
         f"world {run.info.world_size} on {run.device.type}, mesh {run.dims.layout} | "
@@ -144,9 +148,15 @@ class Loop:
         preempted = self.stop.should_stop(step, loss, grad_norm, settle)
         metrics.step_done(step, logged)  # a progress line every 30 s between step lines
         if logged:
-            metrics.log(step, mean_over_ranks(loss), grad_norm.item(), lr,
-                        extra=(model_metrics(run.model) or {}) | source_scalars(training.dataloader) | run.objective.scalars(),
-                        trained=metrics.trained_per_step(step), epoch=epochs_done(training.dataloader))
+            metrics.log(
+                step,
+                mean_over_ranks(loss),
+                grad_norm.item(),
+                lr,
+                extra=(model_metrics(run.model) or {}) | source_scalars(training.dataloader) | run.objective.scalars(),
+                trained=metrics.trained_per_step(step),
+                epoch=epochs_done(training.dataloader),
+            )
         if validating and not preempted:
             validation_seconds = time.perf_counter()
             self.validator.validate(run.model, step)
@@ -202,17 +212,28 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
             metrics.close()
             return
         # The lighthouse; a recovering peer receives this group's checkpoint objects, and this group takes a peer's.
-        training.replicas.join(info, cfg.job.init_timeout_seconds, model=run.model, dataloader=training.dataloader,
-                               objects=checkpointer.objects, write_scalars=metrics.write_scalars,
-                               stopping=lambda: stop.signal is not None)
-        hparams = hyperparameters(cfg, info.world_size, run.dims.layout, run.tokens_per_step // cfg.training.seq_len,
-                                  speed_settings(cfg))
+        training.replicas.join(
+            info,
+            cfg.job.init_timeout_seconds,
+            model=run.model,
+            dataloader=training.dataloader,
+            objects=checkpointer.objects,
+            write_scalars=metrics.write_scalars,
+            stopping=lambda: stop.signal is not None,
+        )
+        hparams = hyperparameters(
+            cfg, info.world_size, run.dims.layout, run.tokens_per_step // cfg.training.seq_len, speed_settings(cfg)
+        )
         metrics.start_tensorboard(run_folder(cfg, info.rank, state.step), cfg, state.step, hparams)
         metrics.start_progress(state.step, training.steps)
         # Python's automatic gc pauses ranks at different moments; collect on a fixed schedule instead.
         gc.disable()
-        summary = RunSummary(cfg.metrics.summary_warmup_steps, training.steps - state.step, info.device,
-                             predicted=observe("the planner's start-up prediction", predict_on_gpu, run))
+        summary = RunSummary(
+            cfg.metrics.summary_warmup_steps,
+            training.steps - state.step,
+            info.device,
+            predicted=observe("the planner's start-up prediction", predict_on_gpu, run),
+        )
         watchdog.start(state.step)
         with profiler:
             loop.run_steps(summary)
@@ -221,8 +242,12 @@ def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
         watchdog.stop()
         checkpointer.close()  # waits for the last async save
         stop.close()
-    summary.log(state_peaks_over_ranks(run.model, training.optimizer, run.forward.offloaded), metrics, checkpointer.cost,
-                run.forward.offloaded)
+    summary.log(
+        state_peaks_over_ranks(run.model, training.optimizer, run.forward.offloaded),
+        metrics,
+        checkpointer.cost,
+        run.forward.offloaded,
+    )
     observe("metrics", log_tokens_by_source, training.dataloader)
     metrics.close()
     gc.enable()

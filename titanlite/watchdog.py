@@ -59,7 +59,11 @@ class HangWatchdog:
         self.store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
         self.main_thread = threading.main_thread().ident
         self.durations: deque[float] = deque(maxlen=20)
-        self.step, self.began, self.finished = 0, time.monotonic(), 0  # the step in progress, its start, the last finished
+        self.step, self.began, self.finished = (
+            0,
+            time.monotonic(),
+            0,
+        )  # the step in progress, its start, the last finished
         self.published = -1
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
@@ -107,8 +111,10 @@ class HangWatchdog:
             stacks.write(f"\n--- hang watchdog: step {step} has run {waited:.0f}s; every thread's stack:\n")
             stacks.flush()
             faulthandler.dump_traceback(file=stacks, all_threads=True)
-        logger.error(f"step {step} has run {waited:.0f}s, over the hang timeout of {self.timeout():.0f}s; this rank is in "
-                     f"{doing}; its stacks are in {self.stack_file}")
+        logger.error(
+            f"step {step} has run {waited:.0f}s, over the hang timeout of {self.timeout():.0f}s; this rank is in "
+            f"{doing}; its stacks are in {self.stack_file}"
+        )
         if self.store is not None:
             # The last finished step travels with the report: the periodic publication may lag it by an interval.
             self.store.set(f"{KEY}/hung/{self.rank}", f"{self.finished}|step {step}: {doing}")
@@ -133,15 +139,22 @@ class HangWatchdog:
         while time.monotonic() < deadline and any(self._read("hung", r) is None for r in range(self.world_size)):
             time.sleep(0.5)
         reports = {r: self._read("hung", r) for r in range(self.world_size)}
-        finished = {r: int(report.split("|", 1)[0]) if report else int(self._read("finished", r) or 0)
-                    for r, report in reports.items()}
+        finished = {
+            r: int(report.split("|", 1)[0]) if report else int(self._read("finished", r) or 0)
+            for r, report in reports.items()
+        }
         finished[0] = self.finished
         stuck_step = min(finished.values()) + 1
         behind = [r for r, done in finished.items() if done < stuck_step]
         parts = []
         for r in range(self.world_size):
             report = reports[r].split("|", 1)[1] if reports[r] else None
-            parts.append(f"rank {r} finished step {finished[r]}, " + (f"now in {report}" if report else "sent no report (it may have died)"))
-        return (f"hang: rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))} did not finish step {stuck_step}; "
-                f"{'; '.join(parts)}; every rank's stacks are in its logs/rank<N>.log; exiting with code {HANG_EXIT_CODE} "
-                "so the job restarts from its last checkpoint")
+            parts.append(
+                f"rank {r} finished step {finished[r]}, "
+                + (f"now in {report}" if report else "sent no report (it may have died)")
+            )
+        return (
+            f"hang: rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))} did not finish step {stuck_step}; "
+            f"{'; '.join(parts)}; every rank's stacks are in its logs/rank<N>.log; exiting with code {HANG_EXIT_CODE} "
+            "so the job restarts from its last checkpoint"
+        )

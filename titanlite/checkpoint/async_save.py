@@ -119,7 +119,9 @@ class AsyncSaver:
         save.future.add_done_callback(save.mark_done)
         self.pending = save
 
-    def _save_in_background(self, state: dict, path: Path, staged: threading.Event, computed: "torch.cuda.Event | None") -> None:
+    def _save_in_background(
+        self, state: dict, path: Path, staged: threading.Event, computed: "torch.cuda.Event | None"
+    ) -> None:
         try:
             host_state = self.staging.copy(state, computed)
         finally:

@@ -91,8 +91,9 @@ class SaveCost:
         self.waiting.append(save)
 
     @observer("save-cost accounting")
-    def waited_for_previous(self, step: int, previous: int, previous_started: float, previous_done: float,
-                            entered: float, interval: int) -> None:
+    def waited_for_previous(
+        self, step: int, previous: int, previous_started: float, previous_done: float, entered: float, interval: int
+    ) -> None:
         """The save of `step` had to wait (from `entered`) for the save of `previous` to finish
         writing. When the interval is to blame, say so once, with the interval that avoids it:
         the write took as long as that many steps ran while it wrote."""
@@ -152,8 +153,11 @@ class SaveCost:
         self.lost_seconds += lost
         logger.info(f"checkpoint step-{save.step}: training lost {lost:.3f}s ({how}; blocked {save.blocked:.3f}s)")
         if self.write:
-            self.write(save.step, {
-                "checkpoint/save_seconds": save.done_at - save.started,
-                "checkpoint/blocked_seconds": save.blocked,
-                "checkpoint/training_lost_seconds": lost,
-            })
+            self.write(
+                save.step,
+                {
+                    "checkpoint/save_seconds": save.done_at - save.started,
+                    "checkpoint/blocked_seconds": save.blocked,
+                    "checkpoint/training_lost_seconds": lost,
+                },
+            )

@@ -56,7 +56,11 @@ def write_generation_ids(source: Path, folder: Path, chat_template: str = "") ->
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     generation = read_json(source / "generation_config.json")
-    stops = [end_of_turn(tokenizer, chat_template), *as_list(generation.get("eos_token_id")), *as_list(ids["eos_token_id"])]
+    stops = [
+        end_of_turn(tokenizer, chat_template),
+        *as_list(generation.get("eos_token_id")),
+        *as_list(ids["eos_token_id"]),
+    ]
     stops = list(dict.fromkeys(i for i in stops if i is not None))
     generation.update({"eos_token_id": stops if len(stops) > 1 else stops[0]})
     if ids["bos_token_id"] is not None:

@@ -23,7 +23,9 @@ def read_metadata(path: Path) -> Metadata:
     try:
         return FileSystemReader(str(path)).read_metadata()
     except Exception as error:  # unpickling garbage raises anything
-        raise UserError(f"checkpoint {path} is corrupt: its .metadata cannot be read ({type(error).__name__}); delete the folder") from None
+        raise UserError(
+            f"checkpoint {path} is corrupt: its .metadata cannot be read ({type(error).__name__}); delete the folder"
+        ) from None
 
 
 def load_in_place(path: Path, state: dict) -> dict:
@@ -36,7 +38,9 @@ def load_in_place(path: Path, state: dict) -> dict:
             error = next(iter(error.failures.values()))[0]
         lines = str(error).strip().splitlines()
         reason = f"{type(error).__name__}: {lines[0].split('. ')[0][:160]}" if lines else type(error).__name__
-        raise UserError(f"checkpoint {path} cannot be loaded ({reason}); it is damaged: delete it or set checkpoint.load_step") from None
+        raise UserError(
+            f"checkpoint {path} cannot be loaded ({reason}); it is damaged: delete it or set checkpoint.load_step"
+        ) from None
     return state
 
 
@@ -46,7 +50,8 @@ def is_training_key(fqn: str) -> bool:
 
 def model_tensors(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
     return {
-        fqn: meta for fqn, meta in metadata.state_dict_metadata.items()
+        fqn: meta
+        for fqn, meta in metadata.state_dict_metadata.items()
         if not is_training_key(fqn) and isinstance(meta, TensorStorageMetadata)
     }
 
@@ -59,7 +64,9 @@ def _shape(shape) -> str:
     return "x".join(str(d) for d in shape) or "a scalar"
 
 
-def check_model_fits(metadata: Metadata, expected: dict[str, tuple], path: Path, model_name: str, saved_from: str = "") -> None:
+def check_model_fits(
+    metadata: Metadata, expected: dict[str, tuple], path: Path, model_name: str, saved_from: str = ""
+) -> None:
     """`expected`: FQN -> global shape of this run's model."""
     saved = {fqn: tuple(meta.size) for fqn, meta in model_tensors(metadata).items()}
     origin = f" (it was saved from {saved_from})" if saved_from and saved_from != model_name else ""
@@ -67,11 +74,15 @@ def check_model_fits(metadata: Metadata, expected: dict[str, tuple], path: Path,
     missing = [fqn for fqn in expected if fqn not in saved]
     if missing:
         more = f" and {len(missing) - 1} more tensors" if len(missing) > 1 else ""
-        raise UserError(f"{prefix} it lacks {missing[0]}{more}; point it at a checkpoint of this model family and flavor")
+        raise UserError(
+            f"{prefix} it lacks {missing[0]}{more}; point it at a checkpoint of this model family and flavor"
+        )
     extra = [fqn for fqn in saved if fqn not in expected]
     if extra:
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
-        raise UserError(f"{prefix} it holds {extra[0]}{more}, which this model lacks; check model.name and model.flavor")
+        raise UserError(
+            f"{prefix} it holds {extra[0]}{more}, which this model lacks; check model.name and model.flavor"
+        )
     for fqn, shape in expected.items():
         if saved[fqn] != tuple(shape):
             raise UserError(
@@ -83,8 +94,10 @@ def choose_load_step(root: Path, complete: list[int], load_step: int) -> int:
     """checkpoint.load_step, which must be one of the complete checkpoints."""
     if load_step not in complete:
         found = ", ".join(map(str, complete)) or "none"
-        raise UserError(f"checkpoint.load_step {load_step}: there is no complete checkpoint {step_folder(root, load_step)} "
-                        f"(complete steps: {found})")
+        raise UserError(
+            f"checkpoint.load_step {load_step}: there is no complete checkpoint {step_folder(root, load_step)} "
+            f"(complete steps: {found})"
+        )
     return load_step
 
 

@@ -77,7 +77,9 @@ def purge_old(root: Path, keep: int) -> list[Path]:
 def set_aside_newer(root: Path, step: int) -> tuple[Path, list[str]] | None:
     """Move the step folders newer than `step` to <root>/abandoned/from-step-<step>-<time>/
     (a rewind); returns (that folder, the names moved), or None when there are none."""
-    steps = {c: int(m.group(1)) for c in (root.iterdir() if root.is_dir() else ()) if (m := _ANY_STEP_FOLDER.match(c.name))}
+    steps = {
+        c: int(m.group(1)) for c in (root.iterdir() if root.is_dir() else ()) if (m := _ANY_STEP_FOLDER.match(c.name))
+    }
     newer = sorted((c for c, s in steps.items() if s > step), key=steps.get)
     if not newer:
         return None
@@ -100,9 +102,11 @@ def rewound_before(root: Path, step: int) -> str | None:
         if not (isinstance(record, dict) and type(record.get("step")) is int and isinstance(record.get("at"), str)):
             raise ValueError("not a record of a step and a time")
     except (OSError, ValueError, UnicodeDecodeError) as error:
-        raise UserError(f"{path} is damaged ({type(error).__name__}), so whether checkpoint.load_step {step} already "
-                        f"rewound this run is not known; remove checkpoint.load_step to resume from the newest checkpoint, "
-                        f"or delete {path} to rewind to step {step} again") from None
+        raise UserError(
+            f"{path} is damaged ({type(error).__name__}), so whether checkpoint.load_step {step} already "
+            f"rewound this run is not known; remove checkpoint.load_step to resume from the newest checkpoint, "
+            f"or delete {path} to rewind to step {step} again"
+        ) from None
     return record["at"] if record["step"] == step else None
 
 

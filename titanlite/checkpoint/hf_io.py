@@ -108,7 +108,9 @@ class HFReader:
         except UserError:
             raise
         except Exception as error:  # bad JSON, a truncated safetensors header, unreadable files
-            raise UserError(f"the Hugging Face folder {self.folder} cannot be read ({type(error).__name__}: {error})") from None
+            raise UserError(
+                f"the Hugging Face folder {self.folder} cannot be read ({type(error).__name__}: {error})"
+            ) from None
         self.weight_map: dict[str, str] = weight_map
         self._files: dict[str, object] = {}
 
@@ -124,8 +126,15 @@ class HFReader:
             raise UserError(f"{self.folder / file} cannot be read ({type(error).__name__}: {error})") from None
 
 
-def write_hf_folder(layers: Iterable[dict[str, torch.Tensor]], folder: Path, adapter, args, dtype: torch.dtype,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, write: bool = True) -> None:
+def write_hf_folder(
+    layers: Iterable[dict[str, torch.Tensor]],
+    folder: Path,
+    adapter,
+    args,
+    dtype: torch.dtype,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    write: bool = True,
+) -> None:
     """Convert each group of full titanlite tensors to HF names and `dtype` and write them, then the
     config. Without `write` the groups are still drawn (their gathers are collective), not written."""
     writer = HFWriter(folder, max_shard_bytes) if write else None
@@ -163,8 +172,9 @@ def copy_tokenizer(tokenizer_file: Path, folder: Path, chat_template: str = "", 
 
 
 @torch.no_grad()
-def save_model_as_hf(state_dict: dict, folder: Path, adapter, args, dtype: torch.dtype, writer_rank: bool,
-                     merge=None) -> None:
+def save_model_as_hf(
+    state_dict: dict, folder: Path, adapter, args, dtype: torch.dtype, writer_rank: bool, merge=None
+) -> None:
     """Write a (possibly sharded) model state dict as an HF folder, one layer at a time; `merge` turns each
     layer's full tensors into the model's own (LoRA: the adapters merged into their weights).
 
@@ -176,7 +186,9 @@ def save_model_as_hf(state_dict: dict, folder: Path, adapter, args, dtype: torch
     write_hf_folder(layers, folder, adapter, args, dtype, write=writer_rank)
 
 
-def read_hf_tensors(reader: HFReader, shapes: dict[str, tuple], adapter, args, model_name: str) -> Iterator[tuple[str, torch.Tensor]]:
+def read_hf_tensors(
+    reader: HFReader, shapes: dict[str, tuple], adapter, args, model_name: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(titanlite name, full tensor in titanlite layout) for each name in `shapes`, read one at a
     time; stops with one sentence at the first config value or tensor shape that does not fit."""
     mismatch = adapter.config_mismatch(reader.config, args)

@@ -57,8 +57,10 @@ def recorded_checksums(folder: Path) -> dict[str, str]:
             if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
                 raise ValueError("not a table of checksums")
         except (ValueError, UnicodeDecodeError, OSError) as error:
-            raise UserError(f"checkpoint checksum record {record} is damaged ({type(error).__name__}); the checkpoint "
-                            f"cannot be verified: delete {folder} or set checkpoint.load_step to an earlier step") from None
+            raise UserError(
+                f"checkpoint checksum record {record} is damaged ({type(error).__name__}); the checkpoint "
+                f"cannot be verified: delete {folder} or set checkpoint.load_step to an earlier step"
+            ) from None
         recorded.update(sums)
     return recorded
 
@@ -97,8 +99,10 @@ def verify_checksums(folder: Path, allow_unverified: bool) -> None:
     unrecorded = [name for name in data_files(folder) if name not in recorded]
     if unrecorded:
         more = f" and {len(unrecorded) - 1} more" if len(unrecorded) > 1 else ""
-        logger.warning(f"checkpoint {folder}: {unrecorded[0]}{more} {'have' if more else 'has'} no checksum record (the save "
-                       "was cut off before recording them, or the record was lost), so they load unverified")
+        logger.warning(
+            f"checkpoint {folder}: {unrecorded[0]}{more} {'have' if more else 'has'} no checksum record (the save "
+            "was cut off before recording them, or the record was lost), so they load unverified"
+        )
     names = sorted(recorded)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     damaged = damaged_files(folder, names[rank::world], recorded)
@@ -108,9 +112,11 @@ def verify_checksums(folder: Path, allow_unverified: bool) -> None:
         damaged = sorted(name for share in found for name in share)
     more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
     if damaged and not (folder / damaged[0]).is_file():
-        raise UserError(f"checkpoint {folder} lacks {damaged[0]}{more}, which {folder / CHECKSUMS} records as saved: a file "
-                        f"was lost or a record damaged; delete {folder} (an earlier checkpoint then loads) or set "
-                        "checkpoint.load_step to an earlier step")
+        raise UserError(
+            f"checkpoint {folder} lacks {damaged[0]}{more}, which {folder / CHECKSUMS} records as saved: a file "
+            f"was lost or a record damaged; delete {folder} (an earlier checkpoint then loads) or set "
+            "checkpoint.load_step to an earlier step"
+        )
     if damaged:
         raise UserError(
             f"checkpoint file {folder / damaged[0]}{more} does not match the checksum recorded when it was saved: its "
@@ -125,5 +131,7 @@ def refuse_lost_metadata(folder: Path) -> None:
     file was lost on disk, and resuming from an older step without a word would drop the newest checkpoint."""
     recorded = recorded_checksums(folder) if (folder / CHECKSUMS).is_dir() else {}
     if ".metadata" in recorded:
-        raise UserError(f"checkpoint {folder} has lost its .metadata, which {folder / CHECKSUMS} records as saved: the "
-                        f"folder is damaged; restore the file, or delete {folder} to resume from the checkpoint before it")
+        raise UserError(
+            f"checkpoint {folder} has lost its .metadata, which {folder / CHECKSUMS} records as saved: the "
+            f"folder is damaged; restore the file, or delete {folder} to resume from the checkpoint before it"
+        )

@@ -49,8 +49,10 @@ def job_id() -> str:
 
 def restarted() -> bool:
     """Whether this process is a restart of its job by torchrun (--max-restarts) or Slurm (a requeue)."""
-    return any(os.environ.get(name, "0").strip() not in ("", "0")
-               for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return any(
+        os.environ.get(name, "0").strip() not in ("", "0")
+        for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    )
 
 
 def machine() -> str:
@@ -91,7 +93,9 @@ def holder_alive(holder: dict) -> bool | None:
     if type(pid) is not int or not 0 < pid <= PID_MAX:
         return None
     recorded, started_then = holder.get("machine"), holder.get("pid_start")
-    here = recorded == machine() if recorded and isinstance(recorded, str) else holder.get("host") == socket.gethostname()
+    here = (
+        recorded == machine() if recorded and isinstance(recorded, str) else holder.get("host") == socket.gethostname()
+    )
     if not here:
         return None
     if not process_alive(pid):
@@ -134,8 +138,11 @@ def read_holder(path: Path) -> dict:
 
 
 def refusal(folder: Path, path: Path, holder: dict) -> UserError:
-    then = ("or stop that run first (a lock is never taken from a live process on its machine)" if holder_alive(holder)
-            else f"or stop that run (its lock {path} is taken over once {STALE:.0f} s old)")
+    then = (
+        "or stop that run first (a lock is never taken from a live process on its machine)"
+        if holder_alive(holder)
+        else f"or stop that run (its lock {path} is taken over once {STALE:.0f} s old)"
+    )
     return UserError(
         f"job.dump_folder {folder} is in use by another run (host {holder.get('host', '?')}, pid "
         f"{holder.get('pid', '?')}, job {holder.get('job') or 'without an id'}, started {holder.get('started', '?')}): "
@@ -159,8 +166,10 @@ def serialized(file, folder: Path) -> None:
     except OSError as error:
         if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
             raise
-        logger.warning(f"the file system of job.dump_folder {folder} has no flock ({error.strerror}): two runs taking "
-                       "over its stale lock at the same moment could both take it")
+        logger.warning(
+            f"the file system of job.dump_folder {folder} has no flock ({error.strerror}): two runs taking "
+            "over its stale lock at the same moment could both take it"
+        )
 
 
 def take_over_if_stale(folder: Path, path: Path, record: bytes) -> bool:
@@ -190,7 +199,12 @@ def take_over_if_stale(folder: Path, path: Path, record: bytes) -> bool:
 
 def own_process() -> dict:
     """What names this process in a lock: where it runs and which process it is."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "machine": machine(), "pid_start": process_start(os.getpid())}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "machine": machine(),
+        "pid_start": process_start(os.getpid()),
+    }
 
 
 def take_lock(folder: Path) -> Path:
@@ -222,8 +236,10 @@ def wait_as_a_restart(folder: Path, path: Path, holder: dict, since: float | Non
     if not may_be_this_jobs(holder) or since is not None and now - since > STALE + HEARTBEAT:
         raise refusal(folder, path, holder)
     if since is None:
-        logger.info(f"the lock {path} was taken on host {holder.get('host', '?')} by a job without an id, perhaps this job "
-                    f"before its restart: waiting up to {STALE + HEARTBEAT:.0f} s for it to go stale")
+        logger.info(
+            f"the lock {path} was taken on host {holder.get('host', '?')} by a job without an id, perhaps this job "
+            f"before its restart: waiting up to {STALE + HEARTBEAT:.0f} s for it to go stale"
+        )
     time.sleep(RESTART_POLL)
     return now if since is None else since
 

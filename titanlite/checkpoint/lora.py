@@ -34,13 +34,17 @@ def check_adapters_fit(saved: dict[str, tuple], ours: dict[str, tuple], path) ->
     if set(saved) != set(ours):
         other = sorted(set(saved) ^ set(ours))[0].rsplit(".", 1)[0]
         where = "the checkpoint" if other + ".lora_a" in saved else "this run"
-        raise UserError(f"checkpoint {path} holds LoRA adapters only, on other layers than this run's lora.target_modules "
-                        f"({other} is adapted in {where} alone); resume with the lora.target_modules it was trained with, "
-                        "or start the new adapters in another job.dump_folder")
+        raise UserError(
+            f"checkpoint {path} holds LoRA adapters only, on other layers than this run's lora.target_modules "
+            f"({other} is adapted in {where} alone); resume with the lora.target_modules it was trained with, "
+            "or start the new adapters in another job.dump_folder"
+        )
     for fqn, shape in ours.items():
         if fqn.endswith(".lora_a") and saved[fqn] != shape:
-            raise UserError(f"checkpoint {path} holds LoRA adapters only, of rank {saved[fqn][0]}, but lora.rank is {shape[0]}; "
-                            f"resume with lora.rank {saved[fqn][0]}, or start the new adapters in another job.dump_folder")
+            raise UserError(
+                f"checkpoint {path} holds LoRA adapters only, of rank {saved[fqn][0]}, but lora.rank is {shape[0]}; "
+                f"resume with lora.rank {saved[fqn][0]}, or start the new adapters in another job.dump_folder"
+            )
 
 
 def check_not_adapters_only(saved: dict[str, tuple], path) -> None:
@@ -49,9 +53,11 @@ def check_not_adapters_only(saved: dict[str, tuple], path) -> None:
     adapters = {fqn: shape for fqn, shape in saved.items() if is_adapter(fqn)}
     if adapters and len(adapters) == len(saved):
         rank = next(shape[0] for fqn, shape in adapters.items() if fqn.endswith(".lora_a"))
-        raise UserError(f"checkpoint {path} holds LoRA adapters only (rank {rank}), but lora.rank is 0 here; set lora.rank "
-                        f"{rank} and the other [lora] keys the run was trained with (the base comes from "
-                        "checkpoint.initial_load_path)")
+        raise UserError(
+            f"checkpoint {path} holds LoRA adapters only (rank {rank}), but lora.rank is 0 here; set lora.rank "
+            f"{rank} and the other [lora] keys the run was trained with (the base comes from "
+            "checkpoint.initial_load_path)"
+        )
 
 
 @torch.no_grad()
@@ -78,11 +84,17 @@ def check_same_base(saved: str, base: str, path) -> None:
         theirs = json.loads(saved)
     except ValueError:
         theirs = {"path": saved, "digest": None}
-    if theirs["digest"] is None and theirs["path"] == ours["path"] or same_digest(theirs["digest"] or [], ours["digest"]):
+    if (
+        theirs["digest"] is None
+        and theirs["path"] == ours["path"]
+        or same_digest(theirs["digest"] or [], ours["digest"])
+    ):
         return
-    raise UserError(f"checkpoint {path} holds LoRA adapters trained on another base than this run's ({ours['path']}: its "
-                    f"weights differ); set checkpoint.initial_load_path to the base they were trained on ({theirs['path']}), "
-                    "or start the adapters in another job.dump_folder")
+    raise UserError(
+        f"checkpoint {path} holds LoRA adapters trained on another base than this run's ({ours['path']}: its "
+        f"weights differ); set checkpoint.initial_load_path to the base they were trained on ({theirs['path']}), "
+        "or start the adapters in another job.dump_folder"
+    )
 
 
 def base_model_name(base: str) -> str:
@@ -108,7 +120,9 @@ def is_transposed(hf_adapter, name: str, args, shape) -> bool:
 
 
 @torch.no_grad()
-def save_peft_adapter(adapter_state: dict, folder: Path, hf_adapter, args, model: nn.Module, base: str, writer_rank: bool) -> None:
+def save_peft_adapter(
+    adapter_state: dict, folder: Path, hf_adapter, args, model: nn.Module, base: str, writer_rank: bool
+) -> None:
     """The adapters as a PEFT folder (adapter_config.json + adapter_model.safetensors) that
     peft.PeftModel.from_pretrained puts on the transformers model of the base. A's rows are the rank, so
     only B takes the layer's Hugging Face layout (the RoPE row order of q and k)."""
@@ -122,15 +136,26 @@ def save_peft_adapter(adapter_state: dict, folder: Path, hf_adapter, args, model
         # PEFT keeps B in nn.Linear's orientation for GPT-2's transposed Conv1D too (fan_in_fan_out)
         transposed = is_transposed(hf_adapter, f"{name}.weight", args, layer.weight.shape)
         conv1d |= transposed
-        tensors[f"{prefix}.lora_B.weight"] = (b.float() if transposed else hf_adapter.tensor_to_hf(f"{name}.weight", b.float(), args)).contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = (
+            b.float() if transposed else hf_adapter.tensor_to_hf(f"{name}.weight", b.float(), args)
+        ).contiguous()
         targets.add(hf_weight.removesuffix(".weight").rsplit(".", 1)[-1])
     if not writer_rank:
         return
     first = next(iter(layers.values()))
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.lora_a.shape[0],
-              "lora_alpha": first.scale * first.lora_a.shape[0], "lora_dropout": getattr(first.dropout, "p", 0.0),
-              "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": conv1d, "use_rslora": False,
-              "base_model_name_or_path": base_model_name(base), "inference_mode": True}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": first.lora_a.shape[0],
+        "lora_alpha": first.scale * first.lora_a.shape[0],
+        "lora_dropout": getattr(first.dropout, "p", 0.0),
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": conv1d,
+        "use_rslora": False,
+        "base_model_name_or_path": base_model_name(base),
+        "inference_mode": True,
+    }
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))

@@ -83,8 +83,14 @@ class CheckpointManager:
         # the model's shape as config.json: `convert dcp-to-hf` exports a run whose shape is no registered flavor
         adapter = self.identity.hf_adapter
         model_config = json.dumps(adapter.hf_config(run.args)) if adapter else None
-        self.lineage = TrainStateLineage(training.state, run.label, run.dims.dp_degree, self.world_size,
-                                         self.base_record if self.adapters_only else None, model_config)
+        self.lineage = TrainStateLineage(
+            training.state,
+            run.label,
+            run.dims.dp_degree,
+            self.world_size,
+            self.base_record if self.adapters_only else None,
+            model_config,
+        )
         self.objects = {  # the checkpoint's keys, in the order a save writes them (the model's first: see _full_state)
             "model": ModelState(run.model, self.adapters_only),
             "optimizer": OptimizerState(run.model, optimizer),
@@ -106,7 +112,9 @@ class CheckpointManager:
         self.purger = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-purge") if self.rank == 0 and saves else None
         if saves:
             keep = f"keeping the newest {cfg.keep_latest_k}" if cfg.keep_latest_k else "keeping all"
-            mode = {"disabled": "synchronous", "async": "async", "async_with_pinned_mem": "async, pinned memory"}[cfg.async_mode]
+            mode = {"disabled": "synchronous", "async": "async", "async_with_pinned_mem": "async, pinned memory"}[
+                cfg.async_mode
+            ]
             logger.info(f"checkpoints every {cfg.interval} steps into {self.root} ({mode} saves, {keep})")
 
     @property
@@ -145,8 +153,10 @@ class CheckpointManager:
             else:
                 self._save(step, self._full_state, wait=force or last)
         if last and cfg.last_save_in_hf and not cfg.enable:
-            logger.warning(f"no Hugging Face export of step {step}: checkpoint.enable is false, which turns every save off "
-                           "(checkpoint.last_save_in_hf too); set checkpoint.enable true to write it")
+            logger.warning(
+                f"no Hugging Face export of step {step}: checkpoint.enable is false, which turns every save off "
+                "(checkpoint.last_save_in_hf too); set checkpoint.enable true to write it"
+            )
         elif last and cfg.last_save_in_hf:  # after the checkpoint: a failing export never costs the run's state
             self._save_hf(step)
 
@@ -157,8 +167,10 @@ class CheckpointManager:
     def save_seed(self) -> None:
         """Step 0, model only: lets a large run start from weights initialised once, on one process."""
         if self.world_size != 1:
-            raise UserError(f"checkpoint.create_seed_checkpoint runs on one process, not {self.world_size}; run it with "
-                            "plain python (no torchrun), then start the big run")
+            raise UserError(
+                f"checkpoint.create_seed_checkpoint runs on one process, not {self.world_size}; run it with "
+                "plain python (no torchrun), then start the big run"
+            )
         self._save(0, self._model_state, wait=True, note="seed checkpoint, model only")
 
     def _save(self, step: int, build_state, wait: bool, note: str = "") -> None:
@@ -166,8 +178,9 @@ class CheckpointManager:
         previous = self.saver.pending if self.saver is not None else None
         self.wait()
         if previous is not None and previous.done_at > entered:  # it was still writing: this save waited for it
-            self.cost.waited_for_previous(step, previous.step, previous.started, previous.done_at, entered,
-                                          self.cfg.interval)
+            self.cost.waited_for_previous(
+                step, previous.step, previous.started, previous.done_at, entered, self.cfg.interval
+            )
         path = step_folder(self.root, step)
         if self.claims_save is not None and not self.claims_save(path):  # another replica group writes it
             return
@@ -225,22 +238,42 @@ class CheckpointManager:
 
     def _stop_if_disk_failure(self, step: int, error: BaseException) -> None:
         sizes = model_state_bytes(self.model, self.optimizer)
-        stop_if_disk_failure(error, self.root, step, (sizes["params"] + sizes["optimizer"]) * self.world_size, self.rank)
+        stop_if_disk_failure(
+            error, self.root, step, (sizes["params"] + sizes["optimizer"]) * self.world_size, self.rank
+        )
 
     def _save_hf(self, step: int) -> None:
         cfg = self.cfg
         path = self.root / f"step-{step}-hf"
         started = time.perf_counter()
-        save_model_as_hf(self._model_state("all"), path, self.identity.hf_adapter, self.identity.args, DTYPES[cfg.export_dtype],
-                         writer_rank=self.rank == 0, merge=functools.partial(merge_lora, model=self.model))
+        save_model_as_hf(
+            self._model_state("all"),
+            path,
+            self.identity.hf_adapter,
+            self.identity.args,
+            DTYPES[cfg.export_dtype],
+            writer_rank=self.rank == 0,
+            merge=functools.partial(merge_lora, model=self.model),
+        )
         if self.rank == 0 and self.tokenizer_file is not None:
             copy_tokenizer(self.tokenizer_file, path, self.chat_template)
         if self.adapters_only:
-            save_peft_adapter(self._model_state(), self.root / f"step-{step}-peft", self.identity.hf_adapter, self.identity.args,
-                              self.model, self.base, writer_rank=self.rank == 0)
+            save_peft_adapter(
+                self._model_state(),
+                self.root / f"step-{step}-peft",
+                self.identity.hf_adapter,
+                self.identity.args,
+                self.model,
+                self.base,
+                writer_rank=self.rank == 0,
+            )
             if self.rank == 0 and self.tokenizer_file is not None:
-                copy_tokenizer(self.tokenizer_file, self.root / f"step-{step}-peft", self.chat_template, generation=False)
-        logger.info(f"model saved in Hugging Face format ({cfg.export_dtype}) to {path} in {time.perf_counter() - started:.2f}s")
+                copy_tokenizer(
+                    self.tokenizer_file, self.root / f"step-{step}-peft", self.chat_template, generation=False
+                )
+        logger.info(
+            f"model saved in Hugging Face format ({cfg.export_dtype}) to {path} in {time.perf_counter() - started:.2f}s"
+        )
 
     def close(self) -> None:
         """Wait for the last save and the purges; the job may exit after this."""
@@ -294,7 +327,9 @@ class CheckpointManager:
             return
         path = Path(cfg.initial_load_path)
         if cfg.initial_load_in_hf:
-            load_weights(ModelState(self.model, self.adapters_only, "base"), path, self.identity, "checkpoint.initial_load_path")
+            load_weights(
+                ModelState(self.model, self.adapters_only, "base"), path, self.identity, "checkpoint.initial_load_path"
+            )
         else:
             self._load_dcp(path, resume=resume and not cfg.initial_load_model_only, kind="base")
 
@@ -302,13 +337,22 @@ class CheckpointManager:
         started = time.perf_counter()
         model = ModelState(self.model, self.adapters_only, kind)
         key = "checkpoint.initial_load_path" if kind == "base" else "checkpoint.folder"
-        metadata = check_dcp_checkpoint(path, model, self.identity, key, resume=resume, transplant=kind == "base",
-                                        allow_unverified=self.cfg.allow_unverified)
+        metadata = check_dcp_checkpoint(
+            path,
+            model,
+            self.identity,
+            key,
+            resume=resume,
+            transplant=kind == "base",
+            allow_unverified=self.cfg.allow_unverified,
+        )
         keys = SavedKeys(metadata.state_dict_metadata, path)
         if not holds_training_state(metadata):
             resume = False  # a seed checkpoint or a model-only export: weights, then step 1
         elif resume and "train_state.step" not in keys:
-            raise UserError(f"checkpoint {path} holds no titanlite train state; load it with checkpoint.initial_load_model_only true")
+            raise UserError(
+                f"checkpoint {path} holds no titanlite train state; load it with checkpoint.initial_load_model_only true"
+            )
         objects = {**self.objects, "model": model} if resume else {"model": model}
         targets = load_targets(objects, keys)
         restore_all(objects, load_in_place(path, targets))

@@ -32,7 +32,9 @@ def folders_to_write(cfg: JobConfig) -> list[tuple[str, Path]]:
 def check_writable_folder(key: str, folder: Path) -> None:
     blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise UserError(f"{key}: {folder} cannot be a folder because {blocker} is a file; remove that file or choose another path")
+        raise UserError(
+            f"{key}: {folder} cannot be a folder because {blocker} is a file; remove that file or choose another path"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):

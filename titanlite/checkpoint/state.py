@@ -58,8 +58,11 @@ class ModelState:
         return self.loading
 
     def restore(self, state: dict) -> None:
-        set_model_state_dict(self.model, {fqn: state[fqn] for fqn in self.loading},
-                             options=StateDictOptions(strict=not self.adapters_only))
+        set_model_state_dict(
+            self.model,
+            {fqn: state[fqn] for fqn in self.loading},
+            options=StateDictOptions(strict=not self.adapters_only),
+        )
 
 
 def ties_embeddings(model) -> bool:
@@ -105,8 +108,9 @@ class OptimizerState:
             group["params"] = names
         by_name = loaded["state"]
         if self.ties and "output.weight" in self.own_names and "tok_embeddings.weight" in by_name:
-            by_name["output.weight"] = {k: v.clone() if torch.is_tensor(v) else v
-                                        for k, v in by_name["tok_embeddings.weight"].items()}
+            by_name["output.weight"] = {
+                k: v.clone() if torch.is_tensor(v) else v for k, v in by_name["tok_embeddings.weight"].items()
+            }
             if not self.had_embedding:
                 del by_name["tok_embeddings.weight"]
         set_optimizer_state_dict(self.model, self.optimizer, loaded)
@@ -151,8 +155,15 @@ class TrainStateLineage:
 
     top_level = False
 
-    def __init__(self, state: TrainState, model_name: str, dp_degree: int, world_size: int, base: Callable[[], str] | None,
-                 model_config: str | None = None):
+    def __init__(
+        self,
+        state: TrainState,
+        model_name: str,
+        dp_degree: int,
+        world_size: int,
+        base: Callable[[], str] | None,
+        model_config: str | None = None,
+    ):
         """`state`: the run's train state, which a load restores in place; `base`: the LoRA base's record
         (lora.base_record: path and content), None without LoRA; `model_config`: the model's shape as HF config.json
         text, which `convert dcp-to-hf` exports by."""
@@ -162,14 +173,25 @@ class TrainStateLineage:
         self.saved_world_size = world_size
 
     def saved(self) -> dict:
-        return {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "model": self.model_name,
-                "dp_degree": self.dp_degree, "world_size": self.world_size,
-                **({"base": self.base()} if self.base is not None else {}),
-                **({"model_config": self.model_config} if self.model_config is not None else {})}
+        return {
+            "step": self.state.step,
+            "tokens_seen": self.state.tokens_seen,
+            "model": self.model_name,
+            "dp_degree": self.dp_degree,
+            "world_size": self.world_size,
+            **({"base": self.base()} if self.base is not None else {}),
+            **({"model_config": self.model_config} if self.model_config is not None else {}),
+        }
 
     def target(self, keys) -> dict:
         self.path = keys.path
-        return {"step": 0, "tokens_seen": 0, "dp_degree": 0, "world_size": 0, **({"base": ""} if self.base is not None else {})}
+        return {
+            "step": 0,
+            "tokens_seen": 0,
+            "dp_degree": 0,
+            "world_size": 0,
+            **({"base": ""} if self.base is not None else {}),
+        }
 
     def restore(self, state: dict) -> None:
         loaded = state["train_state"]
@@ -204,7 +226,9 @@ class DataState:
             )
         same_split = f"dataloader.{self.key}" in keys and (self.global_data or self.saved_dp == self.dp_degree)
         # A loader whose position is global though its state is per rank (GRPO's prompts) takes rank 0's position
-        self.from_rank_0 = not same_split and hasattr(self.dataloader, "load_position") and "dataloader.dp_rank_0" in keys
+        self.from_rank_0 = (
+            not same_split and hasattr(self.dataloader, "load_position") and "dataloader.dp_rank_0" in keys
+        )
         return {self.key: b""} if same_split else {"dp_rank_0": b""} if self.from_rank_0 else None
 
     def restore(self, state: dict) -> None:
@@ -238,8 +262,10 @@ class RngState:
         if "rng" in state:
             set_rng_state(state["rng"][self.key])
         else:
-            logger.info(f"RNG states not restored: the checkpoint comes from {self.lineage.saved_world_size} ranks, "
-                        f"this run has {self.lineage.world_size}")
+            logger.info(
+                f"RNG states not restored: the checkpoint comes from {self.lineage.saved_world_size} ranks, "
+                f"this run has {self.lineage.world_size}"
+            )
 
 
 class SavedKeys(dict):

@@ -48,7 +48,9 @@ class StopFlags:
             if self.interrupted:
                 os.write(2, b"\nsecond Ctrl-C: exiting now without saving\n")
                 os._exit(130)
-            os.write(2, b"\nCtrl-C: stopping at the end of this step, saving as on SIGTERM; Ctrl-C again to exit at once\n")
+            os.write(
+                2, b"\nCtrl-C: stopping at the end of this step, saving as on SIGTERM; Ctrl-C again to exit at once\n"
+            )
             self.interrupted = True
         self.signal = self.signal or ("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
 
@@ -92,11 +94,15 @@ def nonfinite_sentence(step: int, before_any_update: bool) -> str:
     """Why a step's loss or gradient norm was NaN or inf: at a run's first step no learning rate has acted yet, so
     the weights it started from (or its data) hold them."""
     if before_any_update:
-        return (f"the loss or the gradient norm is NaN or inf at step {step}, the first of this run, before any update: "
-                "the weights it started from (model.hf_assets_path or the checkpoint loaded) hold NaN or inf values, "
-                "or the model overflows in its dtype; check those weights (no learning rate is involved yet)")
-    return (f"the loss or the gradient norm became NaN or inf at step {step}; stopped without saving this state: lower "
-            "optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nan_check true to go on")
+        return (
+            f"the loss or the gradient norm is NaN or inf at step {step}, the first of this run, before any update: "
+            "the weights it started from (model.hf_assets_path or the checkpoint loaded) hold NaN or inf values, "
+            "or the model overflows in its dtype; check those weights (no learning rate is involved yet)"
+        )
+    return (
+        f"the loss or the gradient norm became NaN or inf at step {step}; stopped without saving this state: lower "
+        "optimizer.lr or raise lr_scheduler.warmup_steps, or set training.skip_nan_check true to go on"
+    )
 
 
 def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:
@@ -105,7 +111,9 @@ def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:
         logger.info(f"{stop.signal} came while loading; exiting at step {step} without training (nothing new to save)")
         return True
     if step >= steps:
-        logger.info(f"resumed at step {step}, which is at or past training.steps {steps}: nothing to train; raise training.steps to train further")
+        logger.info(
+            f"resumed at step {step}, which is at or past training.steps {steps}: nothing to train; raise training.steps to train further"
+        )
         return True
     return False
 
@@ -125,8 +133,10 @@ class NonfiniteSkips:
             return
         self.in_row += 1
         self.total += 1
-        logger.warning(f"step {step}: the loss or a gradient is NaN or inf; its update was skipped "
-                       f"({self.in_row} in a row, {self.total} in this run)")
+        logger.warning(
+            f"step {step}: the loss or a gradient is NaN or inf; its update was skipped "
+            f"({self.in_row} in a row, {self.total} in this run)"
+        )
         self.write_scalars(step, {"training/skipped_steps": self.total})
         if self.in_row >= self.max_in_row:
             raise UserError(

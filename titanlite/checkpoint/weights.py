@@ -66,15 +66,25 @@ def model_shapes(model: ModelState) -> dict[str, tuple]:
     return {fqn: shape for share in shares for fqn, shape in share.items()}
 
 
-def check_dcp_checkpoint(path: Path, model: ModelState, identity: ModelIdentity, key: str, *, resume: bool = False,
-                         transplant: bool = False, allow_unverified: bool = False) -> Metadata:
+def check_dcp_checkpoint(
+    path: Path,
+    model: ModelState,
+    identity: ModelIdentity,
+    key: str,
+    *,
+    resume: bool = False,
+    transplant: bool = False,
+    allow_unverified: bool = False,
+) -> Metadata:
     """A DCP step folder's files, shapes and model, checked before anything is read into `model`; returns its
     metadata. `resume`: the run goes on, so the checkpoint must be of this very model; `transplant`: a new run
     starting from another model's weights (checkpoint.initial_load_model_only) is warned about, not refused;
     `allow_unverified` (checkpoint.allow_unverified): a checkpoint without checksum records loads, with a warning."""
     if not is_complete(path):
-        raise UserError(f"{key} {path} is not a complete DCP checkpoint (no {METADATA} in it); point it at a step-N "
-                        "folder of a run's checkpoint folder")
+        raise UserError(
+            f"{key} {path} is not a complete DCP checkpoint (no {METADATA} in it); point it at a step-N "
+            "folder of a run's checkpoint folder"
+        )
     verify_checksums(path, allow_unverified)
     metadata = read_metadata(path)
     origin = saved_from(path, metadata)
@@ -96,10 +106,13 @@ def check_same_model(origin: str, label: str, path: Path, key: str, resume: bool
         raise UserError(
             f"checkpoint {path} was saved from {origin}, but this run is {label}; set model.name and model.flavor to "
             f"{origin}, or start the new model from those weights with checkpoint.initial_load_path {path} and "
-            "checkpoint.initial_load_model_only true in another job.dump_folder")
+            "checkpoint.initial_load_model_only true in another job.dump_folder"
+        )
     if family_of(origin) != family_of(label) and not transplant:
-        raise UserError(f"{key} {path} holds the weights of {origin}, another model family than this job's {label}; set "
-                        f"model.name and model.flavor to {origin}'s, or point {key} at a checkpoint of {label}")
+        raise UserError(
+            f"{key} {path} holds the weights of {origin}, another model family than this job's {label}; set "
+            f"model.name and model.flavor to {origin}'s, or point {key} at a checkpoint of {label}"
+        )
     logger.warning(f"loading the weights of {origin} from {path} into {label}")
 
 
@@ -107,8 +120,10 @@ def check_peer_model(origin: str, label: str) -> None:
     """A fault-tolerance peer's live state (no files: nothing to checksum) is taken only from the same model, as a
     resume takes only its own model's checkpoint."""
     if origin != label:
-        raise UserError(f"a live peer replica group trains {origin}, but this group is {label}; start every replica group "
-                        "with the same [model] section (and the same model.n_layers)")
+        raise UserError(
+            f"a live peer replica group trains {origin}, but this group is {label}; start every replica group "
+            "with the same [model] section (and the same model.n_layers)"
+        )
 
 
 def check_hf_family(path: Path, identity: ModelIdentity, key: str) -> None:
@@ -116,22 +131,35 @@ def check_hf_family(path: Path, identity: ModelIdentity, key: str) -> None:
     config = HFReader(path).config
     theirs = config.get("architectures") or []
     ours = identity.hf_adapter.architectures
-    if (theirs and not set(theirs) & set(ours)) or (not theirs and config.get("model_type") != identity.hf_adapter.model_type):
+    if (theirs and not set(theirs) & set(ours)) or (
+        not theirs and config.get("model_type") != identity.hf_adapter.model_type
+    ):
         what = ", ".join(theirs) or f"model_type {config.get('model_type')!r}"
-        raise UserError(f"{key} {path} holds a {what} model, not {identity.family} ({', '.join(ours)}); point {key} at a "
-                        f"Hugging Face folder of {identity.family}, or set model.name to the folder's family")
+        raise UserError(
+            f"{key} {path} holds a {what} model, not {identity.family} ({', '.join(ours)}); point {key} at a "
+            f"Hugging Face folder of {identity.family}, or set model.name to the folder's family"
+        )
 
 
 def load_hf_weights(model: ModelState, path: Path, identity: ModelIdentity, key: str) -> None:
     if identity.hf_adapter is None:
-        raise UserError(f"{key} {path} is a Hugging Face folder, but {identity.family} has no Hugging Face form; "
-                        "point it at a DCP step folder")
+        raise UserError(
+            f"{key} {path} is a Hugging Face folder, but {identity.family} has no Hugging Face form; "
+            "point it at a DCP step folder"
+        )
     check_hf_family(path, identity, key)
     load_model_from_hf(model.target(None), path, identity.hf_adapter, identity.args, identity.label)
 
 
-def load_weights(model: ModelState, path: Path, identity: ModelIdentity, key: str, *, transplant: bool = False,
-                 allow_unverified: bool = False) -> None:
+def load_weights(
+    model: ModelState,
+    path: Path,
+    identity: ModelIdentity,
+    key: str,
+    *,
+    transplant: bool = False,
+    allow_unverified: bool = False,
+) -> None:
     """Only the model's weights, from a Hugging Face folder (config.json) or a DCP step folder, checked, in place."""
     started = time.perf_counter()
     if (path / "config.json").is_file():
@@ -143,8 +171,9 @@ def load_weights(model: ModelState, path: Path, identity: ModelIdentity, key: st
     logger.info(f"loaded the model (weights only) from {path} in {time.perf_counter() - started:.2f}s")
 
 
-def load_trained_weights(model: nn.Module, identity: ModelIdentity, cfg: Checkpoint, dump_folder: str,
-                         folder: Path | None, key: str) -> str:
+def load_trained_weights(
+    model: nn.Module, identity: ModelIdentity, cfg: Checkpoint, dump_folder: str, folder: Path | None, key: str
+) -> str:
     """A trained model's weights for generation and evaluation, from the step folder `folder` (named by `key`), else
     from the checkpoint the run's checkpoint folder holds (checkpoint.load_step, else its newest complete step, a final
     model-only export too; rewinding nothing), else from those a new run starts from (checkpoint.initial_load_path).
@@ -157,13 +186,23 @@ def load_trained_weights(model: nn.Module, identity: ModelIdentity, cfg: Checkpo
         elif complete:
             folder = step_folder(root, complete[-1])
     if folder is None and not cfg.initial_load_path:
-        raise UserError(f"there are no weights to load: set {key} to a step folder, model.hf_assets_path to a Hugging Face "
-                        "model folder, or checkpoint.enable true with the run's job.dump_folder")
+        raise UserError(
+            f"there are no weights to load: set {key} to a step folder, model.hf_assets_path to a Hugging Face "
+            "model folder, or checkpoint.enable true with the run's job.dump_folder"
+        )
     adapters_only = has_lora(model)
     if folder is None or adapters_only:
         base = ModelState(model, adapters_only, "base")
-        load_weights(base, Path(cfg.initial_load_path), identity, "checkpoint.initial_load_path", transplant=True,
-                     allow_unverified=cfg.allow_unverified)
+        load_weights(
+            base,
+            Path(cfg.initial_load_path),
+            identity,
+            "checkpoint.initial_load_path",
+            transplant=True,
+            allow_unverified=cfg.allow_unverified,
+        )
     if folder is not None:
-        load_weights(ModelState(model, adapters_only, "run"), folder, identity, key, allow_unverified=cfg.allow_unverified)
+        load_weights(
+            ModelState(model, adapters_only, "run"), folder, identity, key, allow_unverified=cfg.allow_unverified
+        )
     return str(folder or cfg.initial_load_path)

@@ -18,6 +18,7 @@ class Normalizers:
     (prompts x num_generations), tokens (the completion tokens the mask keeps, summed over every rank),
     max_completion_length, and entropy_tokens: the tokens the entropy bonus averages over (those at or above the
     step's entropy threshold under rl.top_entropy_quantile; None = tokens)."""
+
     completions: int
     tokens: int
     max_completion_length: int
@@ -38,8 +39,9 @@ class RolloutTerms:
         def cut(x):
             return None if x is None else x[part]
 
-        return RolloutTerms(self.advantages[part], self.norm, cut(self.old_logps), cut(self.ref_logps),
-                            cut(self.sampler_logps))
+        return RolloutTerms(
+            self.advantages[part], self.norm, cut(self.old_logps), cut(self.ref_logps), cut(self.sampler_logps)
+        )
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,7 @@ class MicroBatch:
     def trained_tokens(self) -> int:
         return int((self.labels != IGNORED).sum())
 
-    def on(self, device: torch.device,
-           find_documents: Callable[[torch.Tensor], torch.Tensor | None]) -> "MicroBatch":
+    def on(self, device: torch.device, find_documents: Callable[[torch.Tensor], torch.Tensor | None]) -> "MicroBatch":
         """On the device, with its document ids: the carried ones, else find_documents(inputs) (models/attention.py's
         document_ids with the run's delimiters: None under causal attention)."""
         inputs = self.inputs.to(device, non_blocking=True)

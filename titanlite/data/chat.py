@@ -46,7 +46,11 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "function_response": "too
 MASK_RULES = "2"
 # What a template reads of a message (Qwen3 renders reasoning_content and tool_calls), and the turn's own train flag.
 KEPT = ("role", "content", "reasoning_content", "tool_calls", "name", "tool_call_id", "train")
-FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"), "preference": ("prompt", "chosen", "rejected")}
+FIELDS = {
+    "chat": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("prompt", "chosen", "rejected"),
+}
 
 
 def raise_exception(message):
@@ -59,14 +63,18 @@ def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=Fa
 
 
 def compile_template(source: str, origin: str) -> jinja2.Template:
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTracker])
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTracker]
+    )
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     try:
         return environment.from_string(source)
     except jinja2.TemplateSyntaxError as error:
-        raise UserError(f"the chat template of {origin} does not compile (line {error.lineno}: {error.message}); fix the template") from None
+        raise UserError(
+            f"the chat template of {origin} does not compile (line {error.lineno}: {error.message}); fix the template"
+        ) from None
 
 
 class ChatRenderer:
@@ -74,20 +82,31 @@ class ChatRenderer:
 
     def __init__(self, tokenizer, chat_template_path: str):
         if not isinstance(tokenizer, HFTokenizer):
-            raise UserError("training.dataset_format chat, prompt_completion and preference need a Hugging Face tokenizer (tokenizer.json) "
-                            "that reads the template's special tokens; set model.hf_assets_path to the model's folder")
+            raise UserError(
+                "training.dataset_format chat, prompt_completion and preference need a Hugging Face tokenizer (tokenizer.json) "
+                "that reads the template's special tokens; set model.hf_assets_path to the model's folder"
+            )
         if chat_template_path:
             try:
-                source, self.origin = Path(chat_template_path).read_text(), f"training.chat_template {chat_template_path}"
+                source, self.origin = (
+                    Path(chat_template_path).read_text(),
+                    f"training.chat_template {chat_template_path}",
+                )
             except (OSError, UnicodeDecodeError) as error:
-                raise UserError(f"cannot read training.chat_template {chat_template_path} ({error}); point it at a jinja template file") from None
+                raise UserError(
+                    f"cannot read training.chat_template {chat_template_path} ({error}); point it at a jinja template file"
+                ) from None
         elif tokenizer.chat_template:
             source, self.origin = tokenizer.chat_template, str(tokenizer.chat_template_path)
         else:
-            raise UserError(f"{tokenizer.path.parent} has no chat template (chat_template.jinja or tokenizer_config.json's "
-                            "chat_template); set training.chat_template to a template file")
+            raise UserError(
+                f"{tokenizer.path.parent} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                "chat_template); set training.chat_template to a template file"
+            )
         if not isinstance(source, str):  # a list of named templates: transformers uses "default"
-            raise UserError(f"the chat template of {self.origin} is not one string; set training.chat_template to a template file")
+            raise UserError(
+                f"the chat template of {self.origin} is not one string; set training.chat_template to a template file"
+            )
         self.source = source
         self.template = compile_template(source, self.origin)
         self.marked = bool(MARKED.search(source))
@@ -98,12 +117,16 @@ class ChatRenderer:
 
     def variables(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> dict:
         """What the template reads; tools: the function schemas (TRL's and apply_chat_template's `tools`), or None."""
-        return dict(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **self.tokens)
+        return dict(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **self.tokens
+        )
 
     def failed(self, error: Exception) -> UserError:
         """A template that raises (raise_exception, or a Python error such as {{ 1/0 }}) as one sentence naming it."""
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return UserError(f"the chat template of {self.origin} failed on a conversation ({reason}); fix the template or the data")
+        return UserError(
+            f"the chat template of {self.origin} failed on a conversation ({reason}); fix the template or the data"
+        )
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
         try:
@@ -116,10 +139,15 @@ class ChatRenderer:
         if self.prompt is None:
             first = next(i for i, message in enumerate(messages) if message["role"] == "assistant")
             try:
-                before, prompted = self.render(messages[:first]), self.render(messages[:first], add_generation_prompt=True)
-            except UserError:  # the turns before the first answer do not render alone (none, say): learn it from another
+                before, prompted = (
+                    self.render(messages[:first]),
+                    self.render(messages[:first], add_generation_prompt=True),
+                )
+            except (
+                UserError
+            ):  # the turns before the first answer do not render alone (none, say): learn it from another
                 return ""
-            self.prompt = prompted[len(before):] if prompted.startswith(before) else ""
+            self.prompt = prompted[len(before) :] if prompted.startswith(before) else ""
         return self.prompt
 
     def trained_spans(self, messages: list[dict], train_on: str) -> tuple[str, list[tuple[int, int]]]:
@@ -166,15 +194,19 @@ def checked_tools(value, record: str) -> list[dict] | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as error:
-            raise UserError(f"{record} has \"tools\" text that is not JSON ({error.msg}); write a list of function "
-                            "schemas") from None
+            raise UserError(
+                f'{record} has "tools" text that is not JSON ({error.msg}); write a list of function schemas'
+            ) from None
     if not value:
         return None
     value = without_nulls(value)
-    if not isinstance(value, list) or not all(isinstance(tool, dict) and (tool.get("function") or tool).get("name")
-                                              for tool in value):
-        raise UserError(f"{record} has \"tools\" that are not a list of function schemas "
-                        "({\"type\": \"function\", \"function\": {\"name\": ...}}); fix it")
+    if not isinstance(value, list) or not all(
+        isinstance(tool, dict) and (tool.get("function") or tool).get("name") for tool in value
+    ):
+        raise UserError(
+            f'{record} has "tools" that are not a list of function schemas '
+            '({"type": "function", "function": {"name": ...}}); fix it'
+        )
     return value
 
 
@@ -182,9 +214,16 @@ def sharegpt(turns) -> list:
     """ShareGPT's conversations ({from, value}) as messages ({role, content}); what is not a turn is left for the checks."""
     if not isinstance(turns, list):
         return turns
-    return [{**{k: v for k, v in turn.items() if k not in ("from", "value")},
-             "role": SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")), "content": turn.get("value")}
-            if isinstance(turn, dict) else turn for turn in turns]
+    return [
+        {
+            **{k: v for k, v in turn.items() if k not in ("from", "value")},
+            "role": SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")),
+            "content": turn.get("value"),
+        }
+        if isinstance(turn, dict)
+        else turn
+        for turn in turns
+    ]
 
 
 def checked_message(message, record: str) -> dict:
@@ -212,15 +251,19 @@ def conversation(record: dict, dataset_format: str, number: int, where: str) -> 
     if dataset_format == "prompt_completion":
         prompt, completion = record["prompt"], record["completion"]
         if not (isinstance(prompt, str) and isinstance(completion, str)):
-            raise UserError(f"{where}: record {number} (counting from 1) has a prompt or completion that is not text; fix or remove it")
+            raise UserError(
+                f"{where}: record {number} (counting from 1) has a prompt or completion that is not text; fix or remove it"
+            )
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
     messages = record["messages"] if "messages" in record else sharegpt(record["conversations"])
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: record {number} (counting from 1) has no list of messages; fix or remove it")
     messages = [checked_message(message, f"{where}: record {number} (counting from 1)") for message in messages]
     if not any(message["role"] == "assistant" and message.get("train") is not False for message in messages):
-        raise UserError(f"{where}: record {number} (counting from 1) has no assistant turn to train, so nothing of it would be "
-                        "trained; add one or remove the record")
+        raise UserError(
+            f"{where}: record {number} (counting from 1) has no assistant turn to train, so nothing of it would be "
+            "trained; add one or remove the record"
+        )
     return Conversation(messages, checked_tools(record.get("tools"), f"{where}: record {number} (counting from 1)"))
 
 
@@ -232,7 +275,9 @@ class Conversations(Sequence):
         loader, files = find_data_files(Path(dataset_path), key)
         fields = FIELDS[dataset_format]
         if loader not in ("json", "parquet"):
-            raise UserError(f"{key} {dataset_path} holds {loader} files; training.dataset_format {dataset_format} reads jsonl/json/parquet records")
+            raise UserError(
+                f"{key} {dataset_path} holds {loader} files; training.dataset_format {dataset_format} reads jsonl/json/parquet records"
+            )
         # pyarrow's json reader keeps bytes that are not UTF-8 and fails only when a record is read: name the line now.
         for path in files if loader == "json" else ():
             if fault := utf8_fault(path):
@@ -240,20 +285,30 @@ class Conversations(Sequence):
         try:
             records = read_records(loader, files)
         except read_errors() as error:
-            raise UserError(f"{key} {dataset_path} could not be read as {loader} ({str(error).splitlines()[0]}); fix the files") from None
-        if dataset_format == "chat" and "messages" not in records.column_names and "conversations" in records.column_names:
+            raise UserError(
+                f"{key} {dataset_path} could not be read as {loader} ({str(error).splitlines()[0]}); fix the files"
+            ) from None
+        if (
+            dataset_format == "chat"
+            and "messages" not in records.column_names
+            and "conversations" in records.column_names
+        ):
             fields = ("conversations",)  # ShareGPT
         missing = [field for field in fields if field not in records.column_names]
         if missing:
-            raise UserError(f"{key} {dataset_path} has no field {missing[0]!r} (its fields are {', '.join(records.column_names)}), "
-                            f"which training.dataset_format {dataset_format} reads; fix the data or the format")
+            raise UserError(
+                f"{key} {dataset_path} has no field {missing[0]!r} (its fields are {', '.join(records.column_names)}), "
+                f"which training.dataset_format {dataset_format} reads; fix the data or the format"
+            )
         if dataset_format == "chat" and "tools" in records.column_names:  # TRL's SFT tools: function schemas per record
             fields = (*fields, "tools")
         self.records = records.select_columns(list(fields))
         if fault := utf8_column_fault(self.records, fields):  # parquet/arrow text is decoded only as a record is read
             raise UserError(f"{key} {dataset_path} {fault}")
-        self.messages = [(parse or conversation)(record, dataset_format, number, f"{key} {dataset_path}")
-                         for number, record in enumerate(self.records, start=1)]
+        self.messages = [
+            (parse or conversation)(record, dataset_format, number, f"{key} {dataset_path}")
+            for number, record in enumerate(self.records, start=1)
+        ]
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -262,8 +317,9 @@ class Conversations(Sequence):
         return self.messages[index]
 
 
-def tokenize_conversation(renderer: ChatRenderer, tokenizer: HFTokenizer, messages: list[dict],
-                          train_on: str) -> tuple[list[int], list[bool]]:
+def tokenize_conversation(
+    renderer: ChatRenderer, tokenizer: HFTokenizer, messages: list[dict], train_on: str
+) -> tuple[list[int], list[bool]]:
     """(the rendered conversation's ids, as apply_chat_template gives them, whether each token is trained)."""
     text, spans = renderer.trained_spans(messages, train_on)
     ids, offsets = tokenizer.encode_with_offsets(text, literal_contents(text, messages, renderer.specials))
@@ -281,8 +337,10 @@ def trained_turns(spans: list[tuple[int, int]], messages: list[dict], origin: st
     if all(trains):
         return spans
     if len(spans) != len(trains):
-        raise UserError(f"the chat template of {origin} marks {len(spans)} generation blocks in a conversation of {len(trains)} "
-                        "assistant turns, so a message's train flag cannot be applied; mark each turn once or drop the flags")
+        raise UserError(
+            f"the chat template of {origin} marks {len(spans)} generation blocks in a conversation of {len(trains)} "
+            "assistant turns, so a message's train flag cannot be applied; mark each turn once or drop the flags"
+        )
     return [span for span, train in zip(spans, trains) if train]
 
 

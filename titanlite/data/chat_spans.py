@@ -79,7 +79,9 @@ def find_content(text: str, content: str, cursor: int) -> tuple[int, int] | None
     return None
 
 
-def header_end(text: str, begin: int, end: int, prompt: str, specials: re.Pattern | None, last: bool = True) -> int | None:
+def header_end(
+    text: str, begin: int, end: int, prompt: str, specials: re.Pattern | None, last: bool = True
+) -> int | None:
     """Where the longest leading part of the generation prompt found in text[begin:end] ends (the last such
     occurrence, or the first where last is False). A part must reach past the prompt's first special token,
     so that a stray "<" or newline is never taken for a header."""
@@ -93,7 +95,9 @@ def header_end(text: str, begin: int, end: int, prompt: str, specials: re.Patter
     return None
 
 
-def assistant_spans(text: str, messages: list[dict], prompt: str, specials: re.Pattern | None, origin: str) -> list[tuple[int, int]]:
+def assistant_spans(
+    text: str, messages: list[dict], prompt: str, specials: re.Pattern | None, origin: str
+) -> list[tuple[int, int]]:
     """The character span of every assistant turn of a rendering made by a template without generation marks."""
     spans, cursor = [], 0
     for number, message in enumerate(messages, start=1):
@@ -108,14 +112,18 @@ def assistant_spans(text: str, messages: list[dict], prompt: str, specials: re.P
         elif not content_forms(content):  # an empty turn (tool calls only): it starts after the next header
             start = content_end = header_end(text, cursor, len(text), prompt, specials, last=False) or cursor
         else:
-            raise UserError(f"the chat template of {origin} does not write assistant message {number}'s content as the data "
-                            "has it, so its trained tokens cannot be located; mark the assistant turns in the template with "
-                            "{% generation %}/{% endgeneration %} or set training.train_on all")
+            raise UserError(
+                f"the chat template of {origin} does not write assistant message {number}'s content as the data "
+                "has it, so its trained tokens cannot be located; mark the assistant turns in the template with "
+                "{% generation %}/{% endgeneration %} or set training.train_on all"
+            )
         close = specials.search(text, content_end) if specials else None
         if close is None:
-            raise UserError(f"the chat template of {origin} writes no special token after assistant message {number}, so the "
-                            "end of its turn cannot be trained; use a template that closes turns with the end-of-turn token "
-                            "or mark the turns with {% generation %}/{% endgeneration %}")
+            raise UserError(
+                f"the chat template of {origin} writes no special token after assistant message {number}, so the "
+                "end of its turn cannot be trained; use a template that closes turns with the end-of-turn token "
+                "or mark the turns with {% generation %}/{% endgeneration %}"
+            )
         spans.append((start, close.end()))
         cursor = close.end()
     return spans

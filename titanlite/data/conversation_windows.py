@@ -91,23 +91,31 @@ class ConversationWindows(Dataset):
         self.kept = np.flatnonzero(counts > 0)
         where, seq_key = f"{key} {store.name}", f"{key.split('.')[0]}.seq_len"  # training's or validation's
         if not len(self.kept):
-            raise UserError(f"{where}: no conversation has a trained token within its first {seq_key} + 1 = "
-                            f"{self.window_len} tokens; raise {seq_key} or check training.train_on")
+            raise UserError(
+                f"{where}: no conversation has a trained token within its first {seq_key} + 1 = "
+                f"{self.window_len} tokens; raise {seq_key} or check training.train_on"
+            )
         truncated = int((store.doc_len > self.window_len).sum())
         if truncated:
-            logger.info(f"{where}: {truncated:,} of {len(store.doc_len):,} conversations are longer than {seq_key} + 1 = "
-                        f"{self.window_len} tokens and are truncated to one window")
+            logger.info(
+                f"{where}: {truncated:,} of {len(store.doc_len):,} conversations are longer than {seq_key} + 1 = "
+                f"{self.window_len} tokens and are truncated to one window"
+            )
         if len(self.kept) < len(store.doc_len):
-            logger.info(f"{where}: {len(store.doc_len) - len(self.kept):,} conversations hold no trained token within one "
-                        "window (truncated before any) and are left out")
+            logger.info(
+                f"{where}: {len(store.doc_len) - len(self.kept):,} conversations hold no trained token within one "
+                "window (truncated before any) and are left out"
+            )
         self.epoch_windows: list[int] = []  # how many windows each epoch packs, as far as laid out
         self.plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         windows = self.windows_per_epoch()
         fill = self.lengths[self.kept].sum() / (windows * self.window_len)
-        how = ("packed best-fit" if packing else "one conversation per window (training.packing false)")
-        logger.info(f"{where}: an epoch is {windows:,} windows of {self.window_len} tokens, {len(self.kept):,} conversations "
-                    f"with {int(counts[self.kept].sum()):,} trained tokens, {how}: the windows are {fill:.0%} full "
-                    "(the rest is padding)")
+        how = "packed best-fit" if packing else "one conversation per window (training.packing false)"
+        logger.info(
+            f"{where}: an epoch is {windows:,} windows of {self.window_len} tokens, {len(self.kept):,} conversations "
+            f"with {int(counts[self.kept].sum()):,} trained tokens, {how}: the windows are {fill:.0%} full "
+            "(the rest is padding)"
+        )
 
     def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(the conversations in this epoch's window order, the index of each window's first one in it, then the
@@ -115,8 +123,11 @@ class ConversationWindows(Dataset):
         if epoch not in self.plans:
             order = self.kept[seeded_rng(self.seed, epoch).permutation(len(self.kept))]
             self.plans = {e: v for e, v in self.plans.items() if e == epoch - 1}
-            self.plans[epoch] = (pack(order, self.lengths, self.window_len, self.seed, epoch) if self.packing
-                                 else (order, np.arange(len(order) + 1)))
+            self.plans[epoch] = (
+                pack(order, self.lengths, self.window_len, self.seed, epoch)
+                if self.packing
+                else (order, np.arange(len(order) + 1))
+            )
         return self.plans[epoch]
 
     def locate(self, g: int) -> tuple[int, int]:
@@ -160,5 +171,8 @@ class ConversationWindows(Dataset):
             filled += len(ids)
         documents[filled:] = starts[w + 1] - starts[w]  # the padding tail, a document of its own
         inputs, labels = split_window(torch.from_numpy(tokens))
-        return (inputs, labels.masked_fill(~torch.from_numpy(trained[1:]), IGNORED),
-                {"document_ids": torch.from_numpy(documents[:-1])})
+        return (
+            inputs,
+            labels.masked_fill(~torch.from_numpy(trained[1:]), IGNORED),
+            {"document_ids": torch.from_numpy(documents[:-1])},
+        )

@@ -56,7 +56,9 @@ def resolve_dataset(dataset: str, dataset_path: str, section: str = "training") 
             "clear one of the two"
         )
     if dataset == "local" and not dataset_path:
-        raise UserError(f"{section}.dataset is 'local' but {section}.dataset_path is empty; set it to your data file or folder")
+        raise UserError(
+            f"{section}.dataset is 'local' but {section}.dataset_path is empty; set it to your data file or folder"
+        )
     return "local" if dataset_path else dataset
 
 
@@ -74,8 +76,16 @@ def open_c4(split: str, section: str):
         ) from None
 
 
-def open_documents(name: str, dataset_path: str, text_field: str, dp_rank: int, dp_world: int, seed: int,
-                   num_workers: int, section: str):
+def open_documents(
+    name: str,
+    dataset_path: str,
+    text_field: str,
+    dp_rank: int,
+    dp_world: int,
+    seed: int,
+    num_workers: int,
+    section: str,
+):
     """The document source of one rank for a registry name other than synthetic."""
     if name in C4_SPLITS:
         return StreamedDocuments(open_c4(C4_SPLITS[name], section), "text", dp_rank, dp_world)
@@ -144,9 +154,19 @@ class DataSpec:
 
 def training_data(cfg) -> DataSpec:
     """The [training] section's data keys, as the data loader takes them."""
-    return DataSpec(cfg.dataset, cfg.dataset_path, cfg.seq_len, cfg.local_batch_size, text_field=cfg.dataset_text_field,
-                    num_workers=cfg.num_workers, dataset_mix=cfg.dataset_mix, dataset_format=cfg.dataset_format,
-                    train_on=cfg.train_on, chat_template=cfg.chat_template, packing=cfg.packing)
+    return DataSpec(
+        cfg.dataset,
+        cfg.dataset_path,
+        cfg.seq_len,
+        cfg.local_batch_size,
+        text_field=cfg.dataset_text_field,
+        num_workers=cfg.num_workers,
+        dataset_mix=cfg.dataset_mix,
+        dataset_format=cfg.dataset_format,
+        train_on=cfg.train_on,
+        chat_template=cfg.chat_template,
+        packing=cfg.packing,
+    )
 
 
 def training_loader(run, dp_rank: int, dp_world: int):
@@ -154,8 +174,9 @@ def training_loader(run, dp_rank: int, dp_world: int):
     return build_dataloader(training_data(run.cfg.training), run.tokenizer, dp_rank, dp_world, run.cfg.job.seed)
 
 
-def build_dataloader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int,
-                     seed: int) -> StatefulDataLoader | GlobalOrderLoader:
+def build_dataloader(
+    data: DataSpec, tokenizer, dp_rank: int, dp_world: int, seed: int
+) -> StatefulDataLoader | GlobalOrderLoader:
     """Batches of (inputs, labels) for one data-parallel rank; the same arguments give the same data.
 
     A token store at dataset_path, or a dataset_mix, is read in one global order (global_order.py);
@@ -170,18 +191,31 @@ def build_dataloader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int,
         return conversation_loader(data, tokenizer, dp_rank, dp_world, seed)
     dataset, dataset_path, section = data.dataset, data.dataset_path, data.section
     if data.dataset_mix and (dataset_path or dataset != "sample"):
-        raise UserError(f"training.dataset_mix is set together with training.dataset {dataset!r} / dataset_path {dataset_path!r}; "
-                        "a mix names its sources itself, so leave those two at their defaults")
+        raise UserError(
+            f"training.dataset_mix is set together with training.dataset {dataset!r} / dataset_path {dataset_path!r}; "
+            "a mix names its sources itself, so leave those two at their defaults"
+        )
     name = resolve_dataset(dataset, dataset_path, section)
     if data.dataset_mix or (name == "local" and is_store(dataset_path, f"{section}.dataset_path")):
-        windows, identity, names = global_windows(dataset_path, data.dataset_mix, tokenizer, data.text_field, data.seq_len,
-                                                  seed, section)
-        return GlobalOrderLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world,
-                                 num_workers=data.num_workers, finite=not data.infinite, identity=identity,
-                                 source_names=names, seq_len=data.seq_len)
+        windows, identity, names = global_windows(
+            dataset_path, data.dataset_mix, tokenizer, data.text_field, data.seq_len, seed, section
+        )
+        return GlobalOrderLoader(
+            windows,
+            batch_size=data.batch_size,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+            num_workers=data.num_workers,
+            finite=not data.infinite,
+            identity=identity,
+            source_names=names,
+            seq_len=data.seq_len,
+        )
     if name == "synthetic":
         if not data.infinite:
-            raise UserError(f"{section}.dataset synthetic is an endless stream; it cannot serve a finite pass such as validation")
+            raise UserError(
+                f"{section}.dataset synthetic is an endless stream; it cannot serve a finite pass such as validation"
+            )
         windows = SyntheticTokens(tokenizer.vocab_size, data.seq_len, seed, dp_rank, dp_world)
     else:
         source = open_documents(name, dataset_path, data.text_field, dp_rank, dp_world, seed, data.num_workers, section)
@@ -196,21 +230,40 @@ def conversation_loader(data: DataSpec, tokenizer, dp_rank: int, dp_world: int, 
     packing: a position in another packing's windows is another stream's."""
     key, dataset_path, dataset_format = f"{data.section}.dataset_path", data.dataset_path, data.dataset_format
     if not dataset_path:
-        raise UserError(f"training.dataset_format {dataset_format} reads local records; set {key} to your jsonl/json/parquet data")
+        raise UserError(
+            f"training.dataset_format {dataset_format} reads local records; set {key} to your jsonl/json/parquet data"
+        )
     renderer = ChatRenderer(tokenizer, data.chat_template)
     chat = chat_record(renderer, dataset_format, data.train_on)
     if is_store(dataset_path, key):
         store = open_store(dataset_path, tokenizer, key, chat)
     else:
         conversations = Conversations(dataset_path, dataset_format, key)
-        store = conversation_store(conversations,
-                                   functools.partial(tokenize_conversation, renderer, tokenizer, train_on=data.train_on),
-                                   dataset_path)
-        logger.info(f"{key} {dataset_path}: tokenized its {len(conversations):,} conversations at start (prepare them into a "
-                    f"chat store with python -m titanlite.data.prepare --format {dataset_format} to skip this)")
+        store = conversation_store(
+            conversations,
+            functools.partial(tokenize_conversation, renderer, tokenizer, train_on=data.train_on),
+            dataset_path,
+        )
+        logger.info(
+            f"{key} {dataset_path}: tokenized its {len(conversations):,} conversations at start (prepare them into a "
+            f"chat store with python -m titanlite.data.prepare --format {dataset_format} to skip this)"
+        )
     windows = ConversationWindows(store, data.seq_len, seed, tokenizer.eos_id, key, packing=data.packing)
-    identity = {"sources": [str(Path(dataset_path).resolve())], "seed": seed, "seq_len": data.seq_len, **chat,
-                "packing": "best_fit" if data.packing else "none"}
-    return GlobalOrderLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world,
-                             num_workers=data.num_workers, finite=not data.infinite, identity=identity,
-                             source_names=[Path(dataset_path).name], seq_len=data.seq_len)
+    identity = {
+        "sources": [str(Path(dataset_path).resolve())],
+        "seed": seed,
+        "seq_len": data.seq_len,
+        **chat,
+        "packing": "best_fit" if data.packing else "none",
+    }
+    return GlobalOrderLoader(
+        windows,
+        batch_size=data.batch_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        num_workers=data.num_workers,
+        finite=not data.infinite,
+        identity=identity,
+        source_names=[Path(dataset_path).name],
+        seq_len=data.seq_len,
+    )

@@ -41,7 +41,7 @@ class IndexedDocuments:
     def documents(self, epoch: int, position: int | None) -> Iterator[tuple[str, int]]:
         worker, num_workers = worker_slot()
         order = seeded_rng(self.seed, epoch).permutation(len(self.texts))
-        mine = order[self.dp_rank::self.dp_world][worker::num_workers]
+        mine = order[self.dp_rank :: self.dp_world][worker::num_workers]
         start = position or 0
         for read, index in enumerate(mine[start:], start=start + 1):
             yield self.texts[int(index)], read

@@ -116,7 +116,13 @@ class RankBatches:
     """The global window indices of one rank's batches, from micro-batch `start` on (a batch sampler)."""
 
     def __init__(self, start: int, batch_size: int, dp_rank: int, dp_world: int, limit: int | None):
-        self.start, self.batch_size, self.dp_rank, self.dp_world, self.limit = start, batch_size, dp_rank, dp_world, limit
+        self.start, self.batch_size, self.dp_rank, self.dp_world, self.limit = (
+            start,
+            batch_size,
+            dp_rank,
+            dp_world,
+            limit,
+        )
 
     def __iter__(self) -> Iterator[list[int]]:
         k = self.start
@@ -138,8 +144,19 @@ class GlobalOrderLoader:
 
     state_is_global = True
 
-    def __init__(self, windows: Dataset, *, batch_size: int, dp_rank: int, dp_world: int,
-                 identity: dict, source_names: list[str], seq_len: int, num_workers: int = 0, finite: bool = False):
+    def __init__(
+        self,
+        windows: Dataset,
+        *,
+        batch_size: int,
+        dp_rank: int,
+        dp_world: int,
+        identity: dict,
+        source_names: list[str],
+        seq_len: int,
+        num_workers: int = 0,
+        finite: bool = False,
+    ):
         self.windows, self.batch_size, self.dp_rank, self.dp_world = windows, batch_size, dp_rank, dp_world
         self.num_workers, self.identity, self.source_names, self.seq_len = num_workers, identity, source_names, seq_len
         self.limit = windows.windows_per_epoch() if finite else None
@@ -174,9 +191,13 @@ class GlobalOrderLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         per_micro_batch = self.batch_size * self.dp_world
-        sampler = RankBatches(self.consumed // per_micro_batch, self.batch_size, self.dp_rank, self.dp_world, self.limit)
+        sampler = RankBatches(
+            self.consumed // per_micro_batch, self.batch_size, self.dp_rank, self.dp_world, self.limit
+        )
         # Its own generator: iter() then draws nothing from the training's RNG, which a resume restores exactly.
-        for batch in DataLoader(self.windows, batch_sampler=sampler, num_workers=self.num_workers, generator=torch.Generator()):
+        for batch in DataLoader(
+            self.windows, batch_sampler=sampler, num_workers=self.num_workers, generator=torch.Generator()
+        ):
             self.consumed += per_micro_batch
             yield batch
         self.consumed = 0  # a finite pass ended: the next starts over
@@ -187,14 +208,18 @@ def steps_for_epochs(epochs: float, loader, accum_steps: int, steps: int) -> int
     that many passes over a store, chat data or preference pairs (a pair is a window), divided by the global batch's."""
     windows = getattr(loader, "windows", None)
     if not hasattr(windows, "windows_in"):
-        raise UserError(f"training.epochs {epochs:g} counts passes over data whose epoch length is known at start, a token "
-                        "store (python -m titanlite.data.prepare), chat data or preference pairs, which this run's data is "
-                        "not; set training.steps instead")
+        raise UserError(
+            f"training.epochs {epochs:g} counts passes over data whose epoch length is known at start, a token "
+            "store (python -m titanlite.data.prepare), chat data or preference pairs, which this run's data is "
+            "not; set training.steps instead"
+        )
     per_step = loader.batch_size * loader.dp_world * accum_steps
     total = windows.windows_in(epochs)
     epoch_steps = max(1, -(-total // per_step))
-    logger.info(f"training.epochs {epochs:g}: {total:,} {getattr(windows, 'unit', 'windows')} at {per_step} per step, "
-                f"{epoch_steps:,} steps (in place of training.steps {steps})")
+    logger.info(
+        f"training.epochs {epochs:g}: {total:,} {getattr(windows, 'unit', 'windows')} at {per_step} per step, "
+        f"{epoch_steps:,} steps (in place of training.steps {steps})"
+    )
     return epoch_steps
 
 
@@ -203,4 +228,3 @@ def epochs_done(loader) -> float | None:
     or preference pairs (a mix, and the streams each rank packs for itself, have none)."""
     windows = getattr(loader, "windows", None)
     return windows.epochs_at(loader.consumed) if hasattr(windows, "epochs_at") else None
-

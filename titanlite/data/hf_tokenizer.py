@@ -65,29 +65,40 @@ class HFTokenizer:
             self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
         except Exception as error:  # the Rust parser raises plain Exception with one line saying what
             reason = "it does not exist" if not self.path.exists() else str(error).strip().splitlines()[0]
-            raise UserError(f"cannot use the tokenizer file {self.path}: {reason}; set {origin} to a Hugging Face "
-                            "folder holding a valid tokenizer.json") from None
+            raise UserError(
+                f"cannot use the tokenizer file {self.path}: {reason}; set {origin} to a Hugging Face "
+                "folder holding a valid tokenizer.json"
+            ) from None
         config = read_config(folder / "tokenizer_config.json", origin)
         self.chat_template, self.chat_template_path = read_chat_template(folder, config, origin)
         # What transformers hands a chat template as variables (its special_tokens_map): the named ones set.
-        self.special_tokens = {name: token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES
-                               if token_text(config.get(name)) is not None}
+        self.special_tokens = {
+            name: token_text(config.get(name))
+            for name in SPECIAL_TOKEN_NAMES
+            if token_text(config.get(name)) is not None
+        }
         eos = self.special_tokens.get("eos_token")
         if eos is None:
-            raise UserError(f"{folder / 'tokenizer_config.json'} names no eos_token, which titanlite puts after every "
-                            f"document; add \"eos_token\" to it or set {origin} to a folder that has one")
+            raise UserError(
+                f"{folder / 'tokenizer_config.json'} names no eos_token, which titanlite puts after every "
+                f'document; add "eos_token" to it or set {origin} to a folder that has one'
+            )
         self.eos_id = self.token_id(eos, folder)
         bos = self.special_tokens.get("bos_token")
         self.bos_id = self.eos_id if bos is None else self.token_id(bos, folder)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         # The turn markers a chat template writes (<|im_end|>...); added tokens that are not special (<think>) are text.
-        self.special_texts = [token.content for token in self._tokenizer.get_added_tokens_decoder().values() if token.special]
+        self.special_texts = [
+            token.content for token in self._tokenizer.get_added_tokens_decoder().values() if token.special
+        ]
 
     def token_id(self, token: str, folder: Path) -> int:
         token_id = self._tokenizer.token_to_id(token)
         if token_id is None:
-            raise UserError(f"the special token {token!r} of {folder / 'tokenizer_config.json'} is not in "
-                            f"{self.path}; make the two files agree (they come from the same model folder)")
+            raise UserError(
+                f"the special token {token!r} of {folder / 'tokenizer_config.json'} is not in "
+                f"{self.path}; make the two files agree (they come from the same model folder)"
+            )
         return token_id
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
@@ -95,7 +106,9 @@ class HFTokenizer:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def encode_with_offsets(self, text: str, literal: list[tuple[int, int]] = ()) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_with_offsets(
+        self, text: str, literal: list[tuple[int, int]] = ()
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids of `text` as encode gives them (no bos, no eos) and each token's (start, end) character offsets;
         within the `literal` character spans (in order) special tokens are not recognised: they are text there."""
         ids, offsets, begin = [], [], 0

@@ -73,10 +73,14 @@ def find_data_files(root: Path, key: str) -> tuple[str, list[Path]]:
     """The loader name and the files for a file or folder; one kind of data per dataset, no empty file."""
     if not root.exists():
         raise UserError(f"{key} {root} does not exist; point it at {KINDS}")
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in LOADER_BY_SUFFIX and p.is_file())
+    files = (
+        [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in LOADER_BY_SUFFIX and p.is_file())
+    )
     loaders = sorted({LOADER_BY_SUFFIX.get(path.suffix, "unknown") for path in files})
     if not files:
-        raise UserError(f"{key} {root} is a folder without .jsonl/.json/.parquet/.arrow/.txt files; point it at {KINDS}")
+        raise UserError(
+            f"{key} {root} is a folder without .jsonl/.json/.parquet/.arrow/.txt files; point it at {KINDS}"
+        )
     if loaders == ["unknown"]:
         raise UserError(f"{key} {root} is not {KINDS}; point it at one")
     if len(loaders) > 1:
@@ -110,8 +114,10 @@ def utf8_fault(path: Path) -> str | None:
 def text_fault(records: datasets.Dataset, text_field: str) -> str | None:
     """Why some record has no string in text_field, or None when every record has one."""
     if text_field not in records.column_names:
-        return (f"has no field '{text_field}' (its fields are {', '.join(records.column_names)}); "
-                "set training.dataset_text_field to one of them")
+        return (
+            f"has no field '{text_field}' (its fields are {', '.join(records.column_names)}); "
+            "set training.dataset_text_field to one of them"
+        )
     import pyarrow as pa
 
     column = records.data.column(text_field)
@@ -184,7 +190,11 @@ def json_document_records(path: Path, text: str) -> list[tuple[str, object]] | N
         return None
     if isinstance(document, dict):
         return [(f"{path} record 1", document)]
-    return [(f"{path} record {number}", value) for number, value in enumerate(document, 1)] if isinstance(document, list) else None
+    return (
+        [(f"{path} record {number}", value) for number, value in enumerate(document, 1)]
+        if isinstance(document, list)
+        else None
+    )
 
 
 def json_line_records(path: Path, text: str, key: str) -> list[tuple[str, object]]:
@@ -221,8 +231,10 @@ def utf8_column_fault(records, fields) -> str | None:
         try:
             records.data.column(field).validate(full=True)
         except pa.ArrowInvalid as error:
-            return (f"holds text in '{field}' that is not UTF-8 ({str(error).splitlines()[0]}); re-encode the file as UTF-8 "
-                    "or fix that record")
+            return (
+                f"holds text in '{field}' that is not UTF-8 ({str(error).splitlines()[0]}); re-encode the file as UTF-8 "
+                "or fix that record"
+            )
     return None
 
 
@@ -247,7 +259,9 @@ def raise_for_the_faulty_file(loader: str, files: list[Path], text_field: str, k
         if fault:
             raise UserError(f"{key}: {path} {fault}") from None
     reason = str(error.__cause__ or error).splitlines()[0] if error else "their fields differ"
-    raise UserError(f"{key} {files[0].parent}: its files read one by one but not as one dataset ({reason}); give them the same fields")
+    raise UserError(
+        f"{key} {files[0].parent}: its files read one by one but not as one dataset ({reason}); give them the same fields"
+    )
 
 
 def load_local_documents(dataset_path: str, text_field: str, key: str) -> Sequence[str]:
@@ -264,7 +278,9 @@ def load_local_documents(dataset_path: str, text_field: str, key: str) -> Sequen
     except ValueError as no_data:  # how `datasets` says that every file held zero records (e.g. a json [])
         if "corresponds to no data" not in str(no_data):
             raise
-        raise UserError(f"{key} {dataset_path} holds no records (a json file holding [] counts as empty); write the data into it") from None
+        raise UserError(
+            f"{key} {dataset_path} holds no records (a json file holding [] counts as empty); write the data into it"
+        ) from None
     if records is None or text_fault(records, text_field):
         raise_for_the_faulty_file(loader, files, text_field, key, error)
     return RecordTexts(records, text_field)

@@ -51,7 +51,7 @@ class PackedTokens(IterableDataset):
         self.load_state_dict({"epoch": 0, "position": None, "buffer": []})
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "buffer": self.buffer[self.taken:]}
+        return {"epoch": self.epoch, "position": self.position, "buffer": self.buffer[self.taken :]}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = state["epoch"]

@@ -54,12 +54,16 @@ class Pair(NamedTuple):
 def messages_of(value, field: str, number: int, where: str) -> list[dict]:
     """A conversational record's prompt or completion: a non-empty list of messages, each checked as SFT checks it."""
     if not isinstance(value, list) or not value:
-        raise UserError(f"{where}: record {number} (counting from 1) has a {field} that is neither text nor a non-empty "
-                        "list of messages; fix or remove it")
+        raise UserError(
+            f"{where}: record {number} (counting from 1) has a {field} that is neither text nor a non-empty "
+            "list of messages; fix or remove it"
+        )
     messages = [checked_message(message, f"{where}: record {number} (counting from 1)") for message in value]
     if any("train" in message for message in messages):
-        raise UserError(f"{where}: record {number} (counting from 1) has a {field} message with a train flag, which "
-                        "preference data does not read (every token of a completion trains, none of the prompt); remove it")
+        raise UserError(
+            f"{where}: record {number} (counting from 1) has a {field} message with a train flag, which "
+            "preference data does not read (every token of a completion trains, none of the prompt); remove it"
+        )
     return messages
 
 
@@ -74,12 +78,16 @@ def preference_pair(record: dict, dataset_format: str, number: int, where: str) 
         completions = tuple([{"role": "assistant", "content": record[half]}] for half in HALVES)
         return Pair(prompt, completions, conversational=False)
     if any(isinstance(record[field], str) for field in ("prompt", *HALVES)):
-        raise UserError(f"{at} mixes text and message lists among prompt, chosen and rejected; use one form for all three")
+        raise UserError(
+            f"{at} mixes text and message lists among prompt, chosen and rejected; use one form for all three"
+        )
     completions = tuple(messages_of(record[half], half, number, where) for half in HALVES)
     for half, completion in zip(HALVES, completions):
         if not any(message["role"] == "assistant" for message in completion):
-            raise UserError(f"{at} has a {half} completion without an assistant message, so nothing of it would be "
-                            "trained; fix or remove the record")
+            raise UserError(
+                f"{at} has a {half} completion without an assistant message, so nothing of it would be "
+                "trained; fix or remove the record"
+            )
     return Pair(messages_of(record["prompt"], "prompt", number, where), completions, conversational=True)
 
 
@@ -89,8 +97,10 @@ def check_one_form(pairs: list[Pair], where: str) -> None:
     if len(set(forms)) > 1:
         number = forms.index(not forms[0]) + 1
         name = {True: "message lists", False: "plain text"}
-        raise UserError(f"{where}: record {number} (counting from 1) is {name[forms[number - 1]]} where record 1 is "
-                        f"{name[forms[0]]}; write every record of the file in one form")
+        raise UserError(
+            f"{where}: record {number} (counting from 1) is {name[forms[number - 1]]} where record 1 is "
+            f"{name[forms[0]]}; write every record of the file in one form"
+        )
 
 
 def is_empty(completion: list[dict]) -> bool:
@@ -103,19 +113,27 @@ def check_pairs(pairs: list[Pair], encoded: list[tuple], where: str) -> None:
     (a field missing its answers, say), do train, though likely not as meant, so the log says so."""
     same = sum(chosen[0] == rejected[0] for chosen, rejected in encoded)
     if same == len(encoded):
-        raise UserError(f"{where}: every pair's chosen and rejected completions are the same, so the DPO loss is constant "
-                        "with no gradient and nothing would train; give each pair a different rejected completion")
+        raise UserError(
+            f"{where}: every pair's chosen and rejected completions are the same, so the DPO loss is constant "
+            "with no gradient and nothing would train; give each pair a different rejected completion"
+        )
     if same:
-        logger.warning(f"{where}: {same:,} of {len(encoded):,} pairs have the same chosen and rejected completion; they "
-                       "add a constant to the loss and nothing to its gradient")
+        logger.warning(
+            f"{where}: {same:,} of {len(encoded):,} pairs have the same chosen and rejected completion; they "
+            "add a constant to the loss and nothing to its gradient"
+        )
     for index, half in enumerate(HALVES):
         if all(is_empty(pair.completions[index]) for pair in pairs):
-            logger.warning(f"{where}: every {half} completion is empty, so DPO only teaches the model "
-                           f"{'to end its turn at once' if half == 'chosen' else 'not to end its turn at once'}; "
-                           f"check that the {half} field holds the answers")
+            logger.warning(
+                f"{where}: every {half} completion is empty, so DPO only teaches the model "
+                f"{'to end its turn at once' if half == 'chosen' else 'not to end its turn at once'}; "
+                f"check that the {half} field holds the answers"
+            )
 
 
-def rendered_ids(renderer: ChatRenderer, tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+def rendered_ids(
+    renderer: ChatRenderer, tokenizer, messages: list[dict], add_generation_prompt: bool = False
+) -> list[int]:
     """The ids of the conversation rendered with the template (as chat.py tokenizes a rendering)."""
     text = renderer.render(messages, add_generation_prompt)
     return tokenizer.encode_with_offsets(text, literal_contents(text, messages, renderer.specials))[0]
@@ -143,19 +161,27 @@ class PreferencePairs(Dataset):
     def __init__(self, pairs: list[tuple], seq_len: int, seed: int, pad_id: int, where: str):
         self.window_len, self.seed, self.pad_id = seq_len + 1, seed, pad_id
         truncated = sum(len(ids) > self.window_len for pair in pairs for ids, _ in pair)
-        kept = [pair for pair in pairs if all(any(trained[1:self.window_len]) for _, trained in pair)]
+        kept = [pair for pair in pairs if all(any(trained[1 : self.window_len]) for _, trained in pair)]
         if not kept:
-            raise UserError(f"{where}: no pair has a trained token of both completions within training.seq_len + 1 = "
-                            f"{self.window_len} tokens; raise training.seq_len")
+            raise UserError(
+                f"{where}: no pair has a trained token of both completions within training.seq_len + 1 = "
+                f"{self.window_len} tokens; raise training.seq_len"
+            )
         if truncated:
-            logger.info(f"{where}: {truncated:,} of {2 * len(pairs):,} sequences are longer than training.seq_len + 1 = "
-                        f"{self.window_len} tokens and are truncated")
+            logger.info(
+                f"{where}: {truncated:,} of {2 * len(pairs):,} sequences are longer than training.seq_len + 1 = "
+                f"{self.window_len} tokens and are truncated"
+            )
         if len(kept) < len(pairs):
-            logger.info(f"{where}: {len(pairs) - len(kept):,} pairs have a completion cut off before any trained token "
-                        "and are left out")
+            logger.info(
+                f"{where}: {len(pairs) - len(kept):,} pairs have a completion cut off before any trained token "
+                "and are left out"
+            )
         self.pairs = kept
-        trained = sum(int(np.sum(flags[1:self.window_len])) for pair in kept for _, flags in pair)
-        logger.info(f"{where}: an epoch is {len(kept):,} preference pairs, {trained:,} trained tokens in their completions")
+        trained = sum(int(np.sum(flags[1 : self.window_len])) for pair in kept for _, flags in pair)
+        logger.info(
+            f"{where}: an epoch is {len(kept):,} preference pairs, {trained:,} trained tokens in their completions"
+        )
         self.orders: dict[int, np.ndarray] = {}
 
     def windows_per_epoch(self) -> int:
@@ -223,7 +249,20 @@ def preference_loader(data, tokenizer, dp_rank: int, dp_world: int, seed: int) -
     pairs = [tokenize_pair(renderer, tokenizer, pair) for pair in records]
     check_pairs(records, pairs, where)
     windows = PreferencePairs(pairs, data.seq_len, seed, tokenizer.eos_id, where)
-    identity = {"sources": [str(Path(path).resolve())], "seed": seed, "seq_len": data.seq_len,
-                **chat_record(renderer, "preference", TRAIN_ON)}
-    return PairLoader(windows, batch_size=data.batch_size, dp_rank=dp_rank, dp_world=dp_world, num_workers=data.num_workers,
-                      finite=not data.infinite, identity=identity, source_names=[Path(path).name], seq_len=data.seq_len)
+    identity = {
+        "sources": [str(Path(path).resolve())],
+        "seed": seed,
+        "seq_len": data.seq_len,
+        **chat_record(renderer, "preference", TRAIN_ON),
+    }
+    return PairLoader(
+        windows,
+        batch_size=data.batch_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        num_workers=data.num_workers,
+        finite=not data.infinite,
+        identity=identity,
+        source_names=[Path(path).name],
+        seq_len=data.seq_len,
+    )

@@ -61,8 +61,10 @@ def open_input(source: str, text_field: str, hf_config: str, split: str):
         stream = datasets.load_dataset(source, hf_config or None, split=split, streaming=True)
     except (OSError, ValueError) as error:  # offline, unknown name or config: the hub says which in its first line
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise UserError(f"--input {source} is no local file or folder and could not be streamed from the Hugging Face hub "
-                        f"({reason}); check the path, the dataset name and --hf_config, or the network") from None
+        raise UserError(
+            f"--input {source} is no local file or folder and could not be streamed from the Hugging Face hub "
+            f"({reason}); check the path, the dataset name and --hf_config, or the network"
+        ) from None
     return (record[text_field] for record in stream)
 
 
@@ -101,8 +103,10 @@ def check_plan(folder: Path, plan: dict) -> None:
     """A folder holding part of another prepare is refused, not mixed with this one."""
     path = folder / PLAN
     if path.is_file() and json.loads(path.read_text()) != plan:
-        raise UserError(f"--output {folder} holds a store prepared with other arguments ({path}); use another "
-                        "--output folder, or delete it to prepare it again")
+        raise UserError(
+            f"--output {folder} holds a store prepared with other arguments ({path}); use another "
+            "--output folder, or delete it to prepare it again"
+        )
     if not path.is_file() and folder.exists() and any(folder.iterdir()):
         raise UserError(f"--output {folder} is a folder with other files in it; give an empty or new folder")
     folder.mkdir(parents=True, exist_ok=True)
@@ -149,34 +153,68 @@ def write_manifest(folder: Path, plan: dict, tokenizer, dtype, chat: dict | None
         offsets = np.load(index_path)
         tokens = np.memmap(shard_paths(folder, shard)[0], dtype=dtype, mode="r") if offsets[-1] else np.zeros(0, dtype)
         record_missing_sums(folder, shard, tokens)
-        shards.append({"documents": len(offsets) - 1, "tokens": int(offsets[-1]), "max_id": shard_max_id(tokens),
-                       "index_xxh3": xxhash.xxh3_64(index_path.read_bytes()).hexdigest()})
+        shards.append(
+            {
+                "documents": len(offsets) - 1,
+                "tokens": int(offsets[-1]),
+                "max_id": shard_max_id(tokens),
+                "index_xxh3": xxhash.xxh3_64(index_path.read_bytes()).hexdigest(),
+            }
+        )
     if not shards:
         raise UserError(f"--input {plan['input']} holds no documents; point it at data that has some")
-    manifest = {"format": FORMAT, "input": plan["input"], "tokenizer": tokenizer_record(tokenizer), "dtype": dtype.name,
-                "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards), "shards": shards,
-                "checksums": {"algorithm": "xxh3_64", "chunk_bytes": CHUNK_BYTES}}
+    manifest = {
+        "format": FORMAT,
+        "input": plan["input"],
+        "tokenizer": tokenizer_record(tokenizer),
+        "dtype": dtype.name,
+        "documents": sum(s["documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "shards": shards,
+        "checksums": {"algorithm": "xxh3_64", "chunk_bytes": CHUNK_BYTES},
+    }
     if chat is not None:
         manifest["chat"] = {**chat, "version": CHAT_STORE_VERSION}
     write_then_rename(folder / MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
     return manifest
 
 
-def prepare(source: str, output: str, tokenizer_path: str = "", *, workers: int = 1, text_field: str = "text",
-            documents_per_shard: int = 20000, hf_config: str = "", split: str = "train", dataset_format: str = "text",
-            train_on: str = "assistant", chat_template: str = "", progress_seconds: float = 30.0) -> dict:
+def prepare(
+    source: str,
+    output: str,
+    tokenizer_path: str = "",
+    *,
+    workers: int = 1,
+    text_field: str = "text",
+    documents_per_shard: int = 20000,
+    hf_config: str = "",
+    split: str = "train",
+    dataset_format: str = "text",
+    train_on: str = "assistant",
+    chat_template: str = "",
+    progress_seconds: float = 30.0,
+) -> dict:
     """Write (or finish) the store for SRC in output; returns its manifest."""
     tokenizer_path = tokenizer_path or str(SHIPPED_TOKENIZER)
     tokenizer = load_tokenizer(tokenizer_path, origin="--tokenizer")
     folder = Path(output)
-    plan = {"input": source, "tokenizer_sha256": tokenizer_record(tokenizer)["sha256"], "text_field": text_field,
-            "documents_per_shard": documents_per_shard, "hf_config": hf_config, "split": split}
+    plan = {
+        "input": source,
+        "tokenizer_sha256": tokenizer_record(tokenizer)["sha256"],
+        "text_field": text_field,
+        "documents_per_shard": documents_per_shard,
+        "hf_config": hf_config,
+        "split": split,
+    }
     # a bad input leaves no folder behind
     if dataset_format == "text":
         chat, worker_chat = None, None
         documents = open_input(source, text_field, hf_config, split)
     else:
-        chat, worker_chat = chat_record(ChatRenderer(tokenizer, chat_template), dataset_format, train_on), (dataset_format, train_on, chat_template)
+        chat, worker_chat = (
+            chat_record(ChatRenderer(tokenizer, chat_template), dataset_format, train_on),
+            (dataset_format, train_on, chat_template),
+        )
         documents = Conversations(source, dataset_format, "--input")
         plan["chat"] = chat
     check_plan(folder, plan)
@@ -201,42 +239,87 @@ def prepare(source: str, output: str, tokenizer_path: str = "", *, workers: int 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titanlite.data.prepare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", required=True, help="data file or folder, sample / sample_val, or a Hugging Face dataset name")
+    parser = argparse.ArgumentParser(
+        prog="python -m titanlite.data.prepare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--input", required=True, help="data file or folder, sample / sample_val, or a Hugging Face dataset name"
+    )
     parser.add_argument("--output", required=True, help="the store's folder (new or empty, or a prepare to finish)")
-    parser.add_argument("--tokenizer", default="", help="tokenizer.model, or a Hugging Face tokenizer.json or folder holding one, to tokenize with (default: the shipped one)")
-    parser.add_argument("--workers", type=int, default=max(multiprocessing.cpu_count() - 1, 1), help="tokenizing processes")
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        help="tokenizer.model, or a Hugging Face tokenizer.json or folder holding one, to tokenize with (default: the shipped one)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=max(multiprocessing.cpu_count() - 1, 1), help="tokenizing processes"
+    )
     parser.add_argument("--text_field", default="text", help="field holding the text in json/parquet/arrow records")
     parser.add_argument("--documents_per_shard", type=int, default=20000, help="documents per shard file")
-    parser.add_argument("--hf_config", default="", help="configuration of a Hugging Face dataset (e.g. en for allenai/c4)")
+    parser.add_argument(
+        "--hf_config", default="", help="configuration of a Hugging Face dataset (e.g. en for allenai/c4)"
+    )
     parser.add_argument("--split", default="train", help="split of a Hugging Face dataset")
-    parser.add_argument("--format", default="text", choices=("text", "chat", "prompt_completion"),
-                        help="chat / prompt_completion: local records rendered with the chat template, stored with their loss mask")
-    parser.add_argument("--train_on", default="assistant", choices=("assistant", "last_assistant", "all"),
-                        help="with --format, the tokens in the loss (as training.train_on)")
-    parser.add_argument("--chat_template", default="", help="with --format, a jinja template file instead of the tokenizer folder's")
+    parser.add_argument(
+        "--format",
+        default="text",
+        choices=("text", "chat", "prompt_completion"),
+        help="chat / prompt_completion: local records rendered with the chat template, stored with their loss mask",
+    )
+    parser.add_argument(
+        "--train_on",
+        default="assistant",
+        choices=("assistant", "last_assistant", "all"),
+        help="with --format, the tokens in the loss (as training.train_on)",
+    )
+    parser.add_argument(
+        "--chat_template", default="", help="with --format, a jinja template file instead of the tokenizer folder's"
+    )
     args = parser.parse_args(argv)
     init_logger(0)  # the progress lines
     try:
         if args.workers < 1 or args.documents_per_shard < 1:
-            raise UserError(f"--workers ({args.workers}) and --documents_per_shard ({args.documents_per_shard}) must be at least 1")
+            raise UserError(
+                f"--workers ({args.workers}) and --documents_per_shard ({args.documents_per_shard}) must be at least 1"
+            )
         if args.format == "text" and (args.train_on != "assistant" or args.chat_template):
-            raise UserError("--train_on and --chat_template apply to --format chat or prompt_completion; add --format or drop them")
+            raise UserError(
+                "--train_on and --chat_template apply to --format chat or prompt_completion; add --format or drop them"
+            )
         if args.format != "text" and not args.tokenizer and not args.chat_template:
-            raise UserError(f"--format {args.format} renders each record with a chat template, which the shipped tokenizer "
-                            "lacks; add --tokenizer <a Hugging Face tokenizer folder with its chat template> (or --chat_template)")
-        blocker = next((p for p in (Path(args.output), *Path(args.output).parents) if p.exists() and not p.is_dir()), None)
+            raise UserError(
+                f"--format {args.format} renders each record with a chat template, which the shipped tokenizer "
+                "lacks; add --tokenizer <a Hugging Face tokenizer folder with its chat template> (or --chat_template)"
+            )
+        blocker = next(
+            (p for p in (Path(args.output), *Path(args.output).parents) if p.exists() and not p.is_dir()), None
+        )
         if blocker is not None:
-            raise UserError(f"--output {args.output} cannot be a folder because {blocker} is a file; choose another path")
-        manifest = prepare(args.input, args.output, args.tokenizer, workers=args.workers, text_field=args.text_field,
-                           documents_per_shard=args.documents_per_shard, hf_config=args.hf_config, split=args.split,
-                           dataset_format=args.format, train_on=args.train_on, chat_template=args.chat_template)
+            raise UserError(
+                f"--output {args.output} cannot be a folder because {blocker} is a file; choose another path"
+            )
+        manifest = prepare(
+            args.input,
+            args.output,
+            args.tokenizer,
+            workers=args.workers,
+            text_field=args.text_field,
+            documents_per_shard=args.documents_per_shard,
+            hf_config=args.hf_config,
+            split=args.split,
+            dataset_format=args.format,
+            train_on=args.train_on,
+            chat_template=args.chat_template,
+        )
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
-          f"({manifest['dtype']}) in {len(manifest['shards'])} shards")
+    print(
+        f"wrote {args.output}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
+        f"({manifest['dtype']}) in {len(manifest['shards'])} shards"
+    )
     return 0
 
 

@@ -61,8 +61,13 @@ def file_sha256(path: Path) -> str:
 
 def tokenizer_record(tokenizer) -> dict:
     """What a manifest keeps of the tokenizer: enough to refuse a store made with another one."""
-    return {"file": str(tokenizer.path), "sha256": file_sha256(tokenizer.path), "vocab_size": tokenizer.vocab_size,
-            "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
+    return {
+        "file": str(tokenizer.path),
+        "sha256": file_sha256(tokenizer.path),
+        "vocab_size": tokenizer.vocab_size,
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+    }
 
 
 def is_store(path: str | Path, key: str) -> bool:
@@ -72,9 +77,11 @@ def is_store(path: str | Path, key: str) -> bool:
     if (folder / MANIFEST).is_file():
         return True
     if folder.is_dir() and ((folder / "prepare.json").is_file() or any(folder.glob("shard-*.bin"))):
-        raise UserError(f"{key} {folder} holds token-store shards but no {MANIFEST} (its prepare did not finish, or the "
-                        "manifest was deleted); run python -m titanlite.data.prepare again with the same arguments to "
-                        "finish it")
+        raise UserError(
+            f"{key} {folder} holds token-store shards but no {MANIFEST} (its prepare did not finish, or the "
+            "manifest was deleted); run python -m titanlite.data.prepare again with the same arguments to "
+            "finish it"
+        )
     return False
 
 
@@ -128,37 +135,58 @@ class TokenStore:
         return self.tokens(shard, begin, begin + length), mask
 
     @classmethod
-    def from_offsets(cls, shards: list, offsets: list[np.ndarray], name: str, masks: list | None = None,
-                     checks: list | None = None) -> "TokenStore":
+    def from_offsets(
+        cls, shards: list, offsets: list[np.ndarray], name: str, masks: list | None = None, checks: list | None = None
+    ) -> "TokenStore":
         shard_ids = [np.full(len(o) - 1, i, dtype=np.int32) for i, o in enumerate(offsets)]
-        return cls(shards, np.concatenate(shard_ids), np.concatenate([o[:-1] for o in offsets]),
-                   np.concatenate([np.diff(o) for o in offsets]), name, masks, checks)
+        return cls(
+            shards,
+            np.concatenate(shard_ids),
+            np.concatenate([o[:-1] for o in offsets]),
+            np.concatenate([np.diff(o) for o in offsets]),
+            name,
+            masks,
+            checks,
+        )
 
     @classmethod
     def tokenize(cls, texts, tokenizer, name: str) -> "TokenStore":
         """An in-memory store of raw documents (a raw source in a mix): tokenized here, once per run."""
-        tokens, offsets, _ = concatenate([(tokenizer.encode(text, bos=True, eos=True), None) for text in texts], np.int64)
+        tokens, offsets, _ = concatenate(
+            [(tokenizer.encode(text, bos=True, eos=True), None) for text in texts], np.int64
+        )
         return cls.from_offsets([tokens], [offsets], name)
 
 
-def concatenate(encoded: list[tuple[list[int], list[bool] | None]], dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def concatenate(
+    encoded: list[tuple[list[int], list[bool] | None]], dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Documents as (ids, trained flags, or None for text) -> (their ids back to back in dtype, int64 offsets
     where each starts and the last ends, their flags back to back as uint8 or None): one shard's arrays."""
     offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in encoded])]).astype(np.int64)
     tokens = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in encoded), dtype=dtype, count=int(offsets[-1]))
     if not encoded or encoded[0][1] is None:
         return tokens, offsets, None
-    flags = np.fromiter(itertools.chain.from_iterable(flags for _, flags in encoded), dtype=np.uint8, count=int(offsets[-1]))
+    flags = np.fromiter(
+        itertools.chain.from_iterable(flags for _, flags in encoded), dtype=np.uint8, count=int(offsets[-1])
+    )
     return tokens, offsets, flags
 
 
 def portable(arrays: list | None) -> list | None:
-    return None if arrays is None else [(a.filename, a.dtype.str, a.shape) if isinstance(a, np.memmap) else a for a in arrays]
+    return (
+        None
+        if arrays is None
+        else [(a.filename, a.dtype.str, a.shape) if isinstance(a, np.memmap) else a for a in arrays]
+    )
 
 
 def reopened(arrays: list | None) -> list | None:
-    return None if arrays is None else [np.memmap(a[0], dtype=a[1], mode="r", shape=a[2]) if isinstance(a, tuple) else a
-                                        for a in arrays]
+    return (
+        None
+        if arrays is None
+        else [np.memmap(a[0], dtype=a[1], mode="r", shape=a[2]) if isinstance(a, tuple) else a for a in arrays]
+    )
 
 
 def read_manifest(folder: Path, key: str) -> dict:
@@ -167,7 +195,9 @@ def read_manifest(folder: Path, key: str) -> dict:
     except (OSError, ValueError) as error:
         raise UserError(f"{key} {folder}: its {MANIFEST} cannot be read ({error}); prepare the store again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise UserError(f"{key} {folder}: {MANIFEST} is not a {FORMAT} manifest; prepare the store again with python -m titanlite.data.prepare")
+        raise UserError(
+            f"{key} {folder}: {MANIFEST} is not a {FORMAT} manifest; prepare the store again with python -m titanlite.data.prepare"
+        )
     check_manifest_fields(manifest, folder, key)
     return manifest
 
@@ -176,16 +206,21 @@ def check_manifest_fields(manifest: dict, folder: Path, key: str) -> None:
     """Every field open_store reads, of the type it reads: an edited manifest is one sentence, not a KeyError."""
     tokenizer, shards = manifest.get("tokenizer"), manifest.get("shards")
     problem = None
-    if not isinstance(tokenizer, dict) or not all(isinstance(tokenizer.get(k), t) for k, t in
-                                                   (("file", str), ("sha256", str), ("vocab_size", int))):
+    if not isinstance(tokenizer, dict) or not all(
+        isinstance(tokenizer.get(k), t) for k, t in (("file", str), ("sha256", str), ("vocab_size", int))
+    ):
         problem = "its tokenizer record (file, sha256, vocab_size) is missing or damaged"
     elif manifest.get("dtype") not in ("uint16", "uint32"):
         problem = f"its dtype {manifest.get('dtype')!r} is not uint16 or uint32"
     elif np.dtype(manifest["dtype"]) != token_dtype(tokenizer["vocab_size"]):
-        problem = f"its dtype {manifest['dtype']} is not the one prepare writes for a vocabulary of {tokenizer['vocab_size']}"
+        problem = (
+            f"its dtype {manifest['dtype']} is not the one prepare writes for a vocabulary of {tokenizer['vocab_size']}"
+        )
     elif not isinstance(shards, list) or not all(
-            isinstance(entry, dict) and all(isinstance(entry.get(k), int) and entry[k] >= 0 for k in ("documents", "tokens"))
-            for entry in shards):
+        isinstance(entry, dict)
+        and all(isinstance(entry.get(k), int) and entry[k] >= 0 for k in ("documents", "tokens"))
+        for entry in shards
+    ):
         problem = "its shards list (documents and tokens per shard) is missing or damaged"
     elif "checksums" in manifest and not checksums_recorded(manifest["checksums"], shards):
         problem = "its checksums record (algorithm, chunk_bytes, each shard's index_xxh3) is damaged"
@@ -195,9 +230,14 @@ def check_manifest_fields(manifest: dict, folder: Path, key: str) -> None:
 
 def checksums_recorded(checksums, shards: list) -> bool:
     """The manifest's "checksums" as prepare writes it: XXH3-64 of chunks of a positive size, an offsets-file hash per shard."""
-    return (isinstance(checksums, dict) and checksums.get("algorithm") == "xxh3_64" and len(checksums) == 2
-            and isinstance(checksums.get("chunk_bytes"), int) and checksums["chunk_bytes"] > 0
-            and all(isinstance(entry.get("index_xxh3"), str) for entry in shards))
+    return (
+        isinstance(checksums, dict)
+        and checksums.get("algorithm") == "xxh3_64"
+        and len(checksums) == 2
+        and isinstance(checksums.get("chunk_bytes"), int)
+        and checksums["chunk_bytes"] > 0
+        and all(isinstance(entry.get("index_xxh3"), str) for entry in shards)
+    )
 
 
 def shard_max_id(tokens: np.ndarray) -> int:
@@ -221,24 +261,36 @@ def check_chat(manifest: dict, chat: dict | None, folder: Path, key: str) -> Non
     whose windows its version names."""
     prepared = manifest.get("chat")
     if prepared is not None and chat is not None and prepared.get("version", 1) != CHAT_STORE_VERSION:
-        raise UserError(f"{key} {folder} is a chat store prepared by an earlier titanlite (chat store version "
-                        f"{prepared.get('version', 1)}, this one reads {CHAT_STORE_VERSION}); prepare it again with python -m "
-                        f"titanlite.data.prepare --format {prepared['format']} --train_on {prepared['train_on']}")
+        raise UserError(
+            f"{key} {folder} is a chat store prepared by an earlier titanlite (chat store version "
+            f"{prepared.get('version', 1)}, this one reads {CHAT_STORE_VERSION}); prepare it again with python -m "
+            f"titanlite.data.prepare --format {prepared['format']} --train_on {prepared['train_on']}"
+        )
     if prepared is not None:
         prepared = {name: value for name, value in prepared.items() if name != "version"}
     if prepared == chat:
         return
     if chat is None:
-        raise UserError(f"{key} {folder} holds {prepared['format']} data with its loss mask; set training.dataset_format "
-                        f"{prepared['format']} and training.train_on {prepared['train_on']}")
+        raise UserError(
+            f"{key} {folder} holds {prepared['format']} data with its loss mask; set training.dataset_format "
+            f"{prepared['format']} and training.train_on {prepared['train_on']}"
+        )
     if prepared is None:
-        raise UserError(f"{key} {folder} holds text without a loss mask; prepare the records with python -m "
-                        f"titanlite.data.prepare --format {chat['format']}, or point {key} at the jsonl/json/parquet records")
-    differences = ", ".join(f"{name} {prepared[name]!r} (this run: {chat[name]!r})" for name in chat if prepared[name] != chat[name])
-    raise UserError(f"{key} {folder} was prepared with {differences}; prepare it again with this run's settings or match them")
+        raise UserError(
+            f"{key} {folder} holds text without a loss mask; prepare the records with python -m "
+            f"titanlite.data.prepare --format {chat['format']}, or point {key} at the jsonl/json/parquet records"
+        )
+    differences = ", ".join(
+        f"{name} {prepared[name]!r} (this run: {chat[name]!r})" for name in chat if prepared[name] != chat[name]
+    )
+    raise UserError(
+        f"{key} {folder} was prepared with {differences}; prepare it again with this run's settings or match them"
+    )
 
 
-def open_store(folder: str | Path, tokenizer, key: str = "training.dataset_path", chat: dict | None = None) -> TokenStore:
+def open_store(
+    folder: str | Path, tokenizer, key: str = "training.dataset_path", chat: dict | None = None
+) -> TokenStore:
     """The store at folder, memory-mapped (read-only: pages are shared by every process on the node). `chat`
     is the run's chat.chat_record (None for text), which a chat store's must equal."""
     folder = Path(folder)
@@ -247,8 +299,10 @@ def open_store(folder: str | Path, tokenizer, key: str = "training.dataset_path"
     check_chat(manifest, chat, folder, key)
     chunk_bytes = manifest["checksums"]["chunk_bytes"] if "checksums" in manifest else None
     if chunk_bytes is None:
-        logger.info(f"{key} {folder} was prepared before token stores recorded checksums: its shards are read unverified "
-                    "(prepare it again to have them verified)")
+        logger.info(
+            f"{key} {folder} was prepared before token stores recorded checksums: its shards are read unverified "
+            "(prepare it again to have them verified)"
+        )
     dtype = np.dtype(manifest["dtype"])
     shards, offsets, masks, checks = [], [], [], []
     for shard, entry in enumerate(manifest["shards"]):
@@ -264,12 +318,14 @@ def open_store(folder: str | Path, tokenizer, key: str = "training.dataset_path"
             checks.append(tuple(ChunkSums(path, chunk_bytes, key) for path in data) + (None,) * (2 - len(data)))
     if not shards or sum(entry["documents"] for entry in manifest["shards"]) == 0:
         raise UserError(f"{key} {folder} holds no documents; prepare it from a source that has some")
-    return TokenStore.from_offsets(shards, offsets, str(folder), masks if chat is not None else None,
-                                   checks if chunk_bytes is not None else None)
+    return TokenStore.from_offsets(
+        shards, offsets, str(folder), masks if chat is not None else None, checks if chunk_bytes is not None else None
+    )
 
 
-def check_files(data: list[Path], sizes: list[int], index: Path, chunk_bytes: int | None, entry: dict, folder: Path,
-                key: str) -> None:
+def check_files(
+    data: list[Path], sizes: list[int], index: Path, chunk_bytes: int | None, entry: dict, folder: Path, key: str
+) -> None:
     """A shard's files are all there (its tokens, a chat store's mask, their checksums, its offsets), each of the
     size its manifest entry gives (`sizes`: of the tokens and the mask)."""
     sums = [sums_path(path) for path in data] if chunk_bytes is not None else []
@@ -279,8 +335,13 @@ def check_files(data: list[Path], sizes: list[int], index: Path, chunk_bytes: in
     for path, size in zip(data, sizes):
         check_size(path, size, f"{entry['tokens']} tokens of {size // max(entry['tokens'], 1)} byte(s)", folder, key)
     for path, size in zip(sums, sizes):
-        check_size(path, 8 * chunk_count(size, chunk_bytes), f"{entry['tokens']} tokens, one checksum per {chunk_bytes} bytes",
-                   folder, key)
+        check_size(
+            path,
+            8 * chunk_count(size, chunk_bytes),
+            f"{entry['tokens']} tokens, one checksum per {chunk_bytes} bytes",
+            folder,
+            key,
+        )
 
 
 def check_size(path: Path, expected: int, described: str, folder: Path, key: str) -> None:
@@ -300,8 +361,12 @@ def checked_offsets(path: Path, entry: dict, folder: Path, key: str) -> np.ndarr
     except (OSError, ValueError, EOFError) as error:
         raise damaged(path, key, f"cannot be read as document offsets ({error})") from None
     if offsets.dtype != np.int64 or offsets.shape != (entry["documents"] + 1,):
-        raise damaged(path, key, f"holds {offsets.dtype} offsets of shape {offsets.shape}, not the {entry['documents'] + 1} "
-                                 f"int64 offsets of the {entry['documents']} documents {folder / MANIFEST} lists")
+        raise damaged(
+            path,
+            key,
+            f"holds {offsets.dtype} offsets of shape {offsets.shape}, not the {entry['documents'] + 1} "
+            f"int64 offsets of the {entry['documents']} documents {folder / MANIFEST} lists",
+        )
     if offsets[0] != 0 or offsets[-1] != entry["tokens"] or (np.diff(offsets) < 0).any():
         raise damaged(path, key, f"has document offsets outside 0..{entry['tokens']} or out of order")
     return offsets

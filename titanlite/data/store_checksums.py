@@ -21,7 +21,9 @@ SUFFIX = ".xxh3"
 
 
 def damaged(path: Path, key: str, what: str) -> UserError:
-    return UserError(f"{key}: {path} {what}; the store is damaged, prepare it again with python -m titanlite.data.prepare")
+    return UserError(
+        f"{key}: {path} {what}; the store is damaged, prepare it again with python -m titanlite.data.prepare"
+    )
 
 
 def sums_path(path: Path) -> Path:
@@ -31,8 +33,11 @@ def sums_path(path: Path) -> Path:
 def chunk_sums(data: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
     """The XXH3-64 of each chunk_bytes of a 1-D array's bytes."""
     raw = data.view(np.uint8)
-    return np.fromiter((xxhash.xxh3_64_intdigest(raw[i : i + chunk_bytes]) for i in range(0, len(raw), chunk_bytes)),
-                       dtype="<u8", count=chunk_count(len(raw), chunk_bytes))
+    return np.fromiter(
+        (xxhash.xxh3_64_intdigest(raw[i : i + chunk_bytes]) for i in range(0, len(raw), chunk_bytes)),
+        dtype="<u8",
+        count=chunk_count(len(raw), chunk_bytes),
+    )
 
 
 def write_chunk_sums(path: Path, data: np.ndarray, write) -> None:
@@ -93,8 +98,12 @@ class ChunkSums:
         begin = chunk * self.chunk_bytes
         end = min(begin + self.chunk_bytes, len(raw))
         if xxhash.xxh3_64_intdigest(raw[begin:end]) != int(self.sums[chunk]):
-            raise damaged(self.path, self.key, f"bytes {begin}..{end - 1} do not match their checksum in "
-                                               f"{sums_path(self.path).name} (recorded by prepare): one of the two files "
-                                               "changed on disk")
+            raise damaged(
+                self.path,
+                self.key,
+                f"bytes {begin}..{end - 1} do not match their checksum in "
+                f"{sums_path(self.path).name} (recorded by prepare): one of the two files "
+                "changed on disk",
+            )
         self.verified[chunk] = True
         self.unverified -= 1

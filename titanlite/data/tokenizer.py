@@ -72,7 +72,9 @@ class Tokenizer:
             raise UserError(f"the tokenizer file {self.path} does not exist; {fix_for(self.path, origin)}") from None
         except (OSError, ValueError) as error:
             reason = error.strerror if isinstance(error, OSError) else error
-            raise UserError(f"cannot use the tokenizer file {self.path}: {reason}; {fix_for(self.path, origin)}") from None
+            raise UserError(
+                f"cannot use the tokenizer file {self.path}: {reason}; {fix_for(self.path, origin)}"
+            ) from None
         self.bos_id = len(ranks)
         self.eos_id = len(ranks) + 1
         self.vocab_size = len(ranks) + len(SPECIAL_TOKENS)
@@ -105,10 +107,14 @@ class SentencePieceTokenizer:
         try:
             self._model = sentencepiece.SentencePieceProcessor(model_file=str(path))
         except (OSError, RuntimeError) as error:  # its parser says what is wrong in one line
-            raise UserError(f"cannot use the tokenizer file {path}: {str(error).strip()}; {fix_for(path, origin)}") from None
+            raise UserError(
+                f"cannot use the tokenizer file {path}: {str(error).strip()}; {fix_for(path, origin)}"
+            ) from None
         self.bos_id, self.eos_id = self._model.bos_id(), self._model.eos_id()
         if self.bos_id < 0 or self.eos_id < 0:
-            raise UserError(f"the SentencePiece tokenizer {path} has no bos or eos piece, which titanlite puts around every document; {fix_for(path, origin)}")
+            raise UserError(
+                f"the SentencePiece tokenizer {path} has no bos or eos piece, which titanlite puts around every document; {fix_for(path, origin)}"
+            )
         self.vocab_size = self._model.vocab_size()
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
@@ -136,7 +142,9 @@ def is_sentencepiece(path: Path) -> bool:
     return head.startswith(b"\n") and (b"\0" in head or not head.isascii())
 
 
-def load_tokenizer(path: str | Path, origin: str = "model.tokenizer_path") -> Tokenizer | SentencePieceTokenizer | HFTokenizer:
+def load_tokenizer(
+    path: str | Path, origin: str = "model.tokenizer_path"
+) -> Tokenizer | SentencePieceTokenizer | HFTokenizer:
     """The tokenizer of a tokenizer.json (or a folder holding one), else of a tokenizer.model file."""
     path = Path(path)
     if is_hf_tokenizer(path):
@@ -157,5 +165,9 @@ def build_tokenizer(model_cfg) -> Tokenizer | SentencePieceTokenizer | HFTokeniz
         path, origin = Path(model_cfg.hf_assets_path), "model.hf_assets_path"
     else:
         return load_tokenizer(SHIPPED_TOKENIZER)
-    return load_tokenizer(path if is_hf_tokenizer(path) or not (path.is_dir() or origin == "model.hf_assets_path")
-                          else path / "tokenizer.model", origin)
+    return load_tokenizer(
+        path
+        if is_hf_tokenizer(path) or not (path.is_dir() or origin == "model.hf_assets_path")
+        else path / "tokenizer.model",
+        origin,
+    )

@@ -67,10 +67,14 @@ class InLoopEvaluator:
             from titanlite.inference.lm_eval_model import TitanliteLM
 
             lm = TitanliteLM(self.run, batch_size=self.cfg.batch_size)
-            results = evaluate_tasks(lm, self.cfg.tasks, self.cfg.include_path or None,
-                                     limit=None if self.cfg.limit == -1 else self.cfg.limit,
-                                     num_fewshot=None if self.cfg.num_fewshot == -1 else self.cfg.num_fewshot,
-                                     fewshot_key="eval.num_fewshot")
+            results = evaluate_tasks(
+                lm,
+                self.cfg.tasks,
+                self.cfg.include_path or None,
+                limit=None if self.cfg.limit == -1 else self.cfg.limit,
+                num_fewshot=None if self.cfg.num_fewshot == -1 else self.cfg.num_fewshot,
+                fewshot_key="eval.num_fewshot",
+            )
             # lm-eval hands the results to rank 0 only (the one that logs); None elsewhere.
             scalars = metric_scalars(results) if results is not None else {}
         self.metrics.write_scalars(step, {f"eval/{name}": value for name, value in scalars.items()}, flush=True)
@@ -83,4 +87,6 @@ class InLoopEvaluator:
         if self.metrics.writer is None:
             return
         for number, completion in enumerate(completions):
-            self.metrics.writer.add_text(f"eval/sample/{number}", f"{completion.prompt}\n\n---\n\n{completion.text}", step)
+            self.metrics.writer.add_text(
+                f"eval/sample/{number}", f"{completion.prompt}\n\n---\n\n{completion.text}", step
+            )

@@ -42,12 +42,19 @@ def question_text(a: int, operator: str, b: int) -> str:
 
 def sft_record(a: int, operator: str, b: int) -> dict:
     value = result(a, operator, b)
-    return {"messages": [{"role": "user", "content": question_text(a, operator, b)},
-                         {"role": "assistant", "content": f"{a} {operator} {b} = {value}. \\boxed{{{value}}}"}]}
+    return {
+        "messages": [
+            {"role": "user", "content": question_text(a, operator, b)},
+            {"role": "assistant", "content": f"{a} {operator} {b} = {value}. \\boxed{{{value}}}"},
+        ]
+    }
 
 
 def prompt_record(a: int, operator: str, b: int) -> dict:
-    return {"prompt": [{"role": "user", "content": question_text(a, operator, b)}], "answer": str(result(a, operator, b))}
+    return {
+        "prompt": [{"role": "user", "content": question_text(a, operator, b)}],
+        "answer": str(result(a, operator, b)),
+    }
 
 
 def task(count: int, prompts: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -56,8 +63,10 @@ def task(count: int, prompts: int, seed: int) -> tuple[list[dict], list[dict]]:
     if count < 1 or prompts < 1:
         raise UserError(f"--count ({count}) and --prompts ({prompts}) must be at least 1")
     if count + prompts > len(every):
-        raise UserError(f"--count {count} + --prompts {prompts} is more than the {len(every)} distinct questions the task "
-                        "has; ask for fewer")
+        raise UserError(
+            f"--count {count} + --prompts {prompts} is more than the {len(every)} distinct questions the task "
+            "has; ask for fewer"
+        )
     drawn = random.Random(seed).sample(every, count + prompts)
     return [sft_record(*q) for q in drawn[:count]], [prompt_record(*q) for q in drawn[count:]]
 
@@ -77,16 +86,24 @@ def write_task(out: str, count: int, prompts: int, seed: int) -> None:
         write_jsonl(folder / "sft.jsonl", sft)
         write_jsonl(folder / "prompts.jsonl", prompt_records)
     except OSError as error:
-        raise UserError(f"cannot write the task to --out {out} ({error.strerror or error}); choose a folder you can "
-                        "write to") from None
-    print(f"wrote {len(sft)} chat records to {folder / 'sft.jsonl'} and {len(prompt_records)} prompts to "
-          f"{folder / 'prompts.jsonl'}")
+        raise UserError(
+            f"cannot write the task to --out {out} ({error.strerror or error}); choose a folder you can write to"
+        ) from None
+    print(
+        f"wrote {len(sft)} chat records to {folder / 'sft.jsonl'} and {len(prompt_records)} prompts to "
+        f"{folder / 'prompts.jsonl'}"
+    )
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titanlite.examples.arithmetic", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="the folder to write sft.jsonl and prompts.jsonl to (made if absent)")
+    parser = argparse.ArgumentParser(
+        prog="python -m titanlite.examples.arithmetic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", required=True, help="the folder to write sft.jsonl and prompts.jsonl to (made if absent)"
+    )
     parser.add_argument("--count", type=int, default=2000, help="chat records in sft.jsonl")
     parser.add_argument("--prompts", type=int, default=1000, help="prompt records in prompts.jsonl")
     parser.add_argument("--seed", type=int, default=0, help="draws the questions and their order")

@@ -77,8 +77,15 @@ def tool_record(question: dict, schema: dict) -> dict:
     expression = answer["content"].split(" = ")[0]
     value = answer["content"].split(" = ")[1].split(".")[0]
     call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
-    return {"tools": [schema], "messages": [user, {"role": "assistant", "content": "", "tool_calls": [call]},
-                                            {"role": "tool", "name": "calculate", "content": value}, answer]}
+    return {
+        "tools": [schema],
+        "messages": [
+            user,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculate", "content": value},
+            answer,
+        ],
+    }
 
 
 def write_task(out: str, count: int, prompts: int, seed: int) -> None:
@@ -91,15 +98,21 @@ def write_task(out: str, count: int, prompts: int, seed: int) -> None:
         write_jsonl(folder / "prompts.jsonl", prompt_records)
         (folder / "tool_template.jinja").write_text(TOOL_TEMPLATE)
     except OSError as error:
-        raise UserError(f"cannot write the task to --out {out} ({error.strerror or error}); choose a folder you can "
-                        "write to") from None
-    print(f"wrote {len(sft)} tool-calling chat records to {folder / 'sft.jsonl'}, {len(prompt_records)} prompts to "
-          f"{folder / 'prompts.jsonl'} and the template {folder / 'tool_template.jinja'}")
+        raise UserError(
+            f"cannot write the task to --out {out} ({error.strerror or error}); choose a folder you can write to"
+        ) from None
+    print(
+        f"wrote {len(sft)} tool-calling chat records to {folder / 'sft.jsonl'}, {len(prompt_records)} prompts to "
+        f"{folder / 'prompts.jsonl'} and the template {folder / 'tool_template.jinja'}"
+    )
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titanlite.examples.arithmetic_tools", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m titanlite.examples.arithmetic_tools",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", required=True, help="the folder to write sft.jsonl, prompts.jsonl and the template to")
     parser.add_argument("--count", type=int, default=2000, help="tool-calling chat records in sft.jsonl")
     parser.add_argument("--prompts", type=int, default=1000, help="prompt records in prompts.jsonl")

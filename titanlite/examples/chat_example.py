@@ -24,8 +24,13 @@ CHATML_TEMPLATE = (
 )
 
 
-def write_tokenizer_folder(folder: Path, bos_token: str | None = None, chat_template: str = CHATML_TEMPLATE,
-                           post_bos: bool = False, vocab_size: int = 600) -> Path:
+def write_tokenizer_folder(
+    folder: Path,
+    bos_token: str | None = None,
+    chat_template: str = CHATML_TEMPLATE,
+    post_bos: bool = False,
+    vocab_size: int = 600,
+) -> Path:
     """A byte-level BPE tokenizer.json trained on the sample corpus, with tokenizer_config.json beside it;
     post_bos: the post-processor adds bos, as Llama 3's does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -36,18 +41,37 @@ def write_tokenizer_folder(folder: Path, bos_token: str | None = None, chat_temp
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_TOKENS + ([bos_token] if bos_token else []),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=CHATML_TOKENS + ([bos_token] if bos_token else []),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(sample_documents()[:200], trainer)
     if post_bos:
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos_token} $A", pair=f"{bos_token} $A $B", special_tokens=[(bos_token, tokenizer.token_to_id(bos_token))])
+            single=f"{bos_token} $A",
+            pair=f"{bos_token} $A $B",
+            special_tokens=[(bos_token, tokenizer.token_to_id(bos_token))],
+        )
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "chat_template": chat_template, "model_max_length": 4096}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": chat_template,
+        "model_max_length": 4096,
+    }
     if bos_token:  # written as transformers writes an AddedToken
-        config["bos_token"] = {"__type": "AddedToken", "content": bos_token, "special": True, "lstrip": False,
-                               "rstrip": False, "normalized": False, "single_word": False}
+        config["bos_token"] = {
+            "__type": "AddedToken",
+            "content": bos_token,
+            "special": True,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return folder
 
@@ -63,10 +87,14 @@ def chat_records(count: int) -> list[dict]:
     for i in range(count):
         name = names[i % len(names)]
         first, second = paragraphs(topics[name])[1:3]
-        messages = [{"role": "user", "content": f"What does Python's help say about {name}?"},
-                    {"role": "assistant", "content": first[:300]}]
+        messages = [
+            {"role": "user", "content": f"What does Python's help say about {name}?"},
+            {"role": "assistant", "content": first[:300]},
+        ]
         if i % 3 == 1:
-            messages.insert(0, {"role": "system", "content": "You answer questions about Python from its documentation."})
+            messages.insert(
+                0, {"role": "system", "content": "You answer questions about Python from its documentation."}
+            )
         if i % 2 == 1:
             messages += [{"role": "user", "content": "Tell me more."}, {"role": "assistant", "content": second[:300]}]
         records.append({"messages": messages})

@@ -28,19 +28,30 @@ class DiLoCoGroups(ReplicaGroups):
         momentum."""
         cfg = self.cfg
         trained = [param for param in model.parameters() if param.requires_grad]
-        self.outer = torch.optim.SGD(trained, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+        self.outer = torch.optim.SGD(
+            trained, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0
+        )
         return self.outer
 
     def check(self, model, dataloader) -> None:
         if getattr(model, "take_step_loads", None) is not None:
-            raise UserError("fault_tolerance.semi_sync_method diloco with a model that balances its experts by routing bias "
-                            "(deepseek_v3) is not supported (the biases are no parameters, so DiLoCo would never average "
-                            "them); set fault_tolerance.semi_sync_method none")
+            raise UserError(
+                "fault_tolerance.semi_sync_method diloco with a model that balances its experts by routing bias "
+                "(deepseek_v3) is not supported (the biases are no parameters, so DiLoCo would never average "
+                "them); set fault_tolerance.semi_sync_method none"
+            )
         super().check(model, dataloader)
 
     def join(self, info, init_timeout_s: int, *, model, dataloader, objects: dict, write_scalars, stopping) -> None:
-        super().join(info, init_timeout_s, model=model, dataloader=dataloader, objects=objects,
-                     write_scalars=write_scalars, stopping=stopping)
+        super().join(
+            info,
+            init_timeout_s,
+            model=model,
+            dataloader=dataloader,
+            objects=objects,
+            write_scalars=write_scalars,
+            stopping=stopping,
+        )
         self.optimizer = objects["optimizer"].optimizer
         # made after the checkpoint's load: DiLoCo keeps the weights it starts from as the first global ones
         self.diloco = new_diloco(self.manager, model, self.optimizer, self.outer, self.cfg.sync_steps)
@@ -53,8 +64,10 @@ class DiLoCoGroups(ReplicaGroups):
     def synchronizing(self):
         """DiLoCo's hooks on the inner optimizer, then ours (to see each synchronization's outcome), removed after."""
         with self.diloco:
-            hooks = [self.optimizer.register_step_pre_hook(self.before_inner_step),
-                     self.optimizer.register_step_post_hook(self.after_inner_step)]
+            hooks = [
+                self.optimizer.register_step_pre_hook(self.before_inner_step),
+                self.optimizer.register_step_post_hook(self.after_inner_step),
+            ]
             try:
                 yield
             finally:
@@ -78,13 +91,17 @@ class DiLoCoGroups(ReplicaGroups):
         step = self.train_state.step + 1  # the loop's count of this step is not made yet (a recovery set the peer's)
         self.quorum_began = self.began
         if self.jump is not None:
-            logger.info(f"step: {step}  this group's own step before the recovery is not logged (its loss is of the "
-                        "weights it replaced)")
+            logger.info(
+                f"step: {step}  this group's own step before the recovery is not logged (its loss is of the "
+                "weights it replaced)"
+            )
         self.note_quorum(step)
         if commit_failures(self.manager):
             self.uncommitted += 1
-            logger.warning(f"step: {step}  synchronization not committed: every group is back at the weights of the last "
-                           f"committed one ({self.uncommitted} uncommitted in this run)")
+            logger.warning(
+                f"step: {step}  synchronization not committed: every group is back at the weights of the last "
+                f"committed one ({self.uncommitted} uncommitted in this run)"
+            )
             self.write_scalars(step, {"fault_tolerance/uncommitted_steps": self.uncommitted}, flush=True)
 
     def average(self, model, loss: torch.Tensor, expert_loads: torch.Tensor | None = None) -> None:

@@ -14,15 +14,19 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 def lighthouse_address() -> str:
     address = os.environ.get(LIGHTHOUSE_ENV, "")
     if not address:
-        raise UserError("fault_tolerance.enable needs the lighthouse's address in TORCHFT_LIGHTHOUSE (e.g. "
-                        "http://host:29510, where torchft_lighthouse runs); export it or set fault_tolerance.enable false")
+        raise UserError(
+            "fault_tolerance.enable needs the lighthouse's address in TORCHFT_LIGHTHOUSE (e.g. "
+            "http://host:29510, where torchft_lighthouse runs); export it or set fault_tolerance.enable false"
+        )
     return address
 
 
 def wait_for_lighthouse(address: str, timeout_s: int) -> None:
     """The lighthouse serves its status page at its address: a group that cannot reach it stops at the start,
     after job.init_timeout_seconds, instead of failing its first quorum."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a cluster's proxy never knows the lighthouse
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({})
+    )  # a cluster's proxy never knows the lighthouse
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -30,8 +34,10 @@ def wait_for_lighthouse(address: str, timeout_s: int) -> None:
             return
         except (OSError, ValueError) as error:
             if time.monotonic() >= deadline:
-                raise UserError(f"the lighthouse at TORCHFT_LIGHTHOUSE {address} did not answer within job.init_timeout_seconds "
-                                f"{timeout_s} ({error}); start torchft_lighthouse there first (docs/launching.md) or fix the address") from None
+                raise UserError(
+                    f"the lighthouse at TORCHFT_LIGHTHOUSE {address} did not answer within job.init_timeout_seconds "
+                    f"{timeout_s} ({error}); start torchft_lighthouse there first (docs/launching.md) or fix the address"
+                ) from None
             time.sleep(0.5)
 
 

@@ -57,9 +57,11 @@ class ReplicaGroups(Alone):
     def check(self, model, dataloader) -> None:
         """Rules that need the built model or data loader, checked before the lighthouse is contacted."""
         if not getattr(dataloader, "state_is_global", False):
-            raise UserError("fault_tolerance.enable needs a data position a peer can hand over: a token store (training.dataset_path "
-                            "from python -m titanlite.data.prepare), a training.dataset_mix or chat data; other datasets keep a "
-                            "position per rank")
+            raise UserError(
+                "fault_tolerance.enable needs a data position a peer can hand over: a token store (training.dataset_path "
+                "from python -m titanlite.data.prepare), a training.dataset_mix or chat data; other datasets keep a "
+                "position per rank"
+            )
 
     def join(self, info, init_timeout_s: int, *, model, dataloader, objects: dict, write_scalars, stopping) -> None:
         """Every rule checked, then this job's place among the replica groups: torchft's Manager, connected to the
@@ -71,13 +73,23 @@ class ReplicaGroups(Alone):
         wait_for_lighthouse(self.address, init_timeout_s)
         self.objects, self.write_scalars, self.init_timeout_s = objects, write_scalars, init_timeout_s
         store_addr, store_port, self.store = group_store(info.world_size)
-        self.manager = new_manager(self.cfg, info, self.address, store_addr, store_port, stopping, self.quorum_ended,
-                                   raising=self.quorum_inside_step)
+        self.manager = new_manager(
+            self.cfg,
+            info,
+            self.address,
+            store_addr,
+            store_port,
+            stopping,
+            self.quorum_ended,
+            raising=self.quorum_inside_step,
+        )
         self.manager.register_state_dict_fn("titanlite", self.load_peer_state, lambda: peer_state(self.objects))
         self.manager.load_state_dict({"step": self.manager_step(), "batches_committed": 0})
-        logger.info(f"fault tolerance: replica group {self.replica_id} of {self.group_size}, lighthouse {self.address}, "
-                    f"{process_group_name(self.manager)} between groups, a step commits with at least "
-                    f"{self.cfg.min_replica_size} groups, a quorum waits at most {self.cfg.quorum_timeout_seconds}s")
+        logger.info(
+            f"fault tolerance: replica group {self.replica_id} of {self.group_size}, lighthouse {self.address}, "
+            f"{process_group_name(self.manager)} between groups, a step commits with at least "
+            f"{self.cfg.min_replica_size} groups, a quorum waits at most {self.cfg.quorum_timeout_seconds}s"
+        )
 
     @property
     def train_state(self):
@@ -114,8 +126,10 @@ class ReplicaGroups(Alone):
             if not (first and self.train_state.step == 0 and live < self.group_size and time.monotonic() < deadline):
                 break
             if not waiting:  # a fresh job: a group alone would train step 1 on its share of the batch only
-                logger.info(f"step: {step}  waiting for all {self.group_size} replica groups before the first step "
-                            f"({live} in the quorum so far; at most job.init_timeout_seconds {self.init_timeout_s})")
+                logger.info(
+                    f"step: {step}  waiting for all {self.group_size} replica groups before the first step "
+                    f"({live} in the quorum so far; at most job.init_timeout_seconds {self.init_timeout_s})"
+                )
                 waiting = True
             time.sleep(START_POLL_SECONDS)
         self.step = self.train_state.step + 1  # a recovery moved the train state to the peer's
@@ -128,15 +142,22 @@ class ReplicaGroups(Alone):
         if current != self.quorum_id:
             if self.quorum_id is not None:
                 self.quorum_changes += 1
-            logger.info(f"step: {step}  quorum {current}: {live} of {self.group_size} replica groups training "
-                        f"(was {self.live if self.quorum_id is not None else 'none'}, {self.quorum_changes} quorum changes)")
+            logger.info(
+                f"step: {step}  quorum {current}: {live} of {self.group_size} replica groups training "
+                f"(was {self.live if self.quorum_id is not None else 'none'}, {self.quorum_changes} quorum changes)"
+            )
             self.quorum_id, self.live = current, live
-            self.write_scalars(step, {"fault_tolerance/live_replicas": live,
-                                      "fault_tolerance/quorum_changes": self.quorum_changes}, flush=True)
+            self.write_scalars(
+                step,
+                {"fault_tolerance/live_replicas": live, "fault_tolerance/quorum_changes": self.quorum_changes},
+                flush=True,
+            )
         if self.jump is not None:
             seconds = time.perf_counter() - self.quorum_began
-            logger.info(f"step: {step}  recovered from a live peer in {seconds:.2f}s: model, optimizer, lr schedule, data "
-                        f"position, RNG and step {self.train_state.step} (nothing read from disk)")
+            logger.info(
+                f"step: {step}  recovered from a live peer in {seconds:.2f}s: model, optimizer, lr schedule, data "
+                f"position, RNG and step {self.train_state.step} (nothing read from disk)"
+            )
             self.write_scalars(step, {"fault_tolerance/recovery_seconds": seconds}, flush=True)
 
     def average(self, model, loss: torch.Tensor, expert_loads: torch.Tensor | None = None) -> None:
@@ -146,7 +167,9 @@ class ReplicaGroups(Alone):
         counts of the quorum's whole batch, as one process would."""
         self.loss = loss
         works = [] if expert_loads is None else [self.manager.allreduce(expert_loads, reduce_op=dist.ReduceOp.SUM)]
-        works += [self.manager.allreduce(local_tensor(param.grad)) for param in model.parameters() if param.grad is not None]
+        works += [
+            self.manager.allreduce(local_tensor(param.grad)) for param in model.parameters() if param.grad is not None
+        ]
         works.append(self.manager.allreduce(loss.view(1)))  # a view: the loss is averaged in place too
         for work in works:
             work.wait()
@@ -157,10 +180,15 @@ class ReplicaGroups(Alone):
         if not self.committed:
             self.uncommitted += 1
             error = self.manager.errored()
-            why = (f"a collective between groups failed ({error.original_exception})" if error is not None else
-                   f"{self.live} groups took part, fewer than fault_tolerance.min_replica_size {self.cfg.min_replica_size}")
-            logger.warning(f"step: {self.step} (not committed)  loss: {self.loss.item():.4f}  {why}; its update is not applied "
-                           f"and step {self.step} is trained again on the next data ({self.uncommitted} uncommitted in this run)")
+            why = (
+                f"a collective between groups failed ({error.original_exception})"
+                if error is not None
+                else f"{self.live} groups took part, fewer than fault_tolerance.min_replica_size {self.cfg.min_replica_size}"
+            )
+            logger.warning(
+                f"step: {self.step} (not committed)  loss: {self.loss.item():.4f}  {why}; its update is not applied "
+                f"and step {self.step} is trained again on the next data ({self.uncommitted} uncommitted in this run)"
+            )
             self.write_scalars(self.step, {"fault_tolerance/uncommitted_steps": self.uncommitted}, flush=True)
         return self.committed
 
@@ -187,7 +215,8 @@ class ReplicaGroups(Alone):
                 f"fault_tolerance.quorum_timeout_seconds {self.cfg.quorum_timeout_seconds} ({type(self.lost).__name__}); this group stopped "
                 f"at step {self.train_state.step}, its last committed (saved where checkpoint.enable is on): restart "
                 "torchft_lighthouse at that address, or bring back the groups its --min_replicas needs, then start this "
-                "group again with the same command")
+                "group again with the same command"
+            )
 
     def close(self) -> None:
         if self.manager is not None:

@@ -16,8 +16,10 @@ def import_torchft():
     try:
         import torchft
     except ImportError:
-        raise UserError("fault_tolerance.enable needs torchft, which is not installed; pip install 'titanlite[ft]' "
-                        "(torchft==0.2.0) or set fault_tolerance.enable false") from None
+        raise UserError(
+            "fault_tolerance.enable needs torchft, which is not installed; pip install 'titanlite[ft]' "
+            "(torchft==0.2.0) or set fault_tolerance.enable false"
+        ) from None
     return torchft
 
 
@@ -27,7 +29,9 @@ def replica_process_group(kind: str, device_type: str, timeout: timedelta):
 
     kind = kind if kind != "auto" else ("nccl" if device_type == "cuda" else "gloo")
     if kind == "nccl" and device_type != "cuda":
-        raise UserError("fault_tolerance.process_group nccl needs CUDA but this run is on the CPU; set it to gloo or auto")
+        raise UserError(
+            "fault_tolerance.process_group nccl needs CUDA but this run is on the CPU; set it to gloo or auto"
+        )
     return ProcessGroupNCCL(timeout=timeout) if kind == "nccl" else ProcessGroupGloo(timeout=timeout)
 
 
@@ -43,8 +47,9 @@ class QuorumWait(Future):
     synchronization, whose should_commit would wait on the Manager's server until the quorum's request timed out)
     raises QuorumEnded out of the optimizer's step."""
 
-    def __init__(self, manager, stopping: Callable[[], bool], on_end: Callable[[BaseException | None], None],
-                 raising: bool):
+    def __init__(
+        self, manager, stopping: Callable[[], bool], on_end: Callable[[BaseException | None], None], raising: bool
+    ):
         super().__init__()
         self.manager, self.stopping, self.on_end, self.raising, self.ended = manager, stopping, on_end, raising, False
 
@@ -71,8 +76,9 @@ class DaemonQuorumExecutor:
     process exits, and a quorum request to a lighthouse that is gone cannot be cancelled: a group stopped during
     such a wait would then hang until the request timed out. A quorum's future is a QuorumWait."""
 
-    def __init__(self, manager, stopping: Callable[[], bool], on_end: Callable[[BaseException | None], None],
-                 raising: bool):
+    def __init__(
+        self, manager, stopping: Callable[[], bool], on_end: Callable[[BaseException | None], None], raising: bool
+    ):
         self.manager, self.stopping, self.on_end, self.raising = manager, stopping, on_end, raising
 
     def submit(self, fn, *args, **kwargs) -> QuorumWait:
@@ -91,8 +97,16 @@ class DaemonQuorumExecutor:
         """Nothing to join: a quorum still in flight ends with the process."""
 
 
-def new_manager(cfg, info, address: str, store_addr: str, store_port: int, stopping: Callable[[], bool],
-                on_end: Callable[[BaseException | None], None], raising: bool):
+def new_manager(
+    cfg,
+    info,
+    address: str,
+    store_addr: str,
+    store_port: int,
+    stopping: Callable[[], bool],
+    on_end: Callable[[BaseException | None], None],
+    raising: bool,
+):
     """torchft's Manager for this group: its quorums bounded by fault_tolerance.quorum_timeout_seconds, their request
     sent again to the lighthouse every few seconds within that bound (torchft's quorum_retries), which reaches a
     lighthouse restarted at the same address."""
@@ -101,12 +115,20 @@ def new_manager(cfg, info, address: str, store_addr: str, store_port: int, stopp
 
     timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
     manager = Manager(
-        pg=replica_process_group(cfg.process_group, info.device.type, timeout), load_state_dict=None, state_dict=None,
+        pg=replica_process_group(cfg.process_group, info.device.type, timeout),
+        load_state_dict=None,
+        state_dict=None,
         min_replica_size=cfg.min_replica_size,
         use_async_quorum=False,  # the quorum (and any recovery) is done before the step: a recovered group trains it
-        timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds), connect_timeout=timeout,
-        rank=info.rank, world_size=info.world_size, store_addr=store_addr, store_port=store_port,
-        lighthouse_addr=address, replica_id=f"titanlite_{cfg.replica_id}",
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
+        connect_timeout=timeout,
+        rank=info.rank,
+        world_size=info.world_size,
+        store_addr=store_addr,
+        store_port=store_port,
+        lighthouse_addr=address,
+        replica_id=f"titanlite_{cfg.replica_id}",
         checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0),
         init_sync=False,  # every group initialises the same weights from job.seed
         quorum_retries=quorum_retries(cfg.quorum_timeout_seconds),
@@ -140,4 +162,3 @@ def new_diloco(manager, model, optimizer, outer_optimizer, sync_steps: int):
     from torchft.local_sgd import DiLoCo
 
     return DiLoCo(manager, [model], optimizer, outer_optimizer, sync_every=sync_steps)
-

@@ -65,35 +65,66 @@ class LM:
             records.append(checked_record({kind: prompt}, f"prompts[{number}]"))
         return render_prompts(records, self.tokenizer, self.chat_template)
 
-    def generate(self, prompts: list, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, stop: list[str] | str | None = None, batch_size: int | None = None, *,
-                 min_new_tokens: int = 0, ignore_eos: bool = False) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop: list[str] | str | None = None,
+        batch_size: int | None = None,
+        *,
+        min_new_tokens: int = 0,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
         """One Completion per prompt, in order. temperature 0 = greedy; stop: strings that end a completion (the
         tokenizer's eos and end-of-turn tokens always do, unless ignore_eos); batch_size: prompts per batch (None = all
         at once); min_new_tokens: no stop token before that many new tokens; ignore_eos: the stop tokens end nothing
         (transformers' meanings). Completion i depends on (seed, i, its prompt) alone, never on batch_size or the
         other prompts."""
-        sampling = checked_sampling(max_new_tokens, temperature, top_p, top_k, seed, stop,
-                                    min_new_tokens=min_new_tokens, ignore_eos=ignore_eos)
+        sampling = checked_sampling(
+            max_new_tokens, temperature, top_p, top_k, seed, stop, min_new_tokens=min_new_tokens, ignore_eos=ignore_eos
+        )
         check_batch_size(batch_size)
         return self.complete(self.render(prompts), sampling, batch_size)
 
-    def complete(self, prompts: list[Prompt], sampling: Sampling, batch_size: int | None = None,
-                 lockstep: bool = False) -> list[Completion]:
+    def complete(
+        self, prompts: list[Prompt], sampling: Sampling, batch_size: int | None = None, lockstep: bool = False
+    ) -> list[Completion]:
         """The rendered prompts' completions in batches of batch_size (None = one batch); `lockstep`: every rank of the
         world calls this together (decode.py)."""
         size = batch_size or len(prompts)
         completions = []
         progress = Progress(len(prompts), "generate", unit="prompt")  # a line every 30 s of a long job
         for start in range(0, len(prompts), size):
-            batch = prompts[start:start + size]
+            batch = prompts[start : start + size]
             indices = list(range(start, start + len(batch)))
-            generated = generate_ids(self.model, self.args, self.tokenizer, [p.ids for p in batch], sampling,
-                                     lockstep=lockstep, indices=indices, speed=self.speed, step=self.step,
-                                     cuda_graph=self.cuda_graph,
-                                     names=[p.where or f"prompts[{i}]" for p, i in zip(batch, indices)])
-            completions += [Completion(p.text, p.ids, completion_text(g.token_ids, self.tokenizer, sampling.stop),
-                                       g.token_ids, g.logprobs, g.finish_reason) for p, g in zip(batch, generated)]
+            generated = generate_ids(
+                self.model,
+                self.args,
+                self.tokenizer,
+                [p.ids for p in batch],
+                sampling,
+                lockstep=lockstep,
+                indices=indices,
+                speed=self.speed,
+                step=self.step,
+                cuda_graph=self.cuda_graph,
+                names=[p.where or f"prompts[{i}]" for p, i in zip(batch, indices)],
+            )
+            completions += [
+                Completion(
+                    p.text,
+                    p.ids,
+                    completion_text(g.token_ids, self.tokenizer, sampling.stop),
+                    g.token_ids,
+                    g.logprobs,
+                    g.finish_reason,
+                )
+                for p, g in zip(batch, generated)
+            ]
             progress.advance(len(batch))
         return completions
 
@@ -103,11 +134,15 @@ class LM:
         equally long lists (or a [B, T] integer tensor or array) -> [B, T, vocab]. Nothing is added to the ids."""
         tokens = torch.tensor(checked_logits_ids(token_ids), dtype=torch.long)
         if tokens.shape[-1] > self.args.max_seq_len:
-            raise UserError(f"logits got {tokens.shape[-1]} tokens, but the model's context is {self.args.max_seq_len}; "
-                            "shorten them")
+            raise UserError(
+                f"logits got {tokens.shape[-1]} tokens, but the model's context is {self.args.max_seq_len}; "
+                "shorten them"
+            )
         if tokens.min() < 0 or tokens.max() >= self.args.vocab_size:
-            raise UserError(f"logits got token ids outside the model's vocabulary of {self.args.vocab_size}; use ids from "
-                            f"0 to {self.args.vocab_size - 1}")
+            raise UserError(
+                f"logits got token ids outside the model's vocabulary of {self.args.vocab_size}; use ids from "
+                f"0 to {self.args.vocab_size - 1}"
+            )
         batch = tokens if tokens.dim() == 2 else tokens[None]
         out = self.model(batch.to(self.device)).float()
         return out if tokens.dim() == 2 else out[0]
@@ -125,8 +160,11 @@ def compiled_step(device: torch.device):
     guard on the model's modules either (their checks cost about 200 us a step at batch 1 here, 4%)."""
     if device.type != "cpu":
         return torch.compile(own_copy(token_step), fullgraph=True)
-    step = torch.compile(own_copy(token_step), fullgraph=True,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    step = torch.compile(
+        own_copy(token_step),
+        fullgraph=True,
+        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+    )
     from torch._inductor import config
 
     def frozen(model, cache, tokens):
@@ -139,5 +177,10 @@ def compiled_step(device: torch.device):
 def own_copy(function):
     """`function` with a code object of its own. Dynamo keeps compiled graphs per code object, and without guards on
     the model (above) a second LM of the same shapes would run the first one's graph, its frozen weights included."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
+    return types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )

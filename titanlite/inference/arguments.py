@@ -29,8 +29,10 @@ def array_ids(value, where: str, ndims: tuple[int, ...]) -> list:
     kind = str(value.dtype)
     if value.ndim not in ndims or "int" not in kind:
         shape = "x".join(map(str, value.shape)) or "0-dim"
-        raise UserError(f"{where} is a {shape} array of {kind.removeprefix('torch.')}; token ids are whole numbers, "
-                        f"{' or '.join(f'{n}-D' for n in ndims)}: give a list of ints or an integer array")
+        raise UserError(
+            f"{where} is a {shape} array of {kind.removeprefix('torch.')}; token ids are whole numbers, "
+            f"{' or '.join(f'{n}-D' for n in ndims)}: give a list of ints or an integer array"
+        )
     return value.tolist()
 
 
@@ -39,8 +41,10 @@ def checked_prompts(prompts) -> list:
     if is_array(prompts):
         prompts = array_ids(prompts, "prompts", (2,))
     if isinstance(prompts, (str, dict)) or not isinstance(prompts, (list, tuple)):
-        raise UserError(f"generate takes a list of prompts ({PROMPT_KINDS}), not a {type(prompts).__name__}; wrap a "
-                        "single prompt in a list")
+        raise UserError(
+            f"generate takes a list of prompts ({PROMPT_KINDS}), not a {type(prompts).__name__}; wrap a "
+            "single prompt in a list"
+        )
     if not prompts:
         raise UserError("generate got an empty list of prompts; give at least one prompt")
     if any(isinstance(p, (dict, numbers.Number)) for p in prompts):
@@ -63,8 +67,9 @@ def checked_stop(stop) -> tuple[str, ...]:
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
         raise UserError(f"stop={stop!r}: give a string, or a list of strings that each end a completion")
     if "" in stops:
-        raise UserError("stop holds an empty string, which would end every completion before its first token; "
-                        "remove it")
+        raise UserError(
+            "stop holds an empty string, which would end every completion before its first token; remove it"
+        )
     return tuple(stops)
 
 
@@ -75,26 +80,40 @@ def check_number(name: str, value, whole: bool, low: float, high: float, advice:
         raise UserError(f"{name}={value!r}: {advice}")
 
 
-def checked_sampling(max_new_tokens, temperature, top_p, top_k, seed, stop, *, min_new_tokens,
-                     ignore_eos) -> Sampling:
+def checked_sampling(max_new_tokens, temperature, top_p, top_k, seed, stop, *, min_new_tokens, ignore_eos) -> Sampling:
     """generate's sampling arguments, each checked (the [generate] section checks the same ones)."""
     check_number("max_new_tokens", max_new_tokens, True, 1, math.inf, "give a whole number of at least 1")
     check_number("temperature", temperature, False, 0, math.inf, "give 0 (greedy) or more")
     check_number("top_p", top_p, False, math.ulp(0), 1, "give a number above 0 and at most 1 (1 = every token)")
     check_number("top_k", top_k, True, 0, math.inf, "give 0 (every token) or a larger whole number")
     check_number("seed", seed, True, 0, 2**32 - 1, "give a whole number from 0 to 2**32 - 1")
-    check_number("min_new_tokens", min_new_tokens, True, 0, max_new_tokens,
-                 f"give a whole number from 0 to max_new_tokens ({max_new_tokens})")
+    check_number(
+        "min_new_tokens",
+        min_new_tokens,
+        True,
+        0,
+        max_new_tokens,
+        f"give a whole number from 0 to max_new_tokens ({max_new_tokens})",
+    )
     if not isinstance(ignore_eos, bool):
         raise UserError(f"ignore_eos={ignore_eos!r}: give True (the stop tokens end nothing) or False")
-    return Sampling(int(max_new_tokens), float(temperature), float(top_p), int(top_k), int(seed), checked_stop(stop),
-                    min_new_tokens=int(min_new_tokens), ignore_eos=ignore_eos)
+    return Sampling(
+        int(max_new_tokens),
+        float(temperature),
+        float(top_p),
+        int(top_k),
+        int(seed),
+        checked_stop(stop),
+        min_new_tokens=int(min_new_tokens),
+        ignore_eos=ignore_eos,
+    )
 
 
 def check_batch_size(batch_size) -> None:
     if batch_size is not None:
-        check_number("batch_size", batch_size, True, 1, math.inf, "give a whole number of at least 1, or None for one "
-                     "batch")
+        check_number(
+            "batch_size", batch_size, True, 1, math.inf, "give a whole number of at least 1, or None for one batch"
+        )
 
 
 def checked_logits_ids(token_ids) -> list:

@@ -25,8 +25,16 @@ from titanlite.log import logger
 from titanlite.models.kv_cache import KVCache
 
 # Special tokens that end an assistant's turn in the common chat templates; those the tokenizer knows stop generation.
-END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end▁of▁sentence|>",
-               "<end_of_turn>", "<|end|>")
+END_OF_TURN = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "</s>",
+    "<|end▁of▁sentence|>",
+    "<end_of_turn>",
+    "<|end|>",
+)
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -45,8 +53,8 @@ def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> 
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     valid = torch.zeros(len(prompts), width, dtype=torch.bool)
     for row, ids in enumerate(prompts):
-        tokens[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        valid[row, width - len(ids):] = True
+        tokens[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        valid[row, width - len(ids) :] = True
     return tokens.to(device), valid.to(device)
 
 
@@ -57,11 +65,15 @@ def check_prompts(prompts: list[list[int]], max_seq_len: int, vocab_size: int, n
         if not ids:
             raise UserError(f"{name} is empty; give every prompt at least one token")
         if len(ids) >= max_seq_len:
-            raise UserError(f"{name} has {len(ids)} tokens, but the model's context is {max_seq_len}, which must "
-                            "also hold a new token; shorten the prompt")
+            raise UserError(
+                f"{name} has {len(ids)} tokens, but the model's context is {max_seq_len}, which must "
+                "also hold a new token; shorten the prompt"
+            )
         if min(ids) < 0 or max(ids) >= vocab_size:
-            raise UserError(f"{name} holds token id {max(ids) if max(ids) >= vocab_size else min(ids)}, outside "
-                            f"the model's vocabulary of {vocab_size}; use ids from 0 to {vocab_size - 1}")
+            raise UserError(
+                f"{name} holds token id {max(ids) if max(ids) >= vocab_size else min(ids)}, outside "
+                f"the model's vocabulary of {vocab_size}; use ids from 0 to {vocab_size - 1}"
+            )
 
 
 def text_stop_index(ids: list[int], tokenizer, stop: tuple[str, ...], start: int) -> int | None:
@@ -70,7 +82,7 @@ def text_stop_index(ids: list[int], tokenizer, stop: tuple[str, ...], start: int
     if not any(s in tokenizer.decode(ids) for s in stop):  # the usual case: one decode, not one per token
         return None
     for end in range(start, len(ids)):
-        text = tokenizer.decode(ids[:end + 1])
+        text = tokenizer.decode(ids[: end + 1])
         if any(s in text for s in stop):
             return end
     return None
@@ -119,11 +131,11 @@ class Rows:
         for row, ids in enumerate(self.ids):
             eos, text = self.eos_at[row], self.text_at[row]
             if text is not None:  # found before any stop token
-                out.append(Generated(ids[:text + 1], logprobs[row][:text + 1], "stop"))
+                out.append(Generated(ids[: text + 1], logprobs[row][: text + 1], "stop"))
             elif eos is not None:
                 out.append(Generated(ids[:eos], logprobs[row][:eos], "eos", ids[eos], logprobs[row][eos]))
             else:
-                out.append(Generated(ids, logprobs[row][:len(ids)], "length"))
+                out.append(Generated(ids, logprobs[row][: len(ids)], "length"))
         return out
 
 
@@ -141,8 +153,10 @@ class Speed:
         def rate(tokens: int, seconds: float) -> str:
             return f"{tokens / seconds:.1f} tokens/s ({tokens} tokens in {seconds:.2f}s)" if seconds else "none"
 
-        return (f"prefill {rate(self.prefill_tokens, self.prefill_seconds)}, "
-                f"decode {rate(self.decode_tokens, self.decode_seconds)}")
+        return (
+            f"prefill {rate(self.prefill_tokens, self.prefill_seconds)}, "
+            f"decode {rate(self.decode_tokens, self.decode_seconds)}"
+        )
 
 
 CHECK_EVERY = 16  # decode steps between the host's looks at the rows (stop tokens, stop strings, lockstep)
@@ -154,8 +168,9 @@ class Tokens:
     token (eos_at [B], W = none yet), how many are made (0-dim), each row's seed (sampling.py) and the stop tokens.
     Only the token step writes them, in place."""
 
-    def __init__(self, batch: int, budget: int, sampling: Sampling, seeds: list[int], stops: list[int],
-                 device: torch.device):
+    def __init__(
+        self, batch: int, budget: int, sampling: Sampling, seeds: list[int], stops: list[int], device: torch.device
+    ):
         width = -(-budget // 64) * 64
         self.sampling = sampling
         self.new = torch.zeros(batch, width, dtype=torch.long, device=device)
@@ -229,15 +244,28 @@ def token_budget(prompts: list[list[int]], sampling: Sampling, max_seq_len: int)
     """max_new_tokens, or fewer where the longest prompt would pass the model's context (said once)."""
     budget = min(sampling.max_new_tokens, max_seq_len - max(map(len, prompts)))
     if budget < sampling.max_new_tokens:
-        logger.info(f"generating at most {budget} tokens: the longest prompt and max_new_tokens would pass the model's "
-                    f"context of {max_seq_len}")
+        logger.info(
+            f"generating at most {budget} tokens: the longest prompt and max_new_tokens would pass the model's "
+            f"context of {max_seq_len}"
+        )
     return budget
 
 
 @torch.no_grad()
-def generate_ids(model: nn.Module, args, tokenizer, prompts: list[list[int]], sampling: Sampling, *,
-                 lockstep: bool = False, indices: list[int] | None = None, speed: Speed | None = None,
-                 step=token_step, cuda_graph: bool = False, names: list[str] | None = None) -> list[Generated]:
+def generate_ids(
+    model: nn.Module,
+    args,
+    tokenizer,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    *,
+    lockstep: bool = False,
+    indices: list[int] | None = None,
+    speed: Speed | None = None,
+    step=token_step,
+    cuda_graph: bool = False,
+    names: list[str] | None = None,
+) -> list[Generated]:
     """Each prompt's Generated, one batch: the new tokens up to (excluding) the first stop token, or up to and
     including the token that completed a stop string (the caller cuts the text), or max_new_tokens, or the model's
     context. With `lockstep`, every rank of the world calls this together.

@@ -77,14 +77,14 @@ class TitanliteLM(TemplateLM):
         started = time.perf_counter()
         progress = Progress(len(windows), "eval: scoring", unit="sequence")  # a line every 30 s of a long task
         for start in starts:
-            chunk = order[start:start + self.batch_size]
+            chunk = order[start : start + self.batch_size]
             width = len(windows[chunk[0]])
             tokens = torch.zeros(len(chunk), width, dtype=torch.long)
             for row, i in enumerate(chunk):
-                tokens[row, :len(windows[i])] = torch.tensor(windows[i])
+                tokens[row, : len(windows[i])] = torch.tensor(windows[i])
             logits = self.lm.logits(tokens)
             for row, i in enumerate(chunk):
-                out[i] = F.log_softmax(logits[row, :len(windows[i])].float(), dim=-1).cpu()
+                out[i] = F.log_softmax(logits[row, : len(windows[i])].float(), dim=-1).cpu()
             progress.advance(len(chunk))
         self.speed.prefill_tokens += sum(map(len, windows))
         self.speed.prefill_seconds += time.perf_counter() - started  # .cpu() waited for the forwards
@@ -105,11 +105,11 @@ class TitanliteLM(TemplateLM):
         the context cut from the left to fit max_length as lm-eval's hf model cuts it."""
         windows, continuations = [], []
         for _, context, continuation in requests:
-            windows.append((context + continuation)[-(self.max_length + 1):][:-1])
+            windows.append((context + continuation)[-(self.max_length + 1) :][:-1])
             continuations.append(continuation)
         results = []
         for logprobs, continuation in zip(self.logprobs(windows), continuations):
-            scored = logprobs[-len(continuation):]
+            scored = logprobs[-len(continuation) :]
             target = torch.tensor(continuation)
             total = scored.gather(-1, target[:, None]).sum().item()
             results.append((total, bool((scored.argmax(dim=-1) == target).all())))
@@ -119,9 +119,15 @@ class TitanliteLM(TemplateLM):
         """Each text's whole log-likelihood over max_length windows, as lm-eval's hf model computes it."""
         totals = []
         for (text,) in (request.args for request in requests):
-            windows = [make_disjoint_window(window) for window in get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                context_len=1)]
+            windows = [
+                make_disjoint_window(window)
+                for window in get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
             scores = self._loglikelihood_tokens([(None, context, target) for context, target in windows])
             totals.append(sum(score for score, _ in scores))
         return totals
@@ -136,10 +142,15 @@ class TitanliteLM(TemplateLM):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_new = kwargs.pop("max_gen_toks")
-            ids = self.tok_encode(context)[-(self.max_length - max_new):]
-            sampling = Sampling(max_new, float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
-                                float(kwargs.get("top_p", 1.0)), int(kwargs.get("top_k", 0) or 0), stop=tuple(until),
-                                stop_ids=(self.eot_token_id,))
+            ids = self.tok_encode(context)[-(self.max_length - max_new) :]
+            sampling = Sampling(
+                max_new,
+                float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
+                float(kwargs.get("top_p", 1.0)),
+                int(kwargs.get("top_k", 0) or 0),
+                stop=tuple(until),
+                stop_ids=(self.eot_token_id,),
+            )
             new = self.lm.complete([Prompt(context, ids)], sampling, lockstep=self.lockstep)[0].token_ids
             results.append(postprocess_generated_text(self.tokenizer.decode(new), until, None))
             progress.advance()

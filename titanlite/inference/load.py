@@ -36,7 +36,9 @@ from titanlite.run import model_label
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16"}
-UNVERIFIED_ADVICE = "set checkpoint.allow_unverified true"  # checkpoint/integrity.py's advice, which load() words its way
+UNVERIFIED_ADVICE = (
+    "set checkpoint.allow_unverified true"  # checkpoint/integrity.py's advice, which load() words its way
+)
 
 
 def weights_dtype(path: Path) -> str:
@@ -56,8 +58,10 @@ def dtype_name(dtype) -> str | None:
         return None
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
-        raise UserError(f"dtype={dtype!r}: titanlite holds weights in float32 or bfloat16; give torch.float32, "
-                        "torch.bfloat16, or None for the weights' own")
+        raise UserError(
+            f"dtype={dtype!r}: titanlite holds weights in float32 or bfloat16; give torch.float32, "
+            "torch.bfloat16, or None for the weights' own"
+        )
     return name
 
 
@@ -68,12 +72,13 @@ def resolved_device(device) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
-        raise UserError(f"device={device!r}: give \"cpu\", \"cuda\", \"cuda:N\", a torch.device, or None for a GPU "
-                        "where one is visible") from None
+        raise UserError(
+            f'device={device!r}: give "cpu", "cuda", "cuda:N", a torch.device, or None for a GPU where one is visible'
+        ) from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device={device!r}, but this process sees no GPU; give device=\"cpu\"")
+        raise UserError(f'device={device!r}, but this process sees no GPU; give device="cpu"')
     if resolved.type not in ("cpu", "cuda"):
-        raise UserError(f"device={device!r}: titanlite generates on \"cpu\" or \"cuda\"")
+        raise UserError(f'device={device!r}: titanlite generates on "cpu" or "cuda"')
     return resolved
 
 
@@ -94,17 +99,28 @@ def from_hf_folder(path: Path, dtype: str | None, device: torch.device, compile:
     return LM(model.eval(), args, tokenizer, device, compile=compile)
 
 
-def from_run(config_file: Path, step: Path | None, dtype: str | None, device: torch.device, *, compile: bool,
-             allow_unverified: bool) -> LM:
+def from_run(
+    config_file: Path,
+    step: Path | None,
+    dtype: str | None,
+    device: torch.device,
+    *,
+    compile: bool,
+    allow_unverified: bool,
+) -> LM:
     """A run's model (its config.toml), the weights of `step` or, where None, of its newest complete checkpoint."""
     cfg = load_config(["--job.config_file", str(config_file)])
     spec, tokenizer = get_model_spec(cfg.model.name), build_tokenizer(cfg.model)
     args = model_args(cfg.model, spec, tokenizer.vocab_size)
     model = whole_model(spec, args, dtype or cfg.training.param_dtype, cfg.lora, device)
-    checkpoint = dataclasses.replace(cfg.checkpoint, allow_unverified=allow_unverified or cfg.checkpoint.allow_unverified)
+    checkpoint = dataclasses.replace(
+        cfg.checkpoint, allow_unverified=allow_unverified or cfg.checkpoint.allow_unverified
+    )
     identity = ModelIdentity(model_label(cfg.model), spec.hf_adapter, args)
     try:
-        source = load_trained_weights(model, identity, checkpoint, str(config_file.parent), step, "titanlite.load's path")
+        source = load_trained_weights(
+            model, identity, checkpoint, str(config_file.parent), step, "titanlite.load's path"
+        )
     except UserError as error:
         if UNVERIFIED_ADVICE not in str(error):
             raise
@@ -120,14 +136,19 @@ def load(path, device=None, dtype=None, compile: bool = False, allow_unverified:
     checkpoint that has no checksums folder."""
     path, name, where = Path(path).expanduser(), dtype_name(dtype), resolved_device(device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        raise UserError(f"titanlite.load runs in one process, but this one is rank {dist.get_rank()} of "
-                        f"{dist.get_world_size()}; generate on several ranks with torchrun ... -m titanlite.generate")
+        raise UserError(
+            f"titanlite.load runs in one process, but this one is rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}; generate on several ranks with torchrun ... -m titanlite.generate"
+        )
     if (path / "config.json").is_file():
         return from_hf_folder(path, name, where, compile)
     if path.name.startswith("step-") and (path.parent.parent / "config.toml").is_file():
-        return from_run(path.parent.parent / "config.toml", path, name, where, compile=compile,
-                        allow_unverified=allow_unverified)
+        return from_run(
+            path.parent.parent / "config.toml", path, name, where, compile=compile, allow_unverified=allow_unverified
+        )
     if (path / "config.toml").is_file():
         return from_run(path / "config.toml", None, name, where, compile=compile, allow_unverified=allow_unverified)
-    raise UserError(f"titanlite.load({str(path)!r}): that is neither a Hugging Face model folder (config.json), a "
-                    "checkpoint step-N folder of a run nor a run's dump folder (config.toml); give one of those")
+    raise UserError(
+        f"titanlite.load({str(path)!r}): that is neither a Hugging Face model folder (config.json), a "
+        "checkpoint step-N folder of a run nor a run's dump folder (config.toml); give one of those"
+    )

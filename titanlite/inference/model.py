@@ -31,8 +31,12 @@ from titanlite.parallel.dist import DistInfo
 from titanlite.parallel.parallelize import ParallelizeSettings
 from titanlite.run import model_label
 
-MODEL_PARALLEL_KEYS = ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                       "expert_parallel_degree")
+MODEL_PARALLEL_KEYS = (
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+    "context_parallel_degree",
+    "expert_parallel_degree",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,10 @@ def check_data_parallel_only(cfg: JobConfig) -> None:
     """Generation and lm-eval run whole-model forwards on every rank (FSDP's all-gathers are fine)."""
     for key in MODEL_PARALLEL_KEYS:
         if getattr(cfg.parallelism, key) > 1:
-            raise UserError(f"parallelism.{key} is {getattr(cfg.parallelism, key)}, but generation and lm-eval run on "
-                            f"data-parallel layouts only (FSDP/HSDP shard the weights); set parallelism.{key} 1")
+            raise UserError(
+                f"parallelism.{key} is {getattr(cfg.parallelism, key)}, but generation and lm-eval run on "
+                f"data-parallel layouts only (FSDP/HSDP shard the weights); set parallelism.{key} 1"
+            )
 
 
 def sharded_model(cfg: JobConfig, spec: ModelSpec, args, dims: ParallelDims, device: torch.device) -> nn.Module:
@@ -67,7 +73,9 @@ def sharded_model(cfg: JobConfig, spec: ModelSpec, args, dims: ParallelDims, dev
     return materialize(model, cfg.job.seed, device, dims.tp_enabled)
 
 
-def build_inference_model(cfg: JobConfig, info: DistInfo, checkpoint_key: str = "generate.checkpoint") -> InferenceModel:
+def build_inference_model(
+    cfg: JobConfig, info: DistInfo, checkpoint_key: str = "generate.checkpoint"
+) -> InferenceModel:
     """The job's model with its weights, in eval mode, on the process group the caller opened; checkpoint_key: how the
     command names generate.checkpoint (python -m titanlite.eval: --model_args checkpoint)."""
     check_data_parallel_only(cfg)
@@ -78,7 +86,13 @@ def build_inference_model(cfg: JobConfig, info: DistInfo, checkpoint_key: str = 
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg.model, spec, tokenizer.vocab_size)
     model, label = sharded_model(cfg, spec, args, dims, info.device), model_label(cfg.model)
-    source = load_trained_weights(model, ModelIdentity(label, spec.hf_adapter, args), cfg.checkpoint, cfg.job.dump_folder,
-                                  Path(cfg.generate.checkpoint) if cfg.generate.checkpoint else None, checkpoint_key)
+    source = load_trained_weights(
+        model,
+        ModelIdentity(label, spec.hf_adapter, args),
+        cfg.checkpoint,
+        cfg.job.dump_folder,
+        Path(cfg.generate.checkpoint) if cfg.generate.checkpoint else None,
+        checkpoint_key,
+    )
     logger.info(f"loaded {label} from {source}")
     return InferenceModel(cfg, info, args, tokenizer, model.eval())

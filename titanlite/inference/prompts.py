@@ -34,25 +34,28 @@ def checked_record(record, where: str) -> PromptRecord:
     """One line's record, its value of the right type: a string, a list of messages, or a list of token ids >= 0
     (JSON's true and false are not ids)."""
     if not isinstance(record, dict) or len(set(KINDS) & set(record)) != 1:
-        raise UserError(f"{where} must hold exactly one of \"prompt\", \"messages\" or \"token_ids\"; fix that line")
+        raise UserError(f'{where} must hold exactly one of "prompt", "messages" or "token_ids"; fix that line')
     kind = next(k for k in KINDS if k in record)
     value = record[kind]
     if kind == "prompt" and isinstance(value, list):  # GRPO's (and TRL's) conversational prompt: messages
         kind = "messages"
     if kind == "prompt" and not isinstance(value, str):
-        raise UserError(f"{where}: \"prompt\" is {json.dumps(value)}, neither a string nor a list of messages; quote "
-                        "the text")
+        raise UserError(
+            f'{where}: "prompt" is {json.dumps(value)}, neither a string nor a list of messages; quote the text'
+        )
     if kind == "messages":
         if not isinstance(value, list) or not value:
-            raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects; "
-                            "fix that line")
+            raise UserError(
+                f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects; fix that line'
+            )
         value = [checked_message(message, where) for message in value]
     if kind == "token_ids":
         if not isinstance(value, list) or not value or not all(type(i) is int for i in value):
-            raise UserError(f"{where}: \"token_ids\" must be a non-empty list of integers (not {json.dumps(value)}); "
-                            "fix that line")
+            raise UserError(
+                f'{where}: "token_ids" must be a non-empty list of integers (not {json.dumps(value)}); fix that line'
+            )
         if min(value) < 0:
-            raise UserError(f"{where}: \"token_ids\" holds {min(value)}; token ids start at 0, fix that line")
+            raise UserError(f'{where}: "token_ids" holds {min(value)}; token ids start at 0, fix that line')
     return PromptRecord(where, kind, value)
 
 
@@ -73,7 +76,7 @@ def read_prompt_lines(path: str, key: str = "generate.prompts_file") -> list[Pro
             raise UserError(f"{where} is not JSON ({error.msg}); fix that line") from None
         records.append(checked_record(record, where))
     if not records:
-        raise UserError(f"{key} {path} is empty; write one JSON object per line, e.g. {{\"prompt\": \"Once upon a time\"}}")
+        raise UserError(f'{key} {path} is empty; write one JSON object per line, e.g. {{"prompt": "Once upon a time"}}')
     return records
 
 
@@ -87,8 +90,10 @@ def render_prompts(records: list[PromptRecord], tokenizer, chat_template: str) -
 def render_prompt(record: PromptRecord, tokenizer, renderer: ChatRenderer | None) -> Prompt:
     if record.kind == "token_ids":
         if max(record.value) >= tokenizer.vocab_size:
-            raise UserError(f"{record.where}: \"token_ids\" holds {max(record.value)}, outside the tokenizer's vocabulary "
-                            f"of {tokenizer.vocab_size}; use ids from 0 to {tokenizer.vocab_size - 1}")
+            raise UserError(
+                f'{record.where}: "token_ids" holds {max(record.value)}, outside the tokenizer\'s vocabulary '
+                f"of {tokenizer.vocab_size}; use ids from 0 to {tokenizer.vocab_size - 1}"
+            )
         return Prompt(tokenizer.decode(record.value), list(record.value), record.where)
     if record.kind == "messages":
         text = renderer.render(record.value, add_generation_prompt=True)
@@ -100,4 +105,4 @@ def completion_text(new_ids: list[int], tokenizer, stop: list[str] | tuple[str, 
     """The new tokens as text, cut before the first stop string."""
     text = tokenizer.decode(new_ids)
     cuts = [text.index(s) for s in stop if s in text]
-    return text[:min(cuts)] if cuts else text
+    return text[: min(cuts)] if cuts else text

@@ -80,8 +80,9 @@ def filtered(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def pick_tokens(logits: torch.Tensor, sampling: Sampling, seeds: torch.Tensor,
-                counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_tokens(
+    logits: torch.Tensor, sampling: Sampling, seeds: torch.Tensor, counter: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, vocab] -> (the next token of each row [B], its log-probability [B] float32 under
     log_softmax(logits / temperature), before top-k and top-p: the sampler's; greedy: temperature 1's). Row i draws
     with seeds[i] at `counter` (uniforms). No host sync."""

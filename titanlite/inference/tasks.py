@@ -34,14 +34,17 @@ def check_task_files(include_path: str | None) -> None:
         except (yaml.YAMLError, OSError, UnicodeDecodeError) as error:
             where = getattr(error, "problem_mark", None)
             line = f" at line {where.line + 1}" if where is not None else ""
-            raise UserError(f"the task file {path} does not parse{line} ({getattr(error, 'problem', None) or error}); "
-                            "fix the YAML") from None
+            raise UserError(
+                f"the task file {path} does not parse{line} ({getattr(error, 'problem', None) or error}); fix the YAML"
+            ) from None
 
 
 def unknown_task(task: str, include_path: str | None) -> UserError:
     where = f" or in --include_path {include_path}" if include_path else "; add --include_path for a local task"
-    return UserError(f"unknown task {task!r}: lm-eval has no task or group of that name{where} "
-                     "(python -m lm_eval ls tasks lists them)")
+    return UserError(
+        f"unknown task {task!r}: lm-eval has no task or group of that name{where} "
+        "(python -m lm_eval ls tasks lists them)"
+    )
 
 
 def lm_eval_task_texts() -> list[str]:
@@ -76,8 +79,16 @@ def task_manager(tasks: tuple[str, ...], include_path: str | None):
     return manager
 
 
-def evaluate_tasks(lm, tasks: list[str], include_path: str | None, *, limit: float | None = None,
-                   num_fewshot: int | None = None, log_samples: bool = False, fewshot_key: str = "--num_fewshot") -> dict:
+def evaluate_tasks(
+    lm,
+    tasks: list[str],
+    include_path: str | None,
+    *,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    log_samples: bool = False,
+    fewshot_key: str = "--num_fewshot",
+) -> dict:
     """lm-eval's results dict for `tasks` run on `lm` (lm_eval_model.TitanliteLM); fewshot_key: how the caller names
     num_fewshot (the in-loop evaluator: eval.num_fewshot)."""
     from lm_eval import simple_evaluate
@@ -85,14 +96,23 @@ def evaluate_tasks(lm, tasks: list[str], include_path: str | None, *, limit: flo
     manager = task_manager(tuple(tasks), include_path)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task progress lines would drown the run's log
     try:
-        return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                               log_samples=log_samples, batch_size=lm.batch_size)
+        return simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=log_samples,
+            batch_size=lm.batch_size,
+        )
     except ValueError as error:  # raised while lm-eval builds the prompts, before any forward
         if "Sample larger than population" not in str(error):
             raise
         asked = f"{fewshot_key} {num_fewshot}" if num_fewshot is not None else "its own num_fewshot"
-        raise UserError(f"a task of {', '.join(tasks)} has fewer examples to show than {asked} asks for; give a smaller "
-                        f"{fewshot_key}") from None
+        raise UserError(
+            f"a task of {', '.join(tasks)} has fewer examples to show than {asked} asks for; give a smaller "
+            f"{fewshot_key}"
+        ) from None
 
 
 def write_results(results: dict, output_path: str, log_samples: bool, model_args: str) -> None:
@@ -107,9 +127,16 @@ def write_results(results: dict, output_path: str, log_samples: bool, model_args
     weights = named.get("checkpoint") or named.get("hf_assets_path") or named.get("config_file") or "titanlite"
     tracker = EvaluationTracker(output_path=output_path)
     # The tracker times from its own creation; the evaluation began total_evaluation_time_seconds ago (titanlite/eval.py).
-    tracker.general_config_tracker.start_time = time.perf_counter() - float(results.get("total_evaluation_time_seconds", 0))
-    tracker.general_config_tracker.log_experiment_args(model_source="titanlite", model_args={"model": weights},
-                                                       system_instruction=None, chat_template=None, fewshot_as_multiturn=False)
+    tracker.general_config_tracker.start_time = time.perf_counter() - float(
+        results.get("total_evaluation_time_seconds", 0)
+    )
+    tracker.general_config_tracker.log_experiment_args(
+        model_source="titanlite",
+        model_args={"model": weights},
+        system_instruction=None,
+        chat_template=None,
+        fewshot_as_multiturn=False,
+    )
     tracker.save_results_aggregated(results=results, samples=samples)
     for task in results["configs"] if samples else ():
         tracker.save_results_samples(task_name=task, samples=samples[task])

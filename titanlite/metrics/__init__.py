@@ -48,10 +48,19 @@ def peak_tflops(device: torch.device, override: float) -> float | None:
 
 # The console line's figures -> their TensorBoard tags (shares are fractions, MFU a percentage).
 TB_TAGS = {
-    "loss": "loss/train", "tps": "throughput/tps", "tflops": "throughput/tflops", "mfu_pct": "throughput/mfu",
-    "memory_gib": "memory/reserved_gib", "memory_share": "memory/share", "memory_capacity_gib": "memory/capacity_gib",
-    "lr": "optim/lr", "grad_norm": "optim/grad_norm", "data_loading_share": "data/wait_share",
-    "trained_tokens": "data/trained_tokens", "epoch": "data/epoch", "step_seconds": "time/step_seconds",
+    "loss": "loss/train",
+    "tps": "throughput/tps",
+    "tflops": "throughput/tflops",
+    "mfu_pct": "throughput/mfu",
+    "memory_gib": "memory/reserved_gib",
+    "memory_share": "memory/share",
+    "memory_capacity_gib": "memory/capacity_gib",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+    "data_loading_share": "data/wait_share",
+    "trained_tokens": "data/trained_tokens",
+    "epoch": "data/epoch",
+    "step_seconds": "time/step_seconds",
 }
 
 
@@ -72,8 +81,10 @@ def memory_usage(device: torch.device) -> tuple[float, float]:
 # the share of groups whose completions all scored alike (their advantages are 0), how long the completions are,
 # and the share of tokens whose ratio the clip held.
 CONSOLE_EXTRAS = {
-    "rl/reward": ("reward", "{:.4f}"), "rl/frac_reward_zero_std": ("equal_reward_groups", "{:.0%}"),
-    "rl/completion_length": ("completion_tokens", "{:.1f}"), "rl/clip_ratio": ("clipped", "{:.1%}"),
+    "rl/reward": ("reward", "{:.4f}"),
+    "rl/frac_reward_zero_std": ("equal_reward_groups", "{:.0%}"),
+    "rl/completion_length": ("completion_tokens", "{:.1f}"),
+    "rl/clip_ratio": ("clipped", "{:.1%}"),
 }
 PROGRESS_SECONDS = 30.0  # a progress line at least this often between step lines, whatever metrics.log_freq is
 
@@ -83,12 +94,16 @@ def untrained_note(extra: dict[str, float], steps: int) -> str | None:
     if extra.get("rl/frac_reward_zero_std") != 1.0:
         return None
     span = "this step" if steps == 1 else f"the {steps} steps since the last line"
-    why = (f"in {span} every group's completions had equal rewards (mean {extra['rl/reward']:.4f}), so every "
-           "advantage is 0")
+    why = (
+        f"in {span} every group's completions had equal rewards (mean {extra['rl/reward']:.4f}), so every "
+        "advantage is 0"
+    )
     if "rl/kl" in extra:
         return f"{why}: only the KL term (rl.beta) to the reference trained"
-    return (f"{why} and {span} trained nothing (loss and gradients 0); groups differ with more completions per prompt "
-            "(rl.num_generations), a higher rl.temperature, or prompts neither always nor never solved")
+    return (
+        f"{why} and {span} trained nothing (loss and gradients 0); groups differ with more completions per prompt "
+        "(rl.num_generations), a higher rl.temperature, or prompts neither always nor never solved"
+    )
 
 
 class MetricsLogger:
@@ -107,8 +122,9 @@ class MetricsLogger:
         self.progress: Progress | None = None  # from start_progress on: steps done of the run's, time left
         self.reset()
 
-    def start_progress(self, resumed_step: int, steps: int, every_seconds: float = PROGRESS_SECONDS,
-                       clock=time.monotonic) -> None:
+    def start_progress(
+        self, resumed_step: int, steps: int, every_seconds: float = PROGRESS_SECONDS, clock=time.monotonic
+    ) -> None:
         """Time the steps from here (a resumed run's earlier steps count towards the total, not the step time)."""
         self.progress = Progress(steps, "train", every_seconds, already=resumed_step, clock=clock)
 
@@ -129,7 +145,9 @@ class MetricsLogger:
             return
         self.writer = open_writer(folder, self.rank, resumed_step)
         if self.rank == 0:
-            self.dashboard = describe_run(self.writer, job, hparams, resumed_step, self.peak is not None, self.device.type)
+            self.dashboard = describe_run(
+                self.writer, job, hparams, resumed_step, self.peak is not None, self.device.type
+            )
 
     @observer("TensorBoard")
     def write_scalars(self, step: int, values: dict[str, float], flush: bool = False) -> None:
@@ -166,8 +184,16 @@ class MetricsLogger:
         return tps, tflops, (100.0 * tflops / self.peak if self.peak else None)
 
     @observer("metrics")
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None,
-            trained: float = 0.0, epoch: float | None = None) -> dict:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        extra: dict[str, float] | None = None,
+        trained: float = 0.0,
+        epoch: float | None = None,
+    ) -> dict:
         """The step line and its scalars; `trained` is trained_per_step's count, `epoch` the passes over the data
         so far where the data has epochs."""
         elapsed = time.perf_counter() - self.started
@@ -175,9 +201,17 @@ class MetricsLogger:
         tps, tflops, mfu_pct = self.throughput(self.tokens, elapsed)
         mem_gib, capacity_gib = memory_usage(self.device)
         values = {
-            "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps, "tflops": tflops, "memory_gib": mem_gib,
-            "memory_share": mem_gib / capacity_gib, "memory_capacity_gib": capacity_gib,
-            "data_loading_share": self.data_seconds / elapsed, "trained_tokens": trained, "step_seconds": elapsed / steps,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tps": tps,
+            "tflops": tflops,
+            "memory_gib": mem_gib,
+            "memory_share": mem_gib / capacity_gib,
+            "memory_capacity_gib": capacity_gib,
+            "data_loading_share": self.data_seconds / elapsed,
+            "trained_tokens": trained,
+            "step_seconds": elapsed / steps,
         }
         if epoch is not None:
             values["epoch"] = epoch
@@ -188,9 +222,14 @@ class MetricsLogger:
         logger.info(
             f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({100 * values['memory_share']:.2f}%)  "
             f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%  trained: {trained:,.0f}"
-            + ("" if epoch is None else f"  epoch: {epoch:.3f}") + f"  step_time: {elapsed / steps:.2f}s" + self.time_left()
-            + "".join(f"  {label}: {form.format(extra[tag])}" for tag, (label, form) in CONSOLE_EXTRAS.items()
-                      if tag in (extra or {}))
+            + ("" if epoch is None else f"  epoch: {epoch:.3f}")
+            + f"  step_time: {elapsed / steps:.2f}s"
+            + self.time_left()
+            + "".join(
+                f"  {label}: {form.format(extra[tag])}"
+                for tag, (label, form) in CONSOLE_EXTRAS.items()
+                if tag in (extra or {})
+            )
         )
         if note := untrained_note(extra or {}, steps):
             logger.info(note)
@@ -208,7 +247,9 @@ class MetricsLogger:
         return "" if left is None else f"  left: {duration(left)}"
 
     @observer("metrics")
-    def log_validation(self, step: int, loss: float, perplexity: float, batches: int, tokens: int, seconds: float) -> None:
+    def log_validation(
+        self, step: int, loss: float, perplexity: float, batches: int, tokens: int, seconds: float
+    ) -> None:
         """The validation line and validation/* scalars; its time is left out of the next tps."""
         logger.info(
             f"validate step: {step}  loss: {loss:.4f}  perplexity: {perplexity:.4f}  "
@@ -239,7 +280,10 @@ def log_tokens_by_source(dataloader) -> None:
     seen = tokens_by_source(dataloader)
     if seen:
         total = sum(seen.values())
-        logger.info("data mix: " + ", ".join(f"{name} {tokens:,} tokens ({100 * tokens / total:.1f}%)" for name, tokens in seen.items()))
+        logger.info(
+            "data mix: "
+            + ", ".join(f"{name} {tokens:,} tokens ({100 * tokens / total:.1f}%)" for name, tokens in seen.items())
+        )
 
 
 def speed_settings(cfg: JobConfig) -> dict[str, str]:

@@ -214,8 +214,10 @@ class RunSummary:
             f"optimizer {mib['optimizer']:.3f}MiB total {sum(mib.values()):.3f}MiB{tail}"
         )
         offload_bytes = f" activation_offload_peak {offloaded_peak}" if offloaded is not None else ""
-        logger.info(f"run summary: state_per_rank_bytes params {exact['params']} grads {exact['grads']} "
-                    f"optimizer {exact['optimizer']}{offload_bytes}")
+        logger.info(
+            f"run summary: state_per_rank_bytes params {exact['params']} grads {exact['grads']} "
+            f"optimizer {exact['optimizer']}{offload_bytes}"
+        )
         if self.predicted is not None:
             planned = self.predicted
             logger.info(

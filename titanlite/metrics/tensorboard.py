@@ -104,8 +104,10 @@ def titanlite_charts(peak_known: bool, device_type: str) -> dict:
     that says why, rather than an empty chart."""
     if peak_known:
         return dict(CHARTS)
-    no_mfu = (f"no MFU: {device_type} has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device",
-              ["Multiline", [r"^throughput/tflops$"]])
+    no_mfu = (
+        f"no MFU: {device_type} has no known peak FLOP/s (set metrics.peak_tflops); achieved TFLOP/s per device",
+        ["Multiline", [r"^throughput/tflops$"]],
+    )
     return dict(no_mfu if title == "MFU (%)" else (title, chart) for title, chart in CHARTS.items())
 
 
@@ -169,7 +171,13 @@ def describe_run(writer, cfg: JobConfig, hparams: dict, step: int, peak_known: b
 def hyperparameters(cfg: JobConfig, world_size: int, mesh: str, batch: int, speed: dict[str, str]) -> dict:
     """What the HPARAMS tab compares runs by; batch is sequences per optimizer step over all ranks."""
     return {
-        "family": cfg.model.name, "flavor": cfg.model.flavor, "world_size": world_size, "mesh": mesh, **speed,
-        "batch": batch, "seq_len": cfg.training.seq_len, "lr": cfg.optimizer.lr,
+        "family": cfg.model.name,
+        "flavor": cfg.model.flavor,
+        "world_size": world_size,
+        "mesh": mesh,
+        **speed,
+        "batch": batch,
+        "seq_len": cfg.training.seq_len,
+        "lr": cfg.optimizer.lr,
         "dataset": cfg.training.dataset_path or cfg.training.dataset,
     }

@@ -39,16 +39,28 @@ def validation_data(cfg: Validation, training: Training) -> DataSpec:
     """validation's data keys, training's format; a finite pass read in this process (no workers: a pass is
     short and a worker would be forked for each one)."""
     batch_size, seq_len = batch_shape(cfg, training)
-    return DataSpec(cfg.dataset, cfg.dataset_path, seq_len, batch_size, text_field=training.dataset_text_field,
-                    infinite=False, section="validation", dataset_format=training.dataset_format,
-                    train_on=training.train_on, chat_template=training.chat_template, packing=training.packing)
+    return DataSpec(
+        cfg.dataset,
+        cfg.dataset_path,
+        seq_len,
+        batch_size,
+        text_field=training.dataset_text_field,
+        infinite=False,
+        section="validation",
+        dataset_format=training.dataset_format,
+        train_on=training.train_on,
+        chat_template=training.chat_template,
+        packing=training.packing,
+    )
 
 
 def check_validation(cfg: Validation, training: Training, max_seq_len: int) -> None:
     """Called before the model is built, so a mistake costs no time."""
     seq_len = batch_shape(cfg, training)[1]
     if seq_len > max_seq_len:
-        raise UserError(f"validation.seq_len {seq_len} exceeds the model's context ({max_seq_len}); lower validation.seq_len")
+        raise UserError(
+            f"validation.seq_len {seq_len} exceeds the model's context ({max_seq_len}); lower validation.seq_len"
+        )
 
 
 class Validator:
@@ -74,8 +86,9 @@ class Validator:
                 f"tokens must be training's {training.local_batch_size} x {training.seq_len}; set validation.local_batch_size "
                 "and validation.seq_len to -1"
             )
-        self.loader = build_dataloader(validation_data(cfg, training), run.tokenizer, dims.dp_rank, dims.dp_degree,
-                                       run.cfg.job.seed)
+        self.loader = build_dataloader(
+            validation_data(cfg, training), run.tokenizer, dims.dp_rank, dims.dp_degree, run.cfg.job.seed
+        )
         self.start = self.loader.state_dict()
         name = f"validation.dataset_path {cfg.dataset_path}" if cfg.dataset_path else cfg.dataset
         reads = (resolve_dataset(cfg.dataset, cfg.dataset_path, "validation"), cfg.dataset_path)
@@ -85,7 +98,9 @@ class Validator:
                 "data use validation.dataset sample_val (for sample) or c4_val (for c4), or a validation.dataset_path"
             )
         batches = "all batches" if cfg.steps == -1 else f"up to {cfg.steps} batches"
-        logger.info(f"validation every {cfg.freq} steps on {name}: {batches} of {batch_size} x {seq_len} tokens per rank")
+        logger.info(
+            f"validation every {cfg.freq} steps on {name}: {batches} of {batch_size} x {seq_len} tokens per rank"
+        )
 
     def should_validate(self, step: int) -> bool:
         return step % self.cfg.freq == 0
@@ -104,7 +119,9 @@ class Validator:
         if self.pipeline is not None:
             with context:
                 return self.pipeline.eval_loss_sum(inputs, labels, model_kwargs), trained_tokens(labels)
-        return loss_sum(model, inputs, labels, model_kwargs, self.loss_fn, context, self.loss_parallel), trained_tokens(labels)
+        return loss_sum(model, inputs, labels, model_kwargs, self.loss_fn, context, self.loss_parallel), trained_tokens(
+            labels
+        )
 
     @torch.no_grad()
     def validate(self, model, step: int) -> tuple[float, float]:
@@ -121,7 +138,9 @@ class Validator:
                 batch = next(batches, None)
                 if self.pipeline is not None and batch is not None and len(batch[0]) < self.batch_size:
                     # The schedule splits every batch into the same microbatches: a short last one ends the pass.
-                    logger.info(f"validation leaves out a last batch of {len(batch[0])} sequences (pipeline batches are {self.batch_size})")
+                    logger.info(
+                        f"validation leaves out a last batch of {len(batch[0])} sequences (pipeline batches are {self.batch_size})"
+                    )
                     batch = None
                 if not self._all_ranks_have(batch):
                     break

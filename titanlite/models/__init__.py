@@ -29,7 +29,9 @@ class ModelSpec:
     name: str
     model_cls: type  # model_cls(args) -> nn.Module
     flavors: dict[str, Any]  # flavor name -> args dataclass instance
-    apply_tp: Callable  # apply_tp(model, dims, loss_parallel): the family's tensor-parallel plan (parallel/tp.py styles)
+    apply_tp: (
+        Callable  # apply_tp(model, dims, loss_parallel): the family's tensor-parallel plan (parallel/tp.py styles)
+    )
     flops_per_token: Callable  # flops_per_token(unsharded model, seq_len) -> float
     hf_adapter: Any = None  # a titanlite.models.hf.HFAdapter: Hugging Face names, layouts and config.json
 

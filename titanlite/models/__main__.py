@@ -34,8 +34,17 @@ def _params_text(spec, args, active: bool = False) -> str:
 
 def _rows() -> list[tuple[str, ...]]:
     return [
-        (spec.name, flavor, _params_text(spec, args), _params_text(spec, args, active=True), str(args.n_layers), str(args.dim),
-         str(args.n_heads), str(args.n_kv_heads), f"{args.vocab_size:,}" if args.vocab_size > 0 else "tokenizer")
+        (
+            spec.name,
+            flavor,
+            _params_text(spec, args),
+            _params_text(spec, args, active=True),
+            str(args.n_layers),
+            str(args.dim),
+            str(args.n_heads),
+            str(args.n_kv_heads),
+            f"{args.vocab_size:,}" if args.vocab_size > 0 else "tokenizer",
+        )
         for spec in list_model_specs()
         for flavor, args in spec.flavors.items()
     ]

@@ -64,8 +64,10 @@ def document_delimiters(attention_mask: str, tokenizer, dataset: str) -> tuple[i
     if attention_mask != "block_causal":
         return None
     if dataset == "synthetic":
-        logger.info("training.dataset synthetic holds no documents: attention is causal over each window "
-                    "(model.attention_mask block_causal applies to real text)")
+        logger.info(
+            "training.dataset synthetic holds no documents: attention is causal over each window "
+            "(model.attention_mask block_causal applies to real text)"
+        )
         return None
     return tokenizer.bos_id, tokenizer.eos_id
 
@@ -112,8 +114,9 @@ def allowed(document_ids: torch.Tensor | None, window: int | None) -> Callable:
     return rule
 
 
-def attention_mask(document_ids: torch.Tensor | None, window: int | None, device: torch.device,
-                   shard: SequenceShard | None = None) -> Mask:
+def attention_mask(
+    document_ids: torch.Tensor | None, window: int | None, device: torch.device, shard: SequenceShard | None = None
+) -> Mask:
     """The mask every block of one forward shares; None = plain causal. Without documents, Mistral's
     window stays an int that `attend` turns into its [T, T] mask: only there is the whole sequence
     length known (a later pipeline stage under sequence parallelism receives a shard of it).
@@ -130,8 +133,10 @@ def attention_mask(document_ids: torch.Tensor | None, window: int | None, device
         queries, keys = shard.positions, shard.key_positions
     batch = None if document_ids is None else document_ids.shape[0]
     if device.type == "cuda":
+
         def at_positions(b, h, q, kv):
             return rule(b, h, queries[q], keys[kv])
+
         # Without CP the indices are the positions: the rule as it is, no lookup in the compiled mask builder.
         mask_mod = rule if shard is None else at_positions
         mask = compiled(create_block_mask)(mask_mod, batch, None, len(queries), len(keys), device=device)
@@ -183,14 +188,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float | None) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
     """Grouped-query attention without repeating the keys and values (generation reads the whole cache every step):
     the query heads that share a key/value head become one longer sequence of queries, the mask [B, 1, T, S]
     repeated for each; q [B, heads, T, d] -> [B, heads, T, v_dim]."""
     batch, heads, length, dim = q.shape
     groups = heads // k.shape[1]
     mask = mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * length, mask.shape[-1])
-    out = F.scaled_dot_product_attention(q.reshape(batch, k.shape[1], groups * length, dim), k, v, attn_mask=mask,
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.reshape(batch, k.shape[1], groups * length, dim), k, v, attn_mask=mask, scale=scale
+    )
     return out.view(batch, heads, length, v.shape[-1])

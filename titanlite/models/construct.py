@@ -45,7 +45,9 @@ def model_args(cfg: Model, spec, tokenizer_vocab: int):
     where = model_label(cfg)
     if cfg.mtp_layers:  # recipes (issue 46): DeepSeek-V3 multi-token prediction, models/deepseek_v3/mtp.py
         if not hasattr(args, "mtp_layers"):
-            raise UserError(f"model.mtp_layers {cfg.mtp_layers}: {where} has no multi-token prediction; set model.mtp_layers 0")
+            raise UserError(
+                f"model.mtp_layers {cfg.mtp_layers}: {where} has no multi-token prediction; set model.mtp_layers 0"
+            )
         args = dataclasses.replace(args, mtp_layers=cfg.mtp_layers, mtp_loss_weight=cfg.mtp_loss_weight)
     if args.vocab_size == -1:
         args = dataclasses.replace(args, vocab_size=tokenizer_vocab)

@@ -47,7 +47,9 @@ _NOT_COMPARED = ("architectures", "model_type", "torch_dtype", "dtype", "rope_th
 def required(config: dict, key: str):
     """config[key], or one sentence when config.json lacks it (transformers always writes it)."""
     if config.get(key) is None:
-        raise UserError(f"its config.json has no {key}, which fixes the model's shape; use a config.json written by transformers")
+        raise UserError(
+            f"its config.json has no {key}, which fixes the model's shape; use a config.json written by transformers"
+        )
     return config[key]
 
 
@@ -121,7 +123,9 @@ class HFAdapter(abc.ABC):
         """None for HF tensors titanlite does not use (listed in `ignored`)."""
         ours = self._rename(hf_name, self._from_hf)
         if ours is None and not any(p.search(hf_name) for p in self._ignored):
-            raise UserError(f"the Hugging Face tensor {hf_name} has no place in {type(self).__name__.removesuffix('HFAdapter')} models")
+            raise UserError(
+                f"the Hugging Face tensor {hf_name} has no place in {type(self).__name__.removesuffix('HFAdapter')} models"
+            )
         return ours
 
     def hf_names(self, name: str, args) -> list[str]:
@@ -131,8 +135,11 @@ class HFAdapter(abc.ABC):
 
     # --- conversions ---
     def to_hf(self, state_dict: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-        return {self.hf_name(name): self.tensor_to_hf(name, tensor, args) for name, tensor in state_dict.items()
-                if not (args.tie_embeddings and name == "output.weight")}
+        return {
+            self.hf_name(name): self.tensor_to_hf(name, tensor, args)
+            for name, tensor in state_dict.items()
+            if not (args.tie_embeddings and name == "output.weight")
+        }
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
         out = {}
@@ -151,8 +158,10 @@ class HFAdapter(abc.ABC):
     def args_from_hf_config(self, config: dict):
         """The args of the model `config` (a config.json) describes; UserError, worded as "its config.json ...",
         for a setting titanlite's model does not have. A family without it cannot start from a folder."""
-        raise UserError(f"titanlite cannot read a {self.architectures[0]} config.json yet; start from a flavor (model.flavor) "
-                        "and load the weights with checkpoint.initial_load_path and initial_load_in_hf")
+        raise UserError(
+            f"titanlite cannot read a {self.architectures[0]} config.json yet; start from a flavor (model.flavor) "
+            "and load the weights with checkpoint.initial_load_path and initial_load_in_hf"
+        )
 
     def unsupported_setting(self, config: dict, args) -> str | None:
         """The first config.json value that the model built from `args` would not compute, as a phrase; None if

@@ -40,26 +40,65 @@ def read_config(path: Path) -> dict:
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UserError(f"cannot read {path / 'config.json'} ({error}); fix the file or set model.hf_assets_path to another folder") from None
+        raise UserError(
+            f"cannot read {path / 'config.json'} ({error}); fix the file or set model.hf_assets_path to another folder"
+        ) from None
     if not isinstance(config, dict):
-        raise UserError(f"{path / 'config.json'} is not a JSON object; set model.hf_assets_path to a Hugging Face model folder")
+        raise UserError(
+            f"{path / 'config.json'} is not a JSON object; set model.hf_assets_path to a Hugging Face model folder"
+        )
     check_value_types(config, path / "config.json")
     return config
 
 
 # config.json's keys that hold a number, of every family titanlite reads (null is allowed: "not set").
-NUMBER_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-               "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps", "head_dim", "sliding_window",
-               "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_embd", "n_layer",
-               "n_head", "n_inner", "n_positions", "layer_norm_epsilon", "n_group", "topk_group", "n_shared_experts",
-               "first_k_dense_replace", "routed_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-               "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers", "router_aux_loss_coef",
-               "bos_token_id", "eos_token_id", "pad_token_id")
+NUMBER_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+    "head_dim",
+    "sliding_window",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "n_positions",
+    "layer_norm_epsilon",
+    "n_group",
+    "topk_group",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "routed_scaling_factor",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "num_nextn_predict_layers",
+    "router_aux_loss_coef",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
 
 
 # config.json's keys titanlite reads that hold text, a list of text or an object (null: "not set").
-KIND_KEYS = {"model_type": (str, "text"), "architectures": (list, "a list of class names"),
-             "rope_scaling": (dict, "an object"), "rope_parameters": (dict, "an object")}
+KIND_KEYS = {
+    "model_type": (str, "text"),
+    "architectures": (list, "a list of class names"),
+    "rope_scaling": (dict, "an object"),
+    "rope_parameters": (dict, "an object"),
+}
 
 
 def check_value_types(config: dict, path: Path) -> None:
@@ -67,15 +106,19 @@ def check_value_types(config: dict, path: Path) -> None:
     sentence naming the key, before anything reads it."""
     for key, (kind, described) in KIND_KEYS.items():
         value = config.get(key)
-        if value is not None and not (isinstance(value, kind) and (kind is not list or all(isinstance(v, str) for v in value))):
-            raise UserError(f"{path}: \"{key}\" is {json.dumps(value)}, which is not {described}; fix the file")
+        if value is not None and not (
+            isinstance(value, kind) and (kind is not list or all(isinstance(v, str) for v in value))
+        ):
+            raise UserError(f'{path}: "{key}" is {json.dumps(value)}, which is not {described}; fix the file')
     for key in NUMBER_KEYS:
         value = config.get(key)
         ids = isinstance(value, list) and key.endswith("_token_id")  # eos may be a list of ids
         numbers = value if ids else [value]
         if value is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
-            raise UserError(f"{path}: \"{key}\" is {json.dumps(value)}, which is not a number; write it as a JSON number "
-                            f"(without quotes) or fix the file")
+            raise UserError(
+                f'{path}: "{key}" is {json.dumps(value)}, which is not a number; write it as a JSON number '
+                f"(without quotes) or fix the file"
+            )
 
 
 def families_of(config: dict, path: Path) -> list[ModelSpec]:
@@ -88,8 +131,10 @@ def families_of(config: dict, path: Path) -> list[ModelSpec]:
     if not found:
         what = ", ".join(architectures) or f"model_type {config.get('model_type')!r}"
         supported = sorted({a for s in specs for a in s.hf_adapter.architectures})
-        raise UserError(f"model.hf_assets_path {path} holds a {what} model, which titanlite cannot train; supported "
-                        f"architectures: {', '.join(supported)}")
+        raise UserError(
+            f"model.hf_assets_path {path} holds a {what} model, which titanlite cannot train; supported "
+            f"architectures: {', '.join(supported)}"
+        )
     return found
 
 
@@ -124,9 +169,11 @@ def read_model_folder(path: str | Path, name: str | None = None) -> ModelFolder:
     if problem:
         raise UserError(f"model.hf_assets_path {path} holds a model titanlite cannot train as it is: {problem}")
     if name is not None and name not in [s.name for s in families]:
-        raise UserError(f"model.name {name} contradicts model.hf_assets_path {path}, whose config.json is a "
-                        f"{adapter.architectures[0]} ({' or '.join(s.name for s in families)} here); remove model.name, "
-                        "the folder names the family")
+        raise UserError(
+            f"model.name {name} contradicts model.hf_assets_path {path}, whose config.json is a "
+            f"{adapter.architectures[0]} ({' or '.join(s.name for s in families)} here); remove model.name, "
+            "the folder names the family"
+        )
     candidates = [s for s in families if s.name == name] if name else families
     for spec in candidates:  # a registered flavor names the run where one fits (llama2/7B rather than llama3/hf)
         flavor, flavor_args = matching_flavor(spec, args)
@@ -150,24 +197,37 @@ def check_explicit_keys(model: Model, folder: ModelFolder, explicit: set[str]) -
         if flavor_args is None:
             reason = f"{folder.spec.name} has no such flavor"
         else:
-            reason = first_difference(folder.spec.hf_adapter, folder.args, with_vocab(flavor_args, folder.args.vocab_size))
-        raise UserError(f"model.flavor {model.flavor} contradicts {where}, whose config.json fixes every dimension "
-                        f"({reason}); remove model.flavor")
+            reason = first_difference(
+                folder.spec.hf_adapter, folder.args, with_vocab(flavor_args, folder.args.vocab_size)
+            )
+        raise UserError(
+            f"model.flavor {model.flavor} contradicts {where}, whose config.json fixes every dimension "
+            f"({reason}); remove model.flavor"
+        )
     if "model.n_layers" in explicit and model.n_layers not in (0, folder.args.n_layers):
-        raise UserError(f"model.n_layers {model.n_layers} contradicts {where}, whose config.json has "
-                        f"{folder.args.n_layers} layers; remove model.n_layers")
+        raise UserError(
+            f"model.n_layers {model.n_layers} contradicts {where}, whose config.json has "
+            f"{folder.args.n_layers} layers; remove model.n_layers"
+        )
 
 
 def check_files(model: Model, checkpoint: Checkpoint, path: Path) -> None:
     """The weights (unless the run starts from another checkpoint) and a tokenizer, before anything is built."""
     if not checkpoint.initial_load_path and not any((path / name).is_file() for name in WEIGHT_FILES):
-        other = " (only safetensors weights can be read; save them with transformers' save_pretrained)" if any(
-            path.glob("*.bin")) else ""
-        raise UserError(f"model.hf_assets_path {path} holds no {' or '.join(WEIGHT_FILES)}{other}; add the model's "
-                        "weights or set checkpoint.initial_load_path to the checkpoint to start from")
+        other = (
+            " (only safetensors weights can be read; save them with transformers' save_pretrained)"
+            if any(path.glob("*.bin"))
+            else ""
+        )
+        raise UserError(
+            f"model.hf_assets_path {path} holds no {' or '.join(WEIGHT_FILES)}{other}; add the model's "
+            "weights or set checkpoint.initial_load_path to the checkpoint to start from"
+        )
     if not model.tokenizer_path and not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise UserError(f"model.hf_assets_path {path} holds no {' or '.join(TOKENIZER_FILES)}; copy the model's tokenizer "
-                        "files into it or set model.tokenizer_path")
+        raise UserError(
+            f"model.hf_assets_path {path} holds no {' or '.join(TOKENIZER_FILES)}; copy the model's tokenizer "
+            "files into it or set model.tokenizer_path"
+        )
 
 
 def start_from_folder(model: Model, checkpoint: Checkpoint, explicit: set[str]) -> None:
@@ -176,8 +236,10 @@ def start_from_folder(model: Model, checkpoint: Checkpoint, explicit: set[str]) 
     `explicit` holds the keys the job set (TOML or command line): those must agree with config.json."""
     if not is_model_folder(model.hf_assets_path):
         if model.hf_assets_path and any(Path(model.hf_assets_path).glob("*.safetensors")):
-            raise UserError(f"model.hf_assets_path {model.hf_assets_path} holds safetensors weights but no config.json; "
-                            "add the model's config.json to the folder")
+            raise UserError(
+                f"model.hf_assets_path {model.hf_assets_path} holds safetensors weights but no config.json; "
+                "add the model's config.json to the folder"
+            )
         return  # a tokenizer folder, or none
     path = Path(model.hf_assets_path)
     folder = read_model_folder(path, model.name if "model.name" in explicit else None)

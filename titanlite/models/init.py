@@ -31,9 +31,7 @@ def local_view(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     if isinstance(param, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        _, offset = compute_local_shape_and_global_offset(
-            param.shape, param.device_mesh, param.placements
-        )
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         return param.to_local(), tuple(offset)
     return param, (0,) * param.dim()
 

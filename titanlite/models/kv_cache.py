@@ -79,8 +79,14 @@ class CacheStep:
     mask [B, 1, T, S] (True = attend) over the keys the attention reads, the slots the new columns go to and, at the
     prefill, which of its columns are kept (the last `capacity`; None at a decode step, whose one column is)."""
 
-    def __init__(self, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor, writes: torch.Tensor,
-                 kept: torch.Tensor | None = None):
+    def __init__(
+        self,
+        cache: KVCache,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        writes: torch.Tensor,
+        kept: torch.Tensor | None = None,
+    ):
         self.cache, self.positions, self.mask, self.writes, self.kept = cache, positions, mask, writes, kept
 
     def layer(self, name: str) -> "LayerStep":

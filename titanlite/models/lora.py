@@ -58,10 +58,14 @@ def naming_targets(name: str, module: nn.Module, targets: list[str]) -> set[str]
 def lora_targets(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Linear]]:
     """(name, layer) of every nn.Linear that cfg.target_modules names (a fused wqkv by any of wq, wk, wv);
     one sentence where a target names MoE experts' stacked weights or matches nothing."""
-    stacked = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] in targets})
+    stacked = sorted(
+        {name.rsplit(".", 1)[-1] for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] in targets}
+    )
     if stacked:
-        raise UserError(f"lora.target_modules {','.join(stacked)} names the MoE experts' stacked weights, which take no LoRA "
-                        "adapter; drop them from lora.target_modules (attention and dense layers still can)")
+        raise UserError(
+            f"lora.target_modules {','.join(stacked)} names the MoE experts' stacked weights, which take no LoRA "
+            "adapter; drop them from lora.target_modules (attention and dense layers still can)"
+        )
     found, matched = [], set()
     for name, module in model.named_modules():
         names = naming_targets(name, module, targets)
@@ -70,12 +74,18 @@ def lora_targets(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Lin
             matched |= names
     unmatched = [target for target in targets if target not in matched]
     if unmatched:
-        layers = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
-        raise UserError(f"lora.target_modules {','.join(unmatched)} matches no linear layer of the model; name layers it has "
-                        f"({','.join(layers)})")
+        layers = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+        )
+        raise UserError(
+            f"lora.target_modules {','.join(unmatched)} matches no linear layer of the model; name layers it has "
+            f"({','.join(layers)})"
+        )
     if "output" in matched and getattr(getattr(model, "args", None), "tie_embeddings", False):
-        raise UserError("lora.target_modules output adapts the output layer, which this model ties to its token embeddings "
-                        "(tie_word_embeddings), so no merged export could hold it; drop output from lora.target_modules")
+        raise UserError(
+            "lora.target_modules output adapts the output layer, which this model ties to its token embeddings "
+            "(tie_word_embeddings), so no merged export could hold it; drop output from lora.target_modules"
+        )
     return found
 
 
@@ -96,15 +106,21 @@ def apply_lora(model: nn.Module, cfg: LoRA, whole: bool = True) -> None:
         return
     if whole:
         targets = lora_targets(model, cfg.target_modules)
-        logger.info(f"LoRA rank {cfg.rank} adapters on {len(targets)} linear layers: {adapted_summary([n for n, _ in targets])}")
+        logger.info(
+            f"LoRA rank {cfg.rank} adapters on {len(targets)} linear layers: {adapted_summary([n for n, _ in targets])}"
+        )
     else:
-        targets = [(name, module) for name, module in model.named_modules() if naming_targets(name, module, cfg.target_modules)]
+        targets = [
+            (name, module) for name, module in model.named_modules() if naming_targets(name, module, cfg.target_modules)
+        ]
     for param in model.parameters():
         param.requires_grad_(False)
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         with torch.device(linear.weight.device):
-            adapted = LoRALinear(linear.in_features, linear.out_features, linear.bias is not None, cfg, linear.weight.dtype)
+            adapted = LoRALinear(
+                linear.in_features, linear.out_features, linear.bias is not None, cfg, linear.weight.dtype
+            )
         adapted.weight.requires_grad_(False)
         if adapted.bias is not None:
             adapted.bias.requires_grad_(False)
@@ -156,5 +172,8 @@ def adapters_off(model: nn.Module):
 
 def adapted_layers(model: nn.Module) -> dict[str, LoRALinear]:
     """name -> LoRALinear, by the names of the model's state dict (AC's and compile's wrappers left out)."""
-    return {name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): module
-            for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+    return {
+        name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): module
+        for name, module in model.named_modules()
+        if isinstance(module, LoRALinear)
+    }

@@ -26,7 +26,9 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) 
     return top_logits.float().softmax(dim=-1), experts
 
 
-def softmax_then_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_then_topk(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3 MoE's rule: a softmax over all experts, the top_k probabilities as weights, renormalised
     to sum to 1 where norm_topk_prob (else they keep their share of the full softmax)."""
     weights, experts = logits.float().softmax(dim=-1).topk(top_k, dim=-1)
@@ -46,8 +48,9 @@ def assignments_per_sequence(experts: torch.Tensor, num_experts: int) -> torch.T
     return flat.new_zeros(flat.shape[0], num_experts).scatter_add_(1, flat, torch.ones_like(flat))
 
 
-def load_balancing_loss(logits: torch.Tensor, assignments: torch.Tensor, probs: torch.Tensor | None = None,
-                        sequence_mesh=None) -> torch.Tensor:
+def load_balancing_loss(
+    logits: torch.Tensor, assignments: torch.Tensor, probs: torch.Tensor | None = None, sequence_mesh=None
+) -> torch.Tensor:
     """Switch Transformer's auxiliary loss, num_experts * sum_i f_i * P_i, per sequence, averaged.
 
     logits [B, T, E] are the router's, assignments [B, E] from assignments_per_sequence. f_i is expert i's share
@@ -72,7 +75,9 @@ def load_balancing_loss(logits: torch.Tensor, assignments: torch.Tensor, probs: 
 def _looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
     """One matmul per expert over its slice of the sorted tokens (any device and dtype)."""
     slices = x.split(counts.tolist())  # a host sync, which the grouped path avoids
-    return torch.cat([F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]) for e, xe in enumerate(slices)])
+    return torch.cat(
+        [F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]) for e, xe in enumerate(slices)]
+    )
 
 
 def _grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
@@ -87,7 +92,9 @@ def _grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:
     return (
-        x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
         and torch.cuda.get_device_capability(x.device) >= (9, 0)
     )
 
@@ -111,7 +118,9 @@ def weighted_sum(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) 
     """out [N * k, D], the expert outputs of the assignments sorted by `order` -> [N, D], each token's
     outputs weighted by its routing weights [N, k] and summed."""
     num_tokens, top_k = weights.shape
-    out = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, out.shape[-1])  # (token, slot) order; N may be 0
+    out = (
+        torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, out.shape[-1])
+    )  # (token, slot) order; N may be 0
     return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
 
@@ -130,8 +139,9 @@ def experts_forward_over_ranks(x, weights, experts, counts, w1, w2, w3, group) -
     tokens = all_to_all(x[order // experts.shape[1]], receive, send, group)
     per_rank = received.shape[1]  # the received rows: source rank, then local expert
     local_experts = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(received.flatten())
-    out = experts_forward(tokens, tokens.new_ones(tokens.shape[0], 1), local_experts[:, None], received.sum(dim=0),
-                          w1, w2, w3)
+    out = experts_forward(
+        tokens, tokens.new_ones(tokens.shape[0], 1), local_experts[:, None], received.sum(dim=0), w1, w2, w3
+    )
     return weighted_sum(all_to_all(out, send, receive, group), order, weights)
 
 
@@ -144,8 +154,15 @@ class MoE(nn.Module):
     compile of a block forbid such side effects.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, router: str = "softmax_topk",
-                 norm_topk_prob: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        router: str = "softmax_topk",
+        norm_topk_prob: bool = True,
+    ):
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"router '{router}' is not one of {', '.join(ROUTERS)}")
@@ -156,7 +173,9 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts * dim, hidden_dim))  # viewed as [E, D, H]
         self.w3 = nn.Parameter(torch.empty(num_experts * hidden_dim, dim))  # viewed as [E, H, D]
         self.ep_group = None  # the expert-parallel process group, set by titanlite.parallel.ep.apply_ep
-        self.sequence_mesh = None  # the cp ranks holding the rest of each sequence, set by titanlite.parallel.cp.apply_cp
+        self.sequence_mesh = (
+            None  # the cp ranks holding the rest of each sequence, set by titanlite.parallel.cp.apply_cp
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (out [B, T, D], balance loss (0-dim), tokens per expert [E])."""
@@ -165,7 +184,9 @@ class MoE(nn.Module):
         weights, experts = self.route(logits)
         assignments = assignments_per_sequence(experts, self.num_experts)
         counts = assignments.sum(dim=0)
-        out = self.run_experts(x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k), counts)
+        out = self.run_experts(
+            x.reshape(-1, dim), weights.reshape(-1, self.top_k), experts.reshape(-1, self.top_k), counts
+        )
         return out.view(batch, seq_len, dim), self.balance_loss(logits, assignments), counts
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,11 +196,15 @@ class MoE(nn.Module):
     def balance_loss(self, logits: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
         return load_balancing_loss(logits, assignments, sequence_mesh=self.sequence_mesh)
 
-    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
         """x [N, D] through each token's experts, weighted (TP's expert split replaces this method)."""
         if self.ep_group is not None:  # this rank's experts: a DTensor shard on the ep mesh
             w1, w2, w3 = expert_weights([self.w1, self.w2, self.w3], self.ep_group)
-            w1, w2, w3 = (w.view(self.num_experts // dist.get_world_size(self.ep_group), -1, w.shape[-1]) for w in (w1, w2, w3))
+            w1, w2, w3 = (
+                w.view(self.num_experts // dist.get_world_size(self.ep_group), -1, w.shape[-1]) for w in (w1, w2, w3)
+            )
             return experts_forward_over_ranks(x, weights, experts, counts, w1, w2, w3, self.ep_group)
         w1, w2, w3 = (w.view(self.num_experts, -1, w.shape[-1]) for w in (self.w1, self.w2, self.w3))
         return experts_forward(x, weights, experts, counts, w1, w2, w3)
@@ -195,8 +220,9 @@ class MoE(nn.Module):
 # DeepSeek-V3's router (also Moonlight's and Kimi K2's).
 
 
-def sigmoid_group_topk(logits: torch.Tensor, top_k: int, bias: torch.Tensor, n_group: int, topk_group: int,
-                       norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def sigmoid_group_topk(
+    logits: torch.Tensor, top_k: int, bias: torch.Tensor, n_group: int, topk_group: int, norm_topk_prob: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's rule ("noaux_tc"): sigmoid scores; the experts are chosen by score + `bias` (the
     aux-loss-free balancing bias, which only steers the choice), among the topk_group of the n_group
     groups whose two best biased scores sum highest; the weights are the chosen experts' unbiased
@@ -224,22 +250,35 @@ class SigmoidGroupMoE(MoE):
     option (model.moe_aux_loss_coeff), is DeepSeek-V3's sequence-wise one over normalised sigmoids.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, shared_hidden_dim: int = 0, norm_topk_prob: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        shared_hidden_dim: int = 0,
+        norm_topk_prob: bool = True,
+    ):
         super().__init__(dim, hidden_dim, num_experts, top_k, norm_topk_prob=norm_topk_prob)
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.shared_experts = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, experts = sigmoid_group_topk(logits, self.top_k, self.expert_bias, self.n_group, self.topk_group,
-                                              self.norm_topk_prob)
+        weights, experts = sigmoid_group_topk(
+            logits, self.top_k, self.expert_bias, self.n_group, self.topk_group, self.norm_topk_prob
+        )
         return weights * self.routed_scaling_factor, experts
 
     def balance_loss(self, logits: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
         scores = logits.float().sigmoid()
-        return load_balancing_loss(logits, assignments, probs=scores / scores.sum(dim=-1, keepdim=True),
-                                   sequence_mesh=self.sequence_mesh)
+        return load_balancing_loss(
+            logits, assignments, probs=scores / scores.sum(dim=-1, keepdim=True), sequence_mesh=self.sequence_mesh
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out, aux_loss, counts = super().forward(x)

@@ -36,13 +36,17 @@ def as_sequences(cfg: JobConfig) -> JobConfig:
     if rows == 1:
         return cfg
     training = cfg.training
-    counted = dataclasses.replace(training, local_batch_size=rows * training.local_batch_size,
-                                  global_batch_size=rows * training.global_batch_size if training.global_batch_size > 0 else -1)
+    counted = dataclasses.replace(
+        training,
+        local_batch_size=rows * training.local_batch_size,
+        global_batch_size=rows * training.global_batch_size if training.global_batch_size > 0 else -1,
+    )
     return dataclasses.replace(cfg, training=counted)
 
 
-def build_objective(cfg: JobConfig, copy_model: Callable[[], nn.Module], hf_adapter, args, label: str,
-                    device: torch.device):
+def build_objective(
+    cfg: JobConfig, copy_model: Callable[[], nn.Module], hf_adapter, args, label: str, device: torch.device
+):
     """The run's objective; `copy_model()` builds a model sharded like the policy, for a reference that needs one."""
     kind = objective_class(cfg)
     if kind in (Preference, GRPO):

@@ -23,7 +23,9 @@ class Objective(Protocol):
     rows_may_pack: ClassVar[bool]  # a row may hold several documents, told apart by their bos (block_causal)
     resets_positions: ClassVar[bool]  # each example starts at position 0 (conversations, as at inference)
     runs_reference_forward: ClassVar[bool]  # every step also runs a reference model's forward (the planner counts it)
-    generates: ClassVar[bool]  # its batches are generated (rl/*_seconds), not read: the step line's data: leaves them out
+    generates: ClassVar[
+        bool
+    ]  # its batches are generated (rl/*_seconds), not read: the step line's data: leaves them out
     reference: nn.Module | None  # its frozen second model (DPO's reference), or None
 
     @classmethod
@@ -40,8 +42,9 @@ class Objective(Protocol):
     def step_batches(self, batches: Iterator, accum_steps: int) -> list[MicroBatch]:
         """The next optimizer step's micro-batches (on the host), drawn from iter(its dataloader)."""
 
-    def loss(self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn,
-             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn, forward_context: Callable
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the micro-batch's loss as loss_weighting says, the extra losses the policy's forward returned: MoE, MTP)."""
 
     def scalars(self) -> dict[str, float]:

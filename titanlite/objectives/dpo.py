@@ -43,8 +43,9 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     return -per_token.view(labels.shape).sum(-1), (labels != IGNORED).sum(-1)
 
 
-def preference_loss(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor,
-                    cfg: DPO) -> tuple[torch.Tensor, torch.Tensor]:
+def preference_loss(
+    policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, cfg: DPO
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the mean loss over the pairs, their statistics summed: [pairs, chosen above rejected, margin, chosen reward,
     rejected reward]); policy, reference and counts are per row, pairs as rows (2i, 2i + 1)."""
     if cfg.loss_type == "ipo":
@@ -58,8 +59,15 @@ def preference_loss(policy: torch.Tensor, reference: torch.Tensor, counts: torch
         eps = cfg.label_smoothing
         losses = -(1 - eps) * F.logsigmoid(cfg.beta * difference) - eps * F.logsigmoid(-cfg.beta * difference)
     margin = rewards[:, 0] - rewards[:, 1]
-    stats = torch.stack([torch.tensor(float(len(margin)), device=margin.device), (margin > 0).float().sum(),
-                         margin.sum(), rewards[:, 0].sum(), rewards[:, 1].sum()])
+    stats = torch.stack(
+        [
+            torch.tensor(float(len(margin)), device=margin.device),
+            (margin > 0).float().sum(),
+            margin.sum(),
+            rewards[:, 0].sum(),
+            rewards[:, 1].sum(),
+        ]
+    )
     return losses.mean(), stats
 
 
@@ -83,11 +91,15 @@ class Preference:
         return None
 
     @classmethod
-    def build(cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
-              device: torch.device) -> "Preference":
+    def build(
+        cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str, device: torch.device
+    ) -> "Preference":
         """The DPO objective with its reference (objectives/reference.py); `copy()` builds a model sharded like the policy."""
-        return cls(cfg.dpo, Reference.build(cfg.dpo.reference, "dpo.reference", cfg, copy, hf_adapter, args, label, "DPO"),
-                   device)
+        return cls(
+            cfg.dpo,
+            Reference.build(cfg.dpo.reference, "dpo.reference", cfg, copy, hf_adapter, args, label, "DPO"),
+            device,
+        )
 
     def __init__(self, cfg: DPO, frozen: Reference, device: torch.device):
         self.cfg, self.frozen = cfg, frozen
@@ -105,8 +117,9 @@ class Preference:
     def step_batches(self, batches: Iterator, accum_steps: int) -> list[MicroBatch]:
         return drawn_batches(batches, accum_steps)
 
-    def loss(self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn,
-             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn, forward_context: Callable
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the mean DPO loss of the micro-batch's pairs, the policy forward's extra losses such as MoE's balance
         loss). DPO scores whole completions itself, so the run's token loss_fn is not used."""
         inputs, labels = batch.inputs, batch.labels
@@ -125,6 +138,8 @@ class Preference:
         dist.all_reduce(totals)  # TP ranks count their shared pairs alike: the means are unchanged
         self.totals.zero_()
         correct, margin, chosen, rejected = (totals[1:] / totals[0].clamp(min=1)).tolist()
-        logger.info(f"dpo: reward accuracy {correct:.3f}  margin {margin:.4f}  chosen reward {chosen:.4f}  "
-                    f"rejected reward {rejected:.4f}")
+        logger.info(
+            f"dpo: reward accuracy {correct:.3f}  margin {margin:.4f}  chosen reward {chosen:.4f}  "
+            f"rejected reward {rejected:.4f}"
+        )
         return dict(zip(SCALARS, (correct, margin, chosen, rejected)))

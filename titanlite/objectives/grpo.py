@@ -52,7 +52,9 @@ class GRPO:
 
     name = "grpo"
     rows_per_example = 1  # a row is one completion after its prompt
-    loss_weighting = "share"  # loss() gives the micro-batch's share of the global batch's loss (the step undoes FSDP's mean)
+    loss_weighting = (
+        "share"  # loss() gives the micro-batch's share of the global batch's loss (the step undoes FSDP's mean)
+    )
     rows_may_pack = False  # one prompt and completion per row: a bos the policy sampled starts no document
     resets_positions = False  # one sequence per row, from position 0
     runs_reference_forward = False  # the planner's count: rl.beta's reference forward is once per rollout, said there
@@ -65,15 +67,21 @@ class GRPO:
     @classmethod
     def plan_note(cls, cfg: JobConfig) -> str:
         """How the planner counts a GRPO step's rollout (plan/rollout.py)."""
-        return ("a GRPO step's rollout is counted as its gathered weights, KV cache and logits in memory and a "
-                "memory-bound decode of rl.max_new_tokens steps in time; prefill and scoring are left out (the run "
-                "logs rl/generate_seconds and rl/score_seconds)")
+        return (
+            "a GRPO step's rollout is counted as its gathered weights, KV cache and logits in memory and a "
+            "memory-bound decode of rl.max_new_tokens steps in time; prefill and scoring are left out (the run "
+            "logs rl/generate_seconds and rl/score_seconds)"
+        )
 
     @classmethod
-    def build(cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str,
-              device: torch.device) -> "GRPO":
-        frozen = (Reference.build(cfg.rl.reference, "rl.reference", cfg, copy, hf_adapter, args, label, "GRPO")
-                  if cfg.rl.beta > 0 else None)
+    def build(
+        cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str, device: torch.device
+    ) -> "GRPO":
+        frozen = (
+            Reference.build(cfg.rl.reference, "rl.reference", cfg, copy, hf_adapter, args, label, "GRPO")
+            if cfg.rl.beta > 0
+            else None
+        )
         return cls(cfg, frozen, device)
 
     def __init__(self, cfg: JobConfig, frozen: Reference | None, device: torch.device):
@@ -81,8 +89,9 @@ class GRPO:
         self.reference = frozen.model if frozen is not None else None
         self.tools = Tools(cfg.rl)  # rl.tools and rl.environment, checked now (rl/episode.py)
         functions = self.tools.rewards()
-        self.rewards = Rewards(functions, [function.name for function in functions],
-                               reward_weights(cfg.rl.reward_weights, len(functions)))
+        self.rewards = Rewards(
+            functions, [function.name for function in functions], reward_weights(cfg.rl.reward_weights, len(functions))
+        )
         self.sums = torch.zeros(len(TOKEN_SUMS), device=device, dtype=torch.float64)
         self.extremes = torch.tensor([float("inf"), float("inf")], device=device, dtype=torch.float64)  # -max, min
         self.batch_stats: list[dict[str, float]] = []  # each trained step's rollout batch's, since the last scalars()
@@ -99,13 +108,23 @@ class GRPO:
         prompts = PromptSet(cfg.training.dataset_path, run.tokenizer, cfg.training.chat_template)
         longest = max(map(len, prompts.ids))
         if longest + self.rl.max_new_tokens > cfg.training.seq_len + 1:
-            raise UserError(f"the longest prompt ({longest} tokens) and rl.max_new_tokens {self.rl.max_new_tokens} pass "
-                            f"training.seq_len {cfg.training.seq_len} + 1; raise training.seq_len or lower rl.max_new_tokens")
+            raise UserError(
+                f"the longest prompt ({longest} tokens) and rl.max_new_tokens {self.rl.max_new_tokens} pass "
+                f"training.seq_len {cfg.training.seq_len} + 1; raise training.seq_len or lower rl.max_new_tokens"
+            )
         per_step = cfg.training.global_batch_size // self.rl.num_generations
-        identity = {"prompts": cfg.training.dataset_path, "seed": cfg.job.seed, "num_generations": self.rl.num_generations}
+        identity = {
+            "prompts": cfg.training.dataset_path,
+            "seed": cfg.job.seed,
+            "num_generations": self.rl.num_generations,
+        }
         order = PromptOrder(prompts, per_step, dp_rank, dp_world, cfg.job.seed, identity)
         self.sharing = run.dims.batch_sharing_degree
-        agents = Agents(self.tools, run.tokenizer, cfg.training.chat_template, cfg.training.seq_len) if self.tools.enabled else None
+        agents = (
+            Agents(self.tools, run.tokenizer, cfg.training.chat_template, cfg.training.seq_len)
+            if self.tools.enabled
+            else None
+        )
         if agents is not None:
             agents.check_prompts(prompts.prompts)
         return RolloutStage(run, order, ColocatedEngine(run), self.rewards, self.frozen, agents)
@@ -118,8 +137,9 @@ class GRPO:
             self.step_rows, self.threshold = micro_batches, None
         return micro_batches
 
-    def loss(self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn,
-             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn, forward_context: Callable
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the micro-batch's share of the step's GRPO loss, the policy forward's extra losses)."""
         threshold = self.entropy_threshold(model, forward_context) if self.settings.top_entropy_quantile < 1 else None
         with forward_context():
@@ -136,11 +156,22 @@ class GRPO:
         if threshold is not None:
             keep = high_entropy_mask(entropy, mask, threshold[0])
             norm = dataclasses.replace(norm, entropy_tokens=threshold[1])
-        per_token, stats = per_token_loss(logps, old, advantages, mask, self.settings, ref_logps=ref,
-                                          entropy_mask=keep, sampling_ratio=ratio, off_policy_mask=off_policy)
+        per_token, stats = per_token_loss(
+            logps,
+            old,
+            advantages,
+            mask,
+            self.settings,
+            ref_logps=ref,
+            entropy_mask=keep,
+            sampling_ratio=ratio,
+            off_policy_mask=off_policy,
+        )
         with torch.no_grad():
             kl = stats.kl[mask].sum() if stats.kl is not None else torch.zeros((), device=device)
-            self.sums[:4] += torch.stack([mask.sum(), entropy[mask].sum(), stats.region_clipped[mask].sum(), kl]).double()
+            self.sums[:4] += torch.stack(
+                [mask.sum(), entropy[mask].sum(), stats.region_clipped[mask].sum(), kl]
+            ).double()
         loss = reduce_loss(per_token, mask, self.settings.loss_type, norm)
         if self.settings.entropy_coef:
             loss = loss + entropy_bonus(entropy, mask, keep, self.settings.entropy_coef, norm)
@@ -165,8 +196,9 @@ class GRPO:
         return self.threshold
 
     @torch.no_grad()
-    def correction(self, terms: RolloutTerms, logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
-                   mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def correction(
+        self, terms: RolloutTerms, logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(the off-policy sequence mask [B, 1], the importance-sampling ratio [B, T] or [B, 1]) of rl/off_policy.py,
         each None where it is not asked for; the ratio's statistics are added to the sums."""
         rl, kept, ratio = self.rl, None, None
@@ -176,11 +208,22 @@ class GRPO:
         if rl.off_policy_mask_threshold != -1:
             kept = off_policy_mask(advantages, logps, sampler, float_mask, rl.off_policy_mask_threshold)
         if rl.importance_sampling != "none":
-            ratio = importance_ratio(old, sampler, float_mask, rl.importance_sampling, clip(rl.importance_sampling_clip_min),
-                                     clip(rl.importance_sampling_clip_max))
+            ratio = importance_ratio(
+                old,
+                sampler,
+                float_mask,
+                rl.importance_sampling,
+                clip(rl.importance_sampling_clip_min),
+                clip(rl.importance_sampling_clip_max),
+            )
             counted = ratio.flatten() if ratio.shape[1] == 1 else ratio[mask]
-            self.sums[4:] += torch.stack([counted.sum(), torch.tensor(float(counted.numel()), device=ratio.device),
-                                          ((sampler - old) * float_mask).sum()]).double()
+            self.sums[4:] += torch.stack(
+                [
+                    counted.sum(),
+                    torch.tensor(float(counted.numel()), device=ratio.device),
+                    ((sampler - old) * float_mask).sum(),
+                ]
+            ).double()
             if counted.numel():
                 self.extremes = torch.minimum(self.extremes, torch.stack([-counted.max(), counted.min()]).double())
         return kept, ratio
@@ -198,10 +241,14 @@ class GRPO:
         if self.rl.beta > 0:
             values["rl/kl"] = kl / max(tokens, 1)
         if self.rl.importance_sampling != "none" and ratios:
-            values |= {"rl/sampling/ratio_mean": ratio / ratios, "rl/sampling/ratio_min": extremes[1].item(),
-                       "rl/sampling/ratio_max": -extremes[0].item(), "rl/sampling/kl": sampling_kl / max(tokens, 1)}
+            values |= {
+                "rl/sampling/ratio_mean": ratio / ratios,
+                "rl/sampling/ratio_min": extremes[1].item(),
+                "rl/sampling/ratio_max": -extremes[0].item(),
+                "rl/sampling/kl": sampling_kl / max(tokens, 1),
+            }
         stats, self.batch_stats = self.batch_stats, []
-        for name in (stats[0] if stats else {}):
+        for name in stats[0] if stats else {}:
             values[name] = sum(s[name] for s in stats) / len(stats)
         return values
 

@@ -40,8 +40,9 @@ class LanguageModelling:
     def step_batches(self, batches: Iterator, accum_steps: int) -> list[MicroBatch]:
         return drawn_batches(batches, accum_steps)
 
-    def loss(self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn,
-             forward_context: Callable) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, model: nn.Module, batch: MicroBatch, model_kwargs: dict, loss_fn, forward_context: Callable
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the mean loss of the micro-batch's trained tokens, the extra losses the model's forward returned)."""
         return micro_batch_loss(model, batch.inputs, batch.labels, model_kwargs, loss_fn, forward_context())
 

@@ -35,8 +35,17 @@ class Reference:
         self.model = model
 
     @classmethod
-    def build(cls, reference: str, key: str, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args,
-              label: str, who: str) -> "Reference":
+    def build(
+        cls,
+        reference: str,
+        key: str,
+        cfg: JobConfig,
+        copy: Callable[[], nn.Module],
+        hf_adapter,
+        args,
+        label: str,
+        who: str,
+    ) -> "Reference":
         """`reference` is the objective's setting (initial or a path) under the config key `key`; `who` names the
         objective in the log."""
         if not needs_copy(reference, cfg):
@@ -65,20 +74,30 @@ def local_bytes(model: nn.Module) -> int:
     return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
 
-def load_reference(reference: nn.Module, path: Path, key: str, identity: ModelIdentity, allow_unverified: bool,
-                   setting: str) -> None:
+def load_reference(
+    reference: nn.Module, path: Path, key: str, identity: ModelIdentity, allow_unverified: bool, setting: str
+) -> None:
     """The reference's weights through the one checked loader: the policy's own start (initial) may be another
     model's weights, as the policy's initial load allows; a named reference must be of this model family."""
     try:
-        load_weights(ModelState(reference, adapters_only=False), path, identity, key, transplant=key != setting,
-                     allow_unverified=allow_unverified)
+        load_weights(
+            ModelState(reference, adapters_only=False),
+            path,
+            identity,
+            key,
+            transplant=key != setting,
+            allow_unverified=allow_unverified,
+        )
     except UserError as error:
-        raise UserError(f"{key} {path} cannot be the reference ({str(error).split('; ')[0]}); point {key} at a Hugging Face "
-                        f"folder or a DCP step folder of this model, or set {setting} initial") from None
+        raise UserError(
+            f"{key} {path} cannot be the reference ({str(error).split('; ')[0]}); point {key} at a Hugging Face "
+            f"folder or a DCP step folder of this model, or set {setting} initial"
+        ) from None
 
 
-def frozen_copy(reference: str, setting: str, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args,
-                label: str, who: str) -> nn.Module:
+def frozen_copy(
+    reference: str, setting: str, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str, who: str
+) -> nn.Module:
     """A frozen copy of the policy's model, loaded from the setting's path (or the policy's own start)."""
     model = copy().requires_grad_(False).eval()  # eval: its forwards stay out of MoE's training statistics
     if reference == "initial":
@@ -86,11 +105,16 @@ def frozen_copy(reference: str, setting: str, cfg: JobConfig, copy: Callable[[],
     else:
         source, key = reference, setting
         if not Path(source).is_dir():
-            raise UserError(f"{setting} {source} is not a folder; set it to initial, a Hugging Face folder or a DCP step folder")
+            raise UserError(
+                f"{setting} {source} is not a folder; set it to initial, a Hugging Face folder or a DCP step folder"
+            )
     if source:
-        load_reference(model, Path(source), key, ModelIdentity(label, hf_adapter, args), cfg.checkpoint.allow_unverified,
-                       setting)
+        load_reference(
+            model, Path(source), key, ModelIdentity(label, hf_adapter, args), cfg.checkpoint.allow_unverified, setting
+        )
     origin = source or "job.seed's initialisation"
-    logger.info(f"{who} reference: a frozen copy of {origin}, sharded like the policy: {local_bytes(model) / 2**30:.3f} GiB "
-                "of parameters per rank, no gradients or optimizer state")
+    logger.info(
+        f"{who} reference: a frozen copy of {origin}, sharded like the policy: {local_bytes(model) / 2**30:.3f} GiB "
+        "of parameters per rank, no gradients or optimizer state"
+    )
     return model

@@ -30,12 +30,18 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, device_type: str) -> torch
     if impl == "auto":
         impl = "fused" if device_type == "cuda" else "foreach"
     return _OPTIMIZERS[cfg.name](
-        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-        fused=impl == "fused", foreach=impl == "foreach",
+        groups,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        fused=impl == "fused",
+        foreach=impl == "foreach",
     )
 
 
-def lr_factor(step: int, *, steps: int, warmup_steps: int, decay_type: str, decay_ratio: float, min_lr_factor: float) -> float:
+def lr_factor(
+    step: int, *, steps: int, warmup_steps: int, decay_type: str, decay_ratio: float, min_lr_factor: float
+) -> float:
     """Multiplier of the peak lr used at training step `step` (1-based).
 
     Linear warmup reaches 1.0 at step warmup_steps; the lr then stays at 1.0 until the last
@@ -57,14 +63,20 @@ def lr_factor(step: int, *, steps: int, warmup_steps: int, decay_type: str, deca
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, steps: int) -> LambdaLR:
     factor = functools.partial(
-        lr_factor, steps=steps, warmup_steps=cfg.warmup_steps, decay_type=cfg.decay_type,
-        decay_ratio=cfg.decay_ratio, min_lr_factor=cfg.min_lr_factor,
+        lr_factor,
+        steps=steps,
+        warmup_steps=cfg.warmup_steps,
+        decay_type=cfg.decay_type,
+        decay_ratio=cfg.decay_ratio,
+        min_lr_factor=cfg.min_lr_factor,
     )
     # LambdaLR counts from 0 and is stepped after each optimizer step: index i serves step i + 1.
     return LambdaLR(optimizer, lambda i: factor(i + 1))
 
 
-def clip_grad_norm_(parameters, max_norm: float, pp_group: dist.ProcessGroup | None = None, uncounted=()) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters, max_norm: float, pp_group: dist.ProcessGroup | None = None, uncounted=()
+) -> torch.Tensor:
     """Clip to the true global norm; returns that norm (before clipping) as a plain tensor.
 
     With FSDP the gradients are DTensor shards: their norm is a DTensor whose full_tensor()

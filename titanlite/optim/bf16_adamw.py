@@ -32,8 +32,15 @@ from titanlite.models.init import local_tensor
 MAX_BETA2 = 0.99
 
 
-def kahan_adamw_(tensors: list[torch.Tensor], beta1: float, beta2: float, eps: float, decay_factor: float,
-                 step_size: float, bias_correction2: float) -> None:
+def kahan_adamw_(
+    tensors: list[torch.Tensor],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay_factor: float,
+    step_size: float,
+    bias_correction2: float,
+) -> None:
     """The Kahan-compensated AdamW step of the module doc for one parameter, in place, fp32 arithmetic;
     `tensors`: the weight, its gradient, exp_avg, exp_avg_sq and the compensation."""
     weight, grad, exp_avg, exp_avg_sq, compensation = tensors
@@ -67,12 +74,19 @@ def fused_kahan_adamw_(*args) -> None:
     except torch._dynamo.exc.BackendCompilerFailed as e:  # torch.compile has imported torch._dynamo
         raise UserError(
             f"optimizer.name AdamWBF16Kahan compiles its GPU update with torch.compile, which failed here "
-            f"({type(e.inner_exception).__name__}); install Triton, or use optimizer.name AdamW") from e
+            f"({type(e.inner_exception).__name__}); install Triton, or use optimizer.name AdamW"
+        ) from e
 
 
 class AdamWBF16Kahan(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def update_for(self, device: torch.device):
@@ -95,14 +109,17 @@ class AdamWBF16Kahan(torch.optim.Optimizer):
                 state = self._state(param)
                 state["step"] += 1
                 step = state["step"].item()
-                tensors = [local_tensor(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"],
-                                                     state["compensation"])]
+                tensors = [
+                    local_tensor(t)
+                    for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["compensation"])
+                ]
                 # Flat: one compiled graph serves every shape. detach: the result is no view, so dynamo
                 # guards no base tensor's shape (which would recompile for every new one).
                 flat = all(t.is_contiguous() for t in tensors)
                 tensors = [(t.view(-1) if flat else t).detach() for t in tensors]
-                self.update_for(param.device)(tensors, beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step),
-                                              1 - beta2**step)
+                self.update_for(param.device)(
+                    tensors, beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step), 1 - beta2**step
+                )
         return loss
 
     def _state(self, param: torch.Tensor) -> dict:

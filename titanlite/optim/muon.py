@@ -64,8 +64,9 @@ def whole(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The full matrix of which `local` is this rank's shard laid out like `param` (a collective under DTensor)."""
     if not isinstance(param, DTensor):
         return local
-    sharded = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                                 stride=param.stride(), run_check=False)
+    sharded = DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+    )
     return sharded.full_tensor()
 
 
@@ -83,11 +84,30 @@ class Muon(torch.optim.Optimizer):
     """One optimizer (one state dict, one lr schedule) over two kinds of group: those with muon=True step
     as in the module doc, the others as torch's AdamW (decoupled decay, bias-corrected moments)."""
 
-    def __init__(self, groups: list[dict], *, lr: float, momentum: float = 0.95, nesterov: bool = True,
-                 ns_steps: int = 5, ns_dtype: str = "float32", betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
-        defaults = dict(lr=lr, muon=False, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        ns_dtype=ns_dtype, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    def __init__(
+        self,
+        groups: list[dict],
+        *,
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_dtype: str = "float32",
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        defaults = dict(
+            lr=lr,
+            muon=False,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+        )
         super().__init__(groups, defaults)
 
     @torch.no_grad()
@@ -152,6 +172,14 @@ def build_muon(model: torch.nn.Module, cfg) -> Muon:
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return Muon(groups, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
-                ns_steps=cfg.muon_ns_steps, ns_dtype=cfg.muon_ns_dtype, betas=cfg.betas, eps=cfg.eps,
-                weight_decay=cfg.weight_decay)
+    return Muon(
+        groups,
+        lr=cfg.lr,
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        ns_dtype=cfg.muon_ns_dtype,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+    )

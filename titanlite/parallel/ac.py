@@ -25,16 +25,23 @@ def _ops(namespace, names: tuple[str, ...]) -> set:
 
 
 # Outputs worth keeping: expensive to recompute, and (for max) the amax that float8 scaling needs.
-_SAVE_OPS = _ops(torch.ops.aten, (
-    "mm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "max",
-)) | _ops(torch.ops._c10d_functional, ("reduce_scatter_tensor",)) | {
-    torch.ops.higher_order.flex_attention,  # block-causal attention on CUDA (models/attention.py), a higher-order op
-}
+_SAVE_OPS = (
+    _ops(
+        torch.ops.aten,
+        (
+            "mm",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "max",
+        ),
+    )
+    | _ops(torch.ops._c10d_functional, ("reduce_scatter_tensor",))
+    | {
+        torch.ops.higher_order.flex_attention,  # block-causal attention on CUDA (models/attention.py), a higher-order op
+    }
+)
 _MM = torch.ops.aten.mm.default
 
 

@@ -41,7 +41,6 @@ def _with_plain_input(compiled_forward):
     return forward
 
 
-
 def compile_without_disk_cache() -> None:
     """Inductor's on-disk caches (FX graphs, AOTAutograd) key a compiled graph by its mesh but not by
     the names of the process groups its collectives use, which shift when a run makes its groups in
@@ -50,4 +49,6 @@ def compile_without_disk_cache() -> None:
     collectives, every start compiles afresh; FSDP's collectives stay outside the compiled code."""
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    logger.info("compile: inductor's on-disk cache is off under TP/EP (its entries name process groups); each start compiles afresh")
+    logger.info(
+        "compile: inductor's on-disk cache is off under TP/EP (its entries name process groups); each start compiles afresh"
+    )

@@ -61,7 +61,9 @@ def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tens
     return torch.cat([first, first + (2 * cp - 1 - 2 * rank) * chunk])
 
 
-def shard_of(seq_len: int, cp: int, rank: int, gather: Callable[[torch.Tensor], torch.Tensor], device=None) -> SequenceShard:
+def shard_of(
+    seq_len: int, cp: int, rank: int, gather: Callable[[torch.Tensor], torch.Tensor], device=None
+) -> SequenceShard:
     """cp rank `rank`'s SequenceShard of `seq_len`-token windows, whose keys and values come from `gather`."""
     every_rank = [chunk_positions(seq_len, cp, r, device) for r in range(cp)]
     return SequenceShard(every_rank[rank], torch.cat(every_rank), gather)
@@ -117,8 +119,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
             module.sequence_mesh = cp_mesh
 
 
-def split_batch(inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None,
-                shard: SequenceShard | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def split_batch(
+    inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None, shard: SequenceShard | None
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """A batch of whole windows -> this rank's (inputs, labels, the model's keyword inputs). Under context
     parallelism the inputs and labels are this rank's positions, the document ids stay whole (the mask
     needs every key's document) and the model is told its shard; without it the batch is unchanged."""

@@ -128,8 +128,11 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         if self.ep_enabled:
-            self.mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
-                                         mesh_dim_names=EP_MESH_DIMS)
+            self.mesh = init_device_mesh(
+                device_type,
+                (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
+                mesh_dim_names=EP_MESH_DIMS,
+            )
             self.shard_mesh = self.fsdp_shard_mesh = self.mesh["efsdp", "ep"]._flatten("dp_shard")
             self.expert_mesh = self.mesh["ep", "tp"]._flatten("ep_tp") if self.tp_enabled else self.mesh["ep"]
         else:
@@ -187,10 +190,13 @@ class ParallelDims:
                 "evenly; choose degrees whose product divides the experts, or expert_parallel_degree 1 for a model without experts"
             )
         if self.tp_enabled:
-            shapes = {"attention heads (n_heads)": args.n_heads,
-                      "key/value heads (n_kv_heads)": args.n_kv_heads,
-                      "feed-forward hidden size": args.ffn_hidden_dim, "vocabulary size": args.vocab_size,
-                      "experts (num_experts)": getattr(args, "num_experts", self.tp)}
+            shapes = {
+                "attention heads (n_heads)": args.n_heads,
+                "key/value heads (n_kv_heads)": args.n_kv_heads,
+                "feed-forward hidden size": args.ffn_hidden_dim,
+                "vocabulary size": args.vocab_size,
+                "experts (num_experts)": getattr(args, "num_experts", self.tp),
+            }
             for what, size in shapes.items():
                 if size % self.tp:
                     raise UserError(

@@ -52,11 +52,16 @@ def meet_without_torchrun(rank: int, world_size: int, timeout_s: int) -> dist.TC
     a rank that never starts would hang the others for torch's 30 minutes without a word."""
     addr, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
     try:
-        return dist.TCPStore(addr, port, world_size, rank == 0, timeout=timedelta(seconds=timeout_s), wait_for_workers=True)
+        return dist.TCPStore(
+            addr, port, world_size, rank == 0, timeout=timedelta(seconds=timeout_s), wait_for_workers=True
+        )
     except dist.DistError as error:
         joined = re.search(r"(\d+)/\d+ clients joined", str(error))  # rank 0 counts who came
-        who = (f"{joined.group(1)} joined, {world_size - int(joined.group(1))} missing" if joined
-               else f"rank {rank} could not reach rank 0 there")
+        who = (
+            f"{joined.group(1)} joined, {world_size - int(joined.group(1))} missing"
+            if joined
+            else f"rank {rank} could not reach rank 0 there"
+        )
         raise UserError(
             f"the {world_size} ranks (WORLD_SIZE) did not meet at MASTER_ADDR:MASTER_PORT {addr}:{port} within "
             f"job.init_timeout_seconds {timeout_s}: {who}; start every RANK from 0 to {world_size - 1} with the same "
@@ -82,8 +87,10 @@ def use_default_allocator() -> str:
     if not setting:
         return ""
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = setting
-    return (f"PYTORCH_CUDA_ALLOC_CONF is not set: using {setting} (less fragmentation, fewer out-of-memory "
-            "errors); set PYTORCH_CUDA_ALLOC_CONF to choose otherwise")
+    return (
+        f"PYTORCH_CUDA_ALLOC_CONF is not set: using {setting} (less fragmentation, fewer out-of-memory "
+        "errors); set PYTORCH_CUDA_ALLOC_CONF to choose otherwise"
+    )
 
 
 def choose_device_type(requested: str, gpus: int, local_rank: int, local_world_size: int) -> str:
@@ -141,9 +148,14 @@ def init_distributed(device_choice: str, init_timeout_s: int) -> DistInfo:
         backend = "gloo"
     if "MASTER_ADDR" in os.environ:
         # With torchrun's shared store (its default) its agent has already gathered every worker.
-        store = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else meet_without_torchrun(rank, world_size, init_timeout_s)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                device_id=device if device.type == "cuda" else None)
+        store = (
+            None
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            else meet_without_torchrun(rank, world_size, init_timeout_s)
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None
+        )
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistInfo(rank, world_size, device, allocator_note)
@@ -201,8 +213,12 @@ def leave_anyway_after(seconds: float, code: int) -> None:
 
 
 def say_late_exit(seconds: float, code: int) -> None:
-    print(f"warning: the process was still exiting {seconds:.0f} s after its run ended; it leaves now with exit code "
-          f"{code} (where each thread was:)", file=sys.stderr, flush=True)
+    print(
+        f"warning: the process was still exiting {seconds:.0f} s after its run ended; it leaves now with exit code "
+        f"{code} (where each thread was:)",
+        file=sys.stderr,
+        flush=True,
+    )
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
@@ -239,7 +255,8 @@ def torchrun_store() -> dist.TCPStore | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     try:
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=REPORT_WAIT)
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=REPORT_WAIT
+        )
     except (dist.DistError, KeyError, ValueError):
         return None

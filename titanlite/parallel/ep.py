@@ -87,7 +87,9 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
 
 
 def is_moe(module: nn.Module) -> bool:
-    return hasattr(module, "num_experts") and all(isinstance(getattr(module, n, None), nn.Parameter) for n in EXPERT_WEIGHTS)
+    return hasattr(module, "num_experts") and all(
+        isinstance(getattr(module, n, None), nn.Parameter) for n in EXPERT_WEIGHTS
+    )
 
 
 def apply_ep(model: nn.Module, expert_mesh: DeviceMesh, ep_mesh: DeviceMesh) -> None:
@@ -97,7 +99,9 @@ def apply_ep(model: nn.Module, expert_mesh: DeviceMesh, ep_mesh: DeviceMesh) -> 
         if not is_moe(module):
             continue
         for name in EXPERT_WEIGHTS:
-            module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name), expert_mesh, [Shard(0)])))
+            module.register_parameter(
+                name, nn.Parameter(distribute_tensor(getattr(module, name), expert_mesh, [Shard(0)]))
+            )
         module.ep_group = ep_mesh.get_group()
 
 

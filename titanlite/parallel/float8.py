@@ -49,8 +49,7 @@ def check_float8(cfg: Float8) -> None:
         import torchao.float8  # noqa: F401
     except ImportError:
         raise UserError(
-            "float8.enable needs torchao, which is not installed: pip install torchao "
-            "(or pip install -e '.[float8]')"
+            "float8.enable needs torchao, which is not installed: pip install torchao (or pip install -e '.[float8]')"
         ) from None
 
 

@@ -14,8 +14,15 @@ from titanlite.parallel.ep import expert_fsdp_units
 from titanlite.parallel.offload import fsdp_offload_policy
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str, reduce_dtype: str, reshard_after_forward: str,
-               cpu_offload: bool = False, expert_mesh: DeviceMesh | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: str,
+    cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
     """`mesh` has dims (dp_replicate, dp_shard), or dp_shard alone (ParallelDims.dp_mesh; under context
     parallelism dp_shard is the flattened (dp_shard, cp)); with more than one replica FSDP becomes HSDP.
 
@@ -32,10 +39,17 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: str, reduce_dtyp
     for index, block in enumerate(model.layers.values()):
         reshard = {"always": True, "never": False, "default": index < n_blocks - 1}[reshard_after_forward]
         if expert_mesh is not None:
-            shard_experts(block, mesh, expert_mesh, dict(mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload))
+            shard_experts(
+                block, mesh, expert_mesh, dict(mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
+            )
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always",
-                offload_policy=offload)
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=policy,
+        reshard_after_forward=reshard_after_forward == "always",
+        offload_policy=offload,
+    )
 
 
 # A MoE's output [B, T, D] is a view of its [B * T, D] result; every block adds it out of place, so

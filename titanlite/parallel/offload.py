@@ -77,7 +77,9 @@ def storage_span(tensor: torch.Tensor) -> torch.Tensor:
     """The elements a strided view reaches, from its first one, as one contiguous 1-D view: copying
     it and rebuilding the view with the same size and strides works for any view (gaps, transposes,
     expanded dimensions); only the storage offset becomes 0, which is at least as aligned."""
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
+    extent = (
+        1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
+    )
     return tensor.as_strided((extent,), (1,))
 
 
@@ -87,7 +89,20 @@ class _Offloaded:
     the ops that saved it (wq, wk and wv all save the same normed input): one copy out, one copy back,
     and the copy back lives until the last of them has taken it in backward."""
 
-    __slots__ = ("index", "host", "shape", "stride", "device", "stream", "on_device", "ready", "uses", "taken", "held", "__weakref__")
+    __slots__ = (
+        "index",
+        "host",
+        "shape",
+        "stride",
+        "device",
+        "stream",
+        "on_device",
+        "ready",
+        "uses",
+        "taken",
+        "held",
+        "__weakref__",
+    )
 
     def __init__(self, index: int, tensor: torch.Tensor, stream, held: HeldBytes):
         self.index, self.shape, self.stride, self.device = index, tensor.shape, tensor.stride(), tensor.device
@@ -175,7 +190,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if not isinstance(packed, _Offloaded):
             return packed
         if packed.stream is not None:
-            for ref in self.saved[max(0, packed.index - self.PREFETCH):packed.index]:
+            for ref in self.saved[max(0, packed.index - self.PREFETCH) : packed.index]:
                 earlier = ref()
                 if earlier is not None and earlier.on_device is None and not earlier.taken:  # not yet in backward
                     earlier.fetch()

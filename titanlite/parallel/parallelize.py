@@ -30,11 +30,19 @@ class ParallelizeSettings:
 
     @classmethod
     def of(cls, cfg: JobConfig) -> "ParallelizeSettings":
-        return cls(cfg.parallelism, cfg.float8, cfg.activation_checkpoint, cfg.compile,
-                   cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce)
+        return cls(
+            cfg.parallelism,
+            cfg.float8,
+            cfg.activation_checkpoint,
+            cfg.compile,
+            cfg.training.mixed_precision_param,
+            cfg.training.mixed_precision_reduce,
+        )
 
 
-def parallelize_decoder(model: nn.Module, dims: ParallelDims, settings: ParallelizeSettings, apply_tp: Callable) -> nn.Module:
+def parallelize_decoder(
+    model: nn.Module, dims: ParallelDims, settings: ParallelizeSettings, apply_tp: Callable
+) -> nn.Module:
     """For any decoder with model.layers: float8 -> EP -> CP -> TP (the family's apply_tp plan) -> AC -> compile
     -> FSDP. CP changes no weight: it only tells the MoE balance losses which ranks hold the rest of each sequence.
 
@@ -62,7 +70,13 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, settings: Parallel
         compile_without_disk_cache()
     apply_compile(model, settings.compile, fullgraph=not dims.ep_enabled)
     if dims.fsdp_enabled:
-        apply_fsdp(model, dims.dp_mesh, settings.param_dtype, settings.reduce_dtype, par.fsdp_reshard_after_forward,
-                   cpu_offload=par.fsdp_cpu_offload, expert_mesh=dims.expert_fsdp_mesh if dims.ep_enabled else None)
+        apply_fsdp(
+            model,
+            dims.dp_mesh,
+            settings.param_dtype,
+            settings.reduce_dtype,
+            par.fsdp_reshard_after_forward,
+            cpu_offload=par.fsdp_cpu_offload,
+            expert_mesh=dims.expert_fsdp_mesh if dims.ep_enabled else None,
+        )
     return model
-

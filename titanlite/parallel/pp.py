@@ -22,8 +22,13 @@ from titanlite.errors import UserError
 from titanlite.log import logger
 from titanlite.loss import LossScale, computed_in_forward, loss_parallel_context, stage_forward, stage_loss
 
-SCHEDULE_CLASSES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
-                    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble", "ZBVZeroBubble": "ScheduleZBVZeroBubble"}
+SCHEDULE_CLASSES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+}
 
 
 def stages_per_rank(cfg: Parallelism) -> int:
@@ -180,13 +185,19 @@ class Pipeline:
         if self.chunked:
             model_kwargs = {**model_kwargs, "labels": labels}
         with loss_parallel_context(self.loss_parallel):
-            run(*([inputs] if self.has_first else []), target=labels if self.has_last else None, losses=losses,
-                **model_kwargs)
+            run(
+                *([inputs] if self.has_first else []),
+                target=labels if self.has_last else None,
+                losses=losses,
+                **model_kwargs,
+            )
         total = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=labels.device)
         dist.all_reduce(total, group=self.group)  # only the last stage's rank adds a non-zero
         return total
 
-    def train_microstep(self, inputs, labels, scale: LossScale, aux_loss_coeff: float, model_kwargs: dict) -> torch.Tensor:
+    def train_microstep(
+        self, inputs, labels, scale: LossScale, aux_loss_coeff: float, model_kwargs: dict
+    ) -> torch.Tensor:
         """Forward and backward of one micro-step's batch; its loss as a run without PP computes it
         (`scale` counts every microbatch of the step: loss.py)."""
         self.scale = scale
@@ -230,12 +241,15 @@ class Pipeline:
 def check_pipeline(cfg: Parallelism, pp: int, n_layers: int, local_batch_size: int) -> list[range]:
     """Every impossible layout as one sentence, before anything is built; returns the stages' blocks."""
     num_stages = pp * stages_per_rank(cfg)
-    microbatches(local_batch_size, cfg.pipeline_parallel_microbatch_size, num_stages, cfg.pipeline_parallel_schedule, pp)
+    microbatches(
+        local_batch_size, cfg.pipeline_parallel_microbatch_size, num_stages, cfg.pipeline_parallel_schedule, pp
+    )
     return layer_split(n_layers, num_stages, cfg.pipeline_parallel_layers_per_stage)
 
 
-def stage_parts(model: nn.Module, dims, par: Parallelism, local_batch_size: int,
-                parallelize: Callable[[nn.Module], nn.Module]) -> tuple[list[range], dict[int, nn.Module]]:
+def stage_parts(
+    model: nn.Module, dims, par: Parallelism, local_batch_size: int, parallelize: Callable[[nn.Module], nn.Module]
+) -> tuple[list[range], dict[int, nn.Module]]:
     """The pipeline's blocks per stage, and this rank's stages (stage index -> part), parallelized and
     still on the meta device: what the rank will hold (the planner counts these)."""
     splits = check_pipeline(par, dims.pp, model.args.n_layers, local_batch_size)
@@ -257,9 +271,16 @@ def tie_copies(pipeline: Pipeline, dims, last_pp_rank: int) -> None:
     pipeline.tied_group, _ = dist.new_subgroups_by_enumeration(ends)
 
 
-def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: int,
-                   parallelize: Callable[[nn.Module], nn.Module], materialize: Callable[[nn.Module], nn.Module],
-                   device: torch.device, loss_fn) -> tuple[nn.Module, Pipeline]:
+def build_pipeline(
+    model: nn.Module,
+    dims,
+    par: Parallelism,
+    local_batch_size: int,
+    parallelize: Callable[[nn.Module], nn.Module],
+    materialize: Callable[[nn.Module], nn.Module],
+    device: torch.device,
+    loss_fn,
+) -> tuple[nn.Module, Pipeline]:
     """Meta model -> this rank's stage parts, each parallelized, then allocated and initialised by
     `materialize` (build.py's, the same as a model without PP) -> schedule.
 
@@ -271,14 +292,22 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
 
     splits, parts = stage_parts(model, dims, par, local_batch_size, parallelize)
     num_stages = len(splits)
-    n_micro = microbatches(local_batch_size, par.pipeline_parallel_microbatch_size, num_stages,
-                           par.pipeline_parallel_schedule, dims.pp)
+    n_micro = microbatches(
+        local_batch_size, par.pipeline_parallel_microbatch_size, num_stages, par.pipeline_parallel_schedule, dims.pp
+    )
     blocks = " | ".join(f"{split[0]}-{split[-1]}" if len(split) > 1 else f"{split[0]}" for split in splits)
-    logger.info(f"pipeline: {par.pipeline_parallel_schedule}, {num_stages} stages ({num_stages // dims.pp} per rank) holding "
-                f"blocks {blocks}; {n_micro} microbatches of {par.pipeline_parallel_microbatch_size} per micro-step")
-    pipeline = Pipeline([], None, dims.mesh["pp"].get_group(), n_micro,
-                        loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
-                        chunked=computed_in_forward(loss_fn))
+    logger.info(
+        f"pipeline: {par.pipeline_parallel_schedule}, {num_stages} stages ({num_stages // dims.pp} per rank) holding "
+        f"blocks {blocks}; {n_micro} microbatches of {par.pipeline_parallel_microbatch_size} per micro-step"
+    )
+    pipeline = Pipeline(
+        [],
+        None,
+        dims.mesh["pp"].get_group(),
+        n_micro,
+        loss_parallel=dims.tp_enabled and not par.disable_loss_parallel,
+        chunked=computed_in_forward(loss_fn),
+    )
     for stage_id, part in parts.items():
         forward = functools.partial(pipeline.part_forward, part.forward, part)
         if pipeline.chunked:
@@ -289,13 +318,20 @@ def build_pipeline(model: nn.Module, dims, par: Parallelism, local_batch_size: i
         pipeline.stages.append(PipelineStage(part, stage_id, num_stages, device, group=pipeline.group))
     if getattr(model.args, "tie_embeddings", False):
         per_rank = num_stages // dims.pp
-        last_pp_rank = next(r for r in range(dims.pp)
-                            if num_stages - 1 in stage_ids(r, dims.pp, per_rank, par.pipeline_parallel_schedule))
+        last_pp_rank = next(
+            r
+            for r in range(dims.pp)
+            if num_stages - 1 in stage_ids(r, dims.pp, per_rank, par.pipeline_parallel_schedule)
+        )
         tie_copies(pipeline, dims, last_pp_rank)
     schedule_cls = getattr(schedules, SCHEDULE_CLASSES[par.pipeline_parallel_schedule])
     stages = pipeline.stages[0] if par.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES else pipeline.stages
     # Gradients are not rescaled by the schedule: each microbatch's loss is already scaled (pipeline.scale).
-    pipeline.schedule = schedule_cls(stages, n_microbatches=n_micro, scale_grads=False,
-                                     loss_fn=lambda output, labels: pipeline.scale.apply(stage_loss(output, labels, loss_fn), labels))
+    pipeline.schedule = schedule_cls(
+        stages,
+        n_microbatches=n_micro,
+        scale_grads=False,
+        loss_fn=lambda output, labels: pipeline.scale.apply(stage_loss(output, labels, loss_fn), labels),
+    )
     rank_model = pipeline.parts[0] if len(pipeline.parts) == 1 else RankModel(pipeline.parts)
     return rank_model, pipeline

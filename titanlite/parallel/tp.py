@@ -28,7 +28,9 @@ from titanlite.errors import UserError
 
 def check_tensor_parallel(cfg: Parallelism, device_type: str, compile_enabled: bool) -> None:
     if cfg.enable_async_tensor_parallel and cfg.tensor_parallel_degree == 1:
-        raise UserError("parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree above 1; set one of them")
+        raise UserError(
+            "parallelism.enable_async_tensor_parallel needs parallelism.tensor_parallel_degree above 1; set one of them"
+        )
     if cfg.enable_async_tensor_parallel and (device_type != "cuda" or not compile_enabled):
         raise UserError(
             f"parallelism.enable_async_tensor_parallel needs CUDA and compile.enable (this run: {device_type}, "
@@ -138,11 +140,13 @@ def _refuse_float8_under_rows_by_groups(module: nn.Module, plan: dict[str, Paral
         if isinstance(style, RowsByGroups) and isinstance(module.get_submodule(fqn), float8_linear):
             raise UserError(
                 f"float8.enable cannot run {fqn} (split by RowsByGroups, which computes its own matmul) in float8 under "
-                f"parallelism.tensor_parallel_degree above 1: add \"{fqn.split('.')[-1]}\" to float8.filter_fqns"
+                f'parallelism.tensor_parallel_degree above 1: add "{fqn.split(".")[-1]}" to float8.filter_fqns'
             )
 
 
-def with_float8_styles(module: nn.Module, plan: dict[str, ParallelStyle], float8_collectives: bool) -> dict[str, ParallelStyle]:
+def with_float8_styles(
+    module: nn.Module, plan: dict[str, ParallelStyle], float8_collectives: bool
+) -> dict[str, ParallelStyle]:
     """The plan with torchao's float8 TP styles where float8 linears run under the tensorwise recipe.
 
     Float8ColwiseParallel / Float8RowwiseParallel cast a linear's input to float8 before its
@@ -172,19 +176,27 @@ def with_float8_styles(module: nn.Module, plan: dict[str, ParallelStyle], float8
 
     def linears_all_float8(prefix: str, target: nn.Module) -> bool:
         linears = {f"{prefix}.{name}": m for name, m in target.named_modules() if isinstance(m, nn.Linear)}
-        return bool(linears) and all(tensorwise_float8(m) and isinstance(plan.get(fqn), (ColwiseParallel, RowwiseParallel))
-                                     for fqn, m in linears.items())
+        return bool(linears) and all(
+            tensorwise_float8(m) and isinstance(plan.get(fqn), (ColwiseParallel, RowwiseParallel))
+            for fqn, m in linears.items()
+        )
 
     swapped = {}
     for fqn, style in plan.items():
         target = module.get_submodule(fqn)
         if tensorwise_float8(target) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
             float8_style = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
-            style = float8_style(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
-                                 use_local_output=style.use_local_output)
+            style = float8_style(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
         elif type(style) is PrepareModuleInput and style.input_layouts and linears_all_float8(fqn, target):
-            style = PrepareFloat8ModuleInput(input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
-                                             use_local_output=style.use_local_output)
+            style = PrepareFloat8ModuleInput(
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
+                use_local_output=style.use_local_output,
+            )
         swapped[fqn] = style
     return swapped
 
@@ -192,7 +204,9 @@ def with_float8_styles(module: nn.Module, plan: dict[str, ParallelStyle], float8
 def parallelize_block(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
     """parallelize_module with the float8 styles swapped in where float8 linears take part (gloo,
     the CPU's backend, has no float8 dtypes)."""
-    parallelize_module(module, tp_mesh, with_float8_styles(module, plan, float8_collectives=tp_mesh.device_type != "cpu"))
+    parallelize_module(
+        module, tp_mesh, with_float8_styles(module, plan, float8_collectives=tp_mesh.device_type != "cpu")
+    )
 
 
 def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict, block_plan: dict) -> None:
@@ -222,4 +236,3 @@ def place_grad_like_param(param: torch.Tensor) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
-

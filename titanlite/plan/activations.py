@@ -166,8 +166,17 @@ def recomputed_by_compile(cfg: JobConfig) -> frozenset:
     from torch._functorch.partitioners import get_default_op_list
 
     aten = torch.ops.aten
-    softmax = {aten._log_softmax, aten._softmax, aten._log_softmax_backward_data, aten._softmax_backward_data,
-               aten.nll_loss_backward} if cfg.compile.compiles("loss") else set()
+    softmax = (
+        {
+            aten._log_softmax,
+            aten._softmax,
+            aten._log_softmax_backward_data,
+            aten._softmax_backward_data,
+            aten.nll_loss_backward,
+        }
+        if cfg.compile.compiles("loss")
+        else set()
+    )
     return frozenset(get_default_op_list().recomputable_ops) | softmax
 
 
@@ -180,6 +189,7 @@ def planned_shard(seq_len: int, cp: int) -> SequenceShard:
 def leave_out_dense_masks(model, tally: LiveBytes) -> None:
     """Under context parallelism the tally counts no attention mask: each block's GatheredKeys carries
     the CPU's dense [T_local, T] one, where a GPU's BlockMask is a few kilobytes."""
+
     def leave_out(_, inputs):
         for value in inputs:
             if isinstance(value, GatheredKeys):
@@ -195,6 +205,7 @@ def count_sequence_gathers(model, tally: LiveBytes) -> None:
     (parallel/tp.py); in backward the gradient of each output is gathered whole and that of each input
     is whole until reduce-scattered; the output projection takes the final norm's output gathered. The
     tally divides every other tensor by tp: these it counts whole on every rank."""
+
     def whole(tensor: torch.Tensor) -> None:
         tally.unsplit(tensor)
         if tensor.requires_grad:
@@ -211,23 +222,43 @@ def count_sequence_gathers(model, tally: LiveBytes) -> None:
         model.output.register_forward_pre_hook(lambda _, inputs: whole(inputs[0]))
 
 
-TALLIES: dict[tuple, Activations] = {}  # measure()'s results in this process: a table of rows repeats many jobs' tallies
+TALLIES: dict[
+    tuple, Activations
+] = {}  # measure()'s results in this process: a table of rows repeats many jobs' tallies
 
 
-def measure(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool = False,
-            middle: bool = False) -> Activations:
+def measure(
+    cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool = False, middle: bool = False
+) -> Activations:
     """One training micro-step of the model cut to n_layers blocks, tallied op by op (as a compiled
     step keeps it where `compiled`); `middle`: as a pipeline stage holding those blocks alone, which takes
     hidden states and a gradient for its output. Jobs that differ only in what the tally does not read
     (float8, async TP, the node count beyond the shards) share one tally."""
-    key = tuple(map(repr, (cfg.training, cfg.lora, cfg.activation_checkpoint, cfg.compile, spec.model_cls, args, dims,
-                           n_layers, compiled, middle)))
+    key = tuple(
+        map(
+            repr,
+            (
+                cfg.training,
+                cfg.lora,
+                cfg.activation_checkpoint,
+                cfg.compile,
+                spec.model_cls,
+                args,
+                dims,
+                n_layers,
+                compiled,
+                middle,
+            ),
+        )
+    )
     if key not in TALLIES:
         TALLIES[key] = tally_step(cfg, spec, args, dims, n_layers, compiled, middle)
     return TALLIES[key]
 
 
-def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool, middle: bool) -> Activations:
+def tally_step(
+    cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, compiled: bool, middle: bool
+) -> Activations:
     """measure() without its memo."""
     training = cfg.training
     compute = DTYPES[training.mixed_precision_param]
@@ -237,7 +268,9 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
         model = spec.model_cls(dataclasses.replace(args, n_layers=n_layers))
         if middle:
             cut_to_stage(model, range(n_layers), first=False, last=False)
-        apply_lora(model, cfg.lora, whole=False)  # a frozen weight's input is not saved for its (never computed) gradient
+        apply_lora(
+            model, cfg.lora, whole=False
+        )  # a frozen weight's input is not saved for its (never computed) gradient
         route_evenly(model)  # fake tensors hold no router values: each expert takes an equal share (plan/moe.py)
         # FSDP gathers the parameters in the compute dtype; without it autocast casts them, as in train_step.
         dtype = compute if dims.fsdp_enabled else DTYPES[training.param_dtype]
@@ -250,15 +283,21 @@ def tally_step(cfg: JobConfig, spec, args, dims: ParallelDims, n_layers: int, co
         if middle:  # the previous stage's hidden states
             inputs = torch.randn(*inputs.shape, args.dim, dtype=dtype, requires_grad=True)
     positions = [shard.positions, shard.key_positions] if shard is not None else []
-    tally = LiveBytes(dims.tp, [*model.parameters(), *model.buffers(), inputs, labels, *positions],
-                      recomputed_by_compile(cfg) if compiled else frozenset())
+    tally = LiveBytes(
+        dims.tp,
+        [*model.parameters(), *model.buffers(), inputs, labels, *positions],
+        recomputed_by_compile(cfg) if compiled else frozenset(),
+    )
     if shard is not None:
         leave_out_dense_masks(model, tally)
     if dims.tp_enabled:
         count_sequence_gathers(model, tally)
     if compiled:  # what crosses a compiled region's edge is kept: blocks' inputs, the gradients flowing back into each
+
         def keep_gradient(_, inputs, output):
-            output = output[0] if isinstance(output, tuple) else output  # an MoE block's hidden state, its loss and loads
+            output = (
+                output[0] if isinstance(output, tuple) else output
+            )  # an MoE block's hidden state, its loss and loads
             if output.requires_grad:
                 output.register_hook(tally.keep)
 
@@ -305,7 +344,9 @@ def middle_stage_transient(cfg: JobConfig, spec, args, dims: ParallelDims, compi
     return stage.peak - stage.saved
 
 
-def per_block_and_ends(cfg: JobConfig, spec, args, dims: ParallelDims, compiled: bool = False) -> tuple[Activations, Activations]:
+def per_block_and_ends(
+    cfg: JobConfig, spec, args, dims: ParallelDims, compiled: bool = False
+) -> tuple[Activations, Activations]:
     """measure() at depths p and 2p (p = the AC period): one block's share, and the rest (the embedding,
     final norm, logits and loss, and the first measured depth's AC remainder)."""
     period = ac_period(cfg.activation_checkpoint)

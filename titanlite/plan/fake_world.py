@@ -47,7 +47,8 @@ def buildable(cfg: JobConfig) -> ParallelizeSettings:
     """cfg's parallelize settings minus what cannot be built without a GPU and does not change shard sizes."""
     settings = ParallelizeSettings.of(cfg)
     return dataclasses.replace(
-        settings, float8=dataclasses.replace(cfg.float8, enable=False),
+        settings,
+        float8=dataclasses.replace(cfg.float8, enable=False),
         parallelism=dataclasses.replace(cfg.parallelism, enable_async_tensor_parallel=False, fsdp_cpu_offload=False),
     )
 
@@ -72,6 +73,8 @@ def state_bytes(model: nn.Module, optimizer_name: str) -> dict[str, int]:
     shard = sum(p.numel() * p.element_size() for p in trained.values())
     muon_shard = sum(trained[n].numel() * trained[n].element_size() for n in muon)
     optimizer = MOMENTS[optimizer_name] * (shard - muon_shard) + MUON_MOMENTS * muon_shard
-    return {"params": sum(p.numel() * p.element_size() for p in params), "grads": shard,
-            "optimizer": optimizer + STEP_BYTES * (len(trained) - len(muon))}
-
+    return {
+        "params": sum(p.numel() * p.element_size() for p in params),
+        "grads": shard,
+        "optimizer": optimizer + STEP_BYTES * (len(trained) - len(muon)),
+    }

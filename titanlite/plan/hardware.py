@@ -50,16 +50,19 @@ class Gpu:
 # H100 run used cuDNN's attention on torch 2.11).
 GRAND_TETON_CLOCK = 0.66
 
-GPUS = {gpu.name: gpu for gpu in (
-    Gpu("A100 40GB", "A100", 39.4, 0.0, 1.56, 300.0, "ampere"),
-    Gpu("A100 80GB", "A100", 79.2, 0.0, 2.04, 300.0, "ampere"),
-    Gpu("H100 SXM", "H100", 79.1, 1979.0, 3.35, 450.0, "hopper"),
-    Gpu("H100 PCIe", "H100 PCIe", 79.1, 1513.0, 2.0, 64.0, "hopper"),
-    Gpu("H100 96GB 500W", "H100", 94.5, 1979.0, 2.4, 450.0, "hopper", clock=GRAND_TETON_CLOCK),
-    Gpu("H200", "H200", 139.8, 1979.0, 4.8, 450.0, "hopper"),
-    Gpu("B200", "B200", 178.4, 4500.0, 8.0, 900.0, "blackwell"),
-    Gpu("GB200", "GB200", 184.0, 5000.0, 8.0, 900.0, "blackwell"),
-)}
+GPUS = {
+    gpu.name: gpu
+    for gpu in (
+        Gpu("A100 40GB", "A100", 39.4, 0.0, 1.56, 300.0, "ampere"),
+        Gpu("A100 80GB", "A100", 79.2, 0.0, 2.04, 300.0, "ampere"),
+        Gpu("H100 SXM", "H100", 79.1, 1979.0, 3.35, 450.0, "hopper"),
+        Gpu("H100 PCIe", "H100 PCIe", 79.1, 1513.0, 2.0, 64.0, "hopper"),
+        Gpu("H100 96GB 500W", "H100", 94.5, 1979.0, 2.4, 450.0, "hopper", clock=GRAND_TETON_CLOCK),
+        Gpu("H200", "H200", 139.8, 1979.0, 4.8, 450.0, "hopper"),
+        Gpu("B200", "B200", 178.4, 4500.0, 8.0, 900.0, "blackwell"),
+        Gpu("GB200", "GB200", 184.0, 5000.0, 8.0, 900.0, "blackwell"),
+    )
+}
 
 FABRIC_GBPS = {"infiniband_ndr": 50.0, "efa_p5": 50.0}  # per GPU, per direction
 
@@ -98,4 +101,6 @@ ASYNC_TP_HIDDEN = 0.381
 
 def check_dtype(gpu: Gpu, dtype: str) -> None:
     if dtype == "float8" and gpu.fp8_tflops == 0:
-        raise UserError(f"plan.gpu {gpu.name} has no float8 tensor cores; set float8.enable false or pick a GPU with float8 (H100, H200, B200, GB200)")
+        raise UserError(
+            f"plan.gpu {gpu.name} has no float8 tensor cores; set float8.enable false or pick a GPU with float8 (H100, H200, B200, GB200)"
+        )

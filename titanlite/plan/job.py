@@ -59,8 +59,11 @@ def rank_stages(cfg: JobConfig, n_layers: int, pp: int, pp_rank: int) -> Stages:
 
 def held_root_params(whole, stages: Stages) -> list:
     """Parameters outside model.layers that the stages hold: the embedding on the first, the rest on the last."""
-    held = [module for name, module in whole.named_children()
-            if name != "layers" and (stages.first if name == "tok_embeddings" else stages.last)]
+    held = [
+        module
+        for name, module in whole.named_children()
+        if name != "layers" and (stages.first if name == "tok_embeddings" else stages.last)
+    ]
     return list({id(p): p for module in held for p in module.parameters()}.values())  # tied embeddings count once
 
 
@@ -74,8 +77,11 @@ def stage_params(whole, stages: Stages, ep: int) -> tuple[int, int]:
     parameters it holds; under EP a block's E / ep experts only."""
     largest = max(whole.layers.values(), key=lambda b: gathered_params(b, ep))
     root = held_root_params(whole, stages)
-    return tuple(stages.held * gathered_params(largest, ep, trained) + sum(p.numel() for p in root if p.requires_grad or not trained)
-                 for trained in (False, True))
+    return tuple(
+        stages.held * gathered_params(largest, ep, trained)
+        + sum(p.numel() for p in root if p.requires_grad or not trained)
+        for trained in (False, True)
+    )
 
 
 STATES: dict[str, dict[int, dict[str, int]]] = {}  # plan_states' results in this process: jobs that differ only
@@ -124,7 +130,9 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     args = model_args(cfg, spec)
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
     dims = ParallelDims.from_config(cfg.parallelism, world)
-    check_context_parallel(cfg.training.seq_len, dims.cp)  # load_config checks it too; a changed config (changes_to_try) is not loaded
+    check_context_parallel(
+        cfg.training.seq_len, dims.cp
+    )  # load_config checks it too; a changed config (changes_to_try) is not loaded
     if dims.tp_enabled or cfg.parallelism.enable_async_tensor_parallel:
         check_tensor_parallel(cfg.parallelism, "cuda", cfg.compile.enable)
     return predict(cfg, spec, args, dims, plan_states(cfg, world))
@@ -140,27 +148,63 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
     tallies = (False, True) if cfg.compile.compiles("model") else (False,)  # eager; a compiled step's lower bound
     if dims.pp_enabled:
         # Each in-flight microbatch's activations, measured at the microbatch size and composed per stage.
-        microbatch = dataclasses.replace(cfg, training=dataclasses.replace(
-            cfg.training, local_batch_size=cfg.parallelism.pipeline_parallel_microbatch_size))
-        pieces = [(*per_block_and_ends(microbatch, spec, args, dims, compiled),
-                   middle_stage_transient(microbatch, spec, args, dims, compiled)) for compiled in tallies]
+        microbatch = dataclasses.replace(
+            cfg,
+            training=dataclasses.replace(
+                cfg.training, local_batch_size=cfg.parallelism.pipeline_parallel_microbatch_size
+            ),
+        )
+        pieces = [
+            (
+                *per_block_and_ends(microbatch, spec, args, dims, compiled),
+                middle_stage_transient(microbatch, spec, args, dims, compiled),
+            )
+            for compiled in tallies
+        ]
     else:
         whole_model = [activations(cfg, spec, args, dims, compiled) for compiled in tallies]
     rollout = rollout_memory(cfg, Shape.of(whole, cfg.training.seq_len, 0.0), dims)
     roles = []
     for pp_rank, state in states.items():
         stages = rank_stages(cfg, args.n_layers, dims.pp, pp_rank)
-        acts = ([stage_activations(per_block, ends, transient, stages, in_flight(cfg, dims.pp, pp_rank),
-                                   last_stage_in_flight(cfg, dims.pp))
-                 for per_block, ends, transient in pieces] if dims.pp_enabled else whole_model)
-        buffers = (pipeline_fsdp_buffers(cfg, *stage_params(whole, stages, dims.ep), dims) if dims.pp_enabled
-                   else fsdp_buffers(cfg, block, root_params(whole, stages), dims))
-        memory = plan_memory(cfg, state, acts[0], buffers, gpu.memory_gib, acts[1] if len(acts) > 1 else None,
-                             rollout.total if rollout is not None else 0)
+        acts = (
+            [
+                stage_activations(
+                    per_block,
+                    ends,
+                    transient,
+                    stages,
+                    in_flight(cfg, dims.pp, pp_rank),
+                    last_stage_in_flight(cfg, dims.pp),
+                )
+                for per_block, ends, transient in pieces
+            ]
+            if dims.pp_enabled
+            else whole_model
+        )
+        buffers = (
+            pipeline_fsdp_buffers(cfg, *stage_params(whole, stages, dims.ep), dims)
+            if dims.pp_enabled
+            else fsdp_buffers(cfg, block, root_params(whole, stages), dims)
+        )
+        memory = plan_memory(
+            cfg,
+            state,
+            acts[0],
+            buffers,
+            gpu.memory_gib,
+            acts[1] if len(acts) > 1 else None,
+            rollout.total if rollout is not None else 0,
+        )
         roles.append((stages.name if dims.pp_enabled else "every rank", memory))
     mesh = dims.layout
-    return JobPlan(roles, dims.dp_degree * dims.batch_sharing_degree, mesh, job_speed(cfg, spec, whole, dims, states),
-                   plan_notes(cfg, args.dim, gpu))
+    return JobPlan(
+        roles,
+        dims.dp_degree * dims.batch_sharing_degree,
+        mesh,
+        job_speed(cfg, spec, whole, dims, states),
+        plan_notes(cfg, args.dim, gpu),
+    )
 
 
 def job_speed(cfg: JobConfig, spec, whole, dims, states: dict[int, dict[str, int]]) -> Speed:
@@ -180,25 +224,48 @@ def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:
     ac, par, training = cfg.activation_checkpoint, cfg.parallelism, cfg.training
     tries = []
     if ac.mode == "none":
-        tries.append(("--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op",
-                      replace(cfg, activation_checkpoint=replace(ac, mode="selective", selective_ac_option="op"))))
+        tries.append(
+            (
+                "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op",
+                replace(cfg, activation_checkpoint=replace(ac, mode="selective", selective_ac_option="op")),
+            )
+        )
     if ac.mode != "full":
-        tries.append(("--activation_checkpoint.mode full", replace(cfg, activation_checkpoint=replace(ac, mode="full"))))
-    dp = ParallelDims.from_config(par, cfg.plan.nodes * cfg.plan.gpus_per_node).dp_degree  # the ranks reading their own batches
+        tries.append(
+            ("--activation_checkpoint.mode full", replace(cfg, activation_checkpoint=replace(ac, mode="full")))
+        )
+    dp = ParallelDims.from_config(
+        par, cfg.plan.nodes * cfg.plan.gpus_per_node
+    ).dp_degree  # the ranks reading their own batches
     global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp
     if training.local_batch_size > 1:
         half = training.local_batch_size // 2
-        tries.append((f"--training.local_batch_size {half} --training.global_batch_size {global_batch}",
-                      replace(cfg, training=replace(training, local_batch_size=half, global_batch_size=global_batch))))
+        tries.append(
+            (
+                f"--training.local_batch_size {half} --training.global_batch_size {global_batch}",
+                replace(cfg, training=replace(training, local_batch_size=half, global_batch_size=global_batch)),
+            )
+        )
     tp = par.tensor_parallel_degree * 2
     if tp <= cfg.plan.gpus_per_node:
-        tries.append((f"--parallelism.tensor_parallel_degree {tp}",
-                      replace(cfg, parallelism=replace(par, tensor_parallel_degree=tp))))
+        tries.append(
+            (
+                f"--parallelism.tensor_parallel_degree {tp}",
+                replace(cfg, parallelism=replace(par, tensor_parallel_degree=tp)),
+            )
+        )
     if par.data_parallel_shard_degree == -1:  # twice the cp ranks from the shard ranks, the global batch kept
         cp = par.context_parallel_degree * 2
-        tries.append((f"--parallelism.context_parallel_degree {cp} --training.global_batch_size {global_batch}",
-                      replace(cfg, parallelism=replace(par, context_parallel_degree=cp),
-                              training=replace(training, global_batch_size=global_batch))))
+        tries.append(
+            (
+                f"--parallelism.context_parallel_degree {cp} --training.global_batch_size {global_batch}",
+                replace(
+                    cfg,
+                    parallelism=replace(par, context_parallel_degree=cp),
+                    training=replace(training, global_batch_size=global_batch),
+                ),
+            )
+        )
     if not par.fsdp_cpu_offload:
         tries.append(("--parallelism.fsdp_cpu_offload", replace(cfg, parallelism=replace(par, fsdp_cpu_offload=True))))
     return tries

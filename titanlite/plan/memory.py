@@ -84,8 +84,15 @@ def optimizer_temporaries(cfg: JobConfig, params: int) -> int:
     return params if foreach else 0
 
 
-def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffers: int, capacity_gib: float,
-                lower: Activations | None = None, rollout: int = 0) -> Memory:
+def plan_memory(
+    cfg: JobConfig,
+    state: dict[str, int],
+    acts: Activations,
+    buffers: int,
+    capacity_gib: float,
+    lower: Activations | None = None,
+    rollout: int = 0,
+) -> Memory:
     """`acts`: the eager tally; `lower`: a compiled step's lower bound (None when the blocks are not compiled);
     `rollout`: what GRPO's rollout holds besides the state, while no gradient is (a third moment of the peak)."""
     on_gpu = {k: 0 for k in state} if cfg.parallelism.fsdp_cpu_offload else state  # offload keeps them in CPU memory
@@ -104,5 +111,6 @@ def plan_memory(cfg: JobConfig, state: dict[str, int], acts: Activations, buffer
     peak = peak_with(kept)
     needs = int(peak * (1 + ALLOCATOR_MARGIN) + CONTEXT_GIB * GIB)
     bounds = None if lower is None else (peak_with(least), peak_with(acts.peak))
-    return Memory(params, grads, optimizer, kept, buffers, peak, bounds, needs, int(capacity_gib * GIB), reference,
-                  rollout)
+    return Memory(
+        params, grads, optimizer, kept, buffers, peak, bounds, needs, int(capacity_gib * GIB), reference, rollout
+    )

@@ -55,4 +55,6 @@ def gathered_params(module, ep: int, trained_only: bool = False) -> int:
     """Parameters of `module` that FSDP gathers on one rank: under EP only its E / ep routed experts
     (`trained_only`: those with a gradient, LoRA's frozen base left out)."""
     experts = {id(getattr(moe, name)) for moe in moe_modules(module) for name in EXPERT_WEIGHTS}
-    return sum(p.numel() // (ep if id(p) in experts else 1) for p in module.parameters() if p.requires_grad or not trained_only)
+    return sum(
+        p.numel() // (ep if id(p) in experts else 1) for p in module.parameters() if p.requires_grad or not trained_only
+    )

@@ -43,13 +43,22 @@ class Stages:
 
 def microbatch_count(cfg: JobConfig, pp: int) -> int:
     par = cfg.parallelism
-    return microbatches(cfg.training.local_batch_size, par.pipeline_parallel_microbatch_size,
-                        pp * stages_per_rank(par), par.pipeline_parallel_schedule, pp)
+    return microbatches(
+        cfg.training.local_batch_size,
+        par.pipeline_parallel_microbatch_size,
+        pp * stages_per_rank(par),
+        par.pipeline_parallel_schedule,
+        pp,
+    )
 
 
 def in_flight(cfg: JobConfig, pp: int, pp_rank: int) -> int:
     """Stage-microbatches whose activations the rank holds at once (the module docstring's model)."""
-    count, schedule, per_rank = microbatch_count(cfg, pp), cfg.parallelism.pipeline_parallel_schedule, stages_per_rank(cfg.parallelism)
+    count, schedule, per_rank = (
+        microbatch_count(cfg, pp),
+        cfg.parallelism.pipeline_parallel_schedule,
+        stages_per_rank(cfg.parallelism),
+    )
     if schedule == "GPipe":
         return count
     if schedule == "1F1B":
@@ -57,8 +66,9 @@ def in_flight(cfg: JobConfig, pp: int, pp_rank: int) -> int:
     return min(per_rank * count, (per_rank - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
 
 
-def stage_activations(block: Activations, ends: Activations, transient: int, stages: Stages, held: int,
-                      ends_held: int) -> Activations:
+def stage_activations(
+    block: Activations, ends: Activations, transient: int, stages: Stages, held: int, ends_held: int
+) -> Activations:
     """`held` stage-microbatches of `block` x the largest stage's blocks, one of them at its backward's peak,
     and on the rank that holds the last stage `ends_held` microbatches' `ends` (logits, loss). Above what is
     saved, the backward's peak: the ends' (the loss's, or one block's recompute) on the last stage, elsewhere

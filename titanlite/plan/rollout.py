@@ -51,8 +51,9 @@ def rollout_memory(cfg: JobConfig, shape, dims: ParallelDims) -> RolloutMemory |
     rows = cfg.training.global_batch_size // dims.dp_degree  # this rank's completions of a rollout batch
     kv_cache = shape.n_layers * rows * cache_columns(cfg.training.seq_len) * shape.kv_width * compute
     gathered = dims.fsdp_enabled or dims.tp_enabled  # a sharded policy decodes from a whole copy
-    return RolloutMemory(shape.total_params * compute if gathered else 0, kv_cache,
-                         LOGIT_COPIES * rows * shape.vocab * 4)
+    return RolloutMemory(
+        shape.total_params * compute if gathered else 0, kv_cache, LOGIT_COPIES * rows * shape.vocab * 4
+    )
 
 
 def rollout_seconds(cfg: JobConfig, shape, dims: ParallelDims, gpu, link_gbps: float, forward_seconds: float) -> float:

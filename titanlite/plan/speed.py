@@ -76,10 +76,23 @@ class Shape:
         active = whole.num_params(exclude_embedding=True, active=True) if hasattr(args, "num_experts") else matmul
         moes = moe_modules(whole)
         # DeepSeek's MLA gives every head a key of qk_head_dim and a value of v_head_dim; the others use head_dim for both.
-        key, value = (args.qk_head_dim, args.v_head_dim) if hasattr(args, "qk_head_dim") else (args.head_dim, args.head_dim)
-        return cls(args.n_layers, args.dim, args.vocab_size, round(block * active / matmul), active,
-                   whole.num_params(), flops_per_token, args.n_kv_heads * (key + value), expert_params(whole), len(moes),
-                   moes[0].top_k if moes else 0, *cast_widths(largest, args.dim))
+        key, value = (
+            (args.qk_head_dim, args.v_head_dim) if hasattr(args, "qk_head_dim") else (args.head_dim, args.head_dim)
+        )
+        return cls(
+            args.n_layers,
+            args.dim,
+            args.vocab_size,
+            round(block * active / matmul),
+            active,
+            whole.num_params(),
+            flops_per_token,
+            args.n_kv_heads * (key + value),
+            expert_params(whole),
+            len(moes),
+            moes[0].top_k if moes else 0,
+            *cast_widths(largest, args.dim),
+        )
 
     @property
     def width(self) -> float:
@@ -157,12 +170,17 @@ def compute_parts(cfg: JobConfig, gpu: Gpu, shape: Shape, tokens: float, state_b
     bandwidth = gpu.hbm_tbps * 1e12 * hardware.BANDWIDTH
     matmul_flops = tokens * 6 * shape.matmul_params * (1 + redo.matmul)
     attention_flops = tokens * (shape.flops_per_token - 6 * shape.matmul_params) * (1 + redo.attention)
-    elementwise = tokens * shape.width * hardware.ELEMENTWISE_BYTES * DTYPES[training.mixed_precision_param].itemsize / 2
+    elementwise = (
+        tokens * shape.width * hardware.ELEMENTWISE_BYTES * DTYPES[training.mixed_precision_param].itemsize / 2
+    )
     if not cfg.compile.enable:
         elementwise *= hardware.EAGER_ELEMENTWISE
-    parts = {"matmuls": 0.0, "attention": attention_flops / (peak * hardware.ATTENTION[gpu.arch]),
-             "elementwise": elementwise * (1 + redo.elementwise) / bandwidth,
-             "optimizer": 2 * state_bytes / bandwidth}  # read and written once per step
+    parts = {
+        "matmuls": 0.0,
+        "attention": attention_flops / (peak * hardware.ATTENTION[gpu.arch]),
+        "elementwise": elementwise * (1 + redo.elementwise) / bandwidth,
+        "optimizer": 2 * state_bytes / bandwidth,
+    }  # read and written once per step
     matmul_rate = peak * hardware.MATMUL[gpu.arch]
     if cfg.float8.enable:  # the blocks' Linear layers run in float8; the output layer does not
         hardware.check_dtype(gpu, "float8")
@@ -181,8 +199,16 @@ def compute_parts(cfg: JobConfig, gpu: Gpu, shape: Shape, tokens: float, state_b
     return parts
 
 
-def fsdp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, seconds, intra: float, inter: float,
-                 gpus_per_node: int) -> tuple[float, float]:
+def fsdp_seconds(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    shape: Shape,
+    accum: int,
+    seconds,
+    intra: float,
+    inter: float,
+    gpus_per_node: int,
+) -> tuple[float, float]:
     """(forward, backward) seconds of FSDP's collectives over the step: the all-gathers of this rank's layers in
     forward, in backward their all-gathers again (unless reshard_after_forward is never) and reduce-scatters;
     float8's all-gather moves the blocks' Linear weights in 1 byte."""
@@ -236,8 +262,16 @@ def tp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, int
     return collectives * activation / (intra * 1e9 * hardware.COLLECTIVE_EFFICIENCY), collectives * hardware.TP_SYNC_S
 
 
-def ep_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, seconds, intra: float, inter: float,
-               gpus_per_node: int) -> float:
+def ep_seconds(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    shape: Shape,
+    accum: int,
+    seconds,
+    intra: float,
+    inter: float,
+    gpus_per_node: int,
+) -> float:
     """Expert parallelism's all-to-alls per step: dispatch and combine per MoE layer of this rank's stages, in
     forward, backward and full AC's repeated forward, each moving the (ep - 1) / ep of the rank's tokens x top_k
     rows that go to other ranks; within a node where the ep ranks (consecutive, inside tp) fit in one."""
@@ -265,8 +299,16 @@ def recomputed_blocks(cfg: JobConfig, saved_by_op_ac: bool = False) -> float:
     return 0.0
 
 
-def cp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, seconds, intra: float, inter: float,
-               gpus_per_node: int) -> float:
+def cp_seconds(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    shape: Shape,
+    accum: int,
+    seconds,
+    intra: float,
+    inter: float,
+    gpus_per_node: int,
+) -> float:
     """Context parallelism's collectives per step, per layer of this rank's stages: the all-gathers of its keys
     and of its values (forward, and again in AC's recompute) and the reduce-scatters of their gradients
     (backward), each moving the (cp - 1) / cp of the window's keys or values that the other cp ranks hold,
@@ -280,8 +322,16 @@ def cp_seconds(cfg: JobConfig, dims: ParallelDims, shape: Shape, accum: int, sec
     return passes * seconds(nbytes, intra if cp * dims.tp <= gpus_per_node else inter)
 
 
-def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state_bytes: int,
-               intra_gbps: float, inter_gbps: float, gpus_per_node: int) -> Speed:
+def plan_speed(
+    cfg: JobConfig,
+    gpu: Gpu,
+    dims: ParallelDims,
+    shape: Shape,
+    state_bytes: int,
+    intra_gbps: float,
+    inter_gbps: float,
+    gpus_per_node: int,
+) -> Speed:
     """`state_bytes`: this rank's parameters, gradients and optimizer state (the optimizer step reads them)."""
     training = cfg.training
     accum = grad_accumulation_steps(training, dims.dp_degree)
@@ -300,9 +350,13 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
     hidden = hardware.ASYNC_TP_HIDDEN if cfg.parallelism.enable_async_tensor_parallel else 0.0
     tp = tp_bytes * (1 - hidden) + tp_sync
     compute_bytes = DTYPES[training.mixed_precision_param].itemsize
-    across_nodes = dims.dp_degree * dims.cp * dims.tp >= gpus_per_node  # pp is outermost: stage neighbours sit on other nodes
-    pp = accum * seconds(send_recv_bytes(cfg, dims.pp, dims.tp * dims.cp, shape.dim, compute_bytes),
-                         inter_gbps if across_nodes else intra_gbps)
+    across_nodes = (
+        dims.dp_degree * dims.cp * dims.tp >= gpus_per_node
+    )  # pp is outermost: stage neighbours sit on other nodes
+    pp = accum * seconds(
+        send_recv_bytes(cfg, dims.pp, dims.tp * dims.cp, shape.dim, compute_bytes),
+        inter_gbps if across_nodes else intra_gbps,
+    )
     idle = bubble(cfg, dims.pp)
     # FSDP's collectives hide behind the compute of their own pass: the forward's all-gathers behind the forward,
     # the backward's all-gathers and reduce-scatters behind the backward; the optimizer step waits for the last.
@@ -315,6 +369,19 @@ def plan_speed(cfg: JobConfig, gpu: Gpu, dims: ParallelDims, shape: Shape, state
     step = (overlapped + tp + ep + cp + pp) / (1 - idle) + rollout
     tps = tokens / step
     world = dims.dp_degree * dims.batch_sharing_degree
-    return Speed(compute, tuple(parts.items()), fsdp_forward + fsdp_backward, tp, ep, cp, pp, idle, step, tps,
-                 100 * tps * shape.flops_per_token / (gpu.bf16_tflops * 1e12), tps * world * 86400, 1e9 / tps / 3600,
-                 rollout)
+    return Speed(
+        compute,
+        tuple(parts.items()),
+        fsdp_forward + fsdp_backward,
+        tp,
+        ep,
+        cp,
+        pp,
+        idle,
+        step,
+        tps,
+        100 * tps * shape.flops_per_token / (gpu.bf16_tflops * 1e12),
+        tps * world * 86400,
+        1e9 / tps / 3600,
+        rollout,
+    )

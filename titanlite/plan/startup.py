@@ -16,6 +16,8 @@ def predict_on_gpu(run) -> JobPlan | None:
     if run.objective.reference is not None:  # DPO's frozen copy
         state["reference"] = state_bytes(run.objective.reference, cfg.optimizer.name)["params"]
     planned = predict(cfg, spec, args, dims, {pp_rank: state})
-    logger.info(f"plan on {cfg.plan.gpu}: predicted peak memory {planned.memory.peak / 2**30:.2f}GiB "
-                f"({100 * planned.memory.share:.0f}% of the GPU with margin), {planned.speed.tps:,.0f} tps per GPU")
+    logger.info(
+        f"plan on {cfg.plan.gpu}: predicted peak memory {planned.memory.peak / 2**30:.2f}GiB "
+        f"({100 * planned.memory.share:.0f}% of the GPU with margin), {planned.speed.tps:,.0f} tps per GPU"
+    )
     return planned

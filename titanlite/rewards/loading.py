@@ -51,8 +51,10 @@ def load_file(path: Path, spec: str, key: str):
     """The module of a reward file, imported by its path under a name of its own (so two files named rewards.py
     do not collide); importing the same file twice gives the same module."""
     if not path.is_file():
-        raise UserError(f"{key} entry {spec!r} names the file {path}, which does not exist (paths are relative to the "
-                        f"working directory {Path.cwd()}); fix the path")
+        raise UserError(
+            f"{key} entry {spec!r} names the file {path}, which does not exist (paths are relative to the "
+            f"working directory {Path.cwd()}); fix the path"
+        )
     resolved = path.resolve()
     name = f"titanlite_reward_file_{resolved.stem}_{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
     if name in sys.modules:
@@ -72,8 +74,10 @@ def load_module(module_name: str, spec: str, key: str):
     try:
         return importlib.import_module(module_name)
     except Exception as error:
-        raise UserError(f"{key} entry {spec!r}: importing the module {module_name} failed ({first_line(error)}); fix the "
-                        "module name (or write path/to/file.py:function for a file), or install what it needs") from None
+        raise UserError(
+            f"{key} entry {spec!r}: importing the module {module_name} failed ({first_line(error)}); fix the "
+            "module name (or write path/to/file.py:function for a file), or install what it needs"
+        ) from None
 
 
 def load_attribute(spec: str, key: str) -> tuple[str, object]:
@@ -81,8 +85,10 @@ def load_attribute(spec: str, key: str) -> tuple[str, object]:
     rl.environment load theirs with it too)."""
     where, colon, attribute = spec.rpartition(":")
     if not colon or not where or not attribute:
-        raise UserError(f"{key} entry {spec!r} is not path/to/file.py:function or module:function; write the file or "
-                        "module, a colon, and the function's name")
+        raise UserError(
+            f"{key} entry {spec!r} is not path/to/file.py:function or module:function; write the file or "
+            "module, a colon, and the function's name"
+        )
     is_file = where.endswith(".py") or "/" in where or "\\" in where
     module = load_file(Path(where), spec, key) if is_file else load_module(where, spec, key)
     if not hasattr(module, attribute):
@@ -93,8 +99,10 @@ def load_attribute(spec: str, key: str) -> tuple[str, object]:
 def load_reward_function(spec: str, key: str) -> RewardFunction:
     attribute, function = load_attribute(spec, key)
     if not callable(function) or isinstance(function, type):
-        raise UserError(f"{key} entry {spec!r} names a {type(function).__name__}, not a function; name a reward "
-                        "function (prompts, completions, completion_ids, **fields) -> list of floats")
+        raise UserError(
+            f"{key} entry {spec!r} names a {type(function).__name__}, not a function; name a reward "
+            "function (prompts, completions, completion_ids, **fields) -> list of floats"
+        )
     return RewardFunction(spec=spec, name=attribute, function=function)
 
 
@@ -107,8 +115,10 @@ def load_reward_functions(specs: Sequence[str], key: str = "rl.reward_functions"
     twice = next((name for name in names if names.count(name) > 1), None)
     if twice is not None:
         clashing = " and ".join(function.spec for function in functions if function.name == twice)
-        raise UserError(f"{key} names two functions {twice!r} ({clashing}); rewards are logged by function name, so "
-                        "give one another name (or list it once)")
+        raise UserError(
+            f"{key} names two functions {twice!r} ({clashing}); rewards are logged by function name, so "
+            "give one another name (or list it once)"
+        )
     return functions
 
 
@@ -117,8 +127,10 @@ def reward_weights(weights: Sequence[float], count: int, key: str = "rl.reward_w
     if not weights:
         return torch.ones(count, dtype=torch.float32)
     if len(weights) != count:
-        raise UserError(f"{key} has {len(weights)} weights for {count} reward functions; give one weight per function "
-                        "in rl.reward_functions, in the same order (or none: all 1.0)")
+        raise UserError(
+            f"{key} has {len(weights)} weights for {count} reward functions; give one weight per function "
+            "in rl.reward_functions, in the same order (or none: all 1.0)"
+        )
     if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
         raise UserError(f"{key} = {list(weights)} holds a value that is not a finite number; give numbers")
     return torch.tensor([float(w) for w in weights], dtype=torch.float32)
@@ -129,22 +141,30 @@ def checked_rewards(output, function: RewardFunction, count: int) -> list[float]
     or tuple of numbers is what TRL's functions return; a 1-D numpy array or tensor is accepted too."""
     listed = isinstance(output, (list, tuple)) or hasattr(output, "__array__") and getattr(output, "ndim", 0) == 1
     if not listed:
-        raise UserError(f"reward function {function.spec} returned a {type(output).__name__}, not a list of one reward "
-                        "per completion; return a list of floats (None where it does not apply)")
+        raise UserError(
+            f"reward function {function.spec} returned a {type(output).__name__}, not a list of one reward "
+            "per completion; return a list of floats (None where it does not apply)"
+        )
     if len(output) != count:
-        raise UserError(f"reward function {function.spec} returned {len(output)} rewards for {count} completions; "
-                        "return one per completion, in order (None where it does not apply)")
+        raise UserError(
+            f"reward function {function.spec} returned {len(output)} rewards for {count} completions; "
+            "return one per completion, in order (None where it does not apply)"
+        )
     rewards = []
     for index, value in enumerate(output):
         if isinstance(value, np.generic) or isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()  # numpy's and torch's scalars (a numpy bool is no numbers.Real) as Python's
         value = math.nan if value is None else value
         if not isinstance(value, numbers.Real):
-            raise UserError(f"reward function {function.spec} returned {value!r:.60} (a {type(value).__name__}) for "
-                            f"completion {index}; a reward is a number, or None where the function does not apply")
+            raise UserError(
+                f"reward function {function.spec} returned {value!r:.60} (a {type(value).__name__}) for "
+                f"completion {index}; a reward is a number, or None where the function does not apply"
+            )
         if math.isinf(value):
-            raise UserError(f"reward function {function.spec} returned {value} for completion {index}; a reward is "
-                            "finite (None where the function does not apply)")
+            raise UserError(
+                f"reward function {function.spec} returned {value} for completion {index}; a reward is "
+                "finite (None where the function does not apply)"
+            )
         rewards.append(float(value))
     return rewards
 
@@ -153,7 +173,9 @@ def call(function: RewardFunction, prompts: list, completions: list, completion_
     """The function's rewards. It gets copies of its arguments: one that edits them (pops a trailing eos from
     completion_ids, say) changes neither the rows that are trained and logged nor what the next function sees."""
     live = {name: fields[name] for name in LIVE if name in fields}  # rl.environment's instances, as TRL passes them
-    prompts, completions, fields = copy.deepcopy((prompts, completions, {k: v for k, v in fields.items() if k not in live}))
+    prompts, completions, fields = copy.deepcopy(
+        (prompts, completions, {k: v for k, v in fields.items() if k not in live})
+    )
     fields |= live
     completion_ids = [list(ids) for ids in completion_ids]  # lists of ints: a copy of each list is a deep copy
     try:
@@ -167,14 +189,22 @@ def call(function: RewardFunction, prompts: list, completions: list, completion_
     return checked_rewards(output, function, len(completions))
 
 
-def score(functions: Sequence[RewardFunction], weights: torch.Tensor, prompts: list, completions: list,
-          completion_ids: list, fields: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+def score(
+    functions: Sequence[RewardFunction],
+    weights: torch.Tensor,
+    prompts: list,
+    completions: list,
+    completion_ids: list,
+    fields: dict[str, list],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(each function's rewards [completions, functions], float32 with NaN for None; the total [completions]: the
     weighted sum over the functions that scored the completion, NaN where none did)."""
     clash = next((name for name in RESERVED if name in fields), None)
     if clash is not None:
-        raise UserError(f"the prompt records have a field named {clash!r}, which reward functions receive as an argument "
-                        "of their own; rename the field")
+        raise UserError(
+            f"the prompt records have a field named {clash!r}, which reward functions receive as an argument "
+            "of their own; rename the field"
+        )
     per_function = torch.empty(len(completions), len(functions), dtype=torch.float32)
     for column, function in enumerate(functions):
         per_function[:, column] = torch.tensor(call(function, prompts, completions, completion_ids, fields))

@@ -71,14 +71,18 @@ def math_answer(completions: list, answer: list | None = None, **kwargs) -> list
     neither; None where the record has no answer (None or empty) or math-verify cannot parse it, as TRL's
     accuracy_reward does: such a sample is not scored by this function."""
     if answer is None:
-        raise UserError("titanlite.rewards:math_answer compares each completion with its prompt record's `answer` field, "
-                        "which these records lack; add `answer` (the expected result) to every record, or drop math_answer "
-                        "from rl.reward_functions")
+        raise UserError(
+            "titanlite.rewards:math_answer compares each completion with its prompt record's `answer` field, "
+            "which these records lack; add `answer` (the expected result) to every record, or drop math_answer "
+            "from rl.reward_functions"
+        )
     try:
         from math_verify import parse, verify
     except ImportError:
-        raise UserError("titanlite.rewards:math_answer needs the math-verify package; install it with "
-                        "pip install 'titanlite[rl]' (or math-verify==0.9.0)") from None
+        raise UserError(
+            "titanlite.rewards:math_answer needs the math-verify package; install it with "
+            "pip install 'titanlite[rl]' (or math-verify==0.9.0)"
+        ) from None
     # math-verify times out with signal.alarm, which works only in the main thread: elsewhere, no timeout (as TRL).
     seconds = 5 if threading.current_thread() is threading.main_thread() else None
     rewards = []

@@ -160,20 +160,23 @@ class ColocatedEngine:
         # recompile past dynamo's limit (every cache length is a new shape), so decoding runs them eagerly.
         weights = contextlib.nullcontext(self.model) if self.model is not None else gathered_policy(run)
         with weights as model, torch.compiler.set_stance("force_eager"):
-            generated = generate_ids(Stoppable(model, self.stopping), run.args, run.tokenizer, prompts, sampling,
-                                     indices=indices)
+            generated = generate_ids(
+                Stoppable(model, self.stopping), run.args, run.tokenizer, prompts, sampling, indices=indices
+            )
         return [completion(g, self.policy_step) for g in generated]
 
     def submit(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> Future:
         """generate()'s completions, made in the background from the weights as they are now."""
         return self.pool.submit(self.decode, full_copy(self.run), prompts, sampling, indices, self.policy_step)
 
-    def decode(self, model: nn.Module, prompts: list[list[int]], sampling: Sampling, indices: list[int],
-               policy_step: int) -> list[Completion]:
+    def decode(
+        self, model: nn.Module, prompts: list[list[int]], sampling: Sampling, indices: list[int], policy_step: int
+    ) -> list[Completion]:
         run = self.run
         with mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type):  # per thread
-            generated = generate_ids(Stoppable(model, self.stopping), run.args, run.tokenizer, prompts, sampling,
-                                     indices=indices)
+            generated = generate_ids(
+                Stoppable(model, self.stopping), run.args, run.tokenizer, prompts, sampling, indices=indices
+            )
         return [completion(g, policy_step) for g in generated]
 
 

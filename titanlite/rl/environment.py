@@ -26,8 +26,11 @@ NOT_TOOLS = ("reset", "get_reward")
 
 def public_methods(cls: type) -> list[str]:
     """The names of the class's tools, as TRL lists them (on the class: an instance's properties are not run)."""
-    return [name for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-            if name not in NOT_TOOLS and not name.startswith("_")]
+    return [
+        name
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if name not in NOT_TOOLS and not name.startswith("_")
+    ]
 
 
 class Environment:
@@ -37,25 +40,33 @@ class Environment:
     def __init__(self, spec: str):
         self.name, self.factory = load_attribute(spec, KEY)
         if not callable(self.factory):
-            raise UserError(f"{KEY} {spec!r} names a {type(self.factory).__name__}, which cannot make environments; name "
-                            "a class (or a function returning an instance) with a reset method")
+            raise UserError(
+                f"{KEY} {spec!r} names a {type(self.factory).__name__}, which cannot make environments; name "
+                "a class (or a function returning an instance) with a reset method"
+            )
         probe = self.make(spec)
         cls = type(probe)
         if not callable(getattr(probe, "reset", None)):
-            raise UserError(f"{KEY} {spec!r} makes {cls.__name__} instances without a reset method, which TRL's "
-                            "environments define; add reset(self, **kwargs) returning None or text for the prompt")
+            raise UserError(
+                f"{KEY} {spec!r} makes {cls.__name__} instances without a reset method, which TRL's "
+                "environments define; add reset(self, **kwargs) returning None or text for the prompt"
+            )
         self.cls_name = cls.__name__
         self.scores = callable(getattr(probe, "get_reward", None))
-        self.schemas = [checked_tool(name, getattr(probe, name), f"{KEY} {spec!r}'s method {name}")[2]
-                        for name in public_methods(cls)]
+        self.schemas = [
+            checked_tool(name, getattr(probe, name), f"{KEY} {spec!r}'s method {name}")[2]
+            for name in public_methods(cls)
+        ]
         self.spec = spec
 
     def make(self, spec: str | None = None):
         try:
             return self.factory()
         except Exception as error:
-            raise UserError(f"{KEY} {spec or self.spec!r} failed to make an environment ({type(error).__name__}: "
-                            f"{error}); fix the factory") from None
+            raise UserError(
+                f"{KEY} {spec or self.spec!r} failed to make an environment ({type(error).__name__}: "
+                f"{error}); fix the factory"
+            ) from None
 
     @staticmethod
     def tools_of(instance) -> dict[str, Callable]:

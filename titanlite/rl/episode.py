@@ -50,7 +50,9 @@ class Episode(Completion):
 
     prompt_ids: list[int] = field(default_factory=list)  # the prompt as rendered for this episode (with the tools)
     mask: list[int] = field(default_factory=list)  # per sampled_ids token: 1 the model's, 0 inserted
-    messages: list[dict] = field(default_factory=list)  # the completion as messages (assistant, tool, ...), as TRL has it
+    messages: list[dict] = field(
+        default_factory=list
+    )  # the completion as messages (assistant, tool, ...), as TRL has it
     tool_calls: list[dict] = field(default_factory=list)  # each call answered: name, arguments, result, failed
     results_cut: int = 0  # tool results cut to fit
     environment: object = None  # rl.environment's instance for this rollout
@@ -63,7 +65,9 @@ class Tools:
         self.rl = rl
         self.standalone = load_tools(rl.tools)
         self.environment = Environment(rl.environment) if rl.environment else None
-        self.schemas = [schema for _, _, schema in self.standalone] + (self.environment.schemas if self.environment else [])
+        self.schemas = [schema for _, _, schema in self.standalone] + (
+            self.environment.schemas if self.environment else []
+        )
 
     @property
     def enabled(self) -> bool:
@@ -74,8 +78,10 @@ class Tools:
         functions = load_reward_functions(self.rl.reward_functions) if self.rl.reward_functions else []
         reward = self.environment.reward() if self.environment else None
         if not functions and reward is None:
-            raise UserError(f"rl.reward_functions is empty and rl.environment {self.rl.environment!r} has no get_reward "
-                            "method, so nothing scores the rollouts; set rl.reward_functions or add get_reward()")
+            raise UserError(
+                f"rl.reward_functions is empty and rl.environment {self.rl.environment!r} has no get_reward "
+                "method, so nothing scores the rollouts; set rl.reward_functions or add get_reward()"
+            )
         return functions + ([reward] if reward else [])
 
 
@@ -122,9 +128,19 @@ class Trace:
 
     def episode(self) -> Episode:
         ids = self.ids[:-1] if self.stop is not None else self.ids
-        return Episode(ids, self.stop, self.finish, self.logprobs, self.policy_step, prompt_ids=self.prompt_ids,
-                       mask=self.mask, messages=self.messages, tool_calls=self.calls, results_cut=self.cut,
-                       environment=self.environment)
+        return Episode(
+            ids,
+            self.stop,
+            self.finish,
+            self.logprobs,
+            self.policy_step,
+            prompt_ids=self.prompt_ids,
+            mask=self.mask,
+            messages=self.messages,
+            tool_calls=self.calls,
+            results_cut=self.cut,
+            environment=self.environment,
+        )
 
 
 def cut_contents(messages: list[dict], keep: int) -> list[dict]:
@@ -146,21 +162,30 @@ class Agents:
         name = self.tools.schemas[0]["function"]["name"] if self.tools.schemas else "probe"
         shown = self.renderer.render([{"role": "user", "content": "probe"}], True, tools=self.tools.schemas or None)
         if self.tools.schemas and name not in shown:
-            raise UserError(f"the chat template of {self.renderer.origin} writes nothing of the tools it is given, so the "
-                            "model would never see them; set training.chat_template to a template that renders tools "
-                            "(such as Qwen3's)")
+            raise UserError(
+                f"the chat template of {self.renderer.origin} writes nothing of the tools it is given, so the "
+                "model would never see them; set training.chat_template to a template that renders tools "
+                "(such as Qwen3's)"
+            )
         calls = [{"type": "function", "function": {"name": name, "arguments": {}}}]
-        turns = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "", "tool_calls": calls},
-                 {"role": "tool", "name": name, "content": PROBE_RESULT}]
+        turns = [
+            {"role": "user", "content": "probe"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "name": name, "content": PROBE_RESULT},
+        ]
         if PROBE_RESULT not in self.renderer.render(turns, True):
-            raise UserError(f"the chat template of {self.renderer.origin} does not write a tool message's content, so the "
-                            "model would never read the tools' results; set training.chat_template to a template that "
-                            "renders tool messages (such as Qwen3's)")
+            raise UserError(
+                f"the chat template of {self.renderer.origin} does not write a tool message's content, so the "
+                "model would never read the tools' results; set training.chat_template to a template that "
+                "renders tool messages (such as Qwen3's)"
+            )
 
     def check_prompts(self, prompts: list) -> None:
         if any(isinstance(prompt, str) for prompt in prompts):
-            raise UserError("rl.tools and rl.environment give the chat template tools, so every prompt record's \"prompt\" "
-                            "must be a list of messages, not text; write the prompts as [{\"role\": \"user\", ...}]")
+            raise UserError(
+                'rl.tools and rl.environment give the chat template tools, so every prompt record\'s "prompt" '
+                'must be a list of messages, not text; write the prompts as [{"role": "user", ...}]'
+            )
 
     def suffix_ids(self, messages: list[dict]) -> list[int]:
         """The tokens a template writes after an assistant turn of tool calls ended by its end-of-turn token (the
@@ -175,10 +200,12 @@ class Agents:
         full = self.tokenizer.encode(self.renderer.render(before + messages, True), bos=False, eos=False)
         ends = [i for i, token in enumerate(full) if token == eos]
         if turns == 0 or len(ends) < turns:
-            raise UserError(f"the chat template of {self.renderer.origin} does not end its turns with the tokenizer's eos, "
-                            "so the tokens of a tool message cannot be appended to a completion; set "
-                            "training.chat_template to a template that does (such as Qwen3's)")
-        return full[ends[turns - 1] + 1:]
+            raise UserError(
+                f"the chat template of {self.renderer.origin} does not end its turns with the tokenizer's eos, "
+                "so the tokens of a tool message cannot be appended to a completion; set "
+                "training.chat_template to a template that does (such as Qwen3's)"
+            )
+        return full[ends[turns - 1] + 1 :]
 
     def start(self, item) -> Trace:
         """An episode's trace: its environment made and reset, its prompt rendered with the tools."""
@@ -189,20 +216,25 @@ class Agents:
             tools |= Environment.tools_of(environment)
             observation = environment.reset(**copy.deepcopy({"prompt": item.prompt} | item.fields))
             if observation is not None and not isinstance(observation, str):
-                raise UserError(f"rl.environment {self.rl.environment!r}: reset() returned a {type(observation).__name__}; "
-                                "return None or text to append to the last user message")
+                raise UserError(
+                    f"rl.environment {self.rl.environment!r}: reset() returned a {type(observation).__name__}; "
+                    "return None or text to append to the last user message"
+                )
             if observation:
                 messages[-1] = messages[-1] | {"content": messages[-1]["content"] + observation}
         text = self.renderer.render(messages, True, tools=self.tools.schemas)
         ids = self.tokenizer.encode(text, bos=False, eos=False)
         budget = min(self.rl.max_new_tokens, self.seq_len + 1 - len(ids))
         if budget < 1:
-            raise UserError(f"a prompt rendered with the tools holds {len(ids)} tokens, leaving no room for a completion "
-                            f"in training.seq_len {self.seq_len}; raise training.seq_len or shorten the prompts")
+            raise UserError(
+                f"a prompt rendered with the tools holds {len(ids)} tokens, leaving no room for a completion "
+                f"in training.seq_len {self.seq_len}; raise training.seq_len or shorten the prompts"
+            )
         return Trace(ids, budget, tools, environment)
 
-    def roll_out(self, engine: RolloutEngine, items: list, groups: int, sampling: Sampling,
-                 indices: list[int]) -> list[Episode]:
+    def roll_out(
+        self, engine: RolloutEngine, items: list, groups: int, sampling: Sampling, indices: list[int]
+    ) -> list[Episode]:
         """groups episodes of each item, completion k sampled from indices[k]'s streams (one per turn)."""
         traces = [self.start(item) for item in items for _ in range(groups)]
         with getattr(engine, "held", contextlib.nullcontext)():  # the colocated engine gathers the weights once
@@ -213,9 +245,11 @@ class Agents:
         active, turn = list(range(len(traces))), 0
         while active:
             room = max(traces[k].budget - len(traces[k].ids) for k in active)
-            completions = engine.generate([traces[k].prompt_ids + traces[k].ids for k in active],
-                                          dataclasses.replace(sampling, max_new_tokens=room),
-                                          [indices[k] + turn * TURN_STRIDE for k in active])
+            completions = engine.generate(
+                [traces[k].prompt_ids + traces[k].ids for k in active],
+                dataclasses.replace(sampling, max_new_tokens=room),
+                [indices[k] + turn * TURN_STRIDE for k in active],
+            )
             for k, completion in zip(active, completions):
                 traces[k].take(completion, self.tokenizer)
             if self.limit is not None and turn == self.limit:
@@ -238,7 +272,7 @@ class Agents:
         if len(suffix) > room:
             messages, suffix = self.fitted(messages, room)
             if suffix is None:  # answered, but the answers are not given: the episode ends (as TRL drops them)
-                for record in trace.calls[-len(calls):]:
+                for record in trace.calls[-len(calls) :]:
                     record["result"] = None
                 return False
             trace.cut += 1
@@ -257,8 +291,10 @@ class Agents:
             else:
                 high = keep - 1
         if best[1] is not None and not self.cut_said:
-            logger.warning("a tool result was cut to fit rl.max_new_tokens and training.seq_len (the model reads that it "
-                           "was); rl/tool_results_cut counts them")
+            logger.warning(
+                "a tool result was cut to fit rl.max_new_tokens and training.seq_len (the model reads that it "
+                "was); rl/tool_results_cut counts them"
+            )
             self.cut_said = True
         return best
 
@@ -267,14 +303,23 @@ def tool_stats(episodes: list[Episode]) -> dict[str, float]:
     """TRL's tool metrics over every rank's episodes: rl/tool_calls, calls answered per completion (its
     tools/call_frequency); rl/tool_failures, the share of them that failed (tools/failure_frequency); and
     rl/tool_results_cut, results cut to fit, per completion."""
-    counts = torch.tensor([len(episodes), sum(len(e.tool_calls) for e in episodes),
-                           sum(c["failed"] for e in episodes for c in e.tool_calls),
-                           sum(e.results_cut for e in episodes)], dtype=torch.float64)
+    counts = torch.tensor(
+        [
+            len(episodes),
+            sum(len(e.tool_calls) for e in episodes),
+            sum(c["failed"] for e in episodes for c in e.tool_calls),
+            sum(e.results_cut for e in episodes),
+        ],
+        dtype=torch.float64,
+    )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
     completions, calls, failures, cut = counts.tolist()
-    return {"rl/tool_calls": calls / completions, "rl/tool_failures": failures / calls if calls else 0.0,
-            "rl/tool_results_cut": cut / completions}
+    return {
+        "rl/tool_calls": calls / completions,
+        "rl/tool_failures": failures / calls if calls else 0.0,
+        "rl/tool_results_cut": cut / completions,
+    }
 
 
 def masked_labels(labels: torch.Tensor, prompts: list[list[int]], episodes: list[Completion]) -> torch.Tensor:
@@ -282,5 +327,5 @@ def masked_labels(labels: torch.Tensor, prompts: list[list[int]], episodes: list
     for row, (prompt, episode) in enumerate(zip(prompts, episodes)):
         inserted = torch.tensor([m == 0 for m in episode.mask], dtype=torch.bool)
         start = len(prompt) - 1
-        labels[row, start:start + len(inserted)][inserted] = IGNORED
+        labels[row, start : start + len(inserted)][inserted] = IGNORED
     return labels

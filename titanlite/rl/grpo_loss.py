@@ -26,8 +26,9 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return variance.sqrt().squeeze(dim) if dim is not None else variance.sqrt()
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int,
-                     scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(each completion's advantage [N], whether the std that scales it is zero [N] bool, TRL's is_std_zero behind
     rl/frac_reward_zero_std). rewards [N] is the whole global batch, completion i of prompt i // num_generations,
     already summed over the reward functions; NaN marks a completion no function scored (TRL: every function
@@ -39,15 +40,20 @@ def group_advantages(rewards: torch.Tensor, num_generations: int,
     if scale_rewards not in REWARD_SCALINGS:
         raise ValueError(f"scale_rewards is {scale_rewards!r}; use one of {', '.join(REWARD_SCALINGS)}.")
     if rewards.dim() != 1 or len(rewards) % num_generations:
-        raise ValueError(f"rewards has shape {tuple(rewards.shape)}; it must be [N] with N a multiple of "
-                         f"num_generations ({num_generations}).")
+        raise ValueError(
+            f"rewards has shape {tuple(rewards.shape)}; it must be [N] with N a multiple of "
+            f"num_generations ({num_generations})."
+        )
     groups = rewards.view(-1, num_generations)
     mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
     if scale_rewards == "batch":
         std = nanstd(rewards).expand_as(rewards) if len(rewards) > 1 else torch.zeros_like(rewards)
     else:
-        std = (nanstd(groups, dim=1).repeat_interleave(num_generations) if num_generations > 1
-               else torch.zeros_like(rewards))
+        std = (
+            nanstd(groups, dim=1).repeat_interleave(num_generations)
+            if num_generations > 1
+            else torch.zeros_like(rewards)
+        )
     advantages = rewards - mean
     if scale_rewards != "none":
         advantages = advantages / (std + STD_EPS)
@@ -100,8 +106,7 @@ class _TokenLogps(torch.autograd.Function):
         return grad, None, None
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs of targets [B, T] fp32, entropy [B, T] fp32) under softmax(logits / temperature),
     logits [B, T, V] in any float dtype, as TRL scores completions (it divides by the sampling temperature too).
     Every target must be a vocabulary id: a masked position's value is meaningless and reduce_loss drops it.

@@ -45,18 +45,43 @@ class RolloutLog:
                 with path.open("a"):
                     pass
             except OSError as error:
-                raise UserError(f"rl.log_rollouts writes {path}, which cannot be written ({error.strerror or error}); "
-                                "make job.dump_folder writable or set rl.log_rollouts false") from None
+                raise UserError(
+                    f"rl.log_rollouts writes {path}, which cannot be written ({error.strerror or error}); "
+                    "make job.dump_folder writable or set rl.log_rollouts false"
+                ) from None
         return cls(path, sharing)
 
-    def lines(self, step: int, owners: list[PromptItem], completions: list[Completion], texts: list[str],
-              names: list[str], per_function: torch.Tensor, total: torch.Tensor, advantages: torch.Tensor) -> list[str]:
-        return [json.dumps({"step": step, "policy_step": c.policy_step, "prompt": item.prompt, "completion": text,
-                            "prompt_ids": item.ids, "completion_ids": c.sampled_ids, "logprobs": c.logprobs,
-                            "rewards": {name: number(value) for name, value in zip(names, rewards)},
-                            "reward": number(r), "advantage": a} | episode_fields(c))
-                for item, c, text, rewards, r, a in zip(owners, completions, texts, per_function.tolist(),
-                                                        total.tolist(), advantages.tolist())]
+    def lines(
+        self,
+        step: int,
+        owners: list[PromptItem],
+        completions: list[Completion],
+        texts: list[str],
+        names: list[str],
+        per_function: torch.Tensor,
+        total: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> list[str]:
+        return [
+            json.dumps(
+                {
+                    "step": step,
+                    "policy_step": c.policy_step,
+                    "prompt": item.prompt,
+                    "completion": text,
+                    "prompt_ids": item.ids,
+                    "completion_ids": c.sampled_ids,
+                    "logprobs": c.logprobs,
+                    "rewards": {name: number(value) for name, value in zip(names, rewards)},
+                    "reward": number(r),
+                    "advantage": a,
+                }
+                | episode_fields(c)
+            )
+            for item, c, text, rewards, r, a in zip(
+                owners, completions, texts, per_function.tolist(), total.tolist(), advantages.tolist()
+            )
+        ]
 
     def write(self, step: int, *rows) -> None:
         """Every rank's completions of the rollout batch first trained at `step`, one JSON line each (rank 0 writes);
@@ -66,7 +91,7 @@ class RolloutLog:
         if dist.is_initialized():
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, lines)
-            everyone = everyone[::self.sharing]  # a TP group's ranks hold the same completions
+            everyone = everyone[:: self.sharing]  # a TP group's ranks hold the same completions
         if not is_rank_zero():
             return
         if not self.started:

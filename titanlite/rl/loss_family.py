@@ -81,27 +81,42 @@ def check_loss_settings(s: LossSettings) -> list[str]:
     if s.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"rl.importance_sampling_level is {s.importance_sampling_level!r}; use token or sequence.")
     if not 0.0 <= s.top_entropy_quantile <= 1.0:
-        raise ValueError(f"rl.top_entropy_quantile is {s.top_entropy_quantile}; use a share of tokens in [0, 1] "
-                         "(1 keeps every token).")
+        raise ValueError(
+            f"rl.top_entropy_quantile is {s.top_entropy_quantile}; use a share of tokens in [0, 1] "
+            "(1 keeps every token)."
+        )
     for key in ("sapo_temperature_neg", "sapo_temperature_pos"):
         if s.loss_type == "sapo" and getattr(s, key) <= 0:
-            raise ValueError(f"rl.{key} is {getattr(s, key)}; sapo divides by it: set it above 0 (TRL's default "
-                             f"{getattr(LossSettings, key)}).")
+            raise ValueError(
+                f"rl.{key} is {getattr(s, key)}; sapo divides by it: set it above 0 (TRL's default "
+                f"{getattr(LossSettings, key)})."
+            )
     warnings = []
     if s.loss_type == "luspo" and s.importance_sampling_level != "sequence":
-        warnings.append("rl.loss_type luspo is meant for sequence-level weights (the LUSPO paper's setup); set "
-                        "rl.importance_sampling_level to sequence.")
+        warnings.append(
+            "rl.loss_type luspo is meant for sequence-level weights (the LUSPO paper's setup); set "
+            "rl.importance_sampling_level to sequence."
+        )
     if s.loss_type == "vespo" and s.importance_sampling_level != "token":
-        warnings.append("rl.loss_type vespo computes its sequence-level weights itself; set "
-                        "rl.importance_sampling_level to token (its default).")
+        warnings.append(
+            "rl.loss_type vespo computes its sequence-level weights itself; set "
+            "rl.importance_sampling_level to token (its default)."
+        )
     if s.importance_sampling_level == "sequence" and s.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        warnings.append(f"rl.importance_sampling_level sequence with rl.loss_type {s.loss_type} sums token losses, "
-                        "which weights each sequence by its length; set rl.loss_type grpo for GSPO's objective.")
+        warnings.append(
+            f"rl.importance_sampling_level sequence with rl.loss_type {s.loss_type} sums token losses, "
+            "which weights each sequence by its length; set rl.loss_type grpo for GSPO's objective."
+        )
     return warnings
 
 
-def aggregated_advantages(rewards_per_function: torch.Tensor, weights: torch.Tensor, num_generations: int,
-                          scale_rewards: str, aggregation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregated_advantages(
+    rewards_per_function: torch.Tensor,
+    weights: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str,
+    aggregation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [N], zero_std [N]) of the global batch from its rewards [N, F] (NaN where a function returned
     None), as TRL's _generate_and_score_completions (multi_objective_aggregation):
     sum_then_normalize: r = sum_f w_f r_f (NaN-skipping), then group_advantages(r) as scale_rewards says;
@@ -137,7 +152,7 @@ def kept_entropies(entropies: torch.Tensor, mask: torch.Tensor, sharing: int = 1
     padded = torch.cat([local, local.new_zeros(longest - len(local))])
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded)
-    return torch.cat([part[:int(size)] for part, size in list(zip(parts, sizes))[::sharing]])
+    return torch.cat([part[: int(size)] for part, size in list(zip(parts, sizes))[::sharing]])
 
 
 def entropy_threshold(kept: torch.Tensor, top_entropy_quantile: float) -> tuple[torch.Tensor, int]:
@@ -160,8 +175,9 @@ def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: to
     return (entropies * mask.float() >= threshold) & mask.bool()
 
 
-def log_importance_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
-                           level: str) -> torch.Tensor:
+def log_importance_weights(
+    logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str
+) -> torch.Tensor:
     """TRL's log_importance_weights: token, log r_t = logps - old_logps [B, T]; sequence (GSPO), the mean of log r_t
     over the completion's trained tokens [B, 1]."""
     log_ratio = logps - old_logps
@@ -173,8 +189,13 @@ def log_importance_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: t
 
 
 @torch.no_grad()
-def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
-                  sampling_ratio: torch.Tensor | None, s: LossSettings) -> torch.Tensor:
+def gamma_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    sampling_ratio: torch.Tensor | None,
+    s: LossSettings,
+) -> torch.Tensor:
     """VESPO's weight of each sequence, phi(w) = e^lambda w^k e^(-lambda w) [B, 1], no gradient (TRL's
     get_gamma_weights -> phi_seq): log w = sum over trained tokens of log r_t clamped to [-20, 20], plus the
     sampler's log-correction (its log clamped to [log 1e-8, 20], every position), clamped to [log 1e-8, 20];
@@ -189,8 +210,14 @@ def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def policy_term(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                s: LossSettings, sampling_ratio: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_term(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    s: LossSettings,
+    sampling_ratio: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the policy loss per token [B, T] or per sequence [B, 1], the importance weight r = exp(log weight)), A the
     advantage [B, 1] and r at s.importance_sampling_level, as TRL's _compute_loss:
     grpo, bnpo, dr_grpo, dapo, luspo: -min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A);
@@ -207,15 +234,18 @@ def policy_term(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, ratio
     if s.loss_type == "vespo":
         if sampling_ratio is not None and sampling_ratio.shape[-1] != logps.shape[-1]:
-            raise ValueError("rl.loss_type vespo needs the sampler's correction per token, not per sequence; use a "
-                             "token-level correction or another rl.loss_type.")
+            raise ValueError(
+                "rl.loss_type vespo needs the sampler's correction per token, not per sequence; use a "
+                "token-level correction or another rl.loss_type."
+            )
         phi = gamma_weights(advantages, logps - old_logps, mask, sampling_ratio, s)
         return -phi * advantages * logps, ratio
     raise ValueError(f"rl.loss_type is {s.loss_type!r}; use one of {', '.join(LOSS_TYPES)}.")
 
 
-def clip_stats(ratio: torch.Tensor, advantages: torch.Tensor, s: LossSettings,
-               shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_stats(
+    ratio: torch.Tensor, advantages: torch.Tensor, s: LossSettings, shape: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(low, high) clip indicators [B, T] as TRL counts them for s.loss_type (TokenStats)."""
     with torch.no_grad():
         if s.loss_type in CLIPPED_LOSS_TYPES:
@@ -228,10 +258,18 @@ def clip_stats(ratio: torch.Tensor, advantages: torch.Tensor, s: LossSettings,
     return low.expand(shape), high.expand(shape)
 
 
-def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                   s: LossSettings, *, ref_logps: torch.Tensor | None = None, entropy_mask: torch.Tensor | None = None,
-                   sampling_ratio: torch.Tensor | None = None,
-                   off_policy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+def per_token_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    s: LossSettings,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    entropy_mask: torch.Tensor | None = None,
+    sampling_ratio: torch.Tensor | None = None,
+    off_policy_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, TokenStats]:
     """(the loss of each token [B, T], or of each sequence [B, 1] at importance level sequence without beta or
     masks, its TokenStats), in TRL's order: policy_term; times off_policy_mask [B, 1] (rl/off_policy.py); times entropy_mask (high_entropy_mask, when
     top_entropy_quantile < 1); times sampling_ratio [B, T] or [B, 1], the sampler's correction (not for vespo,
@@ -278,14 +316,21 @@ def reduce_loss(loss: torch.Tensor, mask: torch.Tensor, loss_type: str, norm: No
     raise ValueError(f"rl.loss_type is {loss_type!r}; use one of {', '.join(LOSS_TYPES)}.")
 
 
-def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor, entropy_mask: torch.Tensor | None,
-                  entropy_coef: float, norm: Normalizers) -> torch.Tensor:
+def entropy_bonus(
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    entropy_mask: torch.Tensor | None,
+    entropy_coef: float,
+    norm: Normalizers,
+) -> torch.Tensor:
     """This micro-batch's share of -entropy_coef x H, H the mean entropy of the global batch's trained tokens (those
     the entropy mask keeps, when there is one), TRL's entropy bonus (loss - entropy_coef x entropy_loss);
     entropies must carry their gradient for it to act (TRL's do): refused when they cannot."""
     if entropy_coef and torch.is_grad_enabled() and not entropies.requires_grad:
-        raise ValueError(f"rl.entropy_coef is {entropy_coef} but the entropies carry no gradient, so the bonus "
-                         "would change nothing; compute them with their gradient.")
+        raise ValueError(
+            f"rl.entropy_coef is {entropy_coef} but the entropies carry no gradient, so the bonus "
+            "would change nothing; compute them with their gradient."
+        )
     kept = mask.to(entropies.dtype) if entropy_mask is None else (mask.bool() & entropy_mask).to(entropies.dtype)
     count = norm.tokens if norm.entropy_tokens is None else norm.entropy_tokens
     return -entropy_coef * (entropies * kept).sum() / max(count, 1)

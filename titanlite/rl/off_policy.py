@@ -16,8 +16,14 @@ import torch
 MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def importance_ratio(old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, mode: str,
-                     clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+def importance_ratio(
+    old: torch.Tensor,
+    sampler: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
     """exp(old - sampler) per token (token_*) or summed over each completion's tokens (sequence_*), then clamped into
     [clip_min, clip_max] (*_truncate) or set to 0 outside it (*_mask); None leaves that side open. A sampler
     log-probability that is NaN counts as no difference (ratio 1), as in TRL."""
@@ -34,8 +40,9 @@ def importance_ratio(old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tenso
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
-def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor,
-                    threshold: float) -> torch.Tensor:
+def off_policy_mask(
+    advantages: torch.Tensor, logps: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> torch.Tensor:
     """[B, 1] (in mask's dtype): keep a completion whose advantage [B] is not negative, or whose mean over its
     tokens of sampler - trainer log-probabilities (the KL estimate, NaN counted as 0) is at most `threshold`."""
     kl = torch.nan_to_num(sampler - logps.detach(), nan=0.0)

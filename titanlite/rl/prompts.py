@@ -35,11 +35,15 @@ class PromptSet:
 
     def __init__(self, dataset_path: str, tokenizer, chat_template: str, key: str = "training.dataset_path"):
         if not dataset_path:
-            raise UserError(f"training.dataset_format prompts reads local records; set {key} to your jsonl/json/parquet prompts")
+            raise UserError(
+                f"training.dataset_format prompts reads local records; set {key} to your jsonl/json/parquet prompts"
+            )
         root = Path(dataset_path)
         loader, files = find_data_files(root, key)
         if loader not in ("json", "parquet"):
-            raise UserError(f"{key} {dataset_path} holds {loader} files; training.dataset_format prompts reads jsonl/json/parquet records")
+            raise UserError(
+                f"{key} {dataset_path} holds {loader} files; training.dataset_format prompts reads jsonl/json/parquet records"
+            )
         records = json_records(files, key) if loader == "json" else parquet_records(files, key)
         if not records:
             raise UserError(f"{key} {dataset_path} holds no records; add prompts")
@@ -59,16 +63,20 @@ class PromptSet:
 def prompt_record(record, where: str) -> PromptRecord:
     """A record's prompt as generation checks it: text, or a non-empty list of messages."""
     if not isinstance(record, dict):
-        raise UserError(f"{where} is {json.dumps(record)[:60]}, not a record {{\"prompt\": ..., other fields}}; fix or remove it")
+        raise UserError(
+            f'{where} is {json.dumps(record)[:60]}, not a record {{"prompt": ..., other fields}}; fix or remove it'
+        )
     if "prompt" not in record:
-        raise UserError(f"{where} has no field \"prompt\" (its fields are {', '.join(record) or 'none'}), which "
-                        "training.dataset_format prompts reads; fix the data or the format")
+        raise UserError(
+            f'{where} has no field "prompt" (its fields are {", ".join(record) or "none"}), which '
+            "training.dataset_format prompts reads; fix the data or the format"
+        )
     value = record["prompt"]
     if isinstance(value, str):
         return checked_record({"prompt": value}, where)
     if isinstance(value, list):
         return checked_record({"messages": value}, where)
-    raise UserError(f"{where}: \"prompt\" is neither text nor a list of messages; fix or remove it")
+    raise UserError(f'{where}: "prompt" is neither text nor a list of messages; fix or remove it')
 
 
 class PromptOrder:
@@ -76,8 +84,10 @@ class PromptOrder:
 
     def __init__(self, prompts: PromptSet, per_step: int, dp_rank: int, dp_world: int, seed: int, identity: dict):
         if per_step % dp_world:
-            raise UserError(f"a step's {per_step} prompts (training.global_batch_size / rl.num_generations) cannot be shared "
-                            f"equally by {dp_world} data-parallel ranks; make the prompts per step a multiple of {dp_world}")
+            raise UserError(
+                f"a step's {per_step} prompts (training.global_batch_size / rl.num_generations) cannot be shared "
+                f"equally by {dp_world} data-parallel ranks; make the prompts per step a multiple of {dp_world}"
+            )
         self.prompts, self.per_step, self.dp_rank, self.dp_world, self.seed = prompts, per_step, dp_rank, dp_world, seed
         self.identity, self.consumed = identity | prompts.identity, 0  # no layout: the order is the same on any
         self.orders: dict[int, object] = {}
@@ -93,12 +103,16 @@ class PromptOrder:
         ours = {key: value for key, value in self.identity.items() if key in saved}
         prompts = self.prompts
         if saved.get("prompts") == ours.get("prompts") and saved.get("sha256") != ours.get("sha256"):
-            raise UserError(f"{prompts.key} {prompts.path} changed since the checkpoint was saved ({saved['records']} records "
-                            f"then, {len(prompts)} now, other contents): the run would resume on another order of prompts; "
-                            "resume with the prompts it was saved with, or start a new run in another job.dump_folder")
+            raise UserError(
+                f"{prompts.key} {prompts.path} changed since the checkpoint was saved ({saved['records']} records "
+                f"then, {len(prompts)} now, other contents): the run would resume on another order of prompts; "
+                "resume with the prompts it was saved with, or start a new run in another job.dump_folder"
+            )
         if saved != ours:
-            raise UserError(f"the checkpoint's data position belongs to {saved} but this run reads {ours}; resume with the "
-                            "same training.dataset_path, job.seed and rl.num_generations")
+            raise UserError(
+                f"the checkpoint's data position belongs to {saved} but this run reads {ours}; resume with the "
+                "same training.dataset_path, job.seed and rl.num_generations"
+            )
         self.consumed = state["prompts_consumed"]
 
     def item(self, g: int) -> PromptItem:

@@ -62,8 +62,9 @@ class Rollouts:
         return [MicroBatch(self.inputs[p], self.labels[p], rollout=self.terms.rows(p)) for p in parts]
 
 
-def rows(prompts: list[list[int]], completions: list[list[int]], trained: list[bool], pad_id: int,
-         seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rows(
+    prompts: list[list[int]], completions: list[list[int]], trained: list[bool], pad_id: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) [n, W]: prompt then completion, right-padded with pad_id; labels the completion's tokens where
     `trained`, W the longest row's (packing.py's padded_width)."""
     longest = max(len(p) + len(c) - 1 for p, c in zip(prompts, completions))
@@ -72,9 +73,9 @@ def rows(prompts: list[list[int]], completions: list[list[int]], trained: list[b
     labels = torch.full((len(prompts), width), IGNORED, dtype=torch.long)
     for row, (prompt, completion, train) in enumerate(zip(prompts, completions, trained)):
         sequence = torch.tensor(prompt + completion, dtype=torch.long)
-        inputs[row, :len(sequence) - 1] = sequence[:-1]
+        inputs[row, : len(sequence) - 1] = sequence[:-1]
         if train:
-            labels[row, len(prompt) - 1:len(sequence) - 1] = sequence[len(prompt):]
+            labels[row, len(prompt) - 1 : len(sequence) - 1] = sequence[len(prompt) :]
     return inputs, labels
 
 
@@ -82,7 +83,7 @@ def aligned_logprobs(prompts: list[list[int]], completions: list[Completion], wi
     """The sampler's log-probabilities [n, W] where the labels hold their tokens (0 elsewhere)."""
     out = torch.zeros(len(prompts), width)
     for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        out[row, len(prompt) - 1:len(prompt) - 1 + len(completion.logprobs)] = torch.tensor(completion.logprobs)
+        out[row, len(prompt) - 1 : len(prompt) - 1 + len(completion.logprobs)] = torch.tensor(completion.logprobs)
     return out
 
 
@@ -96,13 +97,22 @@ def gathered(values: torch.Tensor, sharing: int) -> torch.Tensor:
     return torch.cat(parts[::sharing])
 
 
-def batch_stats(per_function: torch.Tensor, total: torch.Tensor, zero_std: torch.Tensor, lengths: torch.Tensor,
-                names: list[str], groups: int) -> dict[str, float]:
+def batch_stats(
+    per_function: torch.Tensor,
+    total: torch.Tensor,
+    zero_std: torch.Tensor,
+    lengths: torch.Tensor,
+    names: list[str],
+    groups: int,
+) -> dict[str, float]:
     """The rl/* statistics of the global batch (TRL's): the mean reward and each function's, the mean std of the
     groups' rewards, the share of groups whose rewards are all equal, the mean completion length."""
-    stats = {"rl/reward": total.nanmean().item(), "rl/reward_std": nanstd(total.view(-1, groups), dim=1).nanmean().item(),
-             "rl/frac_reward_zero_std": zero_std.float().mean().item(),
-             "rl/completion_length": lengths.float().mean().item()}
+    stats = {
+        "rl/reward": total.nanmean().item(),
+        "rl/reward_std": nanstd(total.view(-1, groups), dim=1).nanmean().item(),
+        "rl/frac_reward_zero_std": zero_std.float().mean().item(),
+        "rl/completion_length": lengths.float().mean().item(),
+    }
     for name, column in zip(names, per_function.T):
         stats[f"rl/reward/{name}"] = column.nanmean().item()
     return stats
@@ -113,14 +123,15 @@ def logps(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, size: in
     device = next(model.parameters()).device
     parts = []
     for start in range(0, len(inputs), size):
-        logits = model(inputs[start:start + size].to(device))
-        parts.append(token_logps(logits, labels[start:start + size].to(device).clamp(min=0), temperature)[0].cpu())
+        logits = model(inputs[start : start + size].to(device))
+        parts.append(token_logps(logits, labels[start : start + size].to(device).clamp(min=0), temperature)[0].cpu())
     return torch.cat(parts)
 
 
 @torch.no_grad()
-def rollout_logps(model: nn.Module, frozen, inputs: torch.Tensor, labels: torch.Tensor, size: int,
-                  rl: RL) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def rollout_logps(
+    model: nn.Module, frozen, inputs: torch.Tensor, labels: torch.Tensor, size: int, rl: RL
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(the sampling policy's log-probabilities where later updates need them, num_iterations > 1; the reference's,
     beta > 0, `frozen` objectives/reference.py's Reference), [n, W], computed size rows at a time before the first
     update."""
@@ -162,11 +173,15 @@ def every_rank_finished(generate: Callable[[], list[Completion]], device: torch.
 def say_what_trains_nothing(step: int, total: torch.Tensor, trained: int) -> None:
     """TRL's warnings: a batch no reward function scored, or whose completions are all masked, trains nothing."""
     if total.isnan().all():
-        logger.warning(f"step {step}: every reward function returned None for every completion, so every advantage is 0 "
-                       "and the step trains nothing; check that the functions can score these prompts")
+        logger.warning(
+            f"step {step}: every reward function returned None for every completion, so every advantage is 0 "
+            "and the step trains nothing; check that the functions can score these prompts"
+        )
     if trained == 0:
-        logger.warning(f"step {step}: rl.mask_truncated_completions left out every completion (all were cut at "
-                       "rl.max_new_tokens), so the step trains nothing; raise rl.max_new_tokens")
+        logger.warning(
+            f"step {step}: rl.mask_truncated_completions left out every completion (all were cut at "
+            "rl.max_new_tokens), so the step trains nothing; raise rl.max_new_tokens"
+        )
 
 
 class RolloutStage:
@@ -175,14 +190,18 @@ class RolloutStage:
 
     state_is_global = False  # the rollouts in use are this rank's own
 
-    def __init__(self, run, order: PromptOrder, engine: RolloutEngine, rewards: Rewards, frozen, agents: Agents | None = None):
+    def __init__(
+        self, run, order: PromptOrder, engine: RolloutEngine, rewards: Rewards, frozen, agents: Agents | None = None
+    ):
         self.run, self.order, self.engine, self.rewards, self.frozen = run, order, engine, rewards, frozen
         self.agents = agents  # rl.tools / rl.environment: multi-turn episodes (rl/episode.py)
         self.rl, self.size = run.cfg.rl, run.cfg.training.local_batch_size
         self.accum_steps = run.step.accum_steps
         self.current: Rollouts | None = None
         self.served = 0  # optimizer steps the current rollouts have served
-        self.log = RolloutLog.at(run.cfg.job.dump_folder, run.dims.batch_sharing_degree) if self.rl.log_rollouts else None
+        self.log = (
+            RolloutLog.at(run.cfg.job.dump_folder, run.dims.batch_sharing_degree) if self.rl.log_rollouts else None
+        )
         self.ahead = Ahead(self.rl.max_staleness) if self.rl.max_staleness else None
         self.trained = 0  # steps handed their batches (rl.max_staleness >= 1)
 
@@ -199,8 +218,10 @@ class RolloutStage:
     def load_state_dict(self, state: dict) -> None:
         staleness = state["ahead"]["staleness"] if "ahead" in state else 0
         if staleness != self.rl.max_staleness:
-            raise UserError(f"the checkpoint's rollouts were sampled at rl.max_staleness {staleness}, which sets which "
-                            f"weights sample each step; resume with rl.max_staleness {staleness}")
+            raise UserError(
+                f"the checkpoint's rollouts were sampled at rl.max_staleness {staleness}, which sets which "
+                f"weights sample each step; resume with rl.max_staleness {staleness}"
+            )
         self.order.load_state_dict(state["order"])
         self.served, self.current = state["served"], state["rollouts"]
         if self.ahead is not None:
@@ -212,13 +233,17 @@ class RolloutStage:
         is; rollouts whose updates were not all done are rows of the old ranks, and the next step rolls out anew.
         Rollouts sampled ahead (rl.max_staleness) are the old ranks' too, and their prompts are already counted."""
         if "ahead" in state:
-            raise UserError(f"the checkpoint was saved by {saved_ranks} data-parallel ranks with rollouts sampled ahead "
-                            "(rl.max_staleness), which belong to those ranks; resume on the same number of ranks")
+            raise UserError(
+                f"the checkpoint was saved by {saved_ranks} data-parallel ranks with rollouts sampled ahead "
+                "(rl.max_staleness), which belong to those ranks; resume on the same number of ranks"
+            )
         self.order.load_state_dict(state["order"])
         if state["rollouts"] is not None and state["served"] < self.rl.num_iterations:
-            logger.warning(f"the checkpoint was saved by {saved_ranks} data-parallel ranks between the rl.num_iterations "
-                           f"updates of one rollout batch ({state['served']} of {self.rl.num_iterations} done); its rollouts "
-                           "are rows of those ranks, so the next step rolls out the next prompts")
+            logger.warning(
+                f"the checkpoint was saved by {saved_ranks} data-parallel ranks between the rl.num_iterations "
+                f"updates of one rollout batch ({state['served']} of {self.rl.num_iterations} done); its rollouts "
+                "are rows of those ranks, so the next step rolls out the next prompts"
+            )
 
     def __iter__(self):
         while True:
@@ -286,8 +311,9 @@ class RolloutStage:
         seconds = time.perf_counter() - began
         return self.made(step, items, completions, seconds, seconds)
 
-    def made(self, step: int, items: list[PromptItem], completions: list[Completion], generate_seconds: float,
-             waited: float) -> Rollouts:
+    def made(
+        self, step: int, items: list[PromptItem], completions: list[Completion], generate_seconds: float, waited: float
+    ) -> Rollouts:
         """The rollouts of step's completions: scored, their advantages, rows and log-probabilities; `waited`: the
         seconds the step waited for the completions (generate_seconds, unless they were sampled ahead)."""
         run, rl, rewards = self.run, self.rl, self.rewards
@@ -302,8 +328,9 @@ class RolloutStage:
         score_seconds = time.perf_counter() - began
         sharing = run.dims.batch_sharing_degree
         all_functions, all_total = gathered(per_function, sharing), gathered(total, sharing)
-        advantages, zero_std = aggregated_advantages(all_functions, rewards.weights, groups, rl.scale_rewards,
-                                                     rl.multi_objective_aggregation)
+        advantages, zero_std = aggregated_advantages(
+            all_functions, rewards.weights, groups, rl.scale_rewards, rl.multi_objective_aggregation
+        )
         n, rank = len(sampled), self.order.dp_rank
         inputs, labels = rows(prompts, sampled, trained, run.tokenizer.eos_id, run.cfg.training.seq_len)
         if self.agents is not None:  # the tokens the template and the tools inserted are never labels
@@ -313,7 +340,7 @@ class RolloutStage:
         say_what_trains_nothing(step, all_total, tokens)
         norm = Normalizers(completions=len(all_total), tokens=tokens, max_completion_length=rl.max_new_tokens)
         stats = batch_stats(all_functions, all_total, zero_std, lengths, rewards.names, groups)
-        local_advantages = advantages[rank * n:(rank + 1) * n]
+        local_advantages = advantages[rank * n : (rank + 1) * n]
         with self.precision():
             old, ref = rollout_logps(run.model, self.frozen, inputs, labels, self.size, rl)
         stats["rl/generate_seconds"], stats["rl/score_seconds"] = generate_seconds, score_seconds
@@ -339,12 +366,15 @@ class RolloutStage:
         run = self.run
         return mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type)
 
-    def score(self, owners: list[PromptItem], texts: list[str], completions: list[list[int]],
-              sampled: list[Completion]) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(
+        self, owners: list[PromptItem], texts: list[str], completions: list[list[int]], sampled: list[Completion]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(each function's rewards [n, F], NaN where one returned None; their weighted sum [n]) of this rank's
         completions; owners[i] is completion i's prompt."""
-        shown = [[{"role": "assistant", "content": text}] if isinstance(item.prompt, list) else text
-                 for text, item in zip(texts, owners)]  # a chat prompt's completion as messages, as TRL passes it
+        shown = [
+            [{"role": "assistant", "content": text}] if isinstance(item.prompt, list) else text
+            for text, item in zip(texts, owners)
+        ]  # a chat prompt's completion as messages, as TRL passes it
         prompts = [item.prompt for item in owners]
         fields = {name: [item.fields[name] for item in owners] for name in owners[0].fields}
         if self.agents is not None:  # an episode's messages (assistant, tool, ...) and environments, as TRL passes them

@@ -49,15 +49,19 @@ def tool_schema(function: Callable, where: str) -> dict:
     try:
         return get_json_schema(function)
     except Exception as error:
-        raise UserError(f"{where} cannot be described to the model ({first_line(error)}); give every argument a type "
-                        "hint and the function a Google-style docstring with an Args: section") from None
+        raise UserError(
+            f"{where} cannot be described to the model ({first_line(error)}); give every argument a type "
+            "hint and the function a Google-style docstring with an Args: section"
+        ) from None
 
 
 def checked_tool(name: str, function, where: str) -> tuple[str, Callable, dict]:
     """(name, the callable, its schema), or one sentence on why it cannot be a tool."""
     if not callable(function) or isinstance(function, type):
-        raise UserError(f"{where} names a {type(function).__name__}, not a function; name a typed function with a "
-                        "Google-style docstring")
+        raise UserError(
+            f"{where} names a {type(function).__name__}, not a function; name a typed function with a "
+            "Google-style docstring"
+        )
     return name, function, tool_schema(function, where)
 
 
@@ -82,7 +86,7 @@ def call_of(body: str) -> ToolCall:
     except json.JSONDecodeError as error:
         return ToolCall(None, None, f"the tool call is not JSON ({error.msg})")
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return ToolCall(None, None, "the tool call has no \"name\"")
+        return ToolCall(None, None, 'the tool call has no "name"')
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):
         try:
@@ -90,7 +94,7 @@ def call_of(body: str) -> ToolCall:
         except json.JSONDecodeError:
             pass
     if not isinstance(arguments, dict):
-        return ToolCall(value["name"], None, "the tool call's \"arguments\" is not an object")
+        return ToolCall(value["name"], None, 'the tool call\'s "arguments" is not an object')
     return ToolCall(value["name"], arguments)
 
 

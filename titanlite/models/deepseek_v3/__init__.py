@@ -19,7 +19,8 @@ def flops_per_token(model: DeepSeekV3, seq_len: int) -> float:
     return float(6 * model.num_params(exclude_embedding=True, active=True) + attention)
 
 
-DEEPSEEK_V3_SPEC = ModelSpec("deepseek_v3", DeepSeekV3, DEEPSEEK_V3_FLAVORS, apply_tp, flops_per_token,
-                             hf_adapter=DeepSeekV3HFAdapter())
+DEEPSEEK_V3_SPEC = ModelSpec(
+    "deepseek_v3", DeepSeekV3, DEEPSEEK_V3_FLAVORS, apply_tp, flops_per_token, hf_adapter=DeepSeekV3HFAdapter()
+)
 SPECS = (DEEPSEEK_V3_SPEC,)
 __all__ = ["DEEPSEEK_V3_SPEC", "DeepSeekV3", "DeepSeekV3Args", "flops_per_token"]

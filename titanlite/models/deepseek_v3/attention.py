@@ -55,36 +55,45 @@ class MultiHeadLatentAttention(nn.Module):
         batch, seq_len, _ = x.shape
         rope_cos, rope_sin = rope_cos[..., :seq_len, :], rope_sin[..., :seq_len, :]
         # Head counts come from the weights (-1): a tensor-parallel shard holds fewer heads.
-        q_nope, q_rope = self.queries(x).view(batch, seq_len, -1, self.nope_dim + self.rope_dim).split(
-            [self.nope_dim, self.rope_dim], dim=-1)
+        q_nope, q_rope = (
+            self.queries(x)
+            .view(batch, seq_len, -1, self.nope_dim + self.rope_dim)
+            .split([self.nope_dim, self.rope_dim], dim=-1)
+        )
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope = apply_rope(q_rope, rope_cos, rope_sin)
         k_rope = apply_rope(k_rope.unsqueeze(2), rope_cos, rope_sin)  # one head, shared by all
         if isinstance(mask, LayerStep):
             out = self.attend_cached_latent(q_nope, q_rope, self.kv_norm(latent), k_rope.squeeze(2), mask)
             return self.wo(out.reshape(batch, seq_len, -1))
-        k_nope, v = self.wkv_b(self.kv_norm(latent)).view(batch, seq_len, -1, self.nope_dim + self.v_dim).split(
-            [self.nope_dim, self.v_dim], dim=-1)
+        k_nope, v = (
+            self.wkv_b(self.kv_norm(latent))
+            .view(batch, seq_len, -1, self.nope_dim + self.v_dim)
+            .split([self.nope_dim, self.v_dim], dim=-1)
+        )
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
-    def attend_cached_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                             step: LayerStep) -> torch.Tensor:
+    def attend_cached_latent(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, step: LayerStep
+    ) -> torch.Tensor:
         """Generation's attention over the cache of normalised latents [B, S, rank] and RoPE keys [B, S, rope_dim],
         as DeepSeek's inference absorbs wkv_b: each head's query is taken into the latent space, so the keys and
         values are never expanded per head. q_nope [B, T, heads, nope], q_rope [B, T, heads, rope] ->
         [B, T, heads, v_dim]."""
         latent, k_rope = step.extend(latent, k_rope)
         w_kv = self.wkv_b.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)  # [heads, nope + v, rank]
-        q_latent = torch.einsum("bthd,hdc->bhtc", q_nope, w_kv[:, :self.nope_dim])
+        q_latent = torch.einsum("bthd,hdc->bhtc", q_nope, w_kv[:, : self.nope_dim])
         # One key/value "head" shared by all query heads: [latent | k_rope] keys, the latent as values.
         q = torch.cat([q_latent, q_rope.transpose(1, 2)], dim=-1)
         k = torch.cat([latent, k_rope], dim=-1)[:, None].expand(-1, q.shape[1], -1, -1)
         v = latent[:, None].expand(-1, q.shape[1], -1, -1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, scale=self.softmax_scale)  # [B, heads, T, rank]
-        return torch.einsum("bhtc,hdc->bthd", out, w_kv[:, self.nope_dim:])
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=step.mask, scale=self.softmax_scale
+        )  # [B, heads, T, rank]
+        return torch.einsum("bhtc,hdc->bthd", out, w_kv[:, self.nope_dim :])
 
     def init_weights(self, prefix: str, seed: int, out_std: float) -> None:
         """Llama's scheme: input-side projections at the base std, wo depth-scaled; norms at 1."""

@@ -34,8 +34,19 @@ _ATTENTION = {
 _DENSE = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # SwiGLU: w2(silu(w1 x) * w3 x)
 
 # config.json keys beyond the shapes that change what the model computes: a folder must agree on them.
-_BEHAVIOUR_KEYS = ("n_group", "topk_group", "num_experts_per_tok", "routed_scaling_factor", "norm_topk_prob",
-                   "scoring_func", "rope_theta", "rope_scaling", "rope_interleave", "rms_norm_eps", "tie_word_embeddings")
+_BEHAVIOUR_KEYS = (
+    "n_group",
+    "topk_group",
+    "num_experts_per_tok",
+    "routed_scaling_factor",
+    "norm_topk_prob",
+    "scoring_func",
+    "rope_theta",
+    "rope_scaling",
+    "rope_interleave",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+)
 
 
 class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
@@ -46,11 +57,16 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
         "layers.{}.attention_norm.weight": _LAYER + "input_layernorm.weight",
         "layers.{}.ffn_norm.weight": _LAYER + "post_attention_layernorm.weight",
         **{f"layers.{{}}.{ours}": _LAYER + theirs for ours, theirs in _ATTENTION.items()},
-        **{f"layers.{{}}.feed_forward.{ours}.weight": _LAYER + f"mlp.{theirs}.weight" for ours, theirs in _DENSE.items()},
+        **{
+            f"layers.{{}}.feed_forward.{ours}.weight": _LAYER + f"mlp.{theirs}.weight"
+            for ours, theirs in _DENSE.items()
+        },
         "layers.{}.feed_forward.gate.weight": _LAYER + "mlp.gate.weight",
         "layers.{}.feed_forward.expert_bias": _LAYER + "mlp.gate.e_score_correction_bias",
-        **{f"layers.{{}}.feed_forward.shared_experts.{ours}.weight": _LAYER + f"mlp.shared_experts.{theirs}.weight"
-           for ours, theirs in _DENSE.items()},
+        **{
+            f"layers.{{}}.feed_forward.shared_experts.{ours}.weight": _LAYER + f"mlp.shared_experts.{theirs}.weight"
+            for ours, theirs in _DENSE.items()
+        },
         "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight",
         # an MTP depth's own tensors, in the layer numbering of _mtp_as_layer
@@ -60,9 +76,22 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
     ignored = (r"\.rotary_emb\.inv_freq$",)
     expert_name = _LAYER.replace("{}", "{layer}") + "mlp.experts.{expert}.{projection}.weight"
     expert_projections = _DENSE
-    shape_keys = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                  "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace")
+    shape_keys = (
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "n_shared_experts",
+        "first_k_dense_replace",
+    )
     free_keys = ("num_nextn_predict_layers",)  # MTP layers beyond model.mtp_layers are not read
 
     def hf_names(self, name: str, args) -> list[str]:
@@ -79,14 +108,20 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
         return out
 
     def from_hf(self, hf_state_dict, args):
-        copies = {n: hf_state_dict[n] for name in _COPIES for d in range(args.mtp_layers)
-                  if (n := self._copy_name(name, args, d)) in hf_state_dict}
+        copies = {
+            n: hf_state_dict[n]
+            for name in _COPIES
+            for d in range(args.mtp_layers)
+            if (n := self._copy_name(name, args, d)) in hf_state_dict
+        }
         out = super().from_hf({n: t for n, t in hf_state_dict.items() if n not in copies}, args)
         for hf_name, copy in copies.items():
             shared = next(out[name] for name, suffix in _COPIES.items() if hf_name.endswith(suffix))
             if not torch.equal(copy, shared):
-                raise UserError(f"the Hugging Face tensor {hf_name} differs from the model's own matrix, which titanlite's "
-                                "multi-token prediction shares; set model.mtp_layers 0 to leave the MTP layers out")
+                raise UserError(
+                    f"the Hugging Face tensor {hf_name} differs from the model's own matrix, which titanlite's "
+                    "multi-token prediction shares; set model.mtp_layers 0 to leave the MTP layers out"
+                )
         return {_layer_as_mtp(name, args.n_layers): t for name, t in out.items()}
 
     def hf_config(self, args, dtype: str = "float32") -> dict:
@@ -122,9 +157,15 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
             "max_position_embeddings": args.max_seq_len,
             "rms_norm_eps": args.norm_eps,
             "rope_theta": args.rope_theta,
-            "rope_scaling": None if yarn is None else {
-                "type": "yarn", "factor": yarn.factor, "original_max_position_embeddings": yarn.original_max_seq_len,
-                "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow, "mscale": yarn.mscale,
+            "rope_scaling": None
+            if yarn is None
+            else {
+                "type": "yarn",
+                "factor": yarn.factor,
+                "original_max_position_embeddings": yarn.original_max_seq_len,
+                "beta_fast": yarn.beta_fast,
+                "beta_slow": yarn.beta_slow,
+                "mscale": yarn.mscale,
                 "mscale_all_dim": yarn.mscale_all_dim,
             },
             "rope_interleave": True,
@@ -137,32 +178,63 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
         """Absent keys take transformers' DeepseekV3Config defaults."""
         rope = rope_parameters(config)
         if rope["rope_type"] not in ("default", "yarn"):
-            raise UserError(f"its config.json has rope_type {rope['rope_type']}, which titanlite's DeepSeek-V3 does not "
-                            "compute (it knows default and yarn)")
-        yarn = None if rope["rope_type"] == "default" else YarnScaling(
-            factor=float(rope["factor"]), original_max_seq_len=int(rope["original_max_position_embeddings"]),
-            beta_fast=float(rope.get("beta_fast", 32.0)), beta_slow=float(rope.get("beta_slow", 1.0)),
-            mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 1.0)))
-        shapes = {ours: required(config, key) for ours, key in (
-            ("dim", "hidden_size"), ("n_layers", "num_hidden_layers"), ("n_heads", "num_attention_heads"),
-            ("vocab_size", "vocab_size"), ("ffn_hidden_dim", "intermediate_size"), ("kv_lora_rank", "kv_lora_rank"),
-            ("qk_nope_head_dim", "qk_nope_head_dim"), ("qk_rope_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"),
-            ("num_experts", "n_routed_experts"), ("moe_hidden_dim", "moe_intermediate_size"))}
+            raise UserError(
+                f"its config.json has rope_type {rope['rope_type']}, which titanlite's DeepSeek-V3 does not "
+                "compute (it knows default and yarn)"
+            )
+        yarn = (
+            None
+            if rope["rope_type"] == "default"
+            else YarnScaling(
+                factor=float(rope["factor"]),
+                original_max_seq_len=int(rope["original_max_position_embeddings"]),
+                beta_fast=float(rope.get("beta_fast", 32.0)),
+                beta_slow=float(rope.get("beta_slow", 1.0)),
+                mscale=float(rope.get("mscale", 1.0)),
+                mscale_all_dim=float(rope.get("mscale_all_dim", 1.0)),
+            )
+        )
+        shapes = {
+            ours: required(config, key)
+            for ours, key in (
+                ("dim", "hidden_size"),
+                ("n_layers", "num_hidden_layers"),
+                ("n_heads", "num_attention_heads"),
+                ("vocab_size", "vocab_size"),
+                ("ffn_hidden_dim", "intermediate_size"),
+                ("kv_lora_rank", "kv_lora_rank"),
+                ("qk_nope_head_dim", "qk_nope_head_dim"),
+                ("qk_rope_head_dim", "qk_rope_head_dim"),
+                ("v_head_dim", "v_head_dim"),
+                ("num_experts", "n_routed_experts"),
+                ("moe_hidden_dim", "moe_intermediate_size"),
+            )
+        }
         return DeepSeekV3Args(
-            **shapes, q_lora_rank=config.get("q_lora_rank") or 0, n_dense_layers=config.get("first_k_dense_replace", 3),
-            num_shared_experts=config.get("n_shared_experts", 1), top_k=config.get("num_experts_per_tok", 8),
-            n_group=config.get("n_group", 8), topk_group=config.get("topk_group", 4),
-            routed_scaling_factor=float(config.get("routed_scaling_factor", 2.5)), norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope["rope_theta"]), rope_scaling=yarn, max_seq_len=config.get("max_position_embeddings", 4096),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+            **shapes,
+            q_lora_rank=config.get("q_lora_rank") or 0,
+            n_dense_layers=config.get("first_k_dense_replace", 3),
+            num_shared_experts=config.get("n_shared_experts", 1),
+            top_k=config.get("num_experts_per_tok", 8),
+            n_group=config.get("n_group", 8),
+            topk_group=config.get("topk_group", 4),
+            routed_scaling_factor=float(config.get("routed_scaling_factor", 2.5)),
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope["rope_theta"]),
+            rope_scaling=yarn,
+            max_seq_len=config.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
 
     def left_out(self, config: dict, args) -> str | None:
         held = config.get("num_nextn_predict_layers") or 0
         if held <= args.mtp_layers:
             return None
-        return (f"{held - args.mtp_layers} multi-token prediction layer(s) beyond model.mtp_layers {args.mtp_layers} "
-                f"(config.json num_nextn_predict_layers {held}): they are not trained, and this run's exports leave them "
-                f"out; set model.mtp_layers {held} to keep them")
+        return (
+            f"{held - args.mtp_layers} multi-token prediction layer(s) beyond model.mtp_layers {args.mtp_layers} "
+            f"(config.json num_nextn_predict_layers {held}): they are not trained, and this run's exports leave them "
+            f"out; set model.mtp_layers {held} to keep them"
+        )
 
     def config_mismatch(self, config: dict, args) -> str | None:
         """As the shapes, the routing and RoPE settings must agree (absent keys take transformers'
@@ -171,11 +243,17 @@ class DeepSeekV3HFAdapter(StackedExpertsHFAdapter, HFAdapter):
         if mismatch:
             return mismatch
         if args.mtp_layers > config.get("num_nextn_predict_layers", 0):
-            return (f"its config.json has num_nextn_predict_layers {config.get('num_nextn_predict_layers', 0)}, fewer "
-                    f"than model.mtp_layers {args.mtp_layers}")
+            return (
+                f"its config.json has num_nextn_predict_layers {config.get('num_nextn_predict_layers', 0)}, fewer "
+                f"than model.mtp_layers {args.mtp_layers}"
+            )
         expected = self.hf_config(args)
         for key in _BEHAVIOUR_KEYS:
-            if key in config and config[key] != expected[key] and not _same_rope_scaling(key, config[key], expected[key]):
+            if (
+                key in config
+                and config[key] != expected[key]
+                and not _same_rope_scaling(key, config[key], expected[key])
+            ):
                 return f"its config.json has {key} {config[key]} where this model has {expected[key]}"
         return None
 

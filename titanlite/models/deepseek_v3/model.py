@@ -29,9 +29,19 @@ class DeepSeekV3(MultiTokenPrediction, Mixtral):
     def build_block(self, layer_id: int, args: DeepSeekV3Args) -> TransformerBlock:
         attention = MultiHeadLatentAttention(args)
         if layer_id < args.n_dense_layers:
-            return TransformerBlock(layer_id, args, attention=attention, feed_forward=FeedForward(args.dim, args.ffn_hidden_dim))
-        moe = SigmoidGroupMoE(args.dim, args.moe_hidden_dim, args.num_experts, args.top_k, n_group=args.n_group,
-                              topk_group=args.topk_group, routed_scaling_factor=args.routed_scaling_factor, shared_hidden_dim=args.num_shared_experts * args.moe_hidden_dim)
+            return TransformerBlock(
+                layer_id, args, attention=attention, feed_forward=FeedForward(args.dim, args.ffn_hidden_dim)
+            )
+        moe = SigmoidGroupMoE(
+            args.dim,
+            args.moe_hidden_dim,
+            args.num_experts,
+            args.top_k,
+            n_group=args.n_group,
+            topk_group=args.topk_group,
+            routed_scaling_factor=args.routed_scaling_factor,
+            shared_hidden_dim=args.num_shared_experts * args.moe_hidden_dim,
+        )
         return MixtralBlock(layer_id, args, attention=attention, moe=moe)
 
     def _rope_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,14 +55,16 @@ class DeepSeekV3(MultiTokenPrediction, Mixtral):
         """The MoE blocks of the whole model (a pipeline stage holds some of them)."""
         return max(0, self.args.n_layers - self.args.n_dense_layers)
 
-    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                   mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run_blocks(
+        self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         h, losses = self.run_main_blocks(h, rope_cos, rope_sin, mask)
         mtp = self.weighted_mtp_loss(h, rope_cos, rope_sin, mask)
         return h, losses if mtp is None else {**losses, "mtp": mtp}
 
-    def run_main_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                        mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run_main_blocks(
+        self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         aux_losses, loads = [], {}
         for layer_id, block in self.layers.items():
             if self.is_moe(layer_id):

@@ -58,15 +58,23 @@ class MTPLayer(nn.Module):
         self.block.init_weights(f"{prefix}block.", seed)
 
 
-def mtp_loss(layers: nn.ModuleDict, h: torch.Tensor, tokens: torch.Tensor, embedding: nn.Module, output: nn.Module,
-             rope_cos, rope_sin, mask) -> torch.Tensor:
+def mtp_loss(
+    layers: nn.ModuleDict,
+    h: torch.Tensor,
+    tokens: torch.Tensor,
+    embedding: nn.Module,
+    output: nn.Module,
+    rope_cos,
+    rope_sin,
+    mask,
+) -> torch.Tensor:
     """The mean over the depths of each depth's mean cross-entropy (fp32), as in the module doc."""
     seq_len = tokens.shape[1]
     losses = []
     for depth, layer in enumerate(layers.values(), start=1):
         h = layer(h, embedding(torch.roll(tokens, -depth, dims=1)), rope_cos, rope_sin, mask)
         logits = output(layer.norm(h[:, : seq_len - depth - 1]))
-        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, depth + 1:].flatten()))
+        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, depth + 1 :].flatten()))
     return torch.stack(losses).mean()
 
 
@@ -76,8 +84,10 @@ class MultiTokenPrediction:
     which the trainer adds to the loss), and its unweighted mean as loss/mtp in the logged metrics."""
 
     def build_mtp(self, args) -> None:
-        layers = {str(k): MTPLayer(args.dim, args.norm_eps, self.build_block(args.n_layers + k, args))
-                  for k in range(args.mtp_layers)}
+        layers = {
+            str(k): MTPLayer(args.dim, args.norm_eps, self.build_block(args.n_layers + k, args))
+            for k in range(args.mtp_layers)
+        }
         self.mtp = nn.ModuleDict(layers) if layers else None
         self._mtp_sum, self._mtp_forwards = None, 0
 

@@ -74,7 +74,8 @@ def attention_plan(q_lora_rank: int, rope_dim: int) -> dict:
 
 
 MOE_PLAN = {  # the shared experts first: ExpertParallel replicates every parameter it finds undistributed
-    "feed_forward.shared_experts.w1": colwise(), "feed_forward.shared_experts.w3": colwise(),
+    "feed_forward.shared_experts.w1": colwise(),
+    "feed_forward.shared_experts.w3": colwise(),
     "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
     "feed_forward": ExpertParallel(),
 }
@@ -82,7 +83,9 @@ MOE_PLAN = {  # the shared experts first: ExpertParallel replicates every parame
 
 def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
     args = model.args
-    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), attention_plan(args.q_lora_rank, args.qk_rope_head_dim))
+    apply_tp_plan(
+        model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), attention_plan(args.q_lora_rank, args.qk_rope_head_dim)
+    )
     for layer_id, block in model.layers.items():
         if not model.is_moe(layer_id):
             parallelize_block(block, dims.tp_mesh, swiglu_plan())

@@ -22,10 +22,18 @@ class GPT2HFAdapter(HFAdapter):
     names = {
         "tok_embeddings.weight": "transformer.wte.weight",
         "pos_embeddings.weight": "transformer.wpe.weight",
-        **{f"layers.{{}}.{ours}.{kind}": f"transformer.h.{{}}.{theirs}.{kind}"
-           for ours, theirs in (("attention_norm", "ln_1"), ("attention.wqkv", "attn.c_attn"), ("attention.wo", "attn.c_proj"),
-                                ("ffn_norm", "ln_2"), ("feed_forward.w1", "mlp.c_fc"), ("feed_forward.w2", "mlp.c_proj"))
-           for kind in ("weight", "bias")},
+        **{
+            f"layers.{{}}.{ours}.{kind}": f"transformer.h.{{}}.{theirs}.{kind}"
+            for ours, theirs in (
+                ("attention_norm", "ln_1"),
+                ("attention.wqkv", "attn.c_attn"),
+                ("attention.wo", "attn.c_proj"),
+                ("ffn_norm", "ln_2"),
+                ("feed_forward.w1", "mlp.c_fc"),
+                ("feed_forward.w2", "mlp.c_proj"),
+            )
+            for kind in ("weight", "bias")
+        },
         "norm.weight": "transformer.ln_f.weight",
         "norm.bias": "transformer.ln_f.bias",
     }
@@ -65,7 +73,17 @@ class GPT2HFAdapter(HFAdapter):
     def args_from_hf_config(self, config: dict):
         dim = required(config, "n_embd")
         if config.get("n_inner") not in (None, 4 * dim):
-            raise UserError(f"its config.json has n_inner {config['n_inner']}, where titanlite's GPT-2 has 4 x n_embd = {4 * dim}")
-        return build_args(GPT2Args, dict(dim=dim, n_layers=required(config, "n_layer"), n_heads=required(config, "n_head"),
-                                         vocab_size=required(config, "vocab_size"), max_seq_len=config.get("n_positions", 1024),
-                                         norm_eps=config.get("layer_norm_epsilon", 1e-5)))
+            raise UserError(
+                f"its config.json has n_inner {config['n_inner']}, where titanlite's GPT-2 has 4 x n_embd = {4 * dim}"
+            )
+        return build_args(
+            GPT2Args,
+            dict(
+                dim=dim,
+                n_layers=required(config, "n_layer"),
+                n_heads=required(config, "n_head"),
+                vocab_size=required(config, "vocab_size"),
+                max_seq_len=config.get("n_positions", 1024),
+                norm_eps=config.get("layer_norm_epsilon", 1e-5),
+            ),
+        )

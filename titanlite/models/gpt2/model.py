@@ -65,7 +65,12 @@ class TransformerBlock(nn.Module):
         for norm in (self.attention_norm, self.ffn_norm):
             nn.init.ones_(norm.weight)
             nn.init.zeros_(norm.bias)
-        stds = {"attention.wqkv": INIT_STD, "attention.wo": out_std, "feed_forward.w1": INIT_STD, "feed_forward.w2": out_std}
+        stds = {
+            "attention.wqkv": INIT_STD,
+            "attention.wo": out_std,
+            "feed_forward.w1": INIT_STD,
+            "feed_forward.w2": out_std,
+        }
         for name, std in stds.items():
             linear = self.get_submodule(name)
             trunc_normal_(linear.weight, std, key=f"{prefix}{name}.weight", seed=seed)
@@ -83,8 +88,15 @@ class GPT2(KeepsTiedEmbeddings):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.output.weight = self.tok_embeddings.weight  # tied, as in GPT-2
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None,
-                sequence_shard: SequenceShard | None = None, cache: CacheStep | None = None, extra_losses: bool = False):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        output_loss=None,
+        sequence_shard: SequenceShard | None = None,
+        cache: CacheStep | None = None,
+        extra_losses: bool = False,
+    ):
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
         given (KeepsTiedEmbeddings.head). With a `cache` step (generation, models/kv_cache.py) the tokens
         follow the cached ones at its positions, and only the last position's logits [B, 1, vocab] are computed. With `document_ids` [B, T]

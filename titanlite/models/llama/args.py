@@ -34,7 +34,9 @@ class ModelArgs:
 
     def __post_init__(self):
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"dim ({self.dim}) must divide by n_heads ({self.n_heads}) and n_heads by n_kv_heads ({self.n_kv_heads})")
+            raise ValueError(
+                f"dim ({self.dim}) must divide by n_heads ({self.n_heads}) and n_heads by n_kv_heads ({self.n_kv_heads})"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -60,16 +62,51 @@ LLAMA3_FLAVORS = {
     # n_kv_heads 8 < 16 heads so the CPU debug runs exercise the grouped-query path too; 8192 positions
     # for the long-window context-parallel runs (docs/benchmarks.md).
     "debugmodel": replace(_LLAMA3, dim=256, n_layers=6, n_heads=16, vocab_size=-1, max_seq_len=8192),
-    "1B": replace(_LLAMA3, dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5,
-                  rope_scaling=_LLAMA3_2_ROPE, tie_embeddings=True),
-    "3B": replace(_LLAMA3, dim=3072, n_layers=28, n_heads=24, ffn_dim_multiplier=1.0,
-                  rope_scaling=_LLAMA3_2_ROPE, tie_embeddings=True),
-    "8B": replace(_LLAMA3, dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, multiple_of=1024,
-                  rope_scaling=_LLAMA3_1_ROPE),
-    "70B": replace(_LLAMA3, dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, multiple_of=4096,
-                   rope_scaling=_LLAMA3_1_ROPE),
-    "405B": replace(_LLAMA3, dim=16384, n_layers=126, n_heads=128, ffn_dim_multiplier=1.2, multiple_of=4096,
-                    rope_scaling=_LLAMA3_1_ROPE),
+    "1B": replace(
+        _LLAMA3,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        ffn_dim_multiplier=1.5,
+        rope_scaling=_LLAMA3_2_ROPE,
+        tie_embeddings=True,
+    ),
+    "3B": replace(
+        _LLAMA3,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        ffn_dim_multiplier=1.0,
+        rope_scaling=_LLAMA3_2_ROPE,
+        tie_embeddings=True,
+    ),
+    "8B": replace(
+        _LLAMA3,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_scaling=_LLAMA3_1_ROPE,
+    ),
+    "70B": replace(
+        _LLAMA3,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_scaling=_LLAMA3_1_ROPE,
+    ),
+    "405B": replace(
+        _LLAMA3,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_scaling=_LLAMA3_1_ROPE,
+    ),
 }
 
 _LLAMA2 = ModelArgs(vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5, max_seq_len=4096)
@@ -78,6 +115,5 @@ LLAMA2_FLAVORS = {
     "debugmodel": replace(_LLAMA2, dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=-1),
     "7B": replace(_LLAMA2, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32),
     "13B": replace(_LLAMA2, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40),
-    "70B": replace(_LLAMA2, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                   multiple_of=4096),
+    "70B": replace(_LLAMA2, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
 }

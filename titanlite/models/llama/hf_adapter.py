@@ -37,8 +37,14 @@ class LlamaHFAdapter(HFAdapter):
         "output.weight": "lm_head.weight",
     }
     ignored = (r"\.rotary_emb\.inv_freq$",)  # older exports store the RoPE frequencies
-    shape_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "vocab_size")
+    shape_keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    )
 
     def _rope_heads(self, name: str, args) -> int | None:
         if name.endswith("attention.wq.weight"):
@@ -91,12 +97,17 @@ class LlamaHFAdapter(HFAdapter):
         heads = required(config, "num_attention_heads")
         rope = rope_parameters(config)
         return dict(
-            dim=required(config, "hidden_size"), n_layers=required(config, "num_hidden_layers"), n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=required(config, "vocab_size"),
+            dim=required(config, "hidden_size"),
+            n_layers=required(config, "num_hidden_layers"),
+            n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads,
+            vocab_size=required(config, "vocab_size"),
             intermediate_size=required(config, "intermediate_size"),
             norm_eps=config.get("rms_norm_eps", 1e-6),  # absent keys take transformers' defaults
-            rope_theta=float(rope["rope_theta"]), rope_scaling=llama3_rope_scaling(rope),
-            max_seq_len=config.get("max_position_embeddings", 2048), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rope_theta=float(rope["rope_theta"]),
+            rope_scaling=llama3_rope_scaling(rope),
+            max_seq_len=config.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 
     def args_from_hf_config(self, config: dict):
@@ -108,8 +119,13 @@ def llama3_rope_scaling(rope: dict) -> RopeScaling | None:
     if rope["rope_type"] == "default":
         return None
     if rope["rope_type"] != "llama3":
-        raise UserError(f"its config.json has rope_type {rope['rope_type']}, which titanlite's Llama blocks do not "
-                        "compute (they know default and llama3)")
-    return RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                       high_freq_factor=float(rope["high_freq_factor"]),
-                       original_max_seq_len=int(rope["original_max_position_embeddings"]))
+        raise UserError(
+            f"its config.json has rope_type {rope['rope_type']}, which titanlite's Llama blocks do not "
+            "compute (they know default and llama3)"
+        )
+    return RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_seq_len=int(rope["original_max_position_embeddings"]),
+    )

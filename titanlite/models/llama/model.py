@@ -124,8 +124,9 @@ class TransformerBlock(nn.Module):
     checkpointing and torch.compile can each wrap one block.
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs, attention: nn.Module | None = None,
-                 feed_forward: nn.Module | None = None):
+    def __init__(
+        self, layer_id: int, args: ModelArgs, attention: nn.Module | None = None, feed_forward: nn.Module | None = None
+    ):
         """`attention` and `feed_forward` default to Llama's; families built on this block pass their
         own (Mixtral's experts), with the same init_weights."""
         super().__init__()
@@ -216,8 +217,15 @@ class Transformer(KeepsTiedEmbeddings):
         a = self.args
         return rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, output_loss=None,
-                sequence_shard: SequenceShard | None = None, cache: CacheStep | None = None, extra_losses: bool = False):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        output_loss=None,
+        sequence_shard: SequenceShard | None = None,
+        cache: CacheStep | None = None,
+        extra_losses: bool = False,
+    ):
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
         given (head()). With a `cache` step (generation, models/kv_cache.py) the tokens follow the cached
         ones at its positions, and only the last position's logits [B, 1, vocab] are computed. With `document_ids` [B, T]
@@ -233,7 +241,9 @@ class Transformer(KeepsTiedEmbeddings):
         objective (extra_loss_names below), {} where it has none.
         """
         if cache is not None:
-            h, _ = self.run_blocks(self.tok_embeddings(tokens), self.rope_cos[cache.positions], self.rope_sin[cache.positions], cache)
+            h, _ = self.run_blocks(
+                self.tok_embeddings(tokens), self.rope_cos[cache.positions], self.rope_sin[cache.positions], cache
+            )
             return self.head(h[:, -1:])
         h = tokens
         if self.tok_embeddings is not None:
@@ -249,8 +259,9 @@ class Transformer(KeepsTiedEmbeddings):
         out = h if self.output is None else self.head(h, output_loss)
         return (out, losses) if extra_losses else out
 
-    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                   mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run_blocks(
+        self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The blocks in order -> (h, the family's extra losses); families whose blocks return more than h (Mixtral)
         override it."""
         for name, block in self.layers.items():

@@ -13,7 +13,9 @@ def attention_plan() -> dict:
     return {
         "attention_norm": SequenceParallel(),
         "attention": gather_sequence(extra_inputs=3),
-        "attention.wq": colwise(), "attention.wk": colwise(), "attention.wv": colwise(),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
         "attention.wo": rowwise_to_sequence(),
         "ffn_norm": SequenceParallel(),
     }
@@ -23,7 +25,8 @@ def swiglu_plan() -> dict:
     """SwiGLU w1/w3 column-wise, w2 row-wise."""
     return {
         "feed_forward": gather_sequence(),
-        "feed_forward.w1": colwise(), "feed_forward.w3": colwise(),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w3": colwise(),
         "feed_forward.w2": rowwise_to_sequence(),
     }
 

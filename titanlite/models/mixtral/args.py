@@ -17,9 +17,19 @@ class MixtralArgs(MistralArgs):
 
 
 MIXTRAL_FLAVORS = {
-    "debugmodel": MixtralArgs(dim=256, n_layers=4, n_heads=16, n_kv_heads=8, vocab_size=-1, max_seq_len=2048,
-                              rope_theta=1000000.0),
+    "debugmodel": MixtralArgs(
+        dim=256, n_layers=4, n_heads=16, n_kv_heads=8, vocab_size=-1, max_seq_len=2048, rope_theta=1000000.0
+    ),
     # FFN 14336 per expert (= 1.3 x 8/3 x 4096 rounded up to 1024); no sliding window in v0.1.
-    "8x7B": MixtralArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-                        vocab_size=32000, rope_theta=1000000.0, max_seq_len=32768),
+    "8x7B": MixtralArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        vocab_size=32000,
+        rope_theta=1000000.0,
+        max_seq_len=32768,
+    ),
 }

@@ -31,5 +31,9 @@ class MixtralHFAdapter(StackedExpertsHFAdapter, MistralHFAdapter):
         return config
 
     def args_fields(self, config: dict) -> dict:
-        return {**super().args_fields(config), "sliding_window": config.get("sliding_window"),  # MixtralConfig: none
-                "num_experts": required(config, "num_local_experts"), "top_k": config.get("num_experts_per_tok", 2)}
+        return {
+            **super().args_fields(config),
+            "sliding_window": config.get("sliding_window"),  # MixtralConfig: none
+            "num_experts": required(config, "num_local_experts"),
+            "top_k": config.get("num_experts_per_tok", 2),
+        }

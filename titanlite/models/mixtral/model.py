@@ -38,8 +38,9 @@ class Mixtral(Transformer):
     def build_block(self, layer_id: int, args: MixtralArgs) -> MixtralBlock:
         return MixtralBlock(layer_id, args)
 
-    def run_blocks(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                   mask: Mask) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run_blocks(
+        self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, mask: Mask
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         aux_losses, loads = [], []
         for name, block in self.layers.items():
             h, aux_loss, load = block(h, rope_cos, rope_sin, for_layer(mask, name))
@@ -71,8 +72,10 @@ class Mixtral(Transformer):
         if not self._forwards:
             return {}
         share = self._load_sum.float() / self._load_sum.sum(dim=-1, keepdim=True)  # [layers, experts]
-        metrics = {"moe/balance_loss": self._aux_loss_sum / self._forwards,
-                   "moe/max_load": share.max() * self.args.num_experts}
+        metrics = {
+            "moe/balance_loss": self._aux_loss_sum / self._forwards,
+            "moe/max_load": share.max() * self.args.num_experts,
+        }
         metrics.update({f"moe/expert_share/{i}": s for i, s in enumerate(share.mean(dim=0))})
         self._forwards = 0
         return metrics

@@ -9,7 +9,8 @@ from titanlite.models.qwen3.model import Qwen3, Qwen3Moe
 from titanlite.models.qwen3.parallelize import apply_moe_tp, apply_tp
 
 QWEN3_SPEC = ModelSpec("qwen3", Qwen3, QWEN3_FLAVORS, apply_tp, llama_flops_per_token, hf_adapter=Qwen3HFAdapter())
-QWEN3_MOE_SPEC = ModelSpec("qwen3_moe", Qwen3Moe, QWEN3_MOE_FLAVORS, apply_moe_tp, moe_flops_per_token,
-                           hf_adapter=Qwen3MoeHFAdapter())
+QWEN3_MOE_SPEC = ModelSpec(
+    "qwen3_moe", Qwen3Moe, QWEN3_MOE_FLAVORS, apply_moe_tp, moe_flops_per_token, hf_adapter=Qwen3MoeHFAdapter()
+)
 SPECS = (QWEN3_SPEC, QWEN3_MOE_SPEC)
 __all__ = ["QWEN3_SPEC", "QWEN3_MOE_SPEC", "Qwen3", "Qwen3Args", "Qwen3Moe", "Qwen3MoeArgs"]

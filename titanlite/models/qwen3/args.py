@@ -60,8 +60,24 @@ QWEN3_FLAVORS = {
 QWEN3_MOE_FLAVORS = {
     "debugmodel": Qwen3MoeArgs(**_DENSE_DEBUG, num_experts=8, top_k=2, moe_intermediate_size=256),
     # intermediate_size: config.json's dense MLP size, unused (every block is sparse) but part of the published shapes.
-    "30B-A3B": Qwen3MoeArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, num_experts=128, top_k=8,
-                            moe_intermediate_size=768, intermediate_size=6144),
-    "235B-A22B": Qwen3MoeArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, num_experts=128, top_k=8,
-                              moe_intermediate_size=1536, intermediate_size=12288),
+    "30B-A3B": Qwen3MoeArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        num_experts=128,
+        top_k=8,
+        moe_intermediate_size=768,
+        intermediate_size=6144,
+    ),
+    "235B-A22B": Qwen3MoeArgs(
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        num_experts=128,
+        top_k=8,
+        moe_intermediate_size=1536,
+        intermediate_size=12288,
+    ),
 }

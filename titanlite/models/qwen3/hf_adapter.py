@@ -65,8 +65,12 @@ class Qwen3MoeHFAdapter(StackedExpertsHFAdapter, Qwen3HFAdapter):
     def hf_config(self, args, dtype: str = "float32") -> dict:
         config = super().hf_config(args, dtype)
         config.update(
-            num_experts=args.num_experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate_size,
-            norm_topk_prob=args.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+            num_experts=args.num_experts,
+            num_experts_per_tok=args.top_k,
+            moe_intermediate_size=args.moe_intermediate_size,
+            norm_topk_prob=args.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
         config["intermediate_size"] = args.intermediate_size  # the dense MLP's, which all-sparse blocks never build
         return config
@@ -75,6 +79,10 @@ class Qwen3MoeHFAdapter(StackedExpertsHFAdapter, Qwen3HFAdapter):
         experts = config.get("num_experts") or config.get("num_local_experts")  # transformers 5 writes the second
         if experts is None:
             required(config, "num_experts")
-        return {**super().args_fields(config), "num_experts": experts, "top_k": config.get("num_experts_per_tok", 8),
-                "moe_intermediate_size": required(config, "moe_intermediate_size"),
-                "norm_topk_prob": bool(config.get("norm_topk_prob", False))}  # Qwen3MoeConfig's default
+        return {
+            **super().args_fields(config),
+            "num_experts": experts,
+            "top_k": config.get("num_experts_per_tok", 8),
+            "moe_intermediate_size": required(config, "moe_intermediate_size"),
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        }  # Qwen3MoeConfig's default

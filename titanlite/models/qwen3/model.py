@@ -37,6 +37,12 @@ class Qwen3Moe(Mixtral):
     router: a softmax over all experts, then the top-k, renormalised where norm_topk_prob."""
 
     def build_block(self, layer_id: int, args: Qwen3MoeArgs) -> MixtralBlock:
-        moe = MoE(args.dim, args.moe_intermediate_size, args.num_experts, args.top_k, router="softmax_then_topk",
-                  norm_topk_prob=args.norm_topk_prob)
+        moe = MoE(
+            args.dim,
+            args.moe_intermediate_size,
+            args.num_experts,
+            args.top_k,
+            router="softmax_then_topk",
+            norm_topk_prob=args.norm_topk_prob,
+        )
         return MixtralBlock(layer_id, args, attention=Qwen3Attention(args), moe=moe)

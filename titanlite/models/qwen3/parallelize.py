@@ -13,7 +13,9 @@ from titanlite.parallel.tp import apply_tp_plan, vocab_parallel_plan
 
 
 def _qk_norm_plan() -> dict:
-    return {f"attention.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True) for norm in ("q_norm", "k_norm")}
+    return {
+        f"attention.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True) for norm in ("q_norm", "k_norm")
+    }
 
 
 def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
