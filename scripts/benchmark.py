@@ -67,7 +67,10 @@ ROWS = {
         1,
     ),
 }
-DEFAULT_ROWS = "bare,titanlite,ac_full,ac_op,ac_every2,compile,bf16_kahan,fsdp2,tp2,pp2,ckpt_sync,ckpt_async,mask_causal,mask_block_causal"
+DEFAULT_ROWS = (
+    "bare,titanlite,ac_full,ac_op,ac_every2,compile,bf16_kahan,fsdp2,tp2,pp2,ckpt_sync,ckpt_async,mask_causal,"
+    "mask_block_causal"
+)
 SHORT_ROWS = "bare,titanlite,fsdp2,ckpt_sync,ckpt_async"
 
 SUMMARY = re.compile(
@@ -308,7 +311,8 @@ def sharded_memory_line(results: dict[str, dict], name: str) -> str:
     share = sharded["state"] / whole["state"]
     verdict = "within" if share <= 1.05 / 2 else "ABOVE"
     return (
-        f"{ {'fsdp2': 'FSDP', 'tp2': 'TP', 'pp2': 'PP'}[name] } memory: params + grads + optimizer state per rank {sharded['state']:.3f} MiB over 2 ranks vs "
+        f"{ {'fsdp2': 'FSDP', 'tp2': 'TP', 'pp2': 'PP'}[name] } memory: params + grads + optimizer state per rank "
+        f"{sharded['state']:.3f} MiB over 2 ranks vs "
         f"{whole['state']:.3f} MiB unsharded = {share:.4f} of it ({verdict} the 1.05/N = {1.05 / 2:.3f} bound)"
     )
 
@@ -331,7 +335,8 @@ def checkpoint_line(results: dict[str, dict]) -> str:
         f"blocks it {async_blocked:.3f}s (and completes in the background in {async_total:.3f}s) = "
         f"{100 * share:.1f}% of the synchronous block ({verdict} the 5% bound); saves during training: "
         f"{len(sync)} sync, {len(asyn)} async (as CheckpointManager reports them)\n"
-        f"checkpoint cross-check: the {SAVE_STEPS_TOUCHED} steps after a save took {extra['ckpt_sync']:+.3f}s (sync) and "
+        f"checkpoint cross-check: the {SAVE_STEPS_TOUCHED} steps after a save took {extra['ckpt_sync']:+.3f}s (sync) "
+        "and "
         f"{extra['ckpt_async']:+.3f}s (async) longer in all than steps no save touches"
     )
 
@@ -348,7 +353,8 @@ def benchmark(args) -> None:
     started = datetime.datetime.now()
     print(f"# titanlite benchmark, {started:%Y-%m-%d %H:%M}")
     print(
-        f"device: {device_name()}; torch {__import__('torch').__version__}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+        f"device: {device_name()}; torch {__import__('torch').__version__}; "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
     print(
         f"job: llama3 debugmodel, seq {args.seq_len}, batch {args.batch}, {args.dtype}, synthetic data, "

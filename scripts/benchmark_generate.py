@@ -284,7 +284,8 @@ def write_rows(path: Path, rows: list[str], limit: str | None, threads: int, loa
         f"{datetime.date.today()}, CPU ({platform.machine()}, {os.cpu_count()} cores, {threads} thread(s) used, "
         f"load average {load} during the run), torch {torch.__version__}, transformers {transformers.__version__}: "
         f"`{command}`\n\n"
-        "| titanlite vs transformers | batch | prompt tokens | titanlite tok/s | transformers tok/s | speed-up (median) | "
+        "| titanlite vs transformers | batch | prompt tokens | titanlite tok/s | transformers tok/s | speed-up "
+        "(median) | "
         "pairs | same tokens |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
     if limit:

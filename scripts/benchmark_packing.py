@@ -144,8 +144,10 @@ def measure(work: Path, args) -> int:
     )
     print(f"command: python scripts/benchmark_packing.py {shlex.join(sys.argv[1:])}")
     print(
-        f"data: {len(lengths)} ChatML conversations of {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}); "
-        f"debug Qwen3, seq_len {args.seq_len}, local batch {args.batch}, fp32, steps {args.warmup + 1}-{args.steps} timed"
+        f"data: {len(lengths)} ChatML conversations of {min(lengths)}-{max(lengths)} tokens (mean "
+        f"{statistics.mean(lengths):.0f}); "
+        f"debug Qwen3, seq_len {args.seq_len}, local batch {args.batch}, fp32, steps {args.warmup + 1}-{args.steps} "
+        "timed"
     )
     ratios = []
     for number in range(1, args.pairs + 1):

@@ -8,7 +8,8 @@ benchmark rows of the issue's table at its shape (Llama 3.2 1B, seq 8192, synthe
 Each group is sized, from issue 17's timings, for one 10-minute command of the lent GPU (see
 shared/GPU.md: carry the wheels, set PYTHONPATH); `cuda`, `compile` and `best` ran on one H100 on
 2026-11-26 (docs/benchmarks.md "First GPU run"). Put runs before test groups in one command: a test
-group's leftover processes would share the machine with the runs timed after it. Each run writes OUT_DIR/NAME.log; after each group OUT_DIR/gpu_check.json and
+group's leftover processes would share the machine with the runs timed after it. Each run writes OUT_DIR/NAME.log; after
+each group OUT_DIR/gpu_check.json and
 gpu_check.md hold the run summary figures of every log present so far, next to the planner's
 prediction for the run (the trainer logs both on CUDA). tests/test_gpu_check.py checks on the CPU
 that every run's flags form a valid job, so no GPU minute is lost to a typo.
@@ -251,7 +252,8 @@ def main(argv: list[str]) -> int:
     items = argv[1:]
     if not items or any(item not in (*TEST_GROUPS, *GROUPS, *RUNS) for item in items):
         print(
-            f"usage: python3 scripts/gpu_check.py OUT_DIR ITEM [ITEM ...] (groups: {' '.join([*TEST_GROUPS, *GROUPS])}; "
+            "usage: python3 scripts/gpu_check.py OUT_DIR ITEM [ITEM ...] (groups: "
+            f"{' '.join([*TEST_GROUPS, *GROUPS])}; "
             "or run names, see --list) | --list",
             file=sys.stderr,
         )

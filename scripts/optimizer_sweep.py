@@ -19,7 +19,8 @@ from titanlite.models import get_model_args, get_model_spec
 from titanlite.optim import build_lr_scheduler, build_optimizer
 
 STEPS, BATCH, SEQ, EVAL_EVERY, EVAL_BATCHES = 40, 4, 128, 5, 4
-# (optimizer, lr, muon_lr): Muon's AdamW half (embedding, norms, output) keeps AdamW's best lr; its matrices' lr is swept.
+# (optimizer, lr, muon_lr): Muon's AdamW half (embedding, norms, output) keeps AdamW's best lr; its matrices' lr is
+# swept.
 RUNS = [
     ("AdamW", 3e-4, -1.0),
     ("AdamW", 1e-3, -1.0),

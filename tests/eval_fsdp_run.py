@@ -1,4 +1,5 @@
-"""torchrun --nproc_per_node 2 tests/eval_fsdp_run.py OUT FOLDER TASKS: the generate/eval model (inference/model.py) of the
+"""torchrun --nproc_per_node 2 tests/eval_fsdp_run.py OUT FOLDER TASKS: the generate/eval model (inference/model.py) of
+the
 Hugging Face folder FOLDER, sharded by FSDP over both ranks; the in-loop evaluator on it with the local tasks of the
 task folder TASKS, the ranks sharing the requests; then each rank generating greedily for its own prompt with its
 own max_new_tokens, in lockstep. Rank 0 writes {"scalars": {task/metric: value}, "generated": [[ids] per rank]}."""

@@ -4,7 +4,8 @@ at the end of finished runs under load (here on purpose, every time).
 
 Training ends as usual. The ranks meet, then rank 0 starts an all-reduce on the world group (which DeviceMesh keeps
 alive past destroy_process_group) and lets go of its tensor; rank 1 joins it a second later, while rank 0's last exit
-handler holds the GIL in a C loop of several seconds; rank 0's worker completes the all-reduce and, to free the tensor, waits for the GIL,
+handler holds the GIL in a C loop of several seconds; rank 0's worker completes the all-reduce and, to free the tensor,
+waits for the GIL,
 which the interpreter hands it only in its teardown."""
 
 import atexit

@@ -255,7 +255,8 @@ def test_trains_on_the_generated_chat_example(tiny_run, tmp_path, capsys):
         (
             [{"messages": [{"role": "user", "content": "hi"}]}],
             None,
-            "record 1 (counting from 1) has no assistant turn to train, so nothing of it would be trained; add one or remove the record",
+            "record 1 (counting from 1) has no assistant turn to train, so nothing of it would be trained; add one or "
+            "remove the record",
         ),
         (
             [{"messages": CONVERSATIONS[0]}, {"messages": [{"role": "robot", "content": "x"}, *CONVERSATIONS[0]]}],
@@ -313,12 +314,14 @@ def test_resume_gives_the_windows_an_uninterrupted_run_gives(folder, tmp_path):
     [
         (
             ["--training.loss_chunk_tokens", "32"],
-            "training.dataset_format chat leaves untrained tokens out of the loss, which the chunked loss does not do yet; set training.loss_chunk_tokens 0",
+            "training.dataset_format chat leaves untrained tokens out of the loss, which the chunked loss does not do "
+            "yet; set training.loss_chunk_tokens 0",
         ),
         (["--model.hf_assets_path", ""], "need a Hugging Face tokenizer (tokenizer.json)"),
         (
             ["--model.attention_mask", "causal"],
-            "packs several conversations into a window, which must not attend to each other; set model.attention_mask block_causal",
+            "packs several conversations into a window, which must not attend to each other; set model.attention_mask "
+            "block_causal",
         ),
     ],
 )

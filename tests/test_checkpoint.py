@@ -222,7 +222,8 @@ def small_checkpoint(tmp_path_factory):
         (
             None,
             ["--model.name", "llama2"],
-            "does not fit llama2/debugmodel (it was saved from llama3/debugmodel): layers.0.attention.wk.weight is 128x256 there but 256x256 here",
+            "does not fit llama2/debugmodel (it was saved from llama3/debugmodel): layers.0.attention.wk.weight is "
+            "128x256 there but 256x256 here",
         ),
         ("__0_0.distcp", [], "cannot be loaded"),
         (".metadata", [], "is corrupt: its .metadata cannot be read"),

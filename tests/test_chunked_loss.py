@@ -131,7 +131,8 @@ def test_trainer_with_chunks_equals_without_for_llama3_gpt2_mixtral_and_on_two_f
         ),
         (
             ["--float8.enable", "--float8.filter_fqns", "wq"],
-            "multiplies by the output weight in the compute dtype, but float8.filter_fqns wq lets float8 convert the output layer",
+            "multiplies by the output weight in the compute dtype, but float8.filter_fqns wq lets float8 convert the "
+            "output layer",
         ),
     ],
 )

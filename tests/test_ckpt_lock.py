@@ -139,7 +139,8 @@ def test_a_dump_folder_turned_read_only_ends_in_the_save_sentence_not_the_locks_
     assert code == 2, out
     assert "Traceback" not in out
     assert (
-        f"error: checkpoint step-2 could not be written to {tmpfs / 'checkpoint'}: the filesystem is read-only; make it "
+        f"error: checkpoint step-2 could not be written to {tmpfs / 'checkpoint'}: the filesystem is read-only; make "
+        "it "
         "writable"
     ) in out
     assert (
@@ -345,8 +346,10 @@ def test_two_torchrun_jobs_without_standalone_do_not_share_a_dump_folder(tmp_pat
     (sentence,) = [line for line in said.splitlines() if line.startswith("error:")]
     holder = json.loads(lock)
     assert sentence == (
-        f"error: job.dump_folder {dump} is in use by another run (host {socket.gethostname()}, pid {holder['pid']}, job "
-        f"without an id, started {holder['started']}): two runs in one folder would overwrite each other's checkpoints; "
+        f"error: job.dump_folder {dump} is in use by another run (host {socket.gethostname()}, pid {holder['pid']}, "
+        "job "
+        f"without an id, started {holder['started']}): two runs in one folder would overwrite each other's "
+        "checkpoints; "
         "give this run another job.dump_folder, or stop that run first (a lock is never taken from a live process on "
         "its machine)"
     )

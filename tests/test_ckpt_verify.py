@@ -73,9 +73,12 @@ def test_a_checkpoint_without_checksums_is_refused_unless_allowed(capsys, dump):
     code, out = train(capsys, flags(dump, 6))
     assert code == 2, out
     assert out.strip().splitlines()[-1] == (
-        f"error: checkpoint {step4} cannot be verified: it has no checksums folder (lost, or the checkpoint was written by "
-        f"another tool or a titanlite before checksums), so damage in its files would load unnoticed; restore that folder, "
-        f"delete {step4} (an earlier checkpoint then loads), or set checkpoint.allow_unverified true to load it unverified"
+        f"error: checkpoint {step4} cannot be verified: it has no checksums folder (lost, or the checkpoint was "
+        "written by "
+        "another tool or a titanlite before checksums), so damage in its files would load unnoticed; restore that "
+        "folder, "
+        f"delete {step4} (an earlier checkpoint then loads), or set checkpoint.allow_unverified true to load it "
+        "unverified"
     )
     assert "step: 5" not in out
     code, out = train(capsys, flags(dump, 6, "--checkpoint.allow_unverified", "true"))  # asked for: it loads as it is

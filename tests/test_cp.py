@@ -72,7 +72,8 @@ def assert_as_one_process(tmp_path, name: str, one: str, steps: list[int], norms
 def test_cp2_trains_as_one_process_composes_with_fsdp_tp_pp_and_checkpoints_move(tmp_path, request):
     """Losses and gradient norms equal one process's within 1e-5 for 5 steps: CP2 for each attention variant
     (and llama3's validation loss), CP2 x FSDP2, CP2 x TP2 and CP2 x PP2 (4 ranks) for llama3 (documents),
-    CP2 x FSDP2 for mistral (window) and gpt2; a checkpoint of step 5 saved under CP2 resumes under FSDP2 and on one process,
+    CP2 x FSDP2 for mistral (window) and gpt2; a checkpoint of step 5 saved under CP2 resumes under FSDP2 and on one
+    process,
     and one process's under CP2 x FSDP2, each with the uninterrupted losses of steps 6 and 7. The default tier runs
     llama3 (documents, every layout) and mistral (a window, CP2); the extended tier also mistral's CP2 x FSDP2, gpt2
     and DeepSeek-V3 (MLA)."""

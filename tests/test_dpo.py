@@ -41,7 +41,8 @@ def turn(role, content):
     return {"role": role, "content": content}
 
 
-# Learnable: the chosen answers agree, the rejected ones refuse; one prompt has an earlier assistant turn (context only).
+# Learnable: the chosen answers agree, the rejected ones refuse; one prompt has an earlier assistant turn (context
+# only).
 PAIRS = [
     {
         "prompt": [turn("user", "Say yes.")],
@@ -219,7 +220,8 @@ def test_lora_reference_is_the_base_with_its_adapters_off(folders, tmp_path):
 
 
 def test_two_fsdp_ranks_and_tp2_equal_one_process(folders, tmp_path):
-    """The same 4 pairs per step: one process, 2 FSDP ranks of 2 pairs each, and 2 TP ranks sharing the 4 (one launch)."""
+    """The same 4 pairs per step: one process, 2 FSDP ranks of 2 pairs each, and 2 TP ranks sharing the 4 (one
+    launch)."""
     reference = ["--dpo.reference", folders["reference"]]
     assert main(dpo_flags(folders, tmp_path / "one", 3, *reference)) == 0
     runs = [
@@ -367,7 +369,8 @@ def test_plain_text_pairs_render_as_one_user_and_one_assistant_turn(folders, tmp
         ),
         (
             "same",
-            "every pair's chosen and rejected completions are the same, so the DPO loss is constant with no gradient and "
+            "every pair's chosen and rejected completions are the same, so the DPO loss is constant with no gradient "
+            "and "
             "nothing would train; give each pair a different rejected completion",
         ),
         (

@@ -65,7 +65,8 @@ PAIRS = [
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """A random Qwen3 policy (seed 0) and reference (seed 1) saved by transformers with Qwen3's template, and the pairs."""
+    """A random Qwen3 policy (seed 0) and reference (seed 1) saved by transformers with Qwen3's template, and the
+    pairs."""
     root = tmp_path_factory.mktemp("dpo_trl")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(write_tokenizer_folder(root / "tokenizer")))
     tokenizer.chat_template = QWEN3_TEMPLATE
@@ -82,14 +83,15 @@ def folders(tmp_path_factory):
 
 
 def trl_step_one(folders, out) -> dict[str, float]:
-    """TRL's logged loss and rewards of step 1 (one batch of every pair), in float32 (DPOConfig's bf16 is on by default)."""
+    """TRL's logged loss and rewards of step 1 (one batch of every pair), in float32 (DPOConfig's bf16 is on by
+    default)."""
     from datasets import Dataset
 
-    load = lambda name: transformers.AutoModelForCausalLM.from_pretrained(
-        folders[name],
-        dtype=torch.float32,  # noqa: E731
-        attn_implementation="eager",
-    )
+    def load(name):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folders[name], dtype=torch.float32, attn_implementation="eager"
+        )
+
     config = trl.DPOConfig(
         output_dir=str(out),
         beta=BETA,

@@ -218,7 +218,8 @@ def test_two_groups_on_one_gpu_equal_one_gpu_process(store, tmp_path):
 def test_groups_of_two_ranks_under_any_layout_equal_one_process(store, tmp_path, name):
     """Each replica group a torchrun of 2 ranks sharding the model by TP, PP, CP or EP: rank r of each group averages
     its shards with rank r of the other; the printed losses (4 decimals) equal one process holding both groups'
-    batches. DeepSeek-V3's routing biases, moved by the counts of both groups' batches, equal one process's to the bit."""
+    batches. DeepSeek-V3's routing biases, moved by the counts of both groups' batches, equal one process's to the
+    bit."""
     model, layout = GROUP_LAYOUTS[name]
     steps, common = 3, ["--model.n_layers", "2", *model, "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
     logs = run_groups(store, tmp_path, "r", (0, 1), steps, *common, *layout, ranks=2)

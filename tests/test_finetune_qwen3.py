@@ -277,8 +277,10 @@ TOOL_CHAT = [
 
 
 def test_sharegpt_tool_calls_reasoning_and_untrained_turns_as_transformers_marks_them(qwen3_folder, tmp_path):
-    """ShareGPT's conversations/from/value, a tool call and the tool's answer rendered by the template, reasoning_content
-    kept: the trained tokens are the assistant mask of transformers (marked template); "train": false leaves a turn out."""
+    """ShareGPT's conversations/from/value, a tool call and the tool's answer rendered by the template,
+    reasoning_content
+    kept: the trained tokens are the assistant mask of transformers (marked template); "train": false leaves a turn
+    out."""
     from titanlite.config_sections import Model
     from titanlite.data.chat import ChatRenderer, Conversations, tokenize_conversation
     from titanlite.data.tokenizer import build_tokenizer

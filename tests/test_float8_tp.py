@@ -6,7 +6,8 @@ casts with the same whole-tensor scales). From the first update on, the TP ranks
 added in another order, round a few elements of the float8 output gradients (e5m2: 2 mantissa
 bits) to the neighbouring value, and Adam's first steps (update ~ lr x sign(gradient)) carry those
 flips into the weights: over 5 steps the losses stay within 1e-3 (measured at most 4.7e-4 on
-llama3, mistral and mixtral under both recipes, qwen3 and deepseek_v3 under tensorwise), where fp32 TP meets 1e-5. GPT-2's
+llama3, mistral and mixtral under both recipes, qwen3 and deepseek_v3 under tensorwise), where fp32 TP meets 1e-5.
+GPT-2's
 float8 loss is far more sensitive: a 1e-7 relative change of its weights moves it by up to 1.3e-3
 on one process, and its TP2 losses were measured within 1.6e-3 (its fused q/k/v in high precision).
 """
@@ -57,7 +58,8 @@ def test_gpt2_fused_qkv_in_float8_under_tp_is_one_sentence(tiny_run):
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors and set(errors) == {
-        "error: float8.enable cannot run attention.wqkv (split by RowsByGroups, which computes its own matmul) in float8 "
+        "error: float8.enable cannot run attention.wqkv (split by RowsByGroups, which computes its own matmul) in "
+        "float8 "
         'under parallelism.tensor_parallel_degree above 1: add "wqkv" to float8.filter_fqns'
     }, out.stderr[-2000:]
 

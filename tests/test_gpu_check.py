@@ -28,7 +28,8 @@ def test_report_reads_the_run_summary_lines(tmp_path):
     """A run's figures from its log; a run without a log is left out."""
     (tmp_path / "compile.log").write_text(
         "run summary: 30 steps after 10 warm-up  tps: 12,345  step: 1.3271s  tflops: 400.1  mfu: 40.45%  "
-        "peak_memory: 60.125GiB  data: 0.10%  state_per_rank: params 1.000MiB  checkpoints: 2 saves, training lost 0.420s"
+        "peak_memory: 60.125GiB  data: 0.10%  state_per_rank: params 1.000MiB  checkpoints: 2 saves, training lost "
+        "0.420s"
         "  activation_offload: peak 7.500GiB held in host memory (not held on the device)\n"
         "run summary: predicted vs measured: peak_memory 58.000GiB vs 60.125GiB  tps 13,000 vs 12,345\n"
     )

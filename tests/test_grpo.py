@@ -342,7 +342,8 @@ def test_compiled_blocks_train_as_eager_and_decode_the_same_rollouts(prompts, tm
 
 @pytest.mark.extended
 def test_a_dense_toy_reward_rises_within_tens_of_steps(prompts, tmp_path):
-    """The share of the letter e in 16-token completions of the debug model, 2 prompts x 8 completions a step, 30 steps."""
+    """The share of the letter e in 16-token completions of the debug model, 2 prompts x 8 completions a step, 30
+    steps."""
     flags = [
         "--training.local_batch_size",
         "16",

@@ -1,7 +1,8 @@
 """GRPO's math (titanlite/rl/grpo_loss.py) against TRL 1.16 and against its formulas:
 - the advantages equal those TRL's GRPOTrainer._generate_and_score_completions computes from the same rewards;
 - each loss_type's loss and gradient, computed in 2 "ranks" x 2 micro-batches and summed, equal the formula over the
-  whole batch (TRL's _compute_loss written out with transformers' logits) within 1e-6 of the gradient's scale, and equal what
+  whole batch (TRL's _compute_loss written out with transformers' logits) within 1e-6 of the gradient's scale, and equal
+  what
   TRL's own _compute_loss returns on one process;
 - log-probs and entropy are those of log_softmax(logits / temperature), their gradient that of autograd's."""
 
@@ -82,7 +83,8 @@ def shared_loss(model, ids, attention, prompt_length, old, ref, advantages, mask
 
 
 def perturbed_logps(model, ids, attention, prompt_length, seed, scale=0.02):
-    """The completion tokens' log-probs under a copy of model with noise on every weight: an old policy or a reference."""
+    """The completion tokens' log-probs under a copy of model with noise on every weight: an old policy or a
+    reference."""
     copy = type(model)(model.config)
     copy.load_state_dict(model.state_dict())
     generator = torch.Generator().manual_seed(seed)

@@ -56,7 +56,8 @@ def tokenizer_folder(tmp_path_factory):
 
 
 def hf_folder(folder, tokenizer_folder, config_class, **config):
-    """A random model written by transformers' save_pretrained (fp32 safetensors), with the tokenizer files beside it."""
+    """A random model written by transformers' save_pretrained (fp32 safetensors), with the tokenizer files beside
+    it."""
     torch.manual_seed(0)
     model_class = {"LlamaConfig": transformers.LlamaForCausalLM, "MistralConfig": transformers.MistralForCausalLM}
     model = model_class[config_class.__name__](config_class(**config)).float()
@@ -312,7 +313,8 @@ def test_bad_folders_and_contradicting_keys_are_one_sentence(tmp_path, tokenizer
 
 def test_the_shipped_fine_tuning_example_learns_from_an_exported_folder(tmp_path, capsys):
     """The commands of train_configs/debug_finetune.toml, shortened: the generated chat data and tokenizer, a debug base
-    of 2 layers exported with last_save_in_hf (config.json, weights and the tokenizer files), then full and LoRA fine-tuning of
+    of 2 layers exported with last_save_in_hf (config.json, weights and the tokenizer files), then full and LoRA
+    fine-tuning of
     that folder; the chat loss falls in both, and the fine-tuned export is a folder a run starts from again."""
     from titanlite.examples.chat_example import main as make_example
 

@@ -96,8 +96,8 @@ def test_render_refuses_a_job_the_planner_says_does_not_fit():
     out = render({**SAMPLE, "CONFIG_FILE": "train_configs/llama3_405b.toml", "NUM_NODES": "1"})
     assert out.returncode == 1 and out.stdout == ""
     assert (
-        "render.sh: not rendered: python -m titanlite.plan says train_configs/llama3_405b.toml does not fit 1 node(s) x 8 GPUs"
-        in out.stderr
+        "render.sh: not rendered: python -m titanlite.plan says train_configs/llama3_405b.toml does not fit 1 node(s) "
+        "x 8 GPUs" in out.stderr
     )
     assert (
         render(

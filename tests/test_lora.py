@@ -142,7 +142,8 @@ def test_lora_trains_saves_only_the_adapters_and_resumes_exactly(tmp_path, capsy
         == 2
     )
     assert (
-        f"holds LoRA adapters trained on another base than this run's ({tmp_path / 'seed' / 'checkpoint' / 'step-0'}: its weights "
+        f"holds LoRA adapters trained on another base than this run's ({tmp_path / 'seed' / 'checkpoint' / 'step-0'}: "
+        "its weights "
         "differ); set checkpoint.initial_load_path to the base they were trained on (initialised from job.seed)"
     ) in capsys.readouterr().err
     # another rank or other targets name the key, and say the checkpoint holds adapters only

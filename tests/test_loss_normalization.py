@@ -73,7 +73,8 @@ LAYOUTS = {  # name: (processes, local batch, flags); the global batch is 4 wind
 @pytest.mark.extended
 def test_every_layout_gives_the_loss_of_one_process(example, tmp_path):
     """Chat data is read in one global order, so every layout holds the same 4 windows each step as one process
-    holding all 4 (conversations packed several to a window, each with its carried document ids); step 2 on also shows the earlier updates were the same; validation (after steps 2 and 4) sums
+    holding all 4 (conversations packed several to a window, each with its carried document ids); step 2 on also shows
+    the earlier updates were the same; validation (after steps 2 and 4) sums
     the trained tokens' losses of the same held-out windows over the same count. One launch per world size
     (tests/layout_runs.py)."""
 

@@ -247,13 +247,15 @@ def test_pp2_x_fsdp2_pp2_x_tp2_and_fsdp2_x_tp2_on_four_ranks_equal_one_process(t
             {"pipeline_parallel_degree": 4, "pipeline_parallel_microbatch_size": 4},
             6,
             8,
-            "1F1B needs at least as many microbatches as stages (4), but training.local_batch_size 8 / pipeline_parallel_microbatch_size 4 = 2",
+            "1F1B needs at least as many microbatches as stages (4), but training.local_batch_size 8 / "
+            "pipeline_parallel_microbatch_size 4 = 2",
         ),
         (
             {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "InterleavedZeroBubble"},
             6,
             5,
-            "InterleavedZeroBubble runs its 5 microbatches (training.local_batch_size 5 / pipeline_parallel_microbatch_size 1) in 2 equal rounds",
+            "InterleavedZeroBubble runs its 5 microbatches (training.local_batch_size 5 / "
+            "pipeline_parallel_microbatch_size 1) in 2 equal rounds",
         ),
         (
             {"pipeline_parallel_degree": 2, "pipeline_parallel_layers_per_stage": 2},

@@ -392,7 +392,8 @@ def test_expert_parallel_plan_gathers_a_ranks_experts_and_adds_the_all_to_alls(f
     """EP8 against EP1 on 8 GPUs of one node: every rank holds 1/8 of every weight either way (the fake world's
     own shards: E/8 whole experts on the ep mesh, or 1/8 of each expert stack by FSDP), FSDP gathers only a
     rank's E/8 experts of each block (buffers smaller by 7/8 of the largest block's experts, in the compute dtype
-    twice, the block in use and the next, and once in the reduce dtype; DeepSeek's largest is then a dense block), and the step gains EP's all-to-alls while FSDP's
+    twice, the block in use and the next, and once in the reduce dtype; DeepSeek's largest is then a dense block), and
+    the step gains EP's all-to-alls while FSDP's
     traffic shrinks."""
     from titanlite.dtypes import DTYPES
     from titanlite.models.init import local_tensor

@@ -1,5 +1,6 @@
 """The rollout engine's completions (titanlite/rl/engine.py): each sampled token's log-probability is the sampler's
-(inference/decode.py's, stop token included), of the very logits it was drawn from at the sampling temperature (a bigram model whose next-token logits are
+(inference/decode.py's, stop token included), of the very logits it was drawn from at the sampling temperature (a bigram
+model whose next-token logits are
 known by hand), and a completion ended by a stop token keeps it as sampled, with its log-probability.
 That the sampler's log-probabilities equal the trainer's (on one process and from the gathered copy of 2 FSDP
 ranks) is tested on real GRPO runs in test_grpo.py."""

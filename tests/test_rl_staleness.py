@@ -1,7 +1,8 @@
 """rl.max_staleness K (titanlite/rl/ahead.py): step s trains on completions sampled by the weights after step
 max(0, s - 1 - K), decoded on the engine's thread while earlier steps train; the importance-sampling ratio sees the
 staleness (1 on-policy at step 1, off 1 after); a run killed with SIGKILL and resumed from a checkpoint whose rollouts
-were in flight is the uninterrupted run, bit for bit, rollouts.jsonl included; a checkpoint of another K is refused in one sentence."""
+were in flight is the uninterrupted run, bit for bit, rollouts.jsonl included; a checkpoint of another K is refused in
+one sentence."""
 
 import subprocess
 import sys

@@ -60,7 +60,8 @@ def test_tp2_trainer_logs_the_one_process_losses_and_learns(tmp_path):
         (
             {"tensor_parallel_degree": 2},
             3,
-            "data_parallel_replicate_degree 1 x context_parallel_degree 1 x tensor_parallel_degree 2 x pipeline_parallel_degree 1 = 2 do not divide the world size 3",
+            "data_parallel_replicate_degree 1 x context_parallel_degree 1 x tensor_parallel_degree 2 x "
+            "pipeline_parallel_degree 1 = 2 do not divide the world size 3",
         ),
         ({"tensor_parallel_degree": 2, "data_parallel_shard_degree": 2}, 2, "= 4 do not match the world size 2"),
     ],
@@ -116,8 +117,8 @@ def test_refused_layout_exits_2_without_traceback(tiny_run):
     out = run_titanlite([*tiny_run, "--parallelism.tensor_parallel_degree", "2"])
     assert out.returncode == 2
     assert (
-        "error: parallelism degrees data_parallel_replicate_degree 1 x context_parallel_degree 1 x tensor_parallel_degree 2"
-        in out.stderr
+        "error: parallelism degrees data_parallel_replicate_degree 1 x context_parallel_degree 1 x "
+        "tensor_parallel_degree 2" in out.stderr
     )
     assert "Traceback" not in out.stderr
 

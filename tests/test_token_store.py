@@ -157,7 +157,8 @@ def test_prepare_cli_tokenizes_a_txt_folder_in_worker_processes(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        f"error: --input {tmp_path / 'nothing.jsonl'} does not exist; point it at a .jsonl/.json/.parquet/.arrow/.txt file or a folder of such files"
+        f"error: --input {tmp_path / 'nothing.jsonl'} does not exist; point it at a .jsonl/.json/.parquet/.arrow/.txt "
+        "file or a folder of such files"
     ]
 
 
@@ -186,7 +187,8 @@ def test_a_hub_dataset_that_cannot_be_streamed_is_one_sentence(tmp_path, monkeyp
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(
         UserError,
-        match=r"--input allenai/c4 is no local file or folder and could not be streamed from the Hugging Face hub \(.*\); check",
+        match=r"--input allenai/c4 is no local file or folder and could not be streamed from the Hugging Face "
+        r"hub \(.*\); check",
     ):
         prepare("allenai/c4", str(tmp_path / "c4"), hf_config="en")
     assert not (tmp_path / "c4").exists()
@@ -352,7 +354,8 @@ def test_training_resumes_exactly_from_two_ranks_on_one_and_one_on_two(sample_st
         ]
     )
     assert raw.returncode == 2 and raw.stderr.strip().splitlines()[-1] == (
-        f"error: checkpoint {tmp_path / 'back' / 'checkpoint' / 'step-6'} holds a data position for a token store or mix, but this "
+        f"error: checkpoint {tmp_path / 'back' / 'checkpoint' / 'step-6'} holds a data position for a token store or "
+        "mix, but this "
         "run reads the other kind; resume with the training.dataset_path or dataset_mix it was saved with"
     )
 

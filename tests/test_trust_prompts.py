@@ -79,7 +79,8 @@ def test_parquet_fields_keep_the_files_own_schema(tmp_path, tokenizer):
         ),
         (
             b'{"prompt": "a"}\n{"question": "b", "answer": 1}\n',
-            'line 2 has no field "prompt" (its fields are question, answer), which training.dataset_format prompts reads',
+            'line 2 has no field "prompt" (its fields are question, answer), which training.dataset_format prompts '
+            "reads",
         ),
         (b'{"prompt": 7}\n', 'line 1: "prompt" is neither text nor a list of messages; fix or remove it'),
         (
@@ -121,8 +122,10 @@ def test_a_resume_on_changed_prompts_is_refused_in_one_sentence(tmp_path, tokeni
         with pytest.raises(UserError) as refused:
             order(path, tokenizer).load_state_dict(state)
         assert str(refused.value) == (
-            f"{KEY} {path} changed since the checkpoint was saved (6 records then, {len(records)} now, other contents): the "
-            "run would resume on another order of prompts; resume with the prompts it was saved with, or start a new run "
+            f"{KEY} {path} changed since the checkpoint was saved (6 records then, {len(records)} now, other "
+            "contents): the "
+            "run would resume on another order of prompts; resume with the prompts it was saved with, or start a new "
+            "run "
             "in another job.dump_folder"
         )
     older = {"identity": {"prompts": str(path), "seed": 0, "num_generations": 4, "dp_world": 2}, "prompts_consumed": 4}

@@ -1,4 +1,5 @@
-"""torchrun --nproc_per_node 2 tests/tp_activation_run.py OUT [flags]: the most bytes a real TP2 forward + backward holds
+"""torchrun --nproc_per_node 2 tests/tp_activation_run.py OUT [flags]: the most bytes a real TP2 forward + backward
+holds
 on rank 0, for each activation checkpoint mode, counted by the planner's own LiveBytes on the local shards (its split 1:
 the bytes are the rank's). Rank 0 writes {mode: peak} to OUT as JSON."""
 

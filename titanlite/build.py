@@ -98,7 +98,8 @@ def step_settings(cfg: JobConfig, accum_steps: int, objective) -> StepSettings:
 
 def build_training(run: Run) -> Training:
     """What moves while the run trains: the optimizer, the lr schedule over the settled number of steps, the data
-    loader (under fault tolerance this replica group's share of the global order), the metrics and the replica groups."""
+    loader (under fault tolerance this replica group's share of the global order), the metrics and the replica
+    groups."""
     cfg, info = run.cfg, run.info
     replicas = replica_groups(
         cfg.fault_tolerance

@@ -14,7 +14,8 @@ def check_training(cfg: JobConfig) -> None:
     training = cfg.training
     if training.on_nonfinite == "stop" and training.max_nonfinite_skips != type(training)().max_nonfinite_skips:
         raise UserError(
-            f"training.max_nonfinite_skips {training.max_nonfinite_skips} counts skipped steps, but training.on_nonfinite "
+            f"training.max_nonfinite_skips {training.max_nonfinite_skips} counts skipped steps, but "
+            "training.on_nonfinite "
             "stop never skips one (the first NaN or inf stops the run); set training.on_nonfinite skip, or leave "
             "max_nonfinite_skips at its default"
         )
@@ -92,7 +93,8 @@ def check_model(cfg: JobConfig) -> None:
     if cfg.model.reset_position_ids and cfg.model.attention_mask != "block_causal":
         raise UserError(
             "model.reset_position_ids restarts positions at each document, which needs model.attention_mask "
-            f"block_causal (got {cfg.model.attention_mask}); set model.attention_mask block_causal or reset_position_ids false"
+            f"block_causal (got {cfg.model.attention_mask}); set model.attention_mask block_causal or "
+            "reset_position_ids false"
         )
 
 
@@ -101,7 +103,8 @@ def check_activation_checkpoint(cfg: JobConfig) -> None:
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise UserError(
-            f"activation_checkpoint.selective_ac_option must be op or a positive integer N (checkpoint every N-th block); got {option!r}"
+            "activation_checkpoint.selective_ac_option must be op or a positive integer N (checkpoint every N-th "
+            f"block); got {option!r}"
         )
 
 
@@ -123,7 +126,8 @@ def check_parallelism(cfg: JobConfig) -> None:
     schedule, per_rank = par.pipeline_parallel_schedule, par.pipeline_parallel_stages_per_rank
     if schedule in SINGLE_STAGE_SCHEDULES and per_rank > 1:
         raise UserError(
-            f"parallelism.pipeline_parallel_schedule {schedule} runs one stage per rank, but pipeline_parallel_stages_per_rank "
+            f"parallelism.pipeline_parallel_schedule {schedule} runs one stage per rank, but "
+            "pipeline_parallel_stages_per_rank "
             f"is {per_rank}; set it to 1 or choose Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble"
         )
     if schedule == "ZBVZeroBubble" and per_rank not in (-1, 2):
@@ -142,18 +146,21 @@ def check_checkpoint(cfg: JobConfig) -> None:
     ckpt = cfg.checkpoint
     if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
         raise UserError(
-            "checkpoint.initial_load_in_hf is set but checkpoint.initial_load_path is empty; set it to the Hugging Face folder"
+            "checkpoint.initial_load_in_hf is set but checkpoint.initial_load_path is empty; set it to the Hugging "
+            "Face folder"
         )
     if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
         raise UserError(
-            "a Hugging Face folder holds only the model; set checkpoint.initial_load_model_only true with initial_load_in_hf"
+            "a Hugging Face folder holds only the model; set checkpoint.initial_load_model_only true with "
+            "initial_load_in_hf"
         )
 
 
 def check_lora(cfg: JobConfig) -> None:
     if cfg.lora.rank and cfg.parallelism.tensor_parallel_degree > 1:
         raise UserError(
-            f"lora.rank {cfg.lora.rank} with parallelism.tensor_parallel_degree {cfg.parallelism.tensor_parallel_degree} "
+            f"lora.rank {cfg.lora.rank} with parallelism.tensor_parallel_degree "
+            f"{cfg.parallelism.tensor_parallel_degree} "
             "is not supported yet (the TP plans shard the base weights but not the adapters); set "
             "tensor_parallel_degree 1 (FSDP shards the frozen base over the data-parallel ranks)"
         )

@@ -55,17 +55,22 @@ class Job:
     log_rank_files: bool = opt(False, "also write every rank's log, all levels, to <dump_folder>/logs/rank<N>.log")
     init_timeout_seconds: int = opt(
         300,
-        "seconds every rank waits for all WORLD_SIZE ranks to join at MASTER_ADDR:MASTER_PORT when started without torchrun, then stops naming the missing ones",
+        "seconds every rank waits for all WORLD_SIZE ranks to join at MASTER_ADDR:MASTER_PORT when started without "
+        "torchrun, then stops naming the missing ones",
         at_least=1,
     )
     device: str = opt(
         "auto",
-        "auto (CUDA where a GPU is visible, else CPU), cuda (stop if there is none) or cpu (hide the GPUs from the run; e.g. CPU ranks on a GPU machine)",
+        "auto (CUDA where a GPU is visible, else CPU), cuda (stop if there is none) or cpu (hide the GPUs from the "
+        "run; e.g. CPU ranks on a GPU machine)",
         choices=("auto", "cuda", "cpu"),
     )
     hang_timeout_seconds: int = opt(
         -1,
-        "a training step (with its log, validation and save) that takes longer than this is a hang: every rank dumps its Python stacks to its rank log, rank 0 names the ranks that did not finish the step, and the job exits with code 3 so the scheduler restarts it from the last checkpoint; -1 = max(300, 20 x the steady step time) (30 minutes until the first steps have run), 0 = off",
+        "a training step (with its log, validation and save) that takes longer than this is a hang: every rank dumps "
+        "its Python stacks to its rank log, rank 0 names the ranks that did not finish the step, and the job exits "
+        "with code 3 so the scheduler restarts it from the last checkpoint; -1 = max(300, 20 x the steady step time) "
+        "(30 minutes until the first steps have run), 0 = off",
         at_least=1,
         sentinels=(-1, 0),
     )
@@ -77,45 +82,60 @@ class Model:
     flavor: str = opt("debugmodel", "size of the family, e.g. debugmodel, 1B, 8B")
     tokenizer_path: str = opt(
         "",
-        "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart by its bytes; or a Hugging Face tokenizer.json (tokenizer_config.json beside it); empty = the shipped assets/tokenizer.model",
+        "the model's tokenizer.model: tiktoken BPE (Llama 3) or SentencePiece (Llama 2, Mistral, Mixtral), told apart "
+        "by its bytes; or a Hugging Face tokenizer.json (tokenizer_config.json beside it); empty = the shipped "
+        "assets/tokenizer.model",
     )
     hf_assets_path: str = opt(
         "",
-        "Hugging Face folder: with a config.json, the model to start from (its family and every dimension from config.json, so name, flavor and n_layers need not be set and may not differ; its safetensors weights as checkpoint.initial_load_path, unless that is set; its tokenizer); without one, a tokenizer folder. The tokenizer is its tokenizer.json + tokenizer_config.json, or else tokenizer.model, used when tokenizer_path is empty",
+        "Hugging Face folder: with a config.json, the model to start from (its family and every dimension from "
+        "config.json, so name, flavor and n_layers need not be set and may not differ; its safetensors weights as "
+        "checkpoint.initial_load_path, unless that is set; its tokenizer); without one, a tokenizer folder. The "
+        "tokenizer is its tokenizer.json + tokenizer_config.json, or else tokenizer.model, used when tokenizer_path is "
+        "empty",
     )
     moe_aux_loss_coeff: float = opt(
         0.01,
-        "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models have none",
+        "weight of the MoE router load-balancing loss (1.0 when balanced) added to the training loss; dense models "
+        "have none",
         at_least=0,
     )
     moe_bias_update_rate: float = opt(
         1e-3,
-        "aux-loss-free balancing of routers with a bias (deepseek_v3): after each optimizer step every expert's routing bias rises by this much if it got fewer than its block's mean tokens of the global batch, falls if more (DeepSeek-V3 trained with 0.001); 0 keeps the biases; other models have none",
+        "aux-loss-free balancing of routers with a bias (deepseek_v3): after each optimizer step every expert's "
+        "routing bias rises by this much if it got fewer than its block's mean tokens of the global batch, falls if "
+        "more (DeepSeek-V3 trained with 0.001); 0 keeps the biases; other models have none",
         at_least=0,
     )
     n_layers: int = opt(
         0,
-        "train the flavor with this many blocks instead (e.g. to benchmark a big model's shapes on one GPU); 0 = the flavor's; checkpoints of another depth are refused",
+        "train the flavor with this many blocks instead (e.g. to benchmark a big model's shapes on one GPU); 0 = the "
+        "flavor's; checkpoints of another depth are refused",
         at_least=0,
     )
     attention_mask: str = opt(
         "block_causal",
-        "block_causal (each token attends only to earlier tokens of its own document, the documents of a packed window told apart by the tokenizer's bos) or causal (to every earlier token of the window)",
+        "block_causal (each token attends only to earlier tokens of its own document, the documents of a packed window "
+        "told apart by the tokenizer's bos) or causal (to every earlier token of the window)",
         choices=("block_causal", "causal"),
     )
     reset_position_ids: bool = opt(
         False,
-        "positions (RoPE, GPT-2's table) restart at 0 at each document's first token instead of counting from the window's start (needs attention_mask block_causal; always on for dataset_format chat and prompt_completion)",
+        "positions (RoPE, GPT-2's table) restart at 0 at each document's first token instead of counting from the "
+        "window's start (needs attention_mask block_causal; always on for dataset_format chat and prompt_completion)",
     )
     mtp_layers: int = opt(
         0,
-        "deepseek_v3 multi-token prediction: depths after the main blocks, depth k predicting the token k + 1 places ahead with one more block and the shared embedding and output layer (DeepSeek-V3 671B trained with 1); 0 = off; an HF folder must hold that many (config.json num_nextn_predict_layers)",
+        "deepseek_v3 multi-token prediction: depths after the main blocks, depth k predicting the token k + 1 places "
+        "ahead with one more block and the shared embedding and output layer (DeepSeek-V3 671B trained with 1); 0 = "
+        "off; an HF folder must hold that many (config.json num_nextn_predict_layers)",
         at_least=0,
         at_most=8,
     )
     mtp_loss_weight: float = opt(
         0.3,
-        "weight of the multi-token prediction loss (the mean over the depths) added to the training loss (DeepSeek-V3: 0.3 for its first 10T tokens, then 0.1)",
+        "weight of the multi-token prediction loss (the mean over the depths) added to the training loss (DeepSeek-V3: "
+        "0.3 for its first 10T tokens, then 0.1)",
         at_least=0,
     )
 
@@ -124,7 +144,9 @@ class Model:
 class Optimizer:
     name: str = opt(
         "AdamW",
-        "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs training.param_dtype bfloat16); Muon orthogonalizes the momentum of the blocks' matrices (titanlite/optim/muon.py) and runs AdamW on the rest",
+        "optimizer; AdamWBF16Kahan keeps bf16 weights and states with Kahan-compensated updates (needs "
+        "training.param_dtype bfloat16); Muon orthogonalizes the momentum of the blocks' matrices "
+        "(titanlite/optim/muon.py) and runs AdamW on the rest",
         choices=("AdamW", "Adam", "AdamWBF16Kahan", "Muon"),
     )
     lr: float = opt(8e-4, "peak learning rate; 0 keeps the weights as they are", at_least=0)
@@ -133,12 +155,15 @@ class Optimizer:
     weight_decay: float = opt(0.1, "decoupled weight decay", at_least=0)
     implementation: str = opt(
         "auto",
-        "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: one compiled fused kernel per parameter on CUDA, the same math op by op on the CPU; auto or fused; Muon: auto only, one parameter at a time)",
+        "auto = fused on CUDA, foreach elsewhere (AdamWBF16Kahan: one compiled fused kernel per parameter on CUDA, the "
+        "same math op by op on the CPU; auto or fused; Muon: auto only, one parameter at a time)",
         choices=("auto", "fused", "foreach", "for-loop"),
     )
     muon_lr: float = opt(
         -1.0,
-        "Muon: peak learning rate of the blocks' matrices, whose update is scaled to AdamW's RMS on long runs (Moonshot); -1 = optimizer.lr, right for long runs of large models; short runs of small models want about 25-30x optimizer.lr (the debug model: 0.02, docs/optimizers.md)",
+        "Muon: peak learning rate of the blocks' matrices, whose update is scaled to AdamW's RMS on long runs "
+        "(Moonshot); -1 = optimizer.lr, right for long runs of large models; short runs of small models want about "
+        "25-30x optimizer.lr (the debug model: 0.02, docs/optimizers.md)",
         at_least=0,
         sentinels=(-1,),
     )
@@ -151,7 +176,8 @@ class Optimizer:
     )
     muon_ns_dtype: str = opt(
         "float32",
-        "Muon: dtype of the Newton-Schulz iteration; bfloat16 is faster on GPUs, float32 gives the same result under every layout",
+        "Muon: dtype of the Newton-Schulz iteration; bfloat16 is faster on GPUs, float32 gives the same result under "
+        "every layout",
         choices=("float32", "bfloat16"),
     )
 
@@ -176,7 +202,8 @@ class DataSource:
 
     path: str = opt(
         "",
-        "a token store folder (python -m titanlite.data.prepare) or raw data file or folder, read like training.dataset_path",
+        "a token store folder (python -m titanlite.data.prepare) or raw data file or folder, read like "
+        "training.dataset_path",
     )
     weight: float = opt(1.0, "its share of the training windows, relative to the other sources' weights", above=0)
 
@@ -188,7 +215,8 @@ class Training:
     )
     global_batch_size: int = opt(
         -1,
-        "sequences (preference pairs) per optimizer step over all ranks; above local x dp means gradient accumulation; -1 = local x dp",
+        "sequences (preference pairs) per optimizer step over all ranks; above local x dp means gradient accumulation; "
+        "-1 = local x dp",
         at_least=1,
         sentinels=(-1,),
     )
@@ -196,40 +224,53 @@ class Training:
     steps: int = opt(10000, "optimizer steps to train for", at_least=1)
     epochs: float = opt(
         0.0,
-        "train this many passes over the data; above 0 it sets training.steps (said at start), for a token store, chat data or preference pairs, whose epoch length is known at start; 0 = train training.steps",
+        "train this many passes over the data; above 0 it sets training.steps (said at start), for a token store, chat "
+        "data or preference pairs, whose epoch length is known at start; 0 = train training.steps",
         at_least=0,
     )
     max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping", at_least=0)
     dataset: str = opt(
         "sample",
-        "sample (shipped corpus, minus the topics held out as sample_val), c4 (streamed from the Hugging Face hub), synthetic, or local (files at dataset_path)",
+        "sample (shipped corpus, minus the topics held out as sample_val), c4 (streamed from the Hugging Face hub), "
+        "synthetic, or local (files at dataset_path)",
     )
     dataset_path: str = opt(
         "",
-        "file or folder of local data (jsonl/json/parquet/arrow or .txt files) or a token store (python -m titanlite.data.prepare, read in one order at any scale); setting it means dataset = local",
+        "file or folder of local data (jsonl/json/parquet/arrow or .txt files) or a token store (python -m "
+        "titanlite.data.prepare, read in one order at any scale); setting it means dataset = local",
     )
     dataset_mix: list[DataSource] = opt(
         [],
-        'weighted sources instead of dataset/dataset_path, a TOML array of tables [{ path = "a", weight = 0.7 }, ...] (stores or raw files); read in one order at any scale',
+        'weighted sources instead of dataset/dataset_path, a TOML array of tables [{ path = "a", weight = 0.7 }, ...] '
+        "(stores or raw files); read in one order at any scale",
     )
     dataset_text_field: str = opt("text", "field holding the text in json/parquet/arrow records")
     dataset_format: str = opt(
         "text",
-        "text (documents in dataset_text_field), chat (records with messages, a list of {role, content}: system/user/assistant), prompt_completion (records with prompt and completion) or preference (records with prompt, chosen and rejected, trained with DPO: the [dpo] section); chat and prompt_completion are rendered with the chat template and packed whole (training.packing), in one order at any scale, and dataset_path may also be a chat store (python -m titanlite.data.prepare --format chat); preference pairs are rendered with the chat template, one sequence per row; prompts (records with a prompt, text or a list of messages, and any fields the reward functions read) are trained with reinforcement learning: the [rl] section",
+        "text (documents in dataset_text_field), chat (records with messages, a list of {role, content}: "
+        "system/user/assistant), prompt_completion (records with prompt and completion) or preference (records with "
+        "prompt, chosen and rejected, trained with DPO: the [dpo] section); chat and prompt_completion are rendered "
+        "with the chat template and packed whole (training.packing), in one order at any scale, and dataset_path may "
+        "also be a chat store (python -m titanlite.data.prepare --format chat); preference pairs are rendered with the "
+        "chat template, one sequence per row; prompts (records with a prompt, text or a list of messages, and any "
+        "fields the reward functions read) are trained with reinforcement learning: the [rl] section",
         choices=("text", "chat", "prompt_completion", "preference", "prompts"),
     )
     train_on: str = opt(
         "assistant",
-        "with dataset_format chat or prompt_completion, the tokens in the loss: every assistant turn, the last_assistant turn only, or all of the conversation",
+        "with dataset_format chat or prompt_completion, the tokens in the loss: every assistant turn, the "
+        "last_assistant turn only, or all of the conversation",
         choices=("assistant", "last_assistant", "all"),
     )
     chat_template: str = opt(
         "",
-        "jinja chat template file for dataset_format chat, prompt_completion or preference; empty = the chat_template of the tokenizer_config.json in model.hf_assets_path",
+        "jinja chat template file for dataset_format chat, prompt_completion or preference; empty = the chat_template "
+        "of the tokenizer_config.json in model.hf_assets_path",
     )
     packing: bool = opt(
         True,
-        "with dataset_format chat or prompt_completion, pack several whole conversations into each window (best fit; each attends only to itself, its positions from 0); false = one conversation per window, padded",
+        "with dataset_format chat or prompt_completion, pack several whole conversations into each window (best fit; "
+        "each attends only to itself, its positions from 0); false = one conversation per window, padded",
     )
     num_workers: int = opt(0, "data-loading worker processes per rank", at_least=0)
     mixed_precision_param: str = opt(
@@ -238,7 +279,8 @@ class Training:
     mixed_precision_reduce: str = opt("float32", "dtype of FSDP gradient reduction", choices=("float32", "bfloat16"))
     param_dtype: str = opt(
         "float32",
-        "dtype the weights are stored and updated in; bfloat16 = pure-bf16 training (with mixed_precision_param bfloat16 and optimizer.name AdamWBF16Kahan)",
+        "dtype the weights are stored and updated in; bfloat16 = pure-bf16 training (with mixed_precision_param "
+        "bfloat16 and optimizer.name AdamWBF16Kahan)",
         choices=("float32", "bfloat16"),
     )
     gc_freq: int = opt(
@@ -247,16 +289,21 @@ class Training:
     deterministic: bool = opt(False, "use deterministic algorithms (slower; for debugging numerics)")
     loss_chunk_tokens: int = opt(
         0,
-        "tokens per chunk of the fused output projection + cross-entropy, which never holds the whole micro-batch's logits (0 = off: the logits of the whole micro-batch, then the loss); opt-in while its GPU speed is unmeasured",
+        "tokens per chunk of the fused output projection + cross-entropy, which never holds the whole micro-batch's "
+        "logits (0 = off: the logits of the whole micro-batch, then the loss); opt-in while its GPU speed is "
+        "unmeasured",
         at_least=0,
     )
     skip_nan_check: bool = opt(
         False,
-        "keep training when the loss or gradient norm is NaN or inf (by default the run stops at that step and saves nothing of it)",
+        "keep training when the loss or gradient norm is NaN or inf (by default the run stops at that step and saves "
+        "nothing of it)",
     )
     on_nonfinite: str = opt(
         "stop",
-        "a step whose loss or gradients hold NaN or inf: stop (the run stops at that step and saves nothing of it) or skip (its update is not applied: gradients dropped, optimizer and lr schedule not stepped, its batch consumed; costs one host-device sync per step)",
+        "a step whose loss or gradients hold NaN or inf: stop (the run stops at that step and saves nothing of it) or "
+        "skip (its update is not applied: gradients dropped, optimizer and lr schedule not stepped, its batch "
+        "consumed; costs one host-device sync per step)",
         choices=("stop", "skip"),
     )
     max_nonfinite_skips: int = opt(
@@ -279,33 +326,43 @@ class Parallelism:
     )
     fsdp_cpu_offload: bool = opt(
         False,
-        "keep FSDP's sharded params, grads and optimizer state in CPU memory; the optimizer steps on the CPU (needs FSDP)",
+        "keep FSDP's sharded params, grads and optimizer state in CPU memory; the optimizer steps on the CPU (needs "
+        "FSDP)",
     )
     expert_parallel_degree: int = opt(
         1,
-        "expert parallel degree (MoE models): the routed experts are split evenly over this many of the data_parallel_shard_degree ranks, which send each token to its experts' ranks with all-to-all; the expert weights are FSDP-sharded over the remaining data_parallel_shard_degree / expert_parallel_degree ranks, the router and shared experts are ordinary FSDP layers; with tensor_parallel_degree above 1 the experts are split over expert_parallel_degree x tensor_parallel_degree ranks (whole experts each); must divide data_parallel_shard_degree, and times tensor_parallel_degree the experts",
+        "expert parallel degree (MoE models): the routed experts are split evenly over this many of the "
+        "data_parallel_shard_degree ranks, which send each token to its experts' ranks with all-to-all; the expert "
+        "weights are FSDP-sharded over the remaining data_parallel_shard_degree / expert_parallel_degree ranks, the "
+        "router and shared experts are ordinary FSDP layers; with tensor_parallel_degree above 1 the experts are split "
+        "over expert_parallel_degree x tensor_parallel_degree ranks (whole experts each); must divide "
+        "data_parallel_shard_degree, and times tensor_parallel_degree the experts",
         at_least=1,
     )
     tensor_parallel_degree: int = opt(
         1,
-        "tensor + sequence parallel degree: ranks (innermost, i.e. within a node) that split every matmul; must divide heads, kv heads, FFN hidden size, vocab and experts",
+        "tensor + sequence parallel degree: ranks (innermost, i.e. within a node) that split every matmul; must divide "
+        "heads, kv heads, FFN hidden size, vocab and experts",
         at_least=1,
     )
     disable_loss_parallel: bool = opt(
         False,
-        "under tensor parallelism, gather the full-vocabulary logits before the loss instead of computing it on vocab shards (debugging)",
+        "under tensor parallelism, gather the full-vocabulary logits before the loss instead of computing it on vocab "
+        "shards (debugging)",
     )
     enable_async_tensor_parallel: bool = opt(
         False, "torch's async TP: all-gather/reduce-scatter micro-pipelined with the matmuls (needs CUDA and compile)"
     )
     pipeline_parallel_degree: int = opt(
         1,
-        "pipeline parallel degree: ranks (outermost, i.e. across nodes) that each hold a share of model.layers and pass activations on",
+        "pipeline parallel degree: ranks (outermost, i.e. across nodes) that each hold a share of model.layers and "
+        "pass activations on",
         at_least=1,
     )
     pipeline_parallel_schedule: str = opt(
         "1F1B",
-        "the order microbatches move through the stages (torch.distributed.pipelining): GPipe and 1F1B run one stage per rank, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble several",
+        "the order microbatches move through the stages (torch.distributed.pipelining): GPipe and 1F1B run one stage "
+        "per rank, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble several",
         choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
     )
     pipeline_parallel_microbatch_size: int = opt(
@@ -313,7 +370,8 @@ class Parallelism:
     )
     pipeline_parallel_stages_per_rank: int = opt(
         -1,
-        "stages each pipeline rank holds (interleaved schedules: 2 or more, ZBVZeroBubble: 2); -1 = 1 for GPipe/1F1B, 2 for the others",
+        "stages each pipeline rank holds (interleaved schedules: 2 or more, ZBVZeroBubble: 2); -1 = 1 for GPipe/1F1B, "
+        "2 for the others",
         at_least=1,
         sentinels=(-1,),
     )
@@ -325,7 +383,9 @@ class Parallelism:
     )
     context_parallel_degree: int = opt(
         1,
-        "context parallel degree: ranks that split every sequence (load-balanced chunks for causal attention) and gather each attention's keys and values from one another; they join FSDP's sharding (weights sharded over data_parallel_shard_degree x context_parallel_degree); training.seq_len must divide into 2 x this many chunks",
+        "context parallel degree: ranks that split every sequence (load-balanced chunks for causal attention) and "
+        "gather each attention's keys and values from one another; they join FSDP's sharding (weights sharded over "
+        "data_parallel_shard_degree x context_parallel_degree); training.seq_len must divide into 2 x this many chunks",
         at_least=1,
     )
 
@@ -339,7 +399,8 @@ class Metrics:
     )
     save_for_all_ranks: bool = opt(
         False,
-        "every rank writes its own TensorBoard run (<run>/rank<N>), e.g. to compare memory across pipeline stages; false = rank 0 only",
+        "every rank writes its own TensorBoard run (<run>/rank<N>), e.g. to compare memory across pipeline stages; "
+        "false = rank 0 only",
     )
     peak_tflops: float = opt(0.0, "peak bf16 dense TFLOP/s of one device for MFU; 0 = look the device up", at_least=0)
     summary_warmup_steps: int = opt(
@@ -356,7 +417,10 @@ class Checkpoint:
     interval: int = opt(500, "save every this many steps (the last step and preemption always save)", at_least=1)
     async_mode: str = opt(
         "disabled",
-        "disabled (training waits for the write), async (background threads copy the state to host memory, allocated at the first save and reused by the later ones, during the next step, whose optimizer step waits for the copy, then write it), or async_with_pinned_mem (the same, copying into pinned memory on a CUDA stream of its own; CUDA only)",
+        "disabled (training waits for the write), async (background threads copy the state to host memory, allocated "
+        "at the first save and reused by the later ones, during the next step, whose optimizer step waits for the "
+        "copy, then write it), or async_with_pinned_mem (the same, copying into pinned memory on a CUDA stream of its "
+        "own; CUDA only)",
         choices=("disabled", "async", "async_with_pinned_mem"),
     )
     keep_latest_k: int = opt(
@@ -371,7 +435,9 @@ class Checkpoint:
     load_step: int = opt(-1, "step to resume from; -1 = the newest complete checkpoint", at_least=0, sentinels=(-1,))
     initial_load_path: str = opt(
         "",
-        "DCP checkpoint (or Hugging Face folder, see initial_load_in_hf) to start from when the folder holds no checkpoint; empty = model.hf_assets_path where that is a model folder (config.json), read in Hugging Face format",
+        "DCP checkpoint (or Hugging Face folder, see initial_load_in_hf) to start from when the folder holds no "
+        "checkpoint; empty = model.hf_assets_path where that is a model folder (config.json), read in Hugging Face "
+        "format",
     )
     initial_load_model_only: bool = opt(
         True, "load only the model from initial_load_path (false: also optimizer, schedule, step and data position)"
@@ -379,12 +445,14 @@ class Checkpoint:
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face folder (config.json + safetensors)")
     last_save_in_hf: bool = opt(
         False,
-        "also write the final model in Hugging Face format to <folder>/step-N-hf, with the run's tokenizer files (a folder transformers, vLLM and model.hf_assets_path load); needs enable, which turns every save off",
+        "also write the final model in Hugging Face format to <folder>/step-N-hf, with the run's tokenizer files (a "
+        "folder transformers, vLLM and model.hf_assets_path load); needs enable, which turns every save off",
     )
     create_seed_checkpoint: bool = opt(False, "write the initialised model as <folder>/step-0 on one process and exit")
     allow_unverified: bool = opt(
         False,
-        "load a checkpoint that has no checksums folder (written by another tool or a titanlite before checksums, or the folder lost), without verifying its files; false = refuse it in one sentence",
+        "load a checkpoint that has no checksums folder (written by another tool or a titanlite before checksums, or "
+        "the folder lost), without verifying its files; false = refuse it in one sentence",
     )
 
 
@@ -397,11 +465,13 @@ class ActivationCheckpoint:
     )
     selective_ac_option: str = opt(
         "op",
-        "with mode selective: op (keep matmul/attention outputs, recompute the cheap ops) or an integer N (fully checkpoint every N-th block)",
+        "with mode selective: op (keep matmul/attention outputs, recompute the cheap ops) or an integer N (fully "
+        "checkpoint every N-th block)",
     )
     offload_activations: bool = opt(
         False,
-        "keep the activations saved for backward in CPU memory (pinned on CUDA) until backward needs them; the run summary says the most it held there; saves nothing on a CPU run",
+        "keep the activations saved for backward in CPU memory (pinned on CUDA) until backward needs them; the run "
+        "summary says the most it held there; saves nothing on a CPU run",
     )
 
 
@@ -410,7 +480,8 @@ class Compile:
     enable: bool = opt(False, "torch.compile the chosen components")
     components: list[str] = opt(
         ["model", "loss"],
-        "what to compile: model (each block, fullgraph; under expert parallelism with graph breaks at the token dispatch), loss",
+        "what to compile: model (each block, fullgraph; under expert parallelism with graph breaks at the token "
+        "dispatch), loss",
         choices=("model", "loss"),
     )
     backend: str = opt(
@@ -433,7 +504,8 @@ class Float8:
     )
     emulate: bool = opt(
         False,
-        "tests only: torchao casts to float8 and back but multiplies in high precision, so float8 runs on CPU (no speed-up)",
+        "tests only: torchao casts to float8 and back but multiplies in high precision, so float8 runs on CPU (no "
+        "speed-up)",
     )
 
 
@@ -464,11 +536,13 @@ class Validation:
     )
     dataset: str = opt(
         "sample_val",
-        "sample_val (the held-out part of the sample corpus), c4_val (allenai/c4 validation split), or local (files at dataset_path)",
+        "sample_val (the held-out part of the sample corpus), c4_val (allenai/c4 validation split), or local (files at "
+        "dataset_path)",
     )
     dataset_path: str = opt(
         "",
-        "file or folder of held-out local data or a token store, read like training.dataset_path (chat data in training.dataset_format); setting it means dataset = local",
+        "file or folder of held-out local data or a token store, read like training.dataset_path (chat data in "
+        "training.dataset_format); setting it means dataset = local",
     )
     local_batch_size: int = opt(
         -1, "sequences per rank per validation batch; -1 = training.local_batch_size", at_least=1, sentinels=(-1,)
@@ -480,7 +554,8 @@ class Validation:
 class Plan:
     gpu: str = opt(
         "H100 SXM",
-        "GPU the job is planned for (python -m titanlite.plan; titanlite/plan/hardware.py has their memory, peaks and links)",
+        "GPU the job is planned for (python -m titanlite.plan; titanlite/plan/hardware.py has their memory, peaks and "
+        "links)",
         choices=("A100 40GB", "A100 80GB", "H100 SXM", "H100 PCIe", "H100 96GB 500W", "H200", "B200", "GB200"),
     )
     nodes: int = opt(1, "nodes the job runs on", at_least=1)
@@ -505,18 +580,22 @@ class Plan:
 class LoRA:
     rank: int = opt(
         0,
-        "rank of the low-rank adapters added to the target layers, whose own weights are then frozen; 0 = no LoRA (every weight trains)",
+        "rank of the low-rank adapters added to the target layers, whose own weights are then frozen; 0 = no LoRA "
+        "(every weight trains)",
         at_least=0,
     )
     alpha: float = opt(16.0, "the adapters' output is scaled by alpha / rank", above=0)
     dropout: float = opt(0.0, "dropout on the adapters' input while training", at_least=0, below=1)
     target_modules: list[str] = opt(
         ["wq", "wk", "wv", "wo"],
-        "the linear layers that get adapters, by their name in the model (attention: wq,wk,wv,wo; MLP: w1,w2,w3; the output layer: output)",
+        "the linear layers that get adapters, by their name in the model (attention: wq,wk,wv,wo; MLP: w1,w2,w3; the "
+        "output layer: output)",
     )
     base_dtype: str = opt(
         "float32",
-        "dtype the frozen linear weights are kept in; bfloat16 halves their memory and changes no result, since with training.mixed_precision_param bfloat16 (required) they compute in bfloat16 anyway (embeddings and norms stay float32)",
+        "dtype the frozen linear weights are kept in; bfloat16 halves their memory and changes no result, since with "
+        "training.mixed_precision_param bfloat16 (required) they compute in bfloat16 anyway (embeddings and norms stay "
+        "float32)",
         choices=("float32", "bfloat16"),
     )
 
@@ -527,23 +606,29 @@ class DPO:
 
     beta: float = opt(
         0.1,
-        "a completion's reward is beta x (its log-probability under the policy - under the reference), log-probabilities summed over its trained tokens; a higher beta keeps the policy nearer the reference",
+        "a completion's reward is beta x (its log-probability under the policy - under the reference), "
+        "log-probabilities summed over its trained tokens; a higher beta keeps the policy nearer the reference",
         above=0,
     )
     loss_type: str = opt(
         "sigmoid",
-        "sigmoid (the DPO paper: -log sigmoid of the chosen reward minus the rejected one) or ipo (IPO: the squared distance of the log-ratio margin, with log-probabilities averaged over the completion's tokens as TRL does, from 1 / (2 beta))",
+        "sigmoid (the DPO paper: -log sigmoid of the chosen reward minus the rejected one) or ipo (IPO: the squared "
+        "distance of the log-ratio margin, with log-probabilities averaged over the completion's tokens as TRL does, "
+        "from 1 / (2 beta))",
         choices=("sigmoid", "ipo"),
     )
     label_smoothing: float = opt(
         0.0,
-        "loss_type sigmoid: the assumed share of pairs whose chosen and rejected are swapped (conservative DPO); 0 = none",
+        "loss_type sigmoid: the assumed share of pairs whose chosen and rejected are swapped (conservative DPO); 0 = "
+        "none",
         at_least=0,
         below=0.5,
     )
     reference: str = opt(
         "initial",
-        "the frozen reference model: initial (the weights training starts from, checkpoint.initial_load_path or job.seed's; under LoRA the base with the adapters switched off, no second copy) or the path of a Hugging Face folder or a DCP step folder of the same model (a frozen copy, sharded like the policy)",
+        "the frozen reference model: initial (the weights training starts from, checkpoint.initial_load_path or "
+        "job.seed's; under LoRA the base with the adapters switched off, no second copy) or the path of a Hugging Face "
+        "folder or a DCP step folder of the same model (a frozen copy, sharded like the policy)",
     )
 
 
@@ -557,11 +642,13 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 @dataclass
 class RL:
-    """Reinforcement learning with verifiable rewards, for training.dataset_format prompts (titanlite/objectives/grpo.py)."""
+    """Reinforcement learning with verifiable rewards, for training.dataset_format prompts
+    (titanlite/objectives/grpo.py)."""
 
     num_generations: int = opt(
         8,
-        "completions sampled per prompt (the group); training.global_batch_size counts completions and must be a multiple of it",
+        "completions sampled per prompt (the group); training.global_batch_size counts completions and must be a "
+        "multiple of it",
         at_least=2,
     )
     max_new_tokens: int = opt(
@@ -569,7 +656,8 @@ class RL:
     )
     temperature: float = opt(
         1.0,
-        "sampling temperature of the rollouts; the log-probabilities trained on are those of the logits divided by it, as sampled",
+        "sampling temperature of the rollouts; the log-probabilities trained on are those of the logits divided by it, "
+        "as sampled",
         above=0,
     )
     top_p: float = opt(
@@ -595,7 +683,9 @@ class RL:
     )
     reference: str = opt(
         "initial",
-        "with beta above 0, the frozen reference: initial (the weights training starts from; under LoRA the base with the adapters switched off, no second copy) or the path of a Hugging Face folder or a DCP step folder of the same model",
+        "with beta above 0, the frozen reference: initial (the weights training starts from; under LoRA the base with "
+        "the adapters switched off, no second copy) or the path of a Hugging Face folder or a DCP step folder of the "
+        "same model",
     )
     num_iterations: int = opt(
         1,
@@ -604,12 +694,18 @@ class RL:
     )
     loss_type: str = opt(
         "dapo",
-        "how token losses make the step's loss, with TRL 1.16's meanings: grpo (each completion's mean, averaged), bnpo and dapo (the sum over the global batch's completion tokens divided by their number: the same here, where the batch is always the global one), dr_grpo (the sum divided by completions x max_new_tokens), cispo (the ratio capped at epsilon_high and detached, times the advantage and the log-probability), sapo (a sigmoid gate of the ratio in place of the clip), luspo (each completion's token sum, averaged: meant for importance_sampling_level sequence), vespo (a gamma weight of the sequence's ratio times the log-probability)",
+        "how token losses make the step's loss, with TRL 1.16's meanings: grpo (each completion's mean, averaged), "
+        "bnpo and dapo (the sum over the global batch's completion tokens divided by their number: the same here, "
+        "where the batch is always the global one), dr_grpo (the sum divided by completions x max_new_tokens), cispo "
+        "(the ratio capped at epsilon_high and detached, times the advantage and the log-probability), sapo (a sigmoid "
+        "gate of the ratio in place of the clip), luspo (each completion's token sum, averaged: meant for "
+        "importance_sampling_level sequence), vespo (a gamma weight of the sequence's ratio times the log-probability)",
         choices=GRPO_LOSS_TYPES,
     )
     importance_sampling_level: str = opt(
         "token",
-        "the ratio the loss clips: per token, or sequence (GSPO: the exponent of the mean log-ratio over the completion)",
+        "the ratio the loss clips: per token, or sequence (GSPO: the exponent of the mean log-ratio over the "
+        "completion)",
         choices=IMPORTANCE_SAMPLING_LEVELS,
     )
     sapo_temperature_neg: float = opt(1.05, "sapo: the gate's temperature where the advantage is not positive", above=0)
@@ -620,29 +716,35 @@ class RL:
     vespo_lambda_neg: float = opt(2.0, "vespo: the decay lambda where the advantage is negative", at_least=0)
     entropy_coef: float = opt(
         0.0,
-        "entropy bonus: the loss minus this times the mean entropy of the trained tokens (those top_entropy_quantile keeps); 0 = none",
+        "entropy bonus: the loss minus this times the mean entropy of the trained tokens (those top_entropy_quantile "
+        "keeps); 0 = none",
         at_least=-1000,
         at_most=1000,
     )
     top_entropy_quantile: float = opt(
         1.0,
-        "train only this top share of the global batch's completion tokens by entropy (one threshold per step, over every rank); 1 = all",
+        "train only this top share of the global batch's completion tokens by entropy (one threshold per step, over "
+        "every rank); 1 = all",
         at_least=0,
         at_most=1,
     )
     scale_rewards: str = opt(
         "group",
-        "advantages are rewards minus their group's mean, divided by the std of the group, of the whole batch, or by nothing (none: Dr. GRPO)",
+        "advantages are rewards minus their group's mean, divided by the std of the group, of the whole batch, or by "
+        "nothing (none: Dr. GRPO)",
         choices=REWARD_SCALINGS,
     )
     multi_objective_aggregation: str = opt(
         "sum_then_normalize",
-        "with several reward functions: sum their weighted rewards, then scale as scale_rewards says; or normalize_then_sum (GDPO): normalise each function's rewards in its group, sum them weighted, then normalise over the batch",
+        "with several reward functions: sum their weighted rewards, then scale as scale_rewards says; or "
+        "normalize_then_sum (GDPO): normalise each function's rewards in its group, sum them weighted, then normalise "
+        "over the batch",
         choices=REWARD_AGGREGATIONS,
     )
     reward_functions: list[str] = opt(
         [],
-        "reward functions, each path/to/file.py:function or module:function, called as TRL calls them (docs/rewards.md), e.g. titanlite.rewards:math_answer",
+        "reward functions, each path/to/file.py:function or module:function, called as TRL calls them "
+        "(docs/rewards.md), e.g. titanlite.rewards:math_answer",
     )
     reward_weights: list[float] = opt(
         [],
@@ -653,13 +755,18 @@ class RL:
     mask_truncated_completions: bool = opt(False, "completions cut at max_new_tokens (no eos) are left out of the loss")
     max_staleness: int = opt(
         0,
-        "asynchronous rollouts: step s trains on completions sampled by the weights after step max(0, s - 1 - max_staleness), generated while the steps before it train, on a fixed schedule (a run and its resume are the same run); 0 = each step samples its own with the current weights",
+        "asynchronous rollouts: step s trains on completions sampled by the weights after step max(0, s - 1 - "
+        "max_staleness), generated while the steps before it train, on a fixed schedule (a run and its resume are the "
+        "same run); 0 = each step samples its own with the current weights",
         at_least=0,
         at_most=16,
     )
     importance_sampling: str = opt(
         "none",
-        "off-policy correction of the surrogate by the trainer/sampler probability ratio, with TRL's meanings (vllm_importance_sampling_mode): per token or per completion (sequence), clamped into the clip range (truncate) or zeroed outside it (mask); none = no correction (the colocated sampler is the trainer's own policy)",
+        "off-policy correction of the surrogate by the trainer/sampler probability ratio, with TRL's meanings "
+        "(vllm_importance_sampling_mode): per token or per completion (sequence), clamped into the clip range "
+        "(truncate) or zeroed outside it (mask); none = no correction (the colocated sampler is the trainer's own "
+        "policy)",
         choices=IMPORTANCE_SAMPLING_MODES,
     )
     importance_sampling_clip_max: float = opt(3.0, "rl.importance_sampling's upper bound on the ratio", above=0)
@@ -668,25 +775,31 @@ class RL:
     )
     off_policy_mask_threshold: float = opt(
         -1.0,
-        "drop a completion with a negative advantage whose mean sampler - trainer log-probability ratio passes this (DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); -1 = off",
+        "drop a completion with a negative advantage whose mean sampler - trainer log-probability ratio passes this "
+        "(DeepSeek-V3.2's off-policy sequence mask, TRL's off_policy_mask_threshold); -1 = off",
         at_least=0,
         sentinels=(-1.0,),
     )
     log_rollouts: bool = opt(
         False,
-        "write every trained completion (step, policy_step, prompt and completion as text and ids, the sampler's logprobs, rewards, reward, advantage) to <dump_folder>/rollouts.jsonl, each step once",
+        "write every trained completion (step, policy_step, prompt and completion as text and ids, the sampler's "
+        "logprobs, rewards, reward, advantage) to <dump_folder>/rollouts.jsonl, each step once",
     )
     log_completions: bool = opt(
         False,
-        "print a few (prompt, completion, reward) of each rollout batch that serves a logged step to the console, as TRL does",
+        "print a few (prompt, completion, reward) of each rollout batch that serves a logged step to the console, as "
+        "TRL does",
     )
     tools: list[str] = opt(
         [],
-        "tools the model may call (docs/agents.md), each path/to/file.py:function or module:function: typed functions with Google-style docstrings, given to the chat template as TRL gives them",
+        "tools the model may call (docs/agents.md), each path/to/file.py:function or module:function: typed functions "
+        "with Google-style docstrings, given to the chat template as TRL gives them",
     )
     environment: str = opt(
         "",
-        "path/to/file.py:Factory (or module:Factory) making one environment per rollout, as TRL's environment_factory: reset(**record) may add text to the prompt, its public methods are tools, an optional get_reward() is one more reward (docs/agents.md)",
+        "path/to/file.py:Factory (or module:Factory) making one environment per rollout, as TRL's environment_factory: "
+        "reset(**record) may add text to the prompt, its public methods are tools, an optional get_reward() is one "
+        "more reward (docs/agents.md)",
     )
     max_tool_calling_iterations: int = opt(
         -1,
@@ -707,7 +820,9 @@ class FaultTolerance:
 
     enable: bool = opt(
         False,
-        "this job is one replica group of a fault-tolerant run: gradients are averaged with the other groups through torchft's lighthouse (TORCHFT_LIGHTHOUSE=http://host:port, from torchft_lighthouse), a lost group is left behind and a restarted one recovers from a live peer (docs/launching.md)",
+        "this job is one replica group of a fault-tolerant run: gradients are averaged with the other groups through "
+        "torchft's lighthouse (TORCHFT_LIGHTHOUSE=http://host:port, from torchft_lighthouse), a lost group is left "
+        "behind and a restarted one recovers from a live peer (docs/launching.md)",
     )
     replica_id: int = opt(
         0, "this replica group's index, 0 to group_size - 1; a restarted group keeps its id", at_least=0
@@ -727,27 +842,34 @@ class FaultTolerance:
     )
     process_group_timeout_ms: int = opt(
         10000,
-        "a collective between groups, a quorum or a state transfer that takes longer than this is a failure: the step is not applied and the next quorum leaves the slow group out",
+        "a collective between groups, a quorum or a state transfer that takes longer than this is a failure: the step "
+        "is not applied and the next quorum leaves the slow group out",
         at_least=1,
     )
     quorum_timeout_seconds: int = opt(
         60,
-        "the longest a group waits for a quorum (the first: job.init_timeout_seconds); the request is sent again every 5 s meanwhile, so a lighthouse restarted at the same address is reached; none in time, the group saves its last committed step and stops, naming the lighthouse",
+        "the longest a group waits for a quorum (the first: job.init_timeout_seconds); the request is sent again every "
+        "5 s meanwhile, so a lighthouse restarted at the same address is reached; none in time, the group saves its "
+        "last committed step and stops, naming the lighthouse",
         at_least=1,
     )
     semi_sync_method: str = opt(
         "none",
-        "none: the groups average every step's gradients; diloco: each group trains sync_steps steps alone, then the groups average how far their weights moved (the pseudo-gradient) and apply it with an outer Nesterov SGD (DiLoCo, torchft.local_sgd), for groups joined by slow links",
+        "none: the groups average every step's gradients; diloco: each group trains sync_steps steps alone, then the "
+        "groups average how far their weights moved (the pseudo-gradient) and apply it with an outer Nesterov SGD "
+        "(DiLoCo, torchft.local_sgd), for groups joined by slow links",
         choices=("none", "diloco"),
     )
     sync_steps: int = opt(
         20,
-        "diloco: the steps each group trains alone between two synchronizations; checkpoint.interval and training.steps must be multiples of it",
+        "diloco: the steps each group trains alone between two synchronizations; checkpoint.interval and "
+        "training.steps must be multiples of it",
         at_least=1,
     )
     outer_lr: float = opt(
         0.7,
-        "diloco: the outer SGD's learning rate on the averaged pseudo-gradient (1 with outer_momentum 0 is plain weight averaging)",
+        "diloco: the outer SGD's learning rate on the averaged pseudo-gradient (1 with outer_momentum 0 is plain "
+        "weight averaging)",
         above=0,
     )
     outer_momentum: float = opt(0.9, "diloco: the outer SGD's Nesterov momentum; 0 = none", at_least=0, below=1)
@@ -758,11 +880,14 @@ class Generate:
     prompt: str = opt("", "text to continue (python -m titanlite.generate); empty = the prompts of prompts_file")
     prompts_file: str = opt(
         "",
-        'JSON-lines file of prompts, one per line: {"prompt": text}, {"messages": [...]} (the chat template applied with the generation prompt) or {"token_ids": [...]}',
+        'JSON-lines file of prompts, one per line: {"prompt": text}, {"messages": [...]} (the chat template applied '
+        'with the generation prompt) or {"token_ids": [...]}',
     )
     checkpoint: str = opt(
         "",
-        "a DCP step folder (<dump_folder>/checkpoint/step-N) to take the weights from; empty = as training finds them (the newest or checkpoint.load_step checkpoint of job.dump_folder when checkpoint.enable, else checkpoint.initial_load_path or the model.hf_assets_path folder)",
+        "a DCP step folder (<dump_folder>/checkpoint/step-N) to take the weights from; empty = as training finds them "
+        "(the newest or checkpoint.load_step checkpoint of job.dump_folder when checkpoint.enable, else "
+        "checkpoint.initial_load_path or the model.hf_assets_path folder)",
     )
     max_new_tokens: int = opt(128, "tokens generated at most per prompt", at_least=1)
     temperature: float = opt(0.0, "sampling temperature; 0 = greedy (the most likely token each time)", at_least=0)
@@ -790,16 +915,19 @@ class Generate:
     )
     stop: list[str] = opt(
         [],
-        "strings that end a completion (cut off before them); generation also ends at the tokenizer's eos and end-of-turn tokens",
+        "strings that end a completion (cut off before them); generation also ends at the tokenizer's eos and "
+        "end-of-turn tokens",
     )
     batch_size: int = opt(8, "prompts generated together (left-padded to the longest of them)", at_least=1)
     compile: bool = opt(
         False,
-        "torch.compile the decode step (CPU inductor with frozen weights, or CUDA): faster from the second batch of a shape on, after a compile of tens of seconds",
+        "torch.compile the decode step (CPU inductor with frozen weights, or CUDA): faster from the second batch of a "
+        "shape on, after a compile of tens of seconds",
     )
     output: str = opt(
         "",
-        'JSON-lines file written with one {"prompt", "completion", "token_ids"} per prompt (token_ids: the new tokens only); empty = stdout',
+        'JSON-lines file written with one {"prompt", "completion", "token_ids"} per prompt (token_ids: the new tokens '
+        "only); empty = stdout",
     )
 
 
@@ -807,7 +935,8 @@ class Generate:
 class Eval:
     tasks: list[str] = opt(
         [],
-        "lm-eval task or group names to evaluate the model on while it trains (e.g. hellaswag,arc_easy); scalars eval/<task>/<metric> go to TensorBoard and the console",
+        "lm-eval task or group names to evaluate the model on while it trains (e.g. hellaswag,arc_easy); scalars "
+        "eval/<task>/<metric> go to TensorBoard and the console",
     )
     include_path: str = opt(
         "", "folder of extra lm-eval task YAML files (local tasks); empty = lm-eval's own tasks only"
@@ -821,7 +950,8 @@ class Eval:
     at_end: bool = opt(False, "also evaluate after the last step")
     sample_prompts: str = opt(
         "",
-        "JSON-lines prompts file (as generate.prompts_file) whose greedy completions go to TensorBoard's text tab at each evaluation",
+        "JSON-lines prompts file (as generate.prompts_file) whose greedy completions go to TensorBoard's text tab at "
+        "each evaluation",
     )
     max_new_tokens: int = opt(64, "tokens generated at most for each of sample_prompts", at_least=1)
 

@@ -52,8 +52,9 @@ from titanlite.errors import UserError, exit_code
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.models.hf_folder import is_model_folder, read_model_folder
 
-USAGE = """usage: python -m titanlite.convert {hf-to-dcp,dcp-to-hf} SOURCE DESTINATION [--model.name N] [--model.flavor F]
-                                  [--job.config_file X.toml] [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000] [--overwrite]"""
+USAGE = """usage: python -m titanlite.convert {hf-to-dcp,dcp-to-hf} SOURCE DESTINATION
+           [--model.name N] [--model.flavor F] [--job.config_file X.toml]
+           [--checkpoint.export_dtype float32|bfloat16] [--max_shard_mb 5000] [--overwrite]"""
 COMMANDS = ("hf-to-dcp", "dcp-to-hf")
 
 
@@ -87,7 +88,8 @@ def check_destination(destination: Path, overwrite: bool) -> None:
     if destination.is_dir() and any(destination.iterdir()) and not overwrite:
         what = "a complete DCP checkpoint" if is_complete(destination) else "files"
         raise UserError(
-            f"the destination {destination} already holds {what}; choose a new folder, or add --overwrite to replace them"
+            f"the destination {destination} already holds {what}; choose a new folder, or add --overwrite to "
+            "replace them"
         )
 
 
@@ -128,7 +130,8 @@ def model_from_checkpoint(source: Path, metadata, named: str | None):
 def dcp_to_hf(
     source: Path, destination: Path, spec, cfg, max_shard_bytes: int, overwrite: bool, named: bool = False
 ) -> None:
-    """`cfg`: the job's config (the model's flavor or folder, checkpoint.export_dtype and allow_unverified); `named`: the
+    """`cfg`: the job's config (the model's flavor or folder, checkpoint.export_dtype and allow_unverified); `named`:
+    the
     flags name the model (else the checkpoint's record alone does)."""
     if not is_complete(source):
         raise UserError(f"{source} is not a complete DCP checkpoint: it has no {METADATA}")
@@ -233,7 +236,8 @@ def run(argv: list[str]) -> None:
         return
     if len(argv) < 3 or argv[0] not in COMMANDS or argv[1].startswith("--") or argv[2].startswith("--"):
         raise UserError(
-            f"expected a command ({' or '.join(COMMANDS)}), a source and a destination folder; {USAGE.split(chr(10))[0]}"
+            f"expected a command ({' or '.join(COMMANDS)}), a source and a destination folder; "
+            f"{USAGE.split(chr(10))[0]}"
         )
     command, source, destination = argv[0], Path(argv[1]), Path(argv[2])
     flags, max_shard_mb = _pop_option(argv[3:], "--max_shard_mb", str(DEFAULT_MAX_SHARD_BYTES // 10**6))

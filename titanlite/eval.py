@@ -1,9 +1,11 @@
 """Entry point: python -m titanlite.eval --tasks T [--include_path DIR] [--limit N] [--num_fewshot K]
-    [--output_path DIR] [--log_samples] [--batch_size B] --model_args hf_assets_path=F | config_file=X.toml,checkpoint=STEP[,section.key=value...]
+    [--output_path DIR] [--log_samples] [--batch_size B] --model_args hf_assets_path=F |
+    config_file=X.toml,checkpoint=STEP[,section.key=value...]
 
 lm-eval 0.4's run flags (the ones of `lm_eval run` that apply to one local model) with titanlite as its model
 (titanlite/inference/lm_eval_model.py): --model_args read as a titanlite job's config, the tasks checked before the
-model is built (inference/tasks.py), lm-eval's simple_evaluate on the job's model (inference/model.py); the tasks run as lm-eval runs them, the results JSON (and
+model is built (inference/tasks.py), lm-eval's simple_evaluate on the job's model (inference/model.py); the tasks run as
+lm-eval runs them, the results JSON (and
 with --log_samples each task's samples) is lm-eval's own, written under --output_path by its EvaluationTracker, and
 lm-eval's results table is printed. Under torchrun the ranks share the requests (the weights sharded by FSDP where
 parallelism says so); rank 0 prints and writes the results.

@@ -125,7 +125,8 @@ class ChunkedCrossEntropy:
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over the trained tokens, computed in fp32 whatever the compute dtype. Labels
         IGNORED (-100: chat data outside the trained turns) are left out of the sum and the count; text data
-        has none, so its loss is the plain mean. Chat windows hold at least one trained label each (conversation_windows.py
+        has none, so its loss is the plain mean. Chat windows hold at least one trained label each
+        (conversation_windows.py
     leaves out a conversation without one)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORED)
 

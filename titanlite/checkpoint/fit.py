@@ -86,7 +86,8 @@ def check_model_fits(
     for fqn, shape in expected.items():
         if saved[fqn] != tuple(shape):
             raise UserError(
-                f"{prefix} {fqn} is {_shape(saved[fqn])} there but {_shape(shape)} here; check model.name, model.flavor and the tokenizer"
+                f"{prefix} {fqn} is {_shape(saved[fqn])} there but {_shape(shape)} here; check model.name, "
+                "model.flavor and the tokenizer"
             )
 
 

@@ -120,7 +120,8 @@ def rewind_to(root: Path, step: int, rank: int) -> None:
         if moved:
             aside, names = moved
             logger.warning(
-                f"resuming from step {step}: the newer {', '.join(names)} belong to the abandoned history and were moved "
+                f"resuming from step {step}: the newer {', '.join(names)} belong to the abandoned history and were "
+                "moved "
                 f"to {aside}; they are never loaded or counted by keep_latest_k (move one back into {root} to use it)"
             )
     dist.barrier()  # no rank reads or writes the folder before the move is done

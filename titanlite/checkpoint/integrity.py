@@ -81,9 +81,11 @@ def verifiable(folder: Path, allow_unverified: bool) -> bool:
         return True
     if not allow_unverified:
         raise UserError(
-            f"checkpoint {folder} cannot be verified: it has no {CHECKSUMS} folder (lost, or the checkpoint was written by "
+            f"checkpoint {folder} cannot be verified: it has no {CHECKSUMS} folder (lost, or the checkpoint was "
+            "written by "
             f"another tool or a titanlite before checksums), so damage in its files would load unnoticed; restore that "
-            f"folder, delete {folder} (an earlier checkpoint then loads), or set checkpoint.allow_unverified true to load "
+            f"folder, delete {folder} (an earlier checkpoint then loads), or set checkpoint.allow_unverified true to "
+            "load "
             "it unverified"
         )
     logger.warning(f"checkpoint {folder} has no {CHECKSUMS} folder: it loads unverified (checkpoint.allow_unverified)")

@@ -146,7 +146,8 @@ def refusal(folder: Path, path: Path, holder: dict) -> UserError:
     return UserError(
         f"job.dump_folder {folder} is in use by another run (host {holder.get('host', '?')}, pid "
         f"{holder.get('pid', '?')}, job {holder.get('job') or 'without an id'}, started {holder.get('started', '?')}): "
-        f"two runs in one folder would overwrite each other's checkpoints; give this run another job.dump_folder, {then}"
+        "two runs in one folder would overwrite each other's checkpoints; give this run another job.dump_folder, "
+        f"{then}"
     )
 
 

@@ -113,7 +113,8 @@ def base_model_name(base: str) -> str:
 
 
 def is_transposed(hf_adapter, name: str, args, shape) -> bool:
-    """Whether the Hugging Face layout of this weight is its transpose (GPT-2's Conv1D): told by a probe of distinct values."""
+    """Whether the Hugging Face layout of this weight is its transpose (GPT-2's Conv1D): told by a probe of distinct
+    values."""
     probe = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape[0], shape[1])
     hf = hf_adapter.tensor_to_hf(name, probe, args)
     return hf.shape == probe.t().shape and torch.equal(hf, probe.t())

@@ -351,7 +351,8 @@ class CheckpointManager:
             resume = False  # a seed checkpoint or a model-only export: weights, then step 1
         elif resume and "train_state.step" not in keys:
             raise UserError(
-                f"checkpoint {path} holds no titanlite train state; load it with checkpoint.initial_load_model_only true"
+                f"checkpoint {path} holds no titanlite train state; load it with checkpoint.initial_load_model_only "
+                "true"
             )
         objects = {**self.objects, "model": model} if resume else {"model": model}
         targets = load_targets(objects, keys)

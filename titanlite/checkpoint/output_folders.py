@@ -41,7 +41,8 @@ def check_writable_folder(key: str, folder: Path) -> None:
             pass
     except OSError as error:
         raise UserError(
-            f"{key}: {folder} is not a writable folder ({error.strerror}); fix its permissions or mount, or choose another path"
+            f"{key}: {folder} is not a writable folder ({error.strerror}); fix its permissions or mount, or choose "
+            "another path"
         ) from None
 
 

@@ -77,6 +77,7 @@ def stop_if_disk_failure(error: BaseException, root: Path, step: int, estimate: 
         remove_checkpoint(step_folder(root, step))
     fix = f"free at least {gib(needed)} there (the size of one checkpoint)" if code in NO_SPACE else "make it writable"
     raise UserError(
-        f"checkpoint step-{step} could not be written to {root}: {DISK_ERRORS[code]}; {fix} or set job.dump_folder to another disk, "
+        f"checkpoint step-{step} could not be written to {root}: {DISK_ERRORS[code]}; {fix} or set job.dump_folder to "
+        "another disk, "
         f"then start the run again: it stopped without saving step {step}, and the earlier checkpoints are untouched"
     ) from None

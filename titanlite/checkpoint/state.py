@@ -117,7 +117,8 @@ class OptimizerState:
 
 
 class OuterOptimizerState(OptimizerState):
-    """DiLoCo's outer SGD (fault_tolerance/diloco.py), kept as the optimizer is. A checkpoint saved without DiLoCo has none:
+    """DiLoCo's outer SGD (fault_tolerance/diloco.py), kept as the optimizer is. A checkpoint saved without DiLoCo has
+    none:
     the outer momentum then starts from zero, and the log says so."""
 
     key = "outer_optimizer"
@@ -221,7 +222,8 @@ class DataState:
         if ("dataloader.global" in keys) != self.global_data:
             raise UserError(
                 f"checkpoint {keys.path} holds a data position for "
-                f"{'a token store or mix' if 'dataloader.global' in keys else 'raw data'}, but this run reads the other "
+                f"{'a token store or mix' if 'dataloader.global' in keys else 'raw data'}, but this run reads the "
+                "other "
                 "kind; resume with the training.dataset_path or dataset_mix it was saved with"
             )
         same_split = f"dataloader.{self.key}" in keys and (self.global_data or self.saved_dp == self.dp_degree)

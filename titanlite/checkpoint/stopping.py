@@ -112,7 +112,8 @@ def nothing_to_train(stop: StopFlags, step: int, steps: int) -> bool:
         return True
     if step >= steps:
         logger.info(
-            f"resumed at step {step}, which is at or past training.steps {steps}: nothing to train; raise training.steps to train further"
+            f"resumed at step {step}, which is at or past training.steps {steps}: nothing to train; raise "
+            "training.steps to train further"
         )
         return True
     return False

@@ -83,7 +83,8 @@ class ChatRenderer:
     def __init__(self, tokenizer, chat_template_path: str):
         if not isinstance(tokenizer, HFTokenizer):
             raise UserError(
-                "training.dataset_format chat, prompt_completion and preference need a Hugging Face tokenizer (tokenizer.json) "
+                "training.dataset_format chat, prompt_completion and preference need a Hugging Face tokenizer "
+                "(tokenizer.json) "
                 "that reads the template's special tokens; set model.hf_assets_path to the model's folder"
             )
         if chat_template_path:
@@ -94,7 +95,8 @@ class ChatRenderer:
                 )
             except (OSError, UnicodeDecodeError) as error:
                 raise UserError(
-                    f"cannot read training.chat_template {chat_template_path} ({error}); point it at a jinja template file"
+                    f"cannot read training.chat_template {chat_template_path} ({error}); point it at a jinja template "
+                    "file"
                 ) from None
         elif tokenizer.chat_template:
             source, self.origin = tokenizer.chat_template, str(tokenizer.chat_template_path)
@@ -135,7 +137,8 @@ class ChatRenderer:
             raise self.failed(error) from None
 
     def generation_prompt(self, messages: list[dict]) -> str:
-        """What add_generation_prompt appends to the conversation before the first assistant turn ("" if not an append)."""
+        """What add_generation_prompt appends to the conversation before the first assistant turn ("" if not an
+        append)."""
         if self.prompt is None:
             first = next(i for i, message in enumerate(messages) if message["role"] == "assistant")
             try:
@@ -211,7 +214,8 @@ def checked_tools(value, record: str) -> list[dict] | None:
 
 
 def sharegpt(turns) -> list:
-    """ShareGPT's conversations ({from, value}) as messages ({role, content}); what is not a turn is left for the checks."""
+    """ShareGPT's conversations ({from, value}) as messages ({role, content}); what is not a turn is left for the
+    checks."""
     if not isinstance(turns, list):
         return turns
     return [
@@ -252,7 +256,8 @@ def conversation(record: dict, dataset_format: str, number: int, where: str) -> 
         prompt, completion = record["prompt"], record["completion"]
         if not (isinstance(prompt, str) and isinstance(completion, str)):
             raise UserError(
-                f"{where}: record {number} (counting from 1) has a prompt or completion that is not text; fix or remove it"
+                f"{where}: record {number} (counting from 1) has a prompt or completion that is not text; fix or "
+                "remove it"
             )
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
     messages = record["messages"] if "messages" in record else sharegpt(record["conversations"])
@@ -276,7 +281,8 @@ class Conversations(Sequence):
         fields = FIELDS[dataset_format]
         if loader not in ("json", "parquet"):
             raise UserError(
-                f"{key} {dataset_path} holds {loader} files; training.dataset_format {dataset_format} reads jsonl/json/parquet records"
+                f"{key} {dataset_path} holds {loader} files; training.dataset_format {dataset_format} reads "
+                "jsonl/json/parquet records"
             )
         # pyarrow's json reader keeps bytes that are not UTF-8 and fails only when a record is read: name the line now.
         for path in files if loader == "json" else ():
@@ -327,7 +333,8 @@ def tokenize_conversation(
 
 
 def chat_record(renderer: ChatRenderer, dataset_format: str, train_on: str) -> dict:
-    """What fixes a conversation's tokens and loss mask; a chat store keeps it, and a run reading the store must match."""
+    """What fixes a conversation's tokens and loss mask; a chat store keeps it, and a run reading the store must
+    match."""
     return {"format": dataset_format, "train_on": train_on, "template_sha256": renderer.template_sha256}
 
 

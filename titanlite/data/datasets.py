@@ -10,7 +10,8 @@
 
 `section` ("training" or "validation") names the config keys that error messages point at.
 Token stores, training.dataset_mix and chat data are read in one global order, whatever the number of
-ranks (global_order.py). For the others, each data-parallel rank reads a disjoint part of the documents (see documents.py), packs them
+ranks (global_order.py). For the others, each data-parallel rank reads a disjoint part of the documents (see
+documents.py), packs them
 into windows (packing.py) and gets batches of (inputs, labels), LongTensors [batch, seq_len].
 """
 

@@ -175,8 +175,10 @@ class GlobalOrderLoader:
         per_micro_batch = self.batch_size * self.dp_world
         if state["windows_consumed"] % per_micro_batch:
             raise UserError(
-                f"the checkpoint consumed {state['windows_consumed']} windows, not a multiple of training.local_batch_size "
-                f"{self.batch_size} x data-parallel degree {self.dp_world}; resume with the same training.global_batch_size "
+                f"the checkpoint consumed {state['windows_consumed']} windows, not a multiple of "
+                "training.local_batch_size "
+                f"{self.batch_size} x data-parallel degree {self.dp_world}; resume with the same "
+                "training.global_batch_size "
                 "and a local batch x degree that divides it"
             )
         self.consumed = state["windows_consumed"]

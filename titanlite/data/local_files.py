@@ -127,7 +127,10 @@ def text_fault(records: datasets.Dataset, text_field: str) -> str | None:
             return None
         except pa.ArrowInvalid:
             row = next(i for i in range(len(column)) if not _decodes(column[i]))
-            return f"record {row + 1} (counting from 1) holds text in '{text_field}' that is not UTF-8; re-encode the file as UTF-8 or fix that record"
+            return (
+                f"record {row + 1} (counting from 1) holds text in '{text_field}' that is not UTF-8; re-encode the "
+                "file as UTF-8 or fix that record"
+            )
     row, value = next(((i, v) for i, v in enumerate(records[text_field]) if not isinstance(v, str)), (None, None))
     if row is None:
         return None
@@ -232,7 +235,8 @@ def utf8_column_fault(records, fields) -> str | None:
             records.data.column(field).validate(full=True)
         except pa.ArrowInvalid as error:
             return (
-                f"holds text in '{field}' that is not UTF-8 ({str(error).splitlines()[0]}); re-encode the file as UTF-8 "
+                f"holds text in '{field}' that is not UTF-8 ({str(error).splitlines()[0]}); re-encode the file as "
+                "UTF-8 "
                 "or fix that record"
             )
     return None
@@ -260,7 +264,8 @@ def raise_for_the_faulty_file(loader: str, files: list[Path], text_field: str, k
             raise UserError(f"{key}: {path} {fault}") from None
     reason = str(error.__cause__ or error).splitlines()[0] if error else "their fields differ"
     raise UserError(
-        f"{key} {files[0].parent}: its files read one by one but not as one dataset ({reason}); give them the same fields"
+        f"{key} {files[0].parent}: its files read one by one but not as one dataset ({reason}); give them the same "
+        "fields"
     )
 
 

@@ -18,7 +18,8 @@ Window = tuple[torch.Tensor, torch.Tensor]
 
 
 # A batch cut to its longest row is as wide as a multiple of this: the GPU's matmul and attention kernels work in
-# tiles of 64 or 128, and few distinct widths (seq_len / 64 at most) keep compile's graphs and the allocator's blocks few.
+# tiles of 64 or 128, and few distinct widths (seq_len / 64 at most) keep compile's graphs and the allocator's blocks
+# few.
 PAD_MULTIPLE = 64
 
 

@@ -14,7 +14,8 @@ seq_len + 1 tokens (labels IGNORED outside the completion). A pair is never pack
 each sequence's log-probability on its own, and one sequence per row gives it from the plain causal forward with
 no document bookkeeping; the two rows of a pair sit in the same micro-batch, so the loss of every pair is computed
 where both its halves are. Each micro-batch is then cut to its longest sequence rounded up to a multiple of
-64 (packing.py's padded_width, at most seq_len), as TRL pads a batch to its longest: what is cut off is padding after every row's
+64 (packing.py's padded_width, at most seq_len), as TRL pads a batch to its longest: what is cut off is padding after
+every row's
 last trained token, which a causal forward never lets change a log-probability. Epoch e visits the pairs in the
 order of a permutation drawn from (seed, e), and global_order.py deals pair g to the ranks as it deals window g:
 any split of the global batch reads the same pairs.

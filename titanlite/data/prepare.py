@@ -238,7 +238,7 @@ def prepare(
     return write_manifest(folder, plan, tokenizer, dtype, chat)
 
 
-def main(argv: list[str]) -> int:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m titanlite.data.prepare",
         description=__doc__,
@@ -251,7 +251,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--tokenizer",
         default="",
-        help="tokenizer.model, or a Hugging Face tokenizer.json or folder holding one, to tokenize with (default: the shipped one)",
+        help="tokenizer.model, or a Hugging Face tokenizer.json or folder holding one, to tokenize with "
+        "(default: the shipped one)",
     )
     parser.add_argument(
         "--workers", type=int, default=max(multiprocessing.cpu_count() - 1, 1), help="tokenizing processes"
@@ -277,7 +278,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--chat_template", default="", help="with --format, a jinja template file instead of the tokenizer folder's"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = argument_parser().parse_args(argv)
     init_logger(0)  # the progress lines
     try:
         if args.workers < 1 or args.documents_per_shard < 1:

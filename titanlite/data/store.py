@@ -196,7 +196,8 @@ def read_manifest(folder: Path, key: str) -> dict:
         raise UserError(f"{key} {folder}: its {MANIFEST} cannot be read ({error}); prepare the store again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise UserError(
-            f"{key} {folder}: {MANIFEST} is not a {FORMAT} manifest; prepare the store again with python -m titanlite.data.prepare"
+            f"{key} {folder}: {MANIFEST} is not a {FORMAT} manifest; prepare the store again with python -m "
+            "titanlite.data.prepare"
         )
     check_manifest_fields(manifest, folder, key)
     return manifest
@@ -229,7 +230,8 @@ def check_manifest_fields(manifest: dict, folder: Path, key: str) -> None:
 
 
 def checksums_recorded(checksums, shards: list) -> bool:
-    """The manifest's "checksums" as prepare writes it: XXH3-64 of chunks of a positive size, an offsets-file hash per shard."""
+    """The manifest's "checksums" as prepare writes it: XXH3-64 of chunks of a positive size, an offsets-file hash per
+    shard."""
     return (
         isinstance(checksums, dict)
         and checksums.get("algorithm") == "xxh3_64"
@@ -250,7 +252,8 @@ def check_tokenizer(manifest: dict, tokenizer, folder: Path, key: str) -> None:
     prepared, ours = manifest["tokenizer"], tokenizer_record(tokenizer)
     if prepared["sha256"] != ours["sha256"]:
         raise UserError(
-            f"{key} {folder} was prepared with the tokenizer {prepared['file']} (sha256 {prepared['sha256'][:12]}) but this run "
+            f"{key} {folder} was prepared with the tokenizer {prepared['file']} (sha256 {prepared['sha256'][:12]}) but "
+            "this run "
             f"uses {ours['file']} (sha256 {ours['sha256'][:12]}); set model.tokenizer_path to the store's tokenizer or "
             f"prepare the data again with --tokenizer {ours['file']}"
         )

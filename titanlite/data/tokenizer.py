@@ -113,7 +113,8 @@ class SentencePieceTokenizer:
         self.bos_id, self.eos_id = self._model.bos_id(), self._model.eos_id()
         if self.bos_id < 0 or self.eos_id < 0:
             raise UserError(
-                f"the SentencePiece tokenizer {path} has no bos or eos piece, which titanlite puts around every document; {fix_for(path, origin)}"
+                f"the SentencePiece tokenizer {path} has no bos or eos piece, which titanlite puts around every "
+                f"document; {fix_for(path, origin)}"
             )
         self.vocab_size = self._model.vocab_size()
 

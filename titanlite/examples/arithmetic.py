@@ -4,7 +4,8 @@
 
 writes DIR/sft.jsonl, N chat records to fine-tune on first (training.dataset_format chat):
 
-    {"messages": [{"role": "user", "content": "What is 12 + 7?"}, {"role": "assistant", "content": "12 + 7 = 19. \\\\boxed{19}"}]}
+    {"messages": [{"role": "user", "content": "What is 12 + 7?"}, {"role": "assistant", "content": "12 + 7 = 19.
+    \\\\boxed{19}"}]}
 
 and DIR/prompts.jsonl, M prompt records for GRPO (training.dataset_format prompts), whose `answer` reaches the
 reward functions (titanlite.rewards:math_answer checks the completion's \\boxed{} against it):

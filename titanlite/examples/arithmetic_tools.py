@@ -25,7 +25,8 @@ from pathlib import Path
 from titanlite.errors import UserError, exit_code
 from titanlite.examples.arithmetic import result, task, write_jsonl
 
-# ChatML with tools: a system turn naming each tool, its parameters and its description, calls as <tool_call> JSON in the assistant's turn, results as
+# ChatML with tools: a system turn naming each tool, its parameters and its description, calls as <tool_call> JSON in
+# the assistant's turn, results as
 # a user turn in <tool_response>, as Qwen3 writes them, in fewer tokens.
 TOOL_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in tools %}{%- set f = tool.function %}"

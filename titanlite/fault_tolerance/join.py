@@ -36,7 +36,8 @@ def wait_for_lighthouse(address: str, timeout_s: int) -> None:
             if time.monotonic() >= deadline:
                 raise UserError(
                     f"the lighthouse at TORCHFT_LIGHTHOUSE {address} did not answer within job.init_timeout_seconds "
-                    f"{timeout_s} ({error}); start torchft_lighthouse there first (docs/launching.md) or fix the address"
+                    f"{timeout_s} ({error}); start torchft_lighthouse there first (docs/launching.md) or fix the "
+                    "address"
                 ) from None
             time.sleep(0.5)
 

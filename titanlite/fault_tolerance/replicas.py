@@ -58,7 +58,8 @@ class ReplicaGroups(Alone):
         """Rules that need the built model or data loader, checked before the lighthouse is contacted."""
         if not getattr(dataloader, "state_is_global", False):
             raise UserError(
-                "fault_tolerance.enable needs a data position a peer can hand over: a token store (training.dataset_path "
+                "fault_tolerance.enable needs a data position a peer can hand over: a token store "
+                "(training.dataset_path "
                 "from python -m titanlite.data.prepare), a training.dataset_mix or chat data; other datasets keep a "
                 "position per rank"
             )
@@ -183,7 +184,8 @@ class ReplicaGroups(Alone):
             why = (
                 f"a collective between groups failed ({error.original_exception})"
                 if error is not None
-                else f"{self.live} groups took part, fewer than fault_tolerance.min_replica_size {self.cfg.min_replica_size}"
+                else f"{self.live} groups took part, fewer than fault_tolerance.min_replica_size "
+                f"{self.cfg.min_replica_size}"
             )
             logger.warning(
                 f"step: {self.step} (not committed)  loss: {self.loss.item():.4f}  {why}; its update is not applied "
@@ -212,9 +214,11 @@ class ReplicaGroups(Alone):
         if self.ended and self.lost is not None:
             raise LighthouseLost(
                 f"no quorum came from the lighthouse at TORCHFT_LIGHTHOUSE {self.address} for step {self.step} within "
-                f"fault_tolerance.quorum_timeout_seconds {self.cfg.quorum_timeout_seconds} ({type(self.lost).__name__}); this group stopped "
+                f"fault_tolerance.quorum_timeout_seconds {self.cfg.quorum_timeout_seconds} "
+                f"({type(self.lost).__name__}); this group stopped "
                 f"at step {self.train_state.step}, its last committed (saved where checkpoint.enable is on): restart "
-                "torchft_lighthouse at that address, or bring back the groups its --min_replicas needs, then start this "
+                "torchft_lighthouse at that address, or bring back the groups its --min_replicas needs, then start "
+                "this "
                 "group again with the same command"
             )
 

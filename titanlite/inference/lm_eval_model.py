@@ -29,7 +29,8 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's default where a task sets no 
 
 class TitanliteLM(TemplateLM):
     def __init__(self, run, batch_size: int = 1):
-        """run: an InferenceModel or build.py's Run, its model in eval mode taking tokens [B, T] to logits [B, T, vocab]."""
+        """run: an InferenceModel or build.py's Run, its model in eval mode taking tokens [B, T] to logits [B, T,
+        vocab]."""
         super().__init__()
         self.lm = LM.of(run)  # generation and logits go through the Python API
         self.model, self.tokenizer, self.args = run.model, run.tokenizer, run.args

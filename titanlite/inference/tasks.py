@@ -126,7 +126,8 @@ def write_results(results: dict, output_path: str, log_samples: bool, model_args
     named = simple_parse_args_string(model_args)
     weights = named.get("checkpoint") or named.get("hf_assets_path") or named.get("config_file") or "titanlite"
     tracker = EvaluationTracker(output_path=output_path)
-    # The tracker times from its own creation; the evaluation began total_evaluation_time_seconds ago (titanlite/eval.py).
+    # The tracker times from its own creation; the evaluation began total_evaluation_time_seconds ago
+    # (titanlite/eval.py).
     tracker.general_config_tracker.start_time = time.perf_counter() - float(
         results.get("total_evaluation_time_seconds", 0)
     )

@@ -220,8 +220,10 @@ class MetricsLogger:
             values["mfu_pct"] = mfu_pct
             mfu = f"mfu: {mfu_pct:.2f}%"
         logger.info(
-            f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: {mem_gib:.2f}GiB({100 * values['memory_share']:.2f}%)  "
-            f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%  trained: {trained:,.0f}"
+            f"step: {step}  loss: {loss:.4f}  grad_norm: {grad_norm:.4f}  memory: "
+            f"{mem_gib:.2f}GiB({100 * values['memory_share']:.2f}%)  "
+            f"tps: {tps:,.0f}  tflops: {tflops:.2f}  {mfu}  data: {100 * values['data_loading_share']:.1f}%  trained: "
+            f"{trained:,.0f}"
             + ("" if epoch is None else f"  epoch: {epoch:.3f}")
             + f"  step_time: {elapsed / steps:.2f}s"
             + self.time_left()
@@ -287,7 +289,8 @@ def log_tokens_by_source(dataloader) -> None:
 
 
 def speed_settings(cfg: JobConfig) -> dict[str, str]:
-    """Activation checkpointing, compile, float8 and loss chunks as the run uses them (start-up line, TensorBoard hparams)."""
+    """Activation checkpointing, compile, float8 and loss chunks as the run uses them (start-up line, TensorBoard
+    hparams)."""
     ac = cfg.activation_checkpoint
     ac_text = f"selective ({ac.selective_ac_option})" if ac.mode == "selective" else ac.mode
     compile_text = ",".join(cfg.compile.components) if cfg.compile.enable else "off"

@@ -82,8 +82,10 @@ class Validator:
         self.shard = sequence_shard(seq_len, dims.cp_mesh, run.device) if dims.cp_enabled else None
         if run.pipeline is not None and (batch_size, seq_len) != (training.local_batch_size, training.seq_len):
             raise UserError(
-                f"under pipeline parallelism validation runs the training schedule, so its batch of {batch_size} x {seq_len} "
-                f"tokens must be training's {training.local_batch_size} x {training.seq_len}; set validation.local_batch_size "
+                f"under pipeline parallelism validation runs the training schedule, so its batch of {batch_size} x "
+                f"{seq_len} "
+                f"tokens must be training's {training.local_batch_size} x {training.seq_len}; set "
+                "validation.local_batch_size "
                 "and validation.seq_len to -1"
             )
         self.loader = build_dataloader(
@@ -139,7 +141,8 @@ class Validator:
                 if self.pipeline is not None and batch is not None and len(batch[0]) < self.batch_size:
                     # The schedule splits every batch into the same microbatches: a short last one ends the pass.
                     logger.info(
-                        f"validation leaves out a last batch of {len(batch[0])} sequences (pipeline batches are {self.batch_size})"
+                        f"validation leaves out a last batch of {len(batch[0])} sequences (pipeline batches are "
+                        f"{self.batch_size})"
                     )
                     batch = None
                 if not self._all_ranks_have(batch):
@@ -160,7 +163,8 @@ class Validator:
             )
         loss = loss_total / token_total
         perplexity = torch.tensor(loss).exp().item()  # inf rather than an OverflowError for a diverged model
-        # Every rank of a TP/PP group counted the group's tokens (and its loss sum): the ratio stands, the count is once.
+        # Every rank of a TP/PP group counted the group's tokens (and its loss sum): the ratio stands, the count is
+        # once.
         tokens_once = int(token_total) // self.dims.model_parallel_degree
         self.metrics.log_validation(step, loss, perplexity, count, tokens_once, time.perf_counter() - started)
         return loss, perplexity

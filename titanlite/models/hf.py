@@ -124,7 +124,8 @@ class HFAdapter(abc.ABC):
         ours = self._rename(hf_name, self._from_hf)
         if ours is None and not any(p.search(hf_name) for p in self._ignored):
             raise UserError(
-                f"the Hugging Face tensor {hf_name} has no place in {type(self).__name__.removesuffix('HFAdapter')} models"
+                f"the Hugging Face tensor {hf_name} has no place in {type(self).__name__.removesuffix('HFAdapter')} "
+                "models"
             )
         return ours
 

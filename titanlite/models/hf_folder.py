@@ -232,7 +232,8 @@ def check_files(model: Model, checkpoint: Checkpoint, path: Path) -> None:
 
 def start_from_folder(model: Model, checkpoint: Checkpoint, explicit: set[str]) -> None:
     """When model.hf_assets_path is a model folder: the job's model.name and model.flavor become the folder's,
-    model.moe_aux_loss_coeff its config.json's router_aux_loss_coef (MoE folders), and checkpoint.initial_load_path (when the job left it empty) the folder, read in Hugging Face format.
+    model.moe_aux_loss_coeff its config.json's router_aux_loss_coef (MoE folders), and checkpoint.initial_load_path
+    (when the job left it empty) the folder, read in Hugging Face format.
     `explicit` holds the keys the job set (TOML or command line): those must agree with config.json."""
     if not is_model_folder(model.hf_assets_path):
         if model.hf_assets_path and any(Path(model.hf_assets_path).glob("*.safetensors")):

@@ -4,7 +4,8 @@ Each micro-batch holds pairs as rows 2i (chosen) and 2i + 1 (rejected) (data/pre
 log-probability is the sum of its trained tokens' log-probabilities, as TRL sums them; the reference model's come
 from a forward without gradients on the same rows. With r = beta x (policy - reference) for each half, the loss
 of a pair is
-    sigmoid (Rafailov et al. 2023): -(1 - eps) log sigmoid(r_chosen - r_rejected) - eps log sigmoid(r_rejected - r_chosen)
+    sigmoid (Rafailov et al. 2023): -(1 - eps) log sigmoid(r_chosen - r_rejected) - eps log sigmoid(r_rejected -
+    r_chosen)
     ipo (Azar et al. 2023):         ((r_chosen - r_rejected) / beta - 1 / (2 beta))^2, log-probabilities averaged
                                     over each completion's tokens (TRL's IPO)
 (eps = dpo.label_smoothing), and a micro-batch's loss is the mean over its pairs; the train step divides it by
@@ -94,7 +95,8 @@ class Preference:
     def build(
         cls, cfg: JobConfig, copy: Callable[[], nn.Module], hf_adapter, args, label: str, device: torch.device
     ) -> "Preference":
-        """The DPO objective with its reference (objectives/reference.py); `copy()` builds a model sharded like the policy."""
+        """The DPO objective with its reference (objectives/reference.py); `copy()` builds a model sharded like the
+        policy."""
         return cls(
             cfg.dpo,
             Reference.build(cfg.dpo.reference, "dpo.reference", cfg, copy, hf_adapter, args, label, "DPO"),

@@ -39,7 +39,7 @@ _SAVE_OPS = (
     )
     | _ops(torch.ops._c10d_functional, ("reduce_scatter_tensor",))
     | {
-        torch.ops.higher_order.flex_attention,  # block-causal attention on CUDA (models/attention.py), a higher-order op
+        torch.ops.higher_order.flex_attention,  # block-causal attention on CUDA (models/attention.py)
     }
 )
 _MM = torch.ops.aten.mm.default

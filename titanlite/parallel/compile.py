@@ -50,5 +50,6 @@ def compile_without_disk_cache() -> None:
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     logger.info(
-        "compile: inductor's on-disk cache is off under TP/EP (its entries name process groups); each start compiles afresh"
+        "compile: inductor's on-disk cache is off under TP/EP (its entries name process groups); each start compiles "
+        "afresh"
     )

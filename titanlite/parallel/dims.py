@@ -54,7 +54,8 @@ class ParallelDims:
             if world_size % others:
                 raise UserError(
                     f"parallelism degrees data_parallel_replicate_degree {replicate} x context_parallel_degree {cp} x "
-                    f"tensor_parallel_degree {tp} x pipeline_parallel_degree {pp} = {others} do not divide the world size "
+                    f"tensor_parallel_degree {tp} x pipeline_parallel_degree {pp} = {others} do not divide the world "
+                    "size "
                     f"{world_size}; choose degrees whose product divides the number of processes"
                 )
             shard = world_size // others
@@ -120,7 +121,8 @@ class ParallelDims:
         """The mesh in words, for the start-up log and the planner."""
         experts = f" (experts over ep {self.ep} of them)" if self.ep_enabled else ""
         context = f" x cp {self.cp}" if self.cp_enabled else ""
-        return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard}{experts}{context} x tp {self.tp}, pp {self.pp}"
+        shards = f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard}{experts}{context}"
+        return f"{shards} x tp {self.tp}, pp {self.pp}"
 
     @property
     def ep_enabled(self) -> bool:
@@ -187,7 +189,8 @@ class ParallelDims:
             split = f"{self.ep} x tensor_parallel_degree {self.tp}" if self.tp_enabled else f"{self.ep}"
             raise UserError(
                 f"parallelism.expert_parallel_degree {split} cannot split the model's {experts} experts (num_experts) "
-                "evenly; choose degrees whose product divides the experts, or expert_parallel_degree 1 for a model without experts"
+                "evenly; choose degrees whose product divides the experts, or expert_parallel_degree 1 for a model "
+                "without experts"
             )
         if self.tp_enabled:
             shapes = {

@@ -64,7 +64,8 @@ def _keeps_high_precision(fqn: str, module: nn.Module, filter_fqns: list[str]) -
 
 
 def float8_config(cfg: Float8, emulate: bool = False):
-    """torchao's Float8LinearConfig for the recipe; emulate (or float8.emulate; tests only) casts without float8 kernels."""
+    """torchao's Float8LinearConfig for the recipe; emulate (or float8.emulate; tests only) casts without float8
+    kernels."""
     from torchao.float8 import Float8LinearConfig
 
     emulate = emulate or cfg.emulate

@@ -50,7 +50,8 @@ def layer_split(n_layers: int, num_stages: int, layers_per_stage: int) -> list[r
         sizes = [n_layers // num_stages + (s < n_layers % num_stages) for s in range(num_stages)]
     elif layers_per_stage * num_stages != n_layers:
         raise UserError(
-            f"parallelism.pipeline_parallel_layers_per_stage {layers_per_stage} x {num_stages} stages is not the model's "
+            f"parallelism.pipeline_parallel_layers_per_stage {layers_per_stage} x {num_stages} stages is not the "
+            "model's "
             f"{n_layers} layers; set it to -1 (an even split) or to a value whose product with the stages is {n_layers}"
         )
     else:
@@ -63,21 +64,26 @@ def microbatches(local_batch_size: int, microbatch_size: int, num_stages: int, s
     """Microbatches per micro-step, refused where the schedule cannot run them."""
     if local_batch_size % microbatch_size:
         raise UserError(
-            f"parallelism.pipeline_parallel_microbatch_size {microbatch_size} does not divide training.local_batch_size "
+            f"parallelism.pipeline_parallel_microbatch_size {microbatch_size} does not divide "
+            "training.local_batch_size "
             f"{local_batch_size}; choose a microbatch size that divides it"
         )
     count = local_batch_size // microbatch_size
     if schedule == "1F1B" and count < num_stages:
         raise UserError(
-            f"parallelism.pipeline_parallel_schedule 1F1B needs at least as many microbatches as stages ({num_stages}), but "
-            f"training.local_batch_size {local_batch_size} / pipeline_parallel_microbatch_size {microbatch_size} = {count}; "
+            "parallelism.pipeline_parallel_schedule 1F1B needs at least as many microbatches as stages "
+            f"({num_stages}), but "
+            f"training.local_batch_size {local_batch_size} / pipeline_parallel_microbatch_size {microbatch_size} = "
+            f"{count}; "
             "lower the microbatch size or raise the local batch"
         )
     rounds = max(1, count // pp)  # torch's interleaved schedules run the microbatches in equal rounds
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and count % rounds:
         raise UserError(
-            f"parallelism.pipeline_parallel_schedule {schedule} runs its {count} microbatches (training.local_batch_size "
-            f"{local_batch_size} / pipeline_parallel_microbatch_size {microbatch_size}) in {rounds} equal rounds, which "
+            f"parallelism.pipeline_parallel_schedule {schedule} runs its {count} microbatches "
+            "(training.local_batch_size "
+            f"{local_batch_size} / pipeline_parallel_microbatch_size {microbatch_size}) in {rounds} equal rounds, "
+            "which "
             f"they do not fill; choose a local batch giving at most {pp} microbatches or a multiple of {pp}"
         )
     return count

@@ -139,7 +139,8 @@ def _refuse_float8_under_rows_by_groups(module: nn.Module, plan: dict[str, Paral
     for fqn, style in plan.items():
         if isinstance(style, RowsByGroups) and isinstance(module.get_submodule(fqn), float8_linear):
             raise UserError(
-                f"float8.enable cannot run {fqn} (split by RowsByGroups, which computes its own matmul) in float8 under "
+                f"float8.enable cannot run {fqn} (split by RowsByGroups, which computes its own matmul) in float8 "
+                "under "
                 f'parallelism.tensor_parallel_degree above 1: add "{fqn.split(".")[-1]}" to float8.filter_fqns'
             )
 

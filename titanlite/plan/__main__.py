@@ -75,17 +75,20 @@ def main(argv: list[str]) -> int:
             print(f"note: {note}")
         if result.memory.fits:
             print(
-                f"verdict: fits, {100 * (1 - result.memory.share):.0f}% headroom ({time.perf_counter() - began:.1f}s to plan)"
+                f"verdict: fits, {100 * (1 - result.memory.share):.0f}% headroom ({time.perf_counter() - began:.1f}s "
+                "to plan)"
             )
             return 0
         fix = cheapest_fix(cfg)
         advice = (
-            f"the cheapest change that fits: {fix[0]} ({fix[1].memory.needs / GIB:.1f} GiB, {fix[1].speed.tps:,.0f} tps per GPU)"
+            f"the cheapest change that fits: {fix[0]} ({fix[1].memory.needs / GIB:.1f} GiB, {fix[1].speed.tps:,.0f} "
+            "tps per GPU)"
             if fix
             else "no single change fits; add nodes or GPUs with more memory"
         )
         print(
-            f"verdict: does not fit ({result.memory.needs / GIB:.1f} GiB needed of {result.memory.capacity / GIB:.1f}); {advice}"
+            f"verdict: does not fit ({result.memory.needs / GIB:.1f} GiB needed of "
+            f"{result.memory.capacity / GIB:.1f}); {advice}"
         )
         return 1
     except UserError as error:

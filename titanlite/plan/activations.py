@@ -29,7 +29,8 @@ and, where the loss is compiled, the softmax family, which inductor decomposes i
 and row reductions) costs nothing: the compiled graph recomputes it in backward from what it saves,
 or fuses it away. What crosses a compiled region's edge is kept: each block's input, and the
 gradients flowing back into each block and into the loss. What stays is what the partitioner
-cannot recompute: matmul and attention outputs, those edges, the eager parts' tensors. It is a lower bound of a compiled step's activations (the partitioner may keep
+cannot recompute: matmul and attention outputs, those edges, the eager parts' tensors. It is a lower bound of a compiled
+step's activations (the partitioner may keep
 a cheap tensor where it is smaller than its inputs); the eager tally is the upper bound.
 """
 

@@ -102,5 +102,6 @@ ASYNC_TP_HIDDEN = 0.381
 def check_dtype(gpu: Gpu, dtype: str) -> None:
     if dtype == "float8" and gpu.fp8_tflops == 0:
         raise UserError(
-            f"plan.gpu {gpu.name} has no float8 tensor cores; set float8.enable false or pick a GPU with float8 (H100, H200, B200, GB200)"
+            f"plan.gpu {gpu.name} has no float8 tensor cores; set float8.enable false or pick a GPU with float8 (H100, "
+            "H200, B200, GB200)"
         )

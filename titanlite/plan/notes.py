@@ -33,7 +33,10 @@ def float8_note(cfg: JobConfig, dim: int, gpu: Gpu) -> str | None:
             f"on one H100 (--float8.enable --compile.enable)"
         )
     if not cfg.compile.enable:
-        return "float8 without compile.enable runs torchao's casts as separate kernels and is not expected to pay; set compile.enable"
+        return (
+            "float8 without compile.enable runs torchao's casts as separate kernels and is not expected to pay; set "
+            "compile.enable"
+        )
     ratio = FLOAT8_MEASURED.get((float8.recipe_name, dim))
     if ratio is not None and ratio < 1:
         return (

@@ -15,7 +15,8 @@ one H100; torchtitan's Llama 3.1 8B rows on 8 Grand Teton H100s (tt-2412 Table 1
 8B on 128 GPUs, every 13B, 70B and 405B row (TP, PP, async TP, float8 at scale), all of Trainy's
 H200 rows (another team and GPU; no row of theirs tunes), and the 8B's long windows of tt-2412 Table 2
 (32k to 128k tokens, CP, added after the constants were fitted, none refitted), and the 1B's best
-configuration measured on titanlite's second GPU run (added after the fit, none refitted). A first run with guessed constants came
+configuration measured on titanlite's second GPU run (added after the fit, none refitted). A first run with guessed
+constants came
 before the rule (it showed that no TP row was among the first choice of tuning rows, which had left
 TP's constants unfittable); no row moved after fitting. `python -m titanlite.plan.published_rows`
 prints every row's prediction and error (docs/benchmarks.md holds its output).

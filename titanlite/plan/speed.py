@@ -18,13 +18,15 @@ Overlap model: FSDP's all-gathers and reduce-scatters run on their own stream, p
 ahead, so only the part longer than the compute of their own pass shows: the forward's all-gathers hide
 behind the forward (a third of the work), the backward's all-gathers and reduce-scatters behind the
 backward (the rest, with AC's recompute), and the optimizer step waits for the last reduce-scatter. A
-backward whose collectives outlast it is not helped by a forward with room to spare; TP's collectives sit between the matmuls
+backward whose collectives outlast it is not helped by a forward with room to spare; TP's collectives sit between the
+matmuls
 that need them and are all exposed, less the share of their bytes async TP hides by splitting them
 into the matmuls; expert parallelism's two all-to-alls per MoE layer (dispatch and combine, in
 forward, again in backward and in AC's repeated forward) are exposed too, each carrying the
 rank's tokens x top_k rows (even routing, plan/moe.py); a pipeline adds its bubble
 (plan/pipeline.py's bubble, per schedule) and its send/recv between stages, counted as exposed
-(torch's schedules wait for each receive before the stage's compute). Under PP each rank runs and gathers only its share of the layers.
+(torch's schedules wait for each receive before the stage's compute). Under PP each rank runs and gathers only its share
+of the layers.
 Context parallelism (parallel/cp.py) gives each rank 1/cp of every window's tokens (each attending to the
 whole window: the attention FLOPs per token are the whole window's), adds per layer the all-gathers of the
 keys and values (forward, and again wherever AC recomputes the block) and the reduce-scatter of their
@@ -75,7 +77,8 @@ class Shape:
         # A token goes through top_k of the experts: the idle ones cost it neither matmuls nor traffic.
         active = whole.num_params(exclude_embedding=True, active=True) if hasattr(args, "num_experts") else matmul
         moes = moe_modules(whole)
-        # DeepSeek's MLA gives every head a key of qk_head_dim and a value of v_head_dim; the others use head_dim for both.
+        # DeepSeek's MLA gives every head a key of qk_head_dim and a value of v_head_dim; the others use head_dim for
+        # both.
         key, value = (
             (args.qk_head_dim, args.v_head_dim) if hasattr(args, "qk_head_dim") else (args.head_dim, args.head_dim)
         )

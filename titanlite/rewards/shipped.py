@@ -32,7 +32,8 @@ def completion_text(completion: str | list[dict]) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} in text (braces inside it balanced), or None where there is none or it is open."""
+    """The content of the last \\boxed{...} in text (braces inside it balanced), or None where there is none or it is
+    open."""
     start = text.rfind(BOXED)
     if start < 0:
         return None

@@ -74,7 +74,8 @@ class Environment:
         return {name: getattr(instance, name) for name in public_methods(type(instance))}
 
     def reward(self) -> RewardFunction | None:
-        """get_reward() of each rollout's instance as a reward function (weight 1, named by the class), as TRL adds it."""
+        """get_reward() of each rollout's instance as a reward function (weight 1, named by the class), as TRL adds
+        it."""
         if not self.scores:
             return None
 

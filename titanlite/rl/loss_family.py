@@ -271,7 +271,8 @@ def per_token_loss(
     off_policy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, TokenStats]:
     """(the loss of each token [B, T], or of each sequence [B, 1] at importance level sequence without beta or
-    masks, its TokenStats), in TRL's order: policy_term; times off_policy_mask [B, 1] (rl/off_policy.py); times entropy_mask (high_entropy_mask, when
+    masks, its TokenStats), in TRL's order: policy_term; times off_policy_mask [B, 1] (rl/off_policy.py); times
+    entropy_mask (high_entropy_mask, when
     top_entropy_quantile < 1); times sampling_ratio [B, T] or [B, 1], the sampler's correction (not for vespo,
     which takes it into its weights); plus beta x r x the k3 KL, exp(ref - logps) - (ref - logps) - 1 (TRL's
     use_bias_correction_kl, r at the importance level). old_logps are the rollout's (logps.detach() when each

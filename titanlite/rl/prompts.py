@@ -42,7 +42,8 @@ class PromptSet:
         loader, files = find_data_files(root, key)
         if loader not in ("json", "parquet"):
             raise UserError(
-                f"{key} {dataset_path} holds {loader} files; training.dataset_format prompts reads jsonl/json/parquet records"
+                f"{key} {dataset_path} holds {loader} files; training.dataset_format prompts reads jsonl/json/parquet "
+                "records"
             )
         records = json_records(files, key) if loader == "json" else parquet_records(files, key)
         if not records:

@@ -106,7 +106,8 @@ def first_problem(a: DeepSeekV3Args) -> str | None:
     return None
 
 
-# DeepSeek-V3 (arXiv 2412.19437), huggingface.co/deepseek-ai/DeepSeek-V3 config.json; its MTP layer only with model.mtp_layers 1.
+# DeepSeek-V3 (arXiv 2412.19437), huggingface.co/deepseek-ai/DeepSeek-V3 config.json; its MTP layer only with
+# model.mtp_layers 1.
 _V3 = DeepSeekV3Args(rope_scaling=YarnScaling(), max_seq_len=163840)
 
 DEEPSEEK_V3_FLAVORS = {

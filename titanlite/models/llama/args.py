@@ -35,7 +35,8 @@ class ModelArgs:
     def __post_init__(self):
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(
-                f"dim ({self.dim}) must divide by n_heads ({self.n_heads}) and n_heads by n_kv_heads ({self.n_kv_heads})"
+                f"dim ({self.dim}) must divide by n_heads ({self.n_heads}) and n_heads by n_kv_heads "
+                f"({self.n_kv_heads})"
             )
 
     @property

@@ -228,7 +228,8 @@ class Transformer(KeepsTiedEmbeddings):
     ):
         """tokens [B, T] -> logits [B, T, vocab] in the compute dtype, or the loss where `output_loss` is
         given (head()). With a `cache` step (generation, models/kv_cache.py) the tokens follow the cached
-        ones at its positions, and only the last position's logits [B, 1, vocab] are computed. With `document_ids` [B, T]
+        ones at its positions, and only the last position's logits [B, 1, vocab] are computed. With `document_ids` [B,
+        T]
         (models/attention.py) each token attends only within its document, and with
         args.reset_position_ids its RoPE position counts from its document's first token.
         Under context parallelism `sequence_shard` says which positions of the window `tokens` are
