@@ -24,7 +24,7 @@ from titanlite.plan.job import model_args, plan_job
 
 SHIPPED = sorted((ROOT / "train_configs").glob("*.toml"))
 # Their model is a Hugging Face folder (generated, downloaded): planned in tests/test_hf_folder.py with one in place.
-FOLDER_CONFIGS = {"debug_finetune.toml", "llama3_8b_finetune.toml", "debug_grpo.toml"}
+FOLDER_CONFIGS = {"debug_finetune.toml", "llama3_8b_finetune.toml", "debug_grpo.toml", "debug_agent.toml"}
 
 
 def real_model(cfg, middle_stage: bool = False):
