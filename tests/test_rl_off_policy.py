@@ -11,7 +11,7 @@ from test_grpo_loss import BETA, EPS_HIGH, EPS_LOW, PROMPTS, REWARDS, TEMPERATUR
 from titanlite.data.batch import Normalizers
 from titanlite.rl.grpo_loss import token_logps
 from titanlite.rl.loss_family import LossSettings, per_token_loss, reduce_loss
-from titanlite.rl.off_policy import MODES, importance_ratio, off_policy_mask
+from titanlite.rl.off_policy import importance_ratio, off_policy_mask
 
 LENGTHS = [6, 1, 4, 6, 2, 5, 3, 6, 1, 6, 2, 4]
 
@@ -99,12 +99,3 @@ def test_each_correction_equals_trl_compute_loss(trainer, monkeypatch, mode, cli
     assert ratio.min() < 1 < ratio.max()  # the sampler differs both ways: the correction is exercised
     if "mask" in mode:
         assert (ratio == 0).any()
-
-
-def test_modes_are_the_configs():
-    import dataclasses
-
-    from titanlite.config_sections import RL
-
-    (field,) = [f for f in dataclasses.fields(RL) if f.name == "importance_sampling"]
-    assert field.metadata["choices"] == MODES and field.default == "none"

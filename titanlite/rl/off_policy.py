@@ -13,7 +13,7 @@ import math
 
 import torch
 
-MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+from titanlite.config_sections import IMPORTANCE_SAMPLING_MODES
 
 
 def importance_ratio(
@@ -27,8 +27,8 @@ def importance_ratio(
     """exp(old - sampler) per token (token_*) or summed over each completion's tokens (sequence_*), then clamped into
     [clip_min, clip_max] (*_truncate) or set to 0 outside it (*_mask); None leaves that side open. A sampler
     log-probability that is NaN counts as no difference (ratio 1), as in TRL."""
-    if mode not in MODES[1:]:
-        raise ValueError(f"mode is {mode!r}; use one of {', '.join(MODES[1:])}.")
+    if mode not in IMPORTANCE_SAMPLING_MODES[1:]:
+        raise ValueError(f"mode is {mode!r}; use one of {', '.join(IMPORTANCE_SAMPLING_MODES[1:])}.")
     difference = torch.nan_to_num((old - sampler) * mask, nan=0.0)
     if mode.startswith("sequence"):
         difference = difference.sum(dim=-1, keepdim=True)
