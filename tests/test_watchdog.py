@@ -56,7 +56,7 @@ def run_with_fault(fault: str, args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_a_blocked_rank_is_named_the_job_exits_3_and_resumes_from_the_last_checkpoint(tmp_path):
-    hung = run_with_fault("hang", [*flags(tmp_path / "run"), "--job.hang_timeout_seconds", "4"])
+    hung = run_with_fault("hang", [*flags(tmp_path / "run"), "--job.hang_timeout_seconds", "8"])
     assert hung.returncode != 0
     err = hung.stderr
     # Rank 1 blocks in step 3; rank 0 waits for it in step 3's first collective.
