@@ -8,7 +8,8 @@ import shutil
 import pyarrow
 import pyarrow.parquet
 import pytest
-from conftest import DEBUG_CONFIG, ON_CPU, run_test_script
+from conftest import run_test_script
+from test_grpo import grpo_flags
 
 from titanlite.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from titanlite.errors import UserError
@@ -134,41 +135,21 @@ def test_a_resume_on_changed_prompts_is_refused_in_one_sentence(tmp_path, tokeni
     assert resumed.consumed == 4
 
 
-def grpo_flags(prompts, dump, steps, *extra) -> list[str]:
-    return [
-        *ON_CPU,
-        "--job.config_file",
-        DEBUG_CONFIG,
-        "--job.dump_folder",
-        str(dump),
-        "--training.dataset_format",
-        "prompts",
-        "--training.dataset_path",
-        str(prompts),
-        "--training.seq_len",
-        "48",
-        "--training.steps",
-        str(steps),
-        "--training.local_batch_size",
-        "4",
-        "--training.global_batch_size",
-        "8",
-        "--rl.num_generations",
-        "4",
+def resumable(prompts, dump, steps) -> list[str]:
+    """test_grpo's flags with checkpoints every 2 steps and the rollouts logged."""
+    return grpo_flags(
+        prompts,
+        dump,
+        steps,
         "--rl.max_new_tokens",
         "8",
-        "--rl.reward_functions",
-        "tests/grpo_rewards.py:letter_share",
-        "--training.mixed_precision_param",
-        "float32",
         "--rl.log_rollouts",
         "--checkpoint.enable",
         "--checkpoint.interval",
         "2",
         "--checkpoint.last_save_model_only",
         "false",
-        *extra,
-    ]
+    )
 
 
 def prompts_by_step(dump) -> dict[int, list]:
@@ -184,10 +165,10 @@ def test_a_resume_on_two_ranks_of_a_one_rank_checkpoint_goes_on_at_its_place(tmp
     uninterrupted run reads next (it restarted them from the beginning, with advice written for text data)."""
     prompts = tmp_path / "prompts.jsonl"
     write_jsonl(prompts, [{"prompt": f"Question {i}: say eeee"} for i in range(12)])
-    assert main(grpo_flags(prompts, tmp_path / "whole", 3)) == 0
+    assert main(resumable(prompts, tmp_path / "whole", 3)) == 0
     shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
     spec = tmp_path / "runs.json"
-    spec.write_text(json.dumps([{"argv": grpo_flags(prompts, tmp_path / "resumed", 3)}]))
+    spec.write_text(json.dumps([{"argv": resumable(prompts, tmp_path / "resumed", 3)}]))
     out = run_test_script("layout_runs.py", str(spec), nproc=2, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "restarts its stream from the beginning" not in out.stderr
