@@ -1,4 +1,4 @@
-"""Regenerate docs/configuration.md's "Configuration reference" from titanlite/config_sections.py (the same text
+"""Regenerate docs/configuration.md's "Configuration reference" from titanlite/config_sections/ (the same text
 as `python -m titanlite.train --help`): python scripts/config_reference.py [--check]."""
 
 import dataclasses
@@ -36,7 +36,7 @@ def reference() -> str:
     lines = [
         HEADING,
         "",
-        "Generated from `titanlite/config_sections.py` by `scripts/config_reference.py`; "
+        "Generated from `titanlite/config_sections/` by `scripts/config_reference.py`; "
         "`python -m titanlite.train --help` prints the same.",
         "",
     ]

@@ -1,5 +1,5 @@
 """Fit the planner's fitted constants (titanlite/plan/hardware.py, memory.COMPILED_KEPT) on the tuning rows of
-titanlite/plan/published_rows.py, and only on them; print the values to write into hardware.py.
+titanlite/plan/published_table.py, and only on them; print the values to write into hardware.py.
 
     PYTHONPATH=. python scripts/fit_planner.py
 
@@ -16,7 +16,8 @@ from scipy.optimize import least_squares
 
 from titanlite.plan import hardware
 from titanlite.plan.job import job_speed
-from titanlite.plan.published_rows import ROWS, plan_row, predicted_memory_gib, row_config, speed_inputs
+from titanlite.plan.published_rows import plan_row, predicted_memory_gib, row_config, speed_inputs
+from titanlite.plan.published_table import ROWS
 
 # name, starting value, bounds
 CONSTANTS = [

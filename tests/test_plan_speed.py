@@ -9,7 +9,8 @@ from torch import nn
 
 from titanlite.models import get_model_args, get_model_spec
 from titanlite.plan.job import job_speed
-from titanlite.plan.published_rows import ROWS, speed_inputs
+from titanlite.plan.published_rows import speed_inputs
+from titanlite.plan.published_table import ROWS
 from titanlite.plan.speed import cast_widths
 
 

@@ -4,7 +4,7 @@
 
 Every mistake (unknown key, wrong type, bad value, unreadable file) raises UserError with one
 sentence that names the key or file and the fix; the sections themselves live in
-config_sections.py.
+config_sections/.
 """
 
 import dataclasses

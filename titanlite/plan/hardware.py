@@ -70,7 +70,7 @@ FABRIC_GBPS = {"infiniband_ndr": 50.0, "efa_p5": 50.0}  # per GPU, per direction
 # compiled bf16 step on one H100 80GB HBM3 (Llama 3.2 1B, seq 8192, batch 2; torch 2.11, CUDA 13;
 # November 2026; docs/benchmarks.md "One H100"): 313 ms = GEMMs 158 ms, flash attention 84 ms,
 # elementwise kernels 40 ms, fused AdamW 19 ms. "Fitted" ones were fitted on the tuning rows of
-# plan/published_rows.py only (scripts/fit_planner.py); docs/benchmarks.md holds every row's error.
+# plan/published_table.py only (scripts/fit_planner.py); docs/benchmarks.md holds every row's error.
 
 # Matmul FLOPs (6 per parameter per token) at this share of the peak: measured, 6 x 1.236e9 x 16,384 FLOP
 # in 158 ms (that H100's measured bf16 matmul limit was 804 TFLOP/s, 0.81). The ampere value is fitted; no

@@ -22,7 +22,7 @@ ALLOCATOR_MARGIN = 0.05  # fragmentation of the CUDA caching allocator, as a sha
 CONTEXT_GIB = 1.0  # CUDA context, NCCL channels and cuBLAS workspaces, outside the allocator's count
 GIB = 2**30
 # Share of the eager-over-lower-bound activations a compiled step keeps: fitted (scripts/fit_planner.py)
-# on the compiled tuning rows of plan/published_rows.py, titanlite's 1B on one H100 and torchtitan's 8B
+# on the compiled tuning rows of plan/published_table.py, titanlite's 1B on one H100 and torchtitan's 8B
 # on 8 H100s.
 COMPILED_KEPT = 0.327
 
