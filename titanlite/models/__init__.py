@@ -29,9 +29,9 @@ class ModelSpec:
     name: str
     model_cls: type  # model_cls(args) -> nn.Module
     flavors: dict[str, Any]  # flavor name -> args dataclass instance
-    apply_tp: (
-        Callable  # apply_tp(model, dims, loss_parallel): the family's tensor-parallel plan (parallel/tp.py styles)
-    )
+    # apply_tp(model, dims, loss_parallel, sequence_parallel=True): the family's tensor-parallel plan (parallel/tp.py
+    # styles); sequence_parallel=False: the plan generation decodes with (decode_style)
+    apply_tp: Callable
     flops_per_token: Callable  # flops_per_token(unsharded model, seq_len) -> float
     hf_adapter: Any = None  # a titanlite.models.hf.HFAdapter: Hugging Face names, layouts and config.json
 

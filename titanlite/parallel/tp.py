@@ -5,8 +5,13 @@ norms run on T / tp tokens each (SequenceParallel); a block's input is all-gathe
 column-wise projections and its row-wise output projection reduce-scatters back to sequence
 shards. The token embedding is vocab-sharded (row-wise) and the output projection vocab-sharded
 (column-wise), so with loss parallel the full-vocabulary logits never exist on one rank.
+
+Generation decodes one token per row, which no sequence split can share out, so a family's plan applied with
+`sequence_parallel=False` (decode_style) keeps every weight's layout, and so each rank's heads, but keeps the
+activations whole between the blocks: the row-wise projections all-reduce, and the logits are all-gathered.
 """
 
+import copy
 import sys
 
 import torch
@@ -202,21 +207,51 @@ def with_float8_styles(
     return swapped
 
 
-def parallelize_block(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
+def decode_style(style: ParallelStyle) -> ParallelStyle | None:
+    """The style a module takes in the plan generation decodes with: its weights laid out as in training, its
+    activations whole. None: the module runs as it is (a norm, or a sequence gather there is no need of). Column-wise
+    projections hand on their local heads or features (the vocabulary-sharded logits all-gathered), row-wise ones
+    (and the vocabulary-sharded embedding) all-reduce their partial sums; a family's own style with a
+    `sequence_parallel` switch (Mixtral's experts) gets it turned off, any other (RowsByGroups, DeepSeek's Replicated)
+    takes whole activations already."""
+    if isinstance(style, SequenceParallel) or type(style) is PrepareModuleInput:
+        return None
+    if isinstance(style, ColwiseParallel):
+        output = style.output_layouts[0] if style.use_local_output else Replicate()
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=output)
+    if isinstance(style, RowwiseParallel):
+        output = style.output_layouts[0]
+        return RowwiseParallel(
+            input_layouts=style.input_layouts[0], output_layouts=Replicate() if isinstance(output, Shard) else output
+        )
+    if hasattr(style, "sequence_parallel"):
+        style = copy.copy(style)
+        style.sequence_parallel = False
+    return style
+
+
+def parallelize_block(
+    module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle], sequence_parallel: bool = True
+) -> None:
     """parallelize_module with the float8 styles swapped in where float8 linears take part (gloo,
-    the CPU's backend, has no float8 dtypes)."""
+    the CPU's backend, has no float8 dtypes); without `sequence_parallel`, the decode's styles (decode_style)."""
+    if not sequence_parallel:
+        plan = {fqn: style for fqn, style in ((f, decode_style(s)) for f, s in plan.items()) if style is not None}
     parallelize_module(
         module, tp_mesh, with_float8_styles(module, plan, float8_collectives=tp_mesh.device_type != "cpu")
     )
 
 
-def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict, block_plan: dict) -> None:
+def apply_tp_plan(
+    model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict, block_plan: dict, sequence_parallel: bool = True
+) -> None:
     """Apply the model-level plan, then the same block plan to every block in model.layers; a
-    pipeline stage's absent modules (None) are left out of the plan."""
+    pipeline stage's absent modules (None) are left out of the plan. sequence_parallel=False: generation's plan
+    (decode_style)."""
     present = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
-    parallelize_block(model, tp_mesh, present)
+    parallelize_block(model, tp_mesh, present, sequence_parallel)
     for block in model.layers.values():
-        parallelize_block(block, tp_mesh, block_plan)
+        parallelize_block(block, tp_mesh, block_plan, sequence_parallel)
     if getattr(model.args, "tie_embeddings", False):
         # Each style distributed its own copy of the tied matrix (both vocab-sharded on dim 0): tie again.
         model.output.weight = model.tok_embeddings.weight
@@ -237,3 +272,19 @@ def place_grad_like_param(param: torch.Tensor) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def tp_shard(param: torch.Tensor, like: DTensor) -> DTensor:
+    """The policy's `param` (a DTensor over FSDP's and TP's ranks, or a plain tensor) as a DTensor laid out as `like`
+    (a parameter of generation's copy, on the TP mesh): where param is split over the TP ranks as like is, FSDP's
+    shards are gathered and this rank's TP shard kept (no TP traffic); otherwise (Mixtral's experts under EP x TP,
+    split over (ep, tp)) the whole tensor is gathered and this rank's shard of it kept."""
+    mesh, placement = like.device_mesh, like.placements[0]
+    if isinstance(param, DTensor) and "tp" in (param.device_mesh.mesh_dim_names or ()):
+        at = param.device_mesh.mesh_dim_names.index("tp")
+        if param.placements[at] == placement:
+            gathered = [placement if dim == at else Replicate() for dim in range(param.device_mesh.ndim)]
+            local = param.redistribute(param.device_mesh, gathered).to_local()
+            return DTensor.from_local(local, mesh, [placement], run_check=False, shape=like.shape, stride=like.stride())
+    whole = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+    return distribute_tensor(whole, mesh, [placement], src_data_rank=None)

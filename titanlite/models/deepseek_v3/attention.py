@@ -15,6 +15,7 @@ apply_rope. Names are DeepSeek's reference ones (wq_a, wkv_b, ...); hf_adapter.p
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titanlite.models.attention import Mask, attend
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args
@@ -84,7 +85,9 @@ class MultiHeadLatentAttention(nn.Module):
         values are never expanded per head. q_nope [B, T, heads, nope], q_rope [B, T, heads, rope] ->
         [B, T, heads, v_dim]."""
         latent, k_rope = step.extend(latent, k_rope)
-        w_kv = self.wkv_b.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)  # [heads, nope + v, rank]
+        weight = self.wkv_b.weight  # under tensor parallelism (a DTensor) this rank's heads' rows
+        weight = weight.to_local() if isinstance(weight, DTensor) else weight
+        w_kv = weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)  # [heads, nope + v, rank]
         q_latent = torch.einsum("bthd,hdc->bhtc", q_nope, w_kv[:, : self.nope_dim])
         # One key/value "head" shared by all query heads: [latent | k_rope] keys, the latent as values.
         q = torch.cat([q_latent, q_rope.transpose(1, 2)], dim=-1)

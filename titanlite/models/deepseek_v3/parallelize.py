@@ -81,16 +81,20 @@ MOE_PLAN = {  # the shared experts first: ExpertParallel replicates every parame
 }
 
 
-def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool, sequence_parallel: bool = True) -> None:
     args = model.args
     apply_tp_plan(
-        model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), attention_plan(args.q_lora_rank, args.qk_rope_head_dim)
+        model,
+        dims.tp_mesh,
+        vocab_parallel_plan(loss_parallel),
+        attention_plan(args.q_lora_rank, args.qk_rope_head_dim),
+        sequence_parallel,
     )
     for layer_id, block in model.layers.items():
         if not model.is_moe(layer_id):
-            parallelize_block(block, dims.tp_mesh, swiglu_plan())
+            parallelize_block(block, dims.tp_mesh, swiglu_plan(), sequence_parallel)
             continue
-        parallelize_block(block, dims.tp_mesh, MOE_PLAN)
+        parallelize_block(block, dims.tp_mesh, MOE_PLAN, sequence_parallel)
         # The routing bias stays a plain tensor, the same on every rank (the router runs on local tensors).
         moe = block.feed_forward
         moe.expert_bias = moe.expert_bias.to_local()

@@ -16,7 +16,7 @@ from titanlite.parallel.tp import (
 )
 
 
-def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool, sequence_parallel: bool = True) -> None:
     """wqkv by whole heads (each rank computes the matching q, k and v rows of a replicated weight,
     see RowsByGroups), wo and w2 row-wise,
     w1 column-wise, LayerNorms sequence-parallel. The position table is split by positions and its
@@ -40,4 +40,4 @@ def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
         "feed_forward.w1": colwise(),
         "feed_forward.w2": rowwise_to_sequence(),
     }
-    apply_tp_plan(model, dims.tp_mesh, top_plan, block_plan)
+    apply_tp_plan(model, dims.tp_mesh, top_plan, block_plan, sequence_parallel)

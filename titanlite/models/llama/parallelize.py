@@ -31,5 +31,6 @@ def swiglu_plan() -> dict:
     }
 
 
-def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
-    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), {**attention_plan(), **swiglu_plan()})
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool, sequence_parallel: bool = True) -> None:
+    block_plan = {**attention_plan(), **swiglu_plan()}
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan, sequence_parallel)

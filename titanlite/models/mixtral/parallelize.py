@@ -58,7 +58,12 @@ def _local_experts(moe: nn.Module, x, weights, experts, counts) -> torch.Tensor:
 class ExpertParallel(ParallelStyle):
     """The MoE module: sequence shards in, whole sequence routed on every rank, each rank's partial
     output reduce-scattered back onto sequence shards; the balance loss and counts are identical on
-    every rank and pass through."""
+    every rank and pass through. Without `sequence_parallel` (generation's decode, parallel/tp.py's decode_style)
+    the whole sequence comes in and the partial outputs are all-reduced."""
+
+    def __init__(self):
+        super().__init__()
+        self.sequence_parallel = True
 
     @staticmethod
     def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -69,18 +74,19 @@ class ExpertParallel(ParallelStyle):
                 module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
         module.gate.weight = nn.Parameter(distribute_tensor(module.gate.weight, mesh, [Replicate()]))
 
-    @staticmethod
-    def _input(module, inputs, mesh):
+    def _input(self, module, inputs, mesh):
         x = inputs[0]
+        if not self.sequence_parallel:
+            return (x,)
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         # Every rank computes the same gradient for the gathered input, so its backward only splits.
         return (x.redistribute(mesh, [Replicate()]).to_local(),)
 
-    @staticmethod
-    def _output(module, outputs, mesh):
+    def _output(self, module, outputs, mesh):
         out, aux_loss, counts = outputs
-        out = DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+        summed = Shard(1) if self.sequence_parallel else Replicate()
+        out = DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [summed]).to_local()
         return out, aux_loss, counts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -92,6 +98,6 @@ class ExpertParallel(ParallelStyle):
         return module
 
 
-def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool, sequence_parallel: bool = True) -> None:
     block_plan = {**attention_plan(), "feed_forward": ExpertParallel()}
-    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan, sequence_parallel)

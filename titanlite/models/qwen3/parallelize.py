@@ -18,11 +18,11 @@ def _qk_norm_plan() -> dict:
     }
 
 
-def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool, sequence_parallel: bool = True) -> None:
     block_plan = {**attention_plan(), **_qk_norm_plan(), **swiglu_plan()}
-    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan, sequence_parallel)
 
 
-def apply_moe_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool) -> None:
+def apply_moe_tp(model: nn.Module, dims: ParallelDims, loss_parallel: bool, sequence_parallel: bool = True) -> None:
     block_plan = {**attention_plan(), **_qk_norm_plan(), "feed_forward": ExpertParallel()}
-    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan)
+    apply_tp_plan(model, dims.tp_mesh, vocab_parallel_plan(loss_parallel), block_plan, sequence_parallel)
