@@ -131,13 +131,15 @@ def test_a_resume_inside_a_rollout_batch_trains_on_the_same_rows(prompts, tmp_pa
     assert [row["step"] for row in rollouts(tmp_path / "whole")] == [1] * 8 + [3] * 8 + [5] * 8
 
 
-def test_two_fsdp_ranks_and_tensor_parallel_2_equal_one_process(prompts, tmp_path):
+def test_two_fsdp_ranks_tensor_and_expert_parallel_2_equal_one_process(prompts, tmp_path):
     """The same 2 prompts x 4 completions per step: one process (accumulating 2 micro-batches) and 2 FSDP ranks, whose
     rollouts are decoded by a copy of the weights gathered once per rollout batch. On-policy in fp32 the sampler's
     log-probabilities equal the trainer's within 1e-5 on both: every importance-sampling ratio is 1 within 1e-5.
-    With rl.max_staleness 1 (rollouts decoded on the engine's thread from a copy, one update back) too, and under
-    tensor parallelism 2 (one data-parallel rank: both TP ranks decode the same completions from a gathered copy and
-    train on them with the vocabulary-sharded logits gathered): the same completions, rewards and losses. The runs
+    With rl.max_staleness 1 (rollouts decoded on the engine's thread from a copy, one update back) too; under
+    tensor parallelism 2 (one data-parallel rank: both TP ranks decode the same completions together, each with its
+    own heads' weights and keys and values, and train on them with the vocabulary-sharded logits gathered); and for
+    Qwen3's MoE under expert parallelism 2 (2 FSDP ranks, 4 experts each, decoding a copy with every expert
+    gathered): the same completions, rewards and losses (within 1e-5). The runs
     take TRL 1.16's other loss terms too (rl/loss_family.py): the top-entropy mask, whose threshold is one per step over
     every rank's tokens (a TP group counted once), the entropy bonus, sapo at sequence level, GDPO's aggregation."""
     flags = [
@@ -170,6 +172,8 @@ def test_two_fsdp_ranks_and_tensor_parallel_2_equal_one_process(prompts, tmp_pat
     ]
     assert main(grpo_flags(prompts, tmp_path / "one", 3, *flags)) == 0
     assert main(grpo_flags(prompts, tmp_path / "one_stale", 3, *stale)) == 0
+    moe = ["--model.name", "qwen3_moe", *flags]
+    assert main(grpo_flags(prompts, tmp_path / "one_moe", 3, *moe)) == 0
     spec = tmp_path / "runs.json"
     spec.write_text(
         json.dumps(
@@ -177,6 +181,7 @@ def test_two_fsdp_ranks_and_tensor_parallel_2_equal_one_process(prompts, tmp_pat
                 {"argv": grpo_flags(prompts, tmp_path / "fsdp", 3, *flags)},
                 {"argv": grpo_flags(prompts, tmp_path / "fsdp_stale", 3, *stale)},
                 {"argv": grpo_flags(prompts, tmp_path / "tp", 3, *flags, "--parallelism.tensor_parallel_degree", "2")},
+                {"argv": grpo_flags(prompts, tmp_path / "ep", 3, *moe, "--parallelism.expert_parallel_degree", "2")},
             ]
         )
     )
@@ -186,6 +191,7 @@ def test_two_fsdp_ranks_and_tensor_parallel_2_equal_one_process(prompts, tmp_pat
         ("one", "fsdp", ("rl/kl",)),
         ("one_stale", "fsdp_stale", ()),
         ("one", "tp", ("rl/kl",)),
+        ("one_moe", "ep", ("rl/kl",)),
     ):
         for tag in ("loss/train", "rl/reward", "rl/entropy", *kl):
             one, fsdp = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in (one_run, fsdp_run))
@@ -197,7 +203,7 @@ def test_two_fsdp_ranks_and_tensor_parallel_2_equal_one_process(prompts, tmp_pat
         one, fsdp = rollouts(tmp_path / one_run), rollouts(tmp_path / fsdp_run)
         assert [r["completion_ids"] for r in fsdp] == [r["completion_ids"] for r in one]
         assert [r["reward"] for r in fsdp] == [r["reward"] for r in one]
-    for run in ("one", "fsdp", "tp"):
+    for run in ("one", "fsdp", "tp", "one_moe", "ep"):
         low, high = (tensorboard_scalars(tmp_path / run / "tb", f"rl/sampling/ratio_{end}") for end in ("min", "max"))
         assert all(1 - 1e-5 <= low[s] <= high[s] <= 1 + 1e-5 for s in (1, 2, 3)), (run, low, high)
 

@@ -3,15 +3,23 @@
 model whose next-token logits are
 known by hand), and a completion ended by a stop token keeps it as sampled, with its log-probability.
 That the sampler's log-probabilities equal the trainer's (on one process and from the gathered copy of 2 FSDP
-ranks) is tested on real GRPO runs in test_grpo.py."""
+ranks) is tested on real GRPO runs in test_grpo.py. Under tensor parallelism the decode keeps each rank's TP shards
+(tp_copy): every family's debug model decodes on 2 ranks what a whole copy decodes, each rank holding half the
+key/value heads in its cache, and a stop signal on one rank ends both ranks' decode; the decode's styles
+(parallel/tp.py's decode_style) are those of training without sequence parallelism."""
 
 import types
 
 import pytest
 import torch
+from conftest import torchrun_json
 from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from titanlite.inference.decode import Sampling, generate_ids
+from titanlite.models.mixtral.parallelize import ExpertParallel
+from titanlite.parallel.tp import decode_style, gather_sequence, rowwise_to_sequence, vocab_parallel_plan
 from titanlite.rl.engine import Completion, completion
 
 VOCAB, EOS = 11, 0
@@ -55,3 +63,31 @@ def test_each_sampled_token_has_the_samplers_logprob_at_the_temperature():
 def test_a_completion_ended_by_a_stop_token_keeps_it_as_sampled():
     assert Completion([5, 6], 2, "eos", [-1.0, -2.0, -0.5], 0).sampled_ids == [5, 6, 2]
     assert Completion([5, 6, 7], None, "length", [-1.0, -2.0, -3.0], 0).sampled_ids == [5, 6, 7]
+
+
+def test_the_decode_styles_are_trainings_without_sequence_parallelism():
+    """Norms and sequence gathers run as they are, the projections take and give whole activations where training
+    passed sequence shards, the vocabulary-sharded logits are gathered, and the shared MoE style is left unchanged."""
+    plan = vocab_parallel_plan(loss_parallel_enabled=True)
+    assert decode_style(SequenceParallel()) is None and decode_style(gather_sequence(3)) is None
+    embedding, output = decode_style(plan["tok_embeddings"]), decode_style(plan["output"])
+    assert embedding.input_layouts == (Replicate(),) and embedding.output_layouts == (Replicate(),)
+    assert output.input_layouts == output.output_layouts == (Replicate(),) and output.use_local_output
+    heads = decode_style(ColwiseParallel())
+    assert heads.input_layouts == (Replicate(),) and heads.output_layouts == (Shard(-1),) and heads.use_local_output
+    assert decode_style(rowwise_to_sequence()).output_layouts == (Replicate(),)
+    assert decode_style(RowwiseParallel(output_layouts=Partial())).output_layouts == (Partial(),)
+    experts = ExpertParallel()
+    assert decode_style(experts).sequence_parallel is False and experts.sequence_parallel is True
+
+
+def test_tensor_parallel_decode_keeps_each_ranks_heads_and_equals_a_whole_copy(tmp_path):
+    results = torchrun_json("tp_decode_run.py", tmp_path)
+    assert set(results) == {"llama3", "qwen3", "qwen3_moe", "mixtral", "gpt2", "deepseek_v3"}
+    for family, result in results.items():
+        assert result["same_ids"] and result["engine_same"], (family, result)
+        assert result["logprob_gap"] < 1e-5, (family, result)
+        sharded, whole = result["cache_size"]
+        # DeepSeek caches one latent per position, which no head owns: each rank holds it whole
+        assert sharded * (1 if family == "deepseek_v3" else 2) == whole, (family, result)
+        assert result["stopped"] == [True, True], (family, result)

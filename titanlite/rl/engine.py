@@ -6,8 +6,14 @@ this protocol; docs/design.md says how a vLLM engine would be one more class.
 `ColocatedEngine`, the default, generates on the training ranks. A policy sharded by FSDP would all-gather every
 block's weights at each decoded token; instead the engine gathers the whole policy once per rollout batch into a plain
 unsharded copy in the precision FSDP computes in (`gathered_policy`), decodes on it with no collective at all, and
-frees it. Under TP the copy is whole too (each TP rank decodes its group's completions; a decode sharded by heads
-is not built). An unsharded policy (one process) decodes as it is.
+frees it. Under TP (with FSDP or not) only FSDP's dimension is gathered: the copy keeps each rank's TP shards
+(`tp_copy`), laid out by the family's TP plan without sequence parallelism (parallel/tp.py's decode_style), so each
+rank of a TP group holds only its heads' keys and values in the KV cache, and the decode's collectives are TP's own
+per layer (the row-wise projections' all-reduce, the logits' all-gather) and the stop flag's, agreed every
+CHECK_EVERY tokens. Under EP the copy is whole, every expert gathered. An unsharded policy (one process) decodes as
+it is. Where the ranks of a TP group may call the model a different number of times (an agent's turns, held()) or
+while training runs collectives on the same ranks (submit(), rl.max_staleness), the copy is whole: a decode with
+collectives would wait for a partner that never comes.
 """
 
 import contextlib
@@ -17,15 +23,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titanlite.dtypes import DTYPES
-from titanlite.inference.decode import Generated, Sampling, generate_ids
+from titanlite.inference.decode import CHECK_EVERY, Generated, Sampling, generate_ids
 from titanlite.models.construct import meta_model
 from titanlite.parallel.fsdp import mixed_precision_context
+from titanlite.parallel.tp import tp_shard
 
 
 @dataclass(frozen=True)
@@ -64,16 +72,29 @@ class RolloutEngine(Protocol):
 
 class Stoppable(nn.Module):
     """The sampler's model, ending the decode at its next token once the trainer's stop flag is up (a SIGTERM during a
-    rollout: an unfinished rollout holds nothing to save)."""
+    rollout: an unfinished rollout holds nothing to save). A model sharded over `group` (tp_copy) stops only where
+    the group agrees, every CHECK_EVERY forwards: a rank leaving alone would leave its partners waiting in the next
+    layer's all-reduce."""
 
-    def __init__(self, model: nn.Module, stopping: Callable[[], bool]):
+    def __init__(self, model: nn.Module, stopping: Callable[[], bool], group=None):
         super().__init__()
-        self.model, self.stopping = model, stopping
+        self.model, self.stopping, self.group = model, stopping, group
+        self.forwards = 0
 
     def forward(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
-        if self.stopping():
+        if self.stopped(tokens.device):
             raise RolloutStopped
         return self.model(tokens, **kwargs)
+
+    def stopped(self, device: torch.device) -> bool:
+        if self.group is None:
+            return self.stopping()
+        self.forwards += 1
+        if (self.forwards - 1) % CHECK_EVERY:  # the group's ranks make the same forwards: they agree at the same ones
+            return False
+        flag = torch.tensor([float(self.stopping())], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
 
 def plain_name(name: str) -> str:
@@ -90,31 +111,58 @@ def set_tensor(model: nn.Module, name: str, value: torch.Tensor, parameter: bool
         owner._buffers[leaf] = value
 
 
-def full_copy(run) -> nn.Module:
-    """A plain copy of the policy's whole weights, in eval mode, its buffers shared: each DTensor's full_tensor() (one
-    all-gather per parameter over FSDP's and TP's ranks), each plain tensor cloned; under FSDP cast to
-    training.mixed_precision_param as FSDP casts it for compute, otherwise in the dtype it trains in (autocast
-    casts it as it casts the policy)."""
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """`param` as full_copy() holds it: each DTensor's full_tensor() (one all-gather over FSDP's, TP's and EP's
+    ranks), a plain tensor cloned (FSDP leaves a block it did not reshard after its last forward unsharded until
+    backward)."""
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+
+
+def copy_of_policy(run, copy: nn.Module, value: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> nn.Module:
+    """`copy` (the policy built anew on the meta device, in eval mode) holding value(the policy's parameter, the
+    copy's), its buffers shared; under FSDP cast to training.mixed_precision_param as FSDP casts it for compute,
+    otherwise in the dtype it trains in (autocast casts it as it casts the policy)."""
     policy = run.model
     cast = DTYPES[run.cfg.training.mixed_precision_param] if isinstance(policy, FSDPModule) else None
-    copy = meta_model(run.spec, run.args, run.cfg.training.param_dtype, run.cfg.lora).eval()
     with torch.no_grad():
         for name, p in policy.named_parameters():
-            # FSDP leaves a block it did not reshard after its last forward unsharded until backward: a plain tensor
-            full = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
-            set_tensor(copy, plain_name(name), full.to(cast) if cast is not None else full, parameter=True)
+            name = plain_name(name)
+            held = value(p, copy.get_parameter(name))
+            set_tensor(copy, name, held.to(cast) if cast is not None else held, parameter=True)
     for name, buffer in policy.named_buffers():
         set_tensor(copy, plain_name(name), buffer, parameter=False)
+    if getattr(run.args, "tie_embeddings", False):  # one matrix: the output reads the embedding's copy
+        copy.output.weight = copy.tok_embeddings.weight
     return copy
 
 
+def full_copy(run) -> nn.Module:
+    """A plain copy of the policy's whole weights: decodes with no collective at all."""
+    copy = meta_model(run.spec, run.args, run.cfg.training.param_dtype, run.cfg.lora).eval()
+    return copy_of_policy(run, copy, lambda param, _: whole(param))
+
+
+def tp_copy(run) -> nn.Module:
+    """A copy of the policy under TP that keeps this rank's TP shards (FSDP's dimension gathered, parallel/tp.py's
+    tp_shard), laid out by the family's TP plan without sequence parallelism: a decode step's one token per row is
+    whole on every rank of the TP group, which holds only its own heads' keys and values."""
+    copy = meta_model(run.spec, run.args, run.cfg.training.param_dtype, run.cfg.lora).eval()
+    run.spec.apply_tp(copy, run.dims, loss_parallel=False, sequence_parallel=False)
+
+    def shard(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return tp_shard(param, like) if isinstance(like, DTensor) else whole(param)
+
+    return copy_of_policy(run, copy, shard)
+
+
 @contextlib.contextmanager
-def gathered_policy(run):
-    """The policy to decode with now: sharded (FSDP, TP) its full_copy(), freed on exit; otherwise the policy itself,
-    in eval mode for the while. Under TP every rank of a group decodes the group's completions, whole."""
+def gathered_policy(run, sharded: bool = True):
+    """The policy to decode with now: sharded (FSDP, TP, EP) a copy gathered once, freed on exit (under TP and
+    `sharded`, tp_copy(): the group's ranks decode its completions together, each with its heads; else full_copy()),
+    otherwise the policy itself, in eval mode for the while."""
     policy = run.model
     if any(isinstance(p, DTensor) for p in policy.parameters()) or isinstance(policy, FSDPModule):
-        copy = full_copy(run)
+        copy = tp_copy(run) if sharded and run.dims.tp_enabled else full_copy(run)
         try:
             yield copy
         finally:
@@ -143,8 +191,9 @@ class ColocatedEngine:
     @contextlib.contextmanager
     def held(self):
         """generate() calls within decode one copy of the weights, gathered once on entry (every rank enters
-        together): an agent's turns, whose number differs between ranks (rl/episode.py)."""
-        with gathered_policy(self.run) as model:
+        together): an agent's turns, whose number differs between ranks (rl/episode.py), maybe even within a TP group
+        (a tool's timeout), so the copy is whole."""
+        with gathered_policy(self.run, sharded=False) as model:
             self.model = model
             try:
                 yield
@@ -155,15 +204,11 @@ class ColocatedEngine:
         self.policy_step = policy_step
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> list[Completion]:
-        run = self.run
         # compile.enable compiles the blocks for training's shapes; a decode step per token through them would
         # recompile past dynamo's limit (every cache length is a new shape), so decoding runs them eagerly.
-        weights = contextlib.nullcontext(self.model) if self.model is not None else gathered_policy(run)
+        weights = contextlib.nullcontext(self.model) if self.model is not None else gathered_policy(self.run)
         with weights as model, torch.compiler.set_stance("force_eager"):
-            generated = generate_ids(
-                Stoppable(model, self.stopping), run.args, run.tokenizer, prompts, sampling, indices=indices
-            )
-        return [completion(g, self.policy_step) for g in generated]
+            return self.sample(model, prompts, sampling, indices, self.policy_step)
 
     def submit(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> Future:
         """generate()'s completions, made in the background from the weights as they are now."""
@@ -174,10 +219,26 @@ class ColocatedEngine:
     ) -> list[Completion]:
         run = self.run
         with mixed_precision_context(run.dims, run.cfg.training.mixed_precision_param, run.device.type):  # per thread
-            generated = generate_ids(
-                Stoppable(model, self.stopping), run.args, run.tokenizer, prompts, sampling, indices=indices
-            )
+            return self.sample(model, prompts, sampling, indices, policy_step)
+
+    def sample(
+        self, model: nn.Module, prompts: list[list[int]], sampling: Sampling, indices: list[int], policy_step: int
+    ) -> list[Completion]:
+        """The completions `model` samples; a TP copy's group agrees on the stop flag (Stoppable)."""
+        run = self.run
+        group = tp_group(model)
+        generated = generate_ids(
+            Stoppable(model, self.stopping, group), run.args, run.tokenizer, prompts, sampling, indices=indices
+        )
         return [completion(g, policy_step) for g in generated]
+
+
+def tp_group(model: nn.Module):
+    """The process group a tp_copy() is sharded over; None for a model whose decode has no collective."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh.get_group()
+    return None
 
 
 def completion(generated: Generated, policy_step: int) -> Completion:
