@@ -1,6 +1,6 @@
 """The planner counts GRPO's rollout (titanlite/plan/rollout.py): on 8 GPUs under FSDP the whole policy gathered in
 bf16, the KV cache of the rank's completions and a decode step's logits, by hand for Llama 3 8B; its time is part
-of the step's; without FSDP nothing is gathered."""
+of the step's; without FSDP nothing is gathered; under TP each rank keeps its half of the copy and of the cache."""
 
 import json
 
@@ -65,3 +65,13 @@ def test_one_gpu_decodes_the_policy_itself(tmp_path):
     args = model_args(cfg, get_model_spec(cfg.model.name))
     kv_cache = args.n_layers * 8 * 1088 * args.n_kv_heads * 2 * args.head_dim * 2
     assert plan_job(cfg).memory.rollout == kv_cache + 4 * 8 * args.vocab_size * 4  # no gathered copy
+
+
+def test_tensor_parallel_2_keeps_half_the_copy_and_of_the_cache(tmp_path):
+    cfg = grpo_job(tmp_path, "--parallelism.tensor_parallel_degree", "2")
+    spec = get_model_spec(cfg.model.name)
+    args = model_args(cfg, spec)
+    params = meta_model(spec, args, "float32", cfg.lora).num_params()
+    rows = 64 // 4  # 4 data-parallel ranks: a TP group decodes its rows together
+    kv_cache = args.n_layers * rows * 1088 * args.n_kv_heads * 2 * args.head_dim * 2 // 2
+    assert plan_job(cfg).memory.rollout == params * 2 // 2 + kv_cache + 4 * rows * args.vocab_size * 4
