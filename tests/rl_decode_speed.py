@@ -1,7 +1,10 @@
-"""Decode tokens/s of a GRPO rollout batch on 2 FSDP ranks (docs/benchmarks.md), paired in one launch: the policy as it
-trains, sharded, every decoded token all-gathering its weights in lockstep with the other rank (how rollouts decoded
-before rl/engine.py), against the colocated engine, which gathers the weights once per rollout batch and decodes
-with no collective. Each rank decodes its own prompts x rl.num_generations completions, rounds times, alternating.
+"""Decode tokens/s of a GRPO rollout batch on 2 ranks (docs/benchmarks.md), paired in one launch, rounds times,
+alternating. On 2 FSDP ranks: the policy as it trains, sharded, every decoded token all-gathering its weights in
+lockstep with the other rank (how rollouts decoded before rl/engine.py), against the colocated engine, which gathers
+the weights once per rollout batch and decodes with no collective; each rank decodes its own prompt x
+rl.num_generations completions. Under --parallelism.tensor_parallel_degree 2: a whole copy of the weights on each rank
+(both decoding the group's completions, each alone) against the colocated engine's copy that keeps each rank's TP
+shards (its heads in the KV cache, TP's collectives per layer); the group's completions are counted once.
 
     torchrun --standalone --nproc_per_node 2 tests/rl_decode_speed.py [rounds] [trainer flags...]
 """
@@ -16,7 +19,7 @@ from titanlite.build import build_run
 from titanlite.config import load_config
 from titanlite.inference.decode import Sampling, generate_ids
 from titanlite.parallel.dist import close_distributed, init_distributed
-from titanlite.rl.engine import ColocatedEngine
+from titanlite.rl.engine import ColocatedEngine, full_copy
 
 FLAGS = [
     "--job.device",
@@ -42,13 +45,14 @@ FLAGS = [
 ]
 
 
-def decode_rate(generate, prompts) -> tuple[float, int]:
-    """(decode tokens/s of one rollout batch over both ranks, its decoded tokens), the slower rank's time."""
+def decode_rate(generate, prompts, counts: bool) -> tuple[float, int]:
+    """(decode tokens/s of one rollout batch over the ranks that `counts`, its decoded tokens), the slower rank's
+    time."""
     dist.barrier()
     began = time.perf_counter()
     tokens = generate(prompts)
     seconds = torch.tensor([time.perf_counter() - began])
-    counted = torch.tensor([tokens])
+    counted = torch.tensor([tokens if counts else 0])
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     dist.all_reduce(counted)
     return counted.item() / seconds.item(), int(counted.item())
@@ -58,7 +62,7 @@ def main(rounds: int, extra: list[str]) -> None:
     cfg = load_config(FLAGS + extra)
     info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
     run = build_run(cfg, info)
-    rl, rank = cfg.rl, info.rank
+    rl, rank = cfg.rl, run.dims.dp_rank  # a TP group decodes one prompt's completions
     prompt = run.tokenizer.encode(f"Question {rank}: say eeee", bos=True, eos=False)  # one prompt per rank
     prompts = [prompt] * rl.num_generations
     indices = [rank * len(prompts) + i for i in range(len(prompts))]
@@ -74,17 +78,27 @@ def main(rounds: int, extra: list[str]) -> None:
     def gathered_once(batch):
         return sum(len(c.ids) for c in engine.generate(batch, sampling, indices))
 
-    rates = {"per token": [], "once": []}
+    def whole_copy(batch):
+        return sum(len(c.ids) for c in engine.decode(full_copy(run), batch, sampling, indices, 0))
+
+    tp = run.dims.tp_enabled
+    paths = (
+        {"whole copy": whole_copy, "head-sharded": gathered_once}
+        if tp
+        else {"per token": per_token, "once": gathered_once}
+    )
+    counts = not tp or run.dims.tp_mesh.get_local_rank() == 0
+    rates = {name: [] for name in paths}
     for _ in range(rounds):
-        for name, generate in (("per token", per_token), ("once", gathered_once)):
-            rates[name].append(decode_rate(generate, prompts))
-    if rank == 0:
+        for name, generate in paths.items():
+            rates[name].append(decode_rate(generate, prompts, counts))
+    if info.rank == 0:
         for name, values in rates.items():
             print(f"{name}: " + ", ".join(f"{rate:.1f} tokens/s ({tokens} tokens)" for rate, tokens in values))
-        best = {name: max(rate for rate, _ in values) for name, values in rates.items()}
+        (before, after), best = paths, {name: max(rate for rate, _ in values) for name, values in rates.items()}
         print(
-            f"best of {rounds}: per token {best['per token']:.1f}, once {best['once']:.1f} tokens/s, "
-            f"{best['once'] / best['per token']:.2f}x"
+            f"best of {rounds}: {before} {best[before]:.1f}, {after} {best[after]:.1f} tokens/s, "
+            f"{best[after] / best[before]:.2f}x"
         )
     close_distributed()
 

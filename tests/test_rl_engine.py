@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import torchrun_json
 from torch import nn
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from titanlite.inference.decode import Sampling, generate_ids
@@ -66,17 +66,21 @@ def test_a_completion_ended_by_a_stop_token_keeps_it_as_sampled():
 
 
 def test_the_decode_styles_are_trainings_without_sequence_parallelism():
-    """Norms and sequence gathers run as they are, the projections take and give whole activations where training
-    passed sequence shards, the vocabulary-sharded logits are gathered, and the shared MoE style is left unchanged."""
-    plan = vocab_parallel_plan(loss_parallel_enabled=True)
+    """Norms and sequence gathers run as they are, the projections compute on their local shards (LocalShards): the
+    vocabulary-sharded logits are gathered (with loss parallel or without), a head's projection hands on its local
+    heads, the row-wise ones sum their partial outputs unless training leaves them partial, and the shared MoE style is
+    left unchanged."""
     assert decode_style(SequenceParallel()) is None and decode_style(gather_sequence(3)) is None
-    embedding, output = decode_style(plan["tok_embeddings"]), decode_style(plan["output"])
-    assert embedding.input_layouts == (Replicate(),) and embedding.output_layouts == (Replicate(),)
-    assert output.input_layouts == output.output_layouts == (Replicate(),) and output.use_local_output
+    for loss_parallel in (True, False):
+        plan = vocab_parallel_plan(loss_parallel_enabled=loss_parallel)
+        embedding, output = decode_style(plan["tok_embeddings"]), decode_style(plan["output"])
+        assert (embedding.rows, embedding.partial) == (True, False) and (output.rows, output.gather) == (False, True)
     heads = decode_style(ColwiseParallel())
-    assert heads.input_layouts == (Replicate(),) and heads.output_layouts == (Shard(-1),) and heads.use_local_output
-    assert decode_style(rowwise_to_sequence()).output_layouts == (Replicate(),)
-    assert decode_style(RowwiseParallel(output_layouts=Partial())).output_layouts == (Partial(),)
+    assert (heads.rows, heads.gather) == (False, False)
+    assert (
+        decode_style(rowwise_to_sequence()).partial,
+        decode_style(RowwiseParallel(output_layouts=Partial())).partial,
+    ) == (False, True)
     experts = ExpertParallel()
     assert decode_style(experts).sequence_parallel is False and experts.sequence_parallel is True
 

@@ -15,6 +15,7 @@ import copy
 import sys
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -207,23 +208,87 @@ def with_float8_styles(
     return swapped
 
 
+class LocalShards(ParallelStyle):
+    """Generation's form of a column- or row-wise linear, or a row-wise (vocabulary- or position-sharded) embedding:
+    the weight is laid out as training lays it out (a DTensor, which rl/engine.py's copy fills with this rank's shard),
+    but the forward computes on its local shard as a plain tensor and makes its one collective itself: DTensor's
+    dispatch of every op costs more than a decode step's small matmuls. `rows`: the weight is split on its input
+    (a linear's dim 1, an embedding's rows) and the partial outputs are summed (all-reduced; `partial`: left partial
+    for a later sum, the bias added by TP rank 0 only); otherwise on its output, which is all-gathered with `gather`
+    (the logits) or handed on local (this rank's heads or features)."""
+
+    def __init__(self, rows: bool, gather: bool = False, partial: bool = False):
+        super().__init__()
+        self.rows, self.gather, self.partial = rows, gather, partial
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            if param_name == "weight":  # as Rowwise/ColwiseParallel lay them out
+                placement = Shard(1) if self.rows and not isinstance(module, nn.Embedding) else Shard(0)
+            else:  # the bias: whole under row-wise (added once), split with the outputs under column-wise
+                placement = Replicate() if self.rows else Shard(0)
+            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [placement])))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = distribute_module(module, device_mesh, self._partition)
+        group = device_mesh.get_group()
+        if isinstance(module, nn.Embedding):
+            module.forward = lambda ids: sharded_lookup(ids, module.weight, group)
+        elif self.rows:
+            module.forward = lambda x: summed_rows(x, module, group, self.partial)
+        else:
+            module.forward = lambda x: local_columns(x, module, group, self.gather)
+        return module
+
+
+def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def sharded_lookup(ids: torch.Tensor, weight: DTensor, group) -> torch.Tensor:
+    """An embedding whose rows are split over the group: each rank looks up the ids it holds, zeros elsewhere, and
+    the ranks' lookups are summed."""
+    rows = weight.to_local()
+    start = dist.get_rank(group) * -(-weight.shape[0] // dist.get_world_size(group))  # torch.chunk's split
+    shifted = ids - start
+    held = (shifted >= 0) & (shifted < rows.shape[0])
+    out = nn.functional.embedding(torch.where(held, shifted, 0), rows) * held[..., None]
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def summed_rows(x: torch.Tensor, module: nn.Module, group, partial: bool) -> torch.Tensor:
+    out = nn.functional.linear(x, module.weight.to_local())
+    if not partial:
+        dist.all_reduce(out, group=group)
+    if module.bias is not None and (not partial or dist.get_rank(group) == 0):
+        out = out + local(module.bias)
+    return out
+
+
+def local_columns(x: torch.Tensor, module: nn.Module, group, gather: bool) -> torch.Tensor:
+    out = nn.functional.linear(x, module.weight.to_local(), local(module.bias))
+    if not gather:
+        return out
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, out.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
 def decode_style(style: ParallelStyle) -> ParallelStyle | None:
     """The style a module takes in the plan generation decodes with: its weights laid out as in training, its
     activations whole. None: the module runs as it is (a norm, or a sequence gather there is no need of). Column-wise
-    projections hand on their local heads or features (the vocabulary-sharded logits all-gathered), row-wise ones
-    (and the vocabulary-sharded embedding) all-reduce their partial sums; a family's own style with a
-    `sequence_parallel` switch (Mixtral's experts) gets it turned off, any other (RowsByGroups, DeepSeek's Replicated)
-    takes whole activations already."""
+    and row-wise projections become LocalShards: the column-wise ones hand on their local heads or features (the
+    vocabulary-sharded logits all-gathered), the row-wise ones (and the vocabulary-sharded embedding) all-reduce
+    their partial sums, unless training left them partial for a later sum; a family's own style with a
+    `sequence_parallel` switch (Mixtral's experts) gets it turned off, any other (RowsByGroups, DeepSeek's
+    Replicated) takes whole activations already."""
     if isinstance(style, SequenceParallel) or type(style) is PrepareModuleInput:
         return None
     if isinstance(style, ColwiseParallel):
-        output = style.output_layouts[0] if style.use_local_output else Replicate()
-        return ColwiseParallel(input_layouts=Replicate(), output_layouts=output)
+        return LocalShards(rows=False, gather=not style.use_local_output or style.output_layouts[0] == Replicate())
     if isinstance(style, RowwiseParallel):
-        output = style.output_layouts[0]
-        return RowwiseParallel(
-            input_layouts=style.input_layouts[0], output_layouts=Replicate() if isinstance(output, Shard) else output
-        )
+        return LocalShards(rows=True, partial=isinstance(style.output_layouts[0], Partial))
     if hasattr(style, "sequence_parallel"):
         style = copy.copy(style)
         style.sequence_parallel = False
