@@ -8,7 +8,8 @@ shards. The token embedding is vocab-sharded (row-wise) and the output projectio
 
 Generation decodes one token per row, which no sequence split can share out, so a family's plan applied with
 `sequence_parallel=False` (decode_style) keeps every weight's layout, and so each rank's heads, but keeps the
-activations whole between the blocks: the row-wise projections all-reduce, and the logits are all-gathered.
+activations whole between the blocks: the row-wise projections all-reduce, and the logits are all-gathered, each
+projection computing on its local shard as a plain tensor (LocalShards).
 """
 
 import copy
@@ -242,6 +243,7 @@ class LocalShards(ParallelStyle):
 
 
 def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias as LocalShards computes with it: this rank's part (or the whole, replicated), None where there is none."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -349,7 +351,7 @@ def tp_shard(param: torch.Tensor, like: DTensor) -> DTensor:
         at = param.device_mesh.mesh_dim_names.index("tp")
         if param.placements[at] == placement:
             gathered = [placement if dim == at else Replicate() for dim in range(param.device_mesh.ndim)]
-            local = param.redistribute(param.device_mesh, gathered).to_local()
-            return DTensor.from_local(local, mesh, [placement], run_check=False, shape=like.shape, stride=like.stride())
+            shard = param.redistribute(param.device_mesh, gathered).to_local()
+            return DTensor.from_local(shard, mesh, [placement], run_check=False, shape=like.shape, stride=like.stride())
     whole = param.full_tensor() if isinstance(param, DTensor) else param.detach()
     return distribute_tensor(whole, mesh, [placement], src_data_rank=None)
