@@ -3,10 +3,17 @@ rl.max_staleness 0 and 1 (losses, rewards, rollouts.jsonl with the sampler's log
 timed (rl/weight_sync_seconds), and what it cannot serve is refused in one sentence with exit 2."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
-from conftest import DEBUG_CONFIG, ON_CPU, run_test_script, tensorboard_scalars
+from conftest import DEBUG_CONFIG, ON_CPU, ROOT, run_test_script, tensorboard_scalars, with_root_on_path
 from test_grpo import grpo_flags, prompts, rollouts  # noqa: F401
+from test_rl_preemption import FLAGS
 
 from titanlite.config import load_config
 from titanlite.errors import UserError
@@ -39,6 +46,23 @@ def test_a_generator_rank_gives_the_colocated_run_at_staleness_0_and_1(prompts, 
         assert rollouts(generator) == rollouts(colocated)  # completions, log-probabilities, rewards, policy steps
         synced = tensorboard_scalars(generator / "tb", "rl/weight_sync_seconds")
         assert sorted(synced) == [1, 2, 3] and synced[1] > 0, synced
+
+
+@pytest.mark.extended
+def test_two_fsdp_trainers_and_two_generator_ranks_give_the_colocated_run(prompts, tmp_path):
+    """4 processes: 2 trainers (FSDP) send their requests to generator 0 and 1 respectively; trainer 0 broadcasts
+    the gathered weights to both."""
+    assert main(grpo_flags(prompts, tmp_path / "colocated", 3, "--rl.log_rollouts")) == 0
+    flags = grpo_flags(prompts, tmp_path / "generators", 3, "--rl.log_rollouts", "--rl.generator_ranks", "2")
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps([{"argv": flags}]))
+    out = run_test_script("layout_runs.py", str(spec), nproc=4, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for tag in ("loss/train", "rl/reward"):
+        expected, got = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in ("colocated", "generators"))
+        assert sorted(got) == [1, 2, 3] and all(got[s] == pytest.approx(expected[s], abs=1e-5) for s in got), tag
+    colocated, generators = rollouts(tmp_path / "colocated"), rollouts(tmp_path / "generators")
+    assert [r["completion_ids"] for r in generators] == [r["completion_ids"] for r in colocated]
 
 
 @pytest.mark.parametrize(
@@ -92,3 +116,37 @@ def test_the_trainers_left_must_hold_the_layout(prompts, tmp_path, extra, world,
     cfg = load_config(grpo_flags(prompts, tmp_path, 1, "--rl.generator_ranks", "1", *extra))
     with pytest.raises(UserError, match=message):
         check_generator_ranks(cfg, world)
+
+
+@pytest.mark.extended
+def test_sigterm_during_a_rollout_on_a_generator_rank_saves_the_last_step_and_every_rank_exits_0(tmp_path):
+    """SIGTERM to both ranks (as Slurm or Kubernetes sends it) while the generator decodes step 2's long rollout:
+    the trainer stops waiting, saves step 1 and ends the run; the generator's decode stops at its next token."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: say eeee"}) + "\n" for i in range(12)))
+    flags = [*FLAGS, "--training.dataset_path", str(prompts), "--job.dump_folder", str(tmp_path / "run")]
+    log = tmp_path / "log.txt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    with log.open("w") as out:
+        launcher = subprocess.Popen(
+            [*command, "-m", "titanlite.train", *flags, "--training.steps", "3", "--rl.generator_ranks", "1"],
+            cwd=ROOT,
+            stderr=out,
+            stdout=out,
+            env=with_root_on_path(),
+        )
+        while "step: 1 " not in log.read_text():
+            assert launcher.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        ranks = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+        assert len(ranks) == 2
+        for rank in ranks:
+            os.kill(int(rank), signal.SIGTERM)
+        signalled = time.perf_counter()
+        assert launcher.wait(timeout=60) == 0, log.read_text()[-3000:]
+    took = time.perf_counter() - signalled
+    text = log.read_text()
+    assert "stopped at step 1 on SIGTERM; exiting" in text and "step: 2 " not in text
+    assert took < 15, f"{took:.1f} s from SIGTERM to exit"
+    assert (tmp_path / "run" / "checkpoint" / "step-1").is_dir()
