@@ -10,8 +10,8 @@ generators in a group of their own (gloo on the CPU, NCCL on GPUs), timed as `rl
 the stage's (rl/ahead.py), so generator ranks give the colocated run at every rl.max_staleness.
 
 The store's keys, under the run's prefix: request/<trainer>/<round> and reply/<trainer>/<round> (pickled; each
-deleted by its reader), manifest (the weights' names, shapes and dtypes, once), stop (set by every trainer as its
-run ends, however it ends: the generators then exit).
+deleted by its reader), manifest (the weights' names, shapes and dtypes, once, read by every generator), stop (set
+by every trainer as its run ends, however it ends: the generators then exit).
 """
 
 import contextlib
@@ -54,14 +54,16 @@ def check_generator_ranks(cfg: JobConfig, world_size: int) -> None:
         raise UserError(f"rl.generator_ranks {count} leaves {trainers} of {world_size} processes to train: {error}")
 
 
-def fetch(store, key: str, stopped) -> object | None:
-    """The pickled value at `key`, deleted once read; None once `stopped()` says to give up waiting."""
+def fetch(store, key: str, stopped, keep: bool = False) -> object | None:
+    """The pickled value at `key`, deleted once read unless `keep` (a key every generator reads); None once
+    `stopped()` says to give up waiting."""
     while not store.check([key]):
         if stopped():
             return None
         time.sleep(POLL_SECONDS)
     value = pickle.loads(store.get(key))
-    store.delete_key(key)
+    if not keep:
+        store.delete_key(key)
     return value
 
 

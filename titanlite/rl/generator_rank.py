@@ -52,7 +52,7 @@ class Generator:
     def receive(self, policy_step: int) -> None:
         """The weights after `policy_step` optimizer steps, broadcast by trainer 0; the model built at the first."""
         if self.model is None:
-            manifest = fetch(self.store, "manifest", self.ended)
+            manifest = fetch(self.store, "manifest", self.ended, keep=True)
             if manifest is None:
                 return
             self.model = meta_model(self.spec, self.args, self.cfg.training.param_dtype, self.cfg.lora).eval()
