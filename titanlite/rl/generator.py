@@ -51,7 +51,9 @@ def check_generator_ranks(cfg: JobConfig, world_size: int) -> None:
     try:
         ParallelDims.from_config(cfg.parallelism, trainers)
     except UserError as error:
-        raise UserError(f"rl.generator_ranks {count} leaves {trainers} of {world_size} processes to train: {error}")
+        raise UserError(
+            f"rl.generator_ranks {count} leaves {trainers} of {world_size} processes to train: {error}"
+        ) from None
 
 
 def fetch(store, key: str, stopped, keep: bool = False) -> object | None:
