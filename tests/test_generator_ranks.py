@@ -49,6 +49,27 @@ def test_a_generator_rank_gives_the_colocated_run_at_staleness_0_and_1(prompts, 
 
 
 @pytest.mark.extended
+def test_a_resume_on_generator_ranks_with_rollouts_in_flight_is_the_same_run(prompts, tmp_path):
+    """K = 1, a checkpoint at step 2 holding step 3's rollouts: the resumed run (the generator holding no weights
+    until trainer 0 sends the loaded ones) trains steps 3 and 4 as the uninterrupted run does."""
+    save = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false"]
+    flags = [*STALE, *save, "--rl.log_rollouts", "--rl.generator_ranks", "1"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    runs = [
+        {"argv": grpo_flags(prompts, whole, 4, *flags)},
+        {"argv": grpo_flags(prompts, resumed, 4, *flags), "resume_from": str(whole / "checkpoint" / "step-2")},
+    ]
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps(runs))
+    out = run_test_script("layout_runs.py", str(spec), nproc=2, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for tag in ("loss/train", "optim/grad_norm", "rl/reward"):
+        expected, got = (tensorboard_scalars(run / "tb", tag) for run in (whole, resumed))
+        assert sorted(got) == [3, 4] and all(got[s] == expected[s] for s in got), tag
+    assert rollouts(resumed) == [line for line in rollouts(whole) if line["step"] > 2]
+
+
+@pytest.mark.extended
 def test_two_fsdp_trainers_and_two_generator_ranks_give_the_colocated_run(prompts, tmp_path):
     """4 processes: 2 trainers (FSDP) send their requests to generator 0 and 1 respectively; trainer 0 broadcasts
     the gathered weights to both."""
