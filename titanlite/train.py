@@ -36,9 +36,18 @@ from titanlite.metrics.observers import observe
 from titanlite.metrics.profiling import RunSummary, StepProfiler, state_peaks_over_ranks
 from titanlite.metrics.tensorboard import hyperparameters, run_folder
 from titanlite.metrics.validation import Validator
-from titanlite.parallel.dist import DistInfo, close_distributed, exit_process, init_distributed, say_user_error
+from titanlite.parallel.dist import (
+    DistInfo,
+    close_distributed,
+    exit_process,
+    init_distributed,
+    launch_world_size,
+    say_user_error,
+)
 from titanlite.plan.startup import predict_on_gpu
 from titanlite.rl.engine import RolloutStopped
+from titanlite.rl.generator import check_generator_ranks, trainers_run
+from titanlite.rl.generator_rank import serve
 from titanlite.rl.rollout import RolloutStage
 from titanlite.run import Run, Training
 from titanlite.step import train_step
@@ -173,12 +182,13 @@ class Loop:
 
 
 def train(cfg: JobConfig, info: DistInfo) -> None:
-    check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
-    init_logger(info.rank)
-    with dump_folder_lock(cfg.job.dump_folder, info.rank):  # one run per dump folder
-        if cfg.job.log_rank_files:  # opened once the folder is this run's: a refused run writes nothing there
-            init_logger(info.rank, Path(cfg.job.dump_folder) / "logs")
-        train_in_folder(cfg, info)
+    with trainers_run(info):  # under rl.generator_ranks: the generators stop as the run ends
+        check_output_folders(cfg)  # before anything is written: a bad path stops the run now, not at the first save
+        init_logger(info.rank)
+        with dump_folder_lock(cfg.job.dump_folder, info.rank):  # one run per dump folder
+            if cfg.job.log_rank_files:  # opened once the folder is this run's: a refused run writes nothing there
+                init_logger(info.rank, Path(cfg.job.dump_folder) / "logs")
+            train_in_folder(cfg, info)
 
 
 def train_in_folder(cfg: JobConfig, info: DistInfo) -> None:
@@ -261,9 +271,10 @@ def main(argv: list[str]) -> int:
     info = None
     try:
         cfg = load_config(argv)
-        info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds)
+        check_generator_ranks(cfg, launch_world_size())
+        info = init_distributed(cfg.job.device, cfg.job.init_timeout_seconds, cfg.rl.generator_ranks)
         try:
-            train(cfg, info)
+            (serve if info.generating else train)(cfg, info)  # a generator rank only generates (rl.generator_ranks)
         finally:
             close_distributed()
     except UserError as error:

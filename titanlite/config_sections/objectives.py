@@ -191,6 +191,14 @@ class RL:
         at_least=0,
         at_most=16,
     )
+    generator_ranks: int = opt(
+        0,
+        "the last this many ranks of the launch only generate rollouts (each serving its share of the trainers, fed "
+        "the new weights after each optimizer step that a rollout needs), the others train; 0 = the trainers generate "
+        "(colocated)",
+        at_least=0,
+        at_most=1024,
+    )
     importance_sampling: str = opt(
         "none",
         "off-policy correction of the surrogate by the trainer/sampler probability ratio, with TRL's meanings "

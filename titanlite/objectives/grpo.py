@@ -26,6 +26,7 @@ from titanlite.objectives.reference import Reference, needs_copy
 from titanlite.rewards.loading import reward_weights
 from titanlite.rl.engine import ColocatedEngine
 from titanlite.rl.episode import Agents, Tools
+from titanlite.rl.generator import GeneratorEngine, GeneratorStage
 from titanlite.rl.grpo_loss import token_logps
 from titanlite.rl.loss_family import (
     LossSettings,
@@ -127,6 +128,8 @@ class GRPO:
         )
         if agents is not None:
             agents.check_prompts(prompts.prompts)
+        if run.info.generators is not None:  # rl.generator_ranks
+            return GeneratorStage(run, order, GeneratorEngine(run), self.rewards, self.frozen, agents)
         return RolloutStage(run, order, ColocatedEngine(run), self.rewards, self.frozen, agents)
 
     def step_batches(self, batches: Iterator, accum_steps: int) -> list[MicroBatch]:

@@ -24,12 +24,46 @@ import torch.distributed as dist
 from titanlite.errors import UserError
 
 
+@dataclass
+class Generators:
+    """rl.generator_ranks: the launch's last `count` ranks only generate (rl/generator.py). Trainers and generators
+    meet at the launch's shared store, each run under a prefix of its own (tests/layout_runs.py runs several in one
+    launch); the weights travel in a group of trainer 0 and the generators (weights_group)."""
+
+    count: int
+    trainers: int
+    index: int | None  # this rank's place among the generators; None on a trainer
+    store: dist.Store
+    device: torch.device
+    runs: int = 0
+    run_store: dist.Store | None = None  # the current run's keys
+
+    def begin_run(self) -> dist.Store:
+        self.runs += 1
+        self.run_store = dist.PrefixStore(f"titanlite/rl/run{self.runs}", self.store)
+        return self.run_store
+
+    def weights_group(self) -> dist.ProcessGroup:
+        """Trainer 0 (rank 0) and the generators (1 .. count) of the current run: NCCL on GPUs, gloo on the CPU."""
+        store = dist.PrefixStore("weights", self.run_store)
+        rank, size = 0 if self.index is None else self.index + 1, self.count + 1
+        if self.device.type == "cuda":
+            return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        return dist.ProcessGroupGloo(store, rank, size, PROCESS_GROUP_TIMEOUT)
+
+
 @dataclass(frozen=True)
 class DistInfo:
-    rank: int
+    rank: int  # in the default group: the trainers' (or, on a generator rank, the generators')
     world_size: int
     device: torch.device
     allocator_note: str = ""  # said once in the start-up log, once the logger exists
+    generators: Generators | None = None  # rl.generator_ranks above 0
+
+    @property
+    def generating(self) -> bool:
+        """Whether this rank is one of rl.generator_ranks, which only generate."""
+        return self.generators is not None and self.generators.index is not None
 
 
 def check_restartable() -> None:
@@ -126,11 +160,19 @@ def hide_gpus() -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def init_distributed(device_choice: str, init_timeout_s: int) -> DistInfo:
+def launch_world_size() -> int:
+    """The processes of the launch (torchrun's, or WORLD_SIZE by hand); 1 run alone."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_distributed(device_choice: str, init_timeout_s: int, generator_ranks: int = 0) -> DistInfo:
+    """This process's device and default group; with generator_ranks (rl.generator_ranks, checked against the world
+    by rl/generator.py's check_generator_ranks) the default group of the first ranks is the trainers' and that of
+    the last generator_ranks the generators' (every collective of training runs over the trainers only)."""
     check_restartable()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    world_size = launch_world_size()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     # device_count() asks NVML or the runtime for the count without starting a CUDA context.
     gpus = torch.cuda.device_count() if device_choice != "cpu" else 0
@@ -146,6 +188,9 @@ def init_distributed(device_choice: str, init_timeout_s: int) -> DistInfo:
             hide_gpus()
         device = torch.device("cpu")
         backend = "gloo"
+    device_id = device if device.type == "cuda" else None
+    if generator_ranks:
+        return split_world(backend, device, generator_ranks, init_timeout_s, allocator_note)
     if "MASTER_ADDR" in os.environ:
         # With torchrun's shared store (its default) its agent has already gathered every worker.
         store = (
@@ -153,12 +198,41 @@ def init_distributed(device_choice: str, init_timeout_s: int) -> DistInfo:
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             else meet_without_torchrun(rank, world_size, init_timeout_s)
         )
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None
-        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistInfo(rank, world_size, device, allocator_note)
+
+
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo, as init_process_group gives it
+
+
+def launch_store(rank: int, world_size: int, init_timeout_s: int) -> dist.Store:
+    """The store every rank of the launch shares: torchrun's agent's, or rank 0's by hand."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        return dist.TCPStore(address, port, is_master=False, timeout=PROCESS_GROUP_TIMEOUT)
+    store = meet_without_torchrun(rank, world_size, init_timeout_s)
+    store.set_timeout(PROCESS_GROUP_TIMEOUT)
+    return store
+
+
+def split_world(backend: str, device: torch.device, count: int, init_timeout_s: int, note: str) -> DistInfo:
+    """The launch's first ranks the trainers' default group, its last `count` the generators' (rl.generator_ranks),
+    each group's keys under its own prefix of the launch's store."""
+    rank, world_size = int(os.environ.get("RANK", 0)), launch_world_size()
+    store, trainers = launch_store(rank, world_size, init_timeout_s), world_size - count
+    index = rank - trainers if rank >= trainers else None
+    group_rank, group_size = (rank, trainers) if index is None else (index, count)
+    prefix = "titanlite/trainers" if index is None else "titanlite/generators"
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(prefix, store),
+        rank=group_rank,
+        world_size=group_size,
+        device_id=device if device.type == "cuda" else None,
+    )
+    return DistInfo(group_rank, group_size, device, note, Generators(count, trainers, index, store, device))
 
 
 def close_distributed() -> None:
