@@ -11,6 +11,7 @@ is not built). An unsharded policy (one process) decodes as it is.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -178,6 +179,12 @@ class ColocatedEngine:
                 Stoppable(model, self.stopping), run.args, run.tokenizer, prompts, sampling, indices=indices
             )
         return [completion(g, policy_step) for g in generated]
+
+    def submit_turns(self, job: Callable[[Callable[..., list[Completion]]], list]) -> Future:
+        """job(generate) on the engine's thread, by the weights as they are now: generate(prompts, sampling, indices)
+        decodes one full_copy() of them, taken here, as decode() does for submit(), as many times as the job asks (an
+        agent's turns sampled ahead, rl.max_staleness; its tool calls run on that thread too)."""
+        return self.pool.submit(job, functools.partial(self.decode, full_copy(self.run), policy_step=self.policy_step))
 
 
 def completion(generated: Generated, policy_step: int) -> Completion:
