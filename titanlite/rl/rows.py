@@ -34,7 +34,7 @@ def aligned_logprobs(prompts: list[list[int]], completions: list[Completion], wi
 
 
 def masked_labels(labels: torch.Tensor, prompts: list[list[int]], episodes: list[Completion]) -> torch.Tensor:
-    """The rows' labels (rollout.py's rows) IGNORED where an episode's token was inserted (mask 0)."""
+    """The labels of rows() IGNORED where an episode's token was inserted (mask 0)."""
     for row, (prompt, episode) in enumerate(zip(prompts, episodes)):
         inserted = torch.tensor([m == 0 for m in episode.mask], dtype=torch.bool)
         start = len(prompt) - 1
