@@ -1,6 +1,7 @@
 """Agents with asynchronous rollouts (rl.max_staleness K >= 1 with rl.environment): step s trains on episodes sampled by
 the weights after step max(0, s - 1 - K), their turns and tool calls run on the engine's thread
-(ColocatedEngine.submit_turns) while earlier steps train; a run killed (-9) with episodes in flight and resumed is
+(ColocatedEngine.submit_turns) while earlier steps train, the very episodes a synchronous run samples with those
+weights; a run killed (-9) with episodes in flight and resumed is
 the uninterrupted run, losses and rollouts.jsonl bit for bit. 2 FSDP ranks at K = 1 equal one process in
 test_agents_rollout.py's one launch."""
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import ROOT, tensorboard_scalars
 from test_agents_rollout import TOOLS, agent_flags, uncertain  # noqa: F401
 from test_grpo import rollouts
@@ -52,6 +54,11 @@ def test_episodes_sampled_ahead_follow_the_schedule_and_a_killed_run_resumes_the
     assert all(line["policy_step"] == max(0, line["step"] - 2) for line in lines)
     assert any(line["tool_calls"] for line in lines) and any(0 in line["completion_mask"] for line in lines)
     assert len({line["rewards"]["Calculator"] for line in lines}) > 1  # the groups' rewards differ: the steps train
+    synchronous = [flag for flag in STALE if flag not in ("--rl.max_staleness", "1")]
+    assert main(agent_flags(folder, prompts, tmp_path / "sync", 1, *synchronous)) == 0
+    for ahead, now in zip(lines[:4], rollouts(tmp_path / "sync"), strict=True):  # step 1: the same weights sample it
+        assert ahead["logprobs"] == pytest.approx(now["logprobs"], abs=1e-6)
+        assert {**ahead, "logprobs": None} == {**now, "logprobs": None}
     low, high = (tensorboard_scalars(tmp_path / "whole" / "tb", f"rl/sampling/ratio_{end}") for end in ("min", "max"))
     assert 1 - 1e-5 <= low[1] <= high[1] <= 1 + 1e-5  # step 1 is on-policy, the later ones one update back
     assert all(high[s] - low[s] > 1e-4 for s in (3, 4))
