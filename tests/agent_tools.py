@@ -4,6 +4,7 @@ current one alone. After the generation prompt's last token it writes CALL (one 
 `<tool_call>` of add(2, 3)), then <|im_end|>: every turn of every episode calls add, whatever the seed."""
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -91,6 +92,14 @@ class Calculator:
 
     def get_reward(self) -> float:
         return float(self.calls)
+
+
+class Unpicklable(Calculator):
+    """A Calculator holding a lock, which pickle refuses (rl.max_staleness saves environments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
 
 
 class NoReset:

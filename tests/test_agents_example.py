@@ -28,15 +28,15 @@ def test_the_generated_task_trains_the_calls_and_the_answers(tmp_path):
     expression, value = question[len("What is ") : -1], conversations[0][2]["content"]
     assert tokenizer.decode([i for i, t in zip(ids, trained) if t]) == (
         f'<tool_call>{{"name": "calculate", "arguments": {{"expression": "{expression}"}}}}</tool_call><|im_end|>'
-        f"{expression} = {value}. \\boxed{{{value}}}<|im_end|>"
+        f"\\boxed{{{value}}}<|im_end|>"
     )
-    assert "Tools: calculate(expression: string) Evaluates a + b or a - b." in tokenizer.decode(ids)
+    assert "<|im_start|>system\nTools: calculate(expression)<|im_end|>" in tokenizer.decode(ids)
     assert Calculator().calculate(expression) == value
     prompts = [json.loads(line) for line in (tmp_path / "task" / "prompts.jsonl").read_text().splitlines()]
     assert len(prompts) == 5 and all(set(p) == {"prompt", "answer"} for p in prompts)
     agents = Agents(Tools(RL(environment=ENVIRONMENT)), tokenizer, template, 192)  # the template checks pass
     assert agents.suffix_ids([{"role": "tool", "name": "calculate", "content": "19"}]) == tokenizer.encode(
-        "\n<|im_start|>user\n<tool_response>19</tool_response><|im_end|>\n<|im_start|>assistant\n", bos=False, eos=False
+        "\n<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\n", bos=False, eos=False
     )
 
 

@@ -20,8 +20,9 @@ from titanlite.config_sections import RL
 from titanlite.inference.sampling import Sampling
 from titanlite.loss import IGNORED
 from titanlite.rl.engine import ColocatedEngine
-from titanlite.rl.episode import CUT_NOTE, Agents, Tools, masked_labels
+from titanlite.rl.episode import CUT_NOTE, Agents, Tools
 from titanlite.rl.prompts import PromptItem
+from titanlite.rl.rows import masked_labels
 from titanlite.train import main
 
 TOOLS = "tests/agent_tools.py"
@@ -243,7 +244,8 @@ def test_lora_trains_an_agent(uncertain, tmp_path):
 
 def test_two_fsdp_ranks_equal_one_process_and_a_resume_is_the_same_run(uncertain, tmp_path):
     """One process (2 micro-batches accumulated) against 2 FSDP ranks, and those ranks resumed from the checkpoint of
-    step 2: the same episodes (ids and masks) and the same losses within 1e-5 (fp32)."""
+    step 2: the same episodes (ids and masks) and the same losses within 1e-5 (fp32); the same at rl.max_staleness 1
+    (episodes sampled ahead on the engine's thread, tests/test_agents_async.py), in the same launch."""
     folder, prompts = uncertain
     extra = [
         "--rl.environment",
@@ -258,7 +260,9 @@ def test_two_fsdp_ranks_equal_one_process_and_a_resume_is_the_same_run(uncertain
         "--checkpoint.last_save_model_only",
         "false",
     ]
+    stale = [*extra, "--rl.max_staleness", "1"]
     assert main(agent_flags(folder, prompts, tmp_path / "one", 3, *extra)) == 0
+    assert main(agent_flags(folder, prompts, tmp_path / "one_stale", 3, *stale)) == 0
     spec = tmp_path / "runs.json"
     spec.write_text(
         json.dumps(
@@ -268,6 +272,7 @@ def test_two_fsdp_ranks_equal_one_process_and_a_resume_is_the_same_run(uncertain
                     "argv": agent_flags(folder, prompts, tmp_path / "resumed", 3, *extra),
                     "resume_from": str(tmp_path / "fsdp" / "checkpoint" / "step-2"),
                 },
+                {"argv": agent_flags(folder, prompts, tmp_path / "fsdp_stale", 3, *stale)},
             ]
         )
     )
@@ -275,11 +280,13 @@ def test_two_fsdp_ranks_equal_one_process_and_a_resume_is_the_same_run(uncertain
     assert out.returncode == 0, out.stderr[-3000:]
     runs = {
         run: [json.loads(line) for line in (tmp_path / run / "rollouts.jsonl").read_text().splitlines()]
-        for run in ("one", "fsdp", "resumed")
+        for run in ("one", "fsdp", "resumed", "one_stale", "fsdp_stale")
     }
     for key in ("completion_ids", "completion_mask", "tool_calls", "rewards"):
         assert [r[key] for r in runs["fsdp"]] == [r[key] for r in runs["one"]], key
         assert [r[key] for r in runs["resumed"] if r["step"] == 3] == [r[key] for r in runs["one"] if r["step"] == 3]
+        assert [r[key] for r in runs["fsdp_stale"]] == [r[key] for r in runs["one_stale"]], key
+    assert [r["policy_step"] for r in runs["fsdp_stale"]] == [0] * 8 + [1] * 4
     rewards = [r["rewards"]["Calculator"] for r in runs["one"]]
     assert len(set(rewards)) > 1 and 0 in {m for r in runs["one"] for m in r["completion_mask"]}
     for tag in ("loss/train", "rl/reward", "rl/tool_calls"):
@@ -290,4 +297,6 @@ def test_two_fsdp_ranks_equal_one_process_and_a_resume_is_the_same_run(uncertain
             fsdp,
         )
         assert sorted(resumed) == [3] and resumed[3] == pytest.approx(one[3], abs=1e-5), (tag, one, resumed)
+        one, fsdp = (tensorboard_scalars(tmp_path / run / "tb", tag) for run in ("one_stale", "fsdp_stale"))
+        assert sorted(fsdp) == [1, 2, 3] and all(fsdp[s] == pytest.approx(one[s], abs=1e-5) for s in one), (tag, one)
     assert any(abs(v) > 1e-4 for v in tensorboard_scalars(tmp_path / "one" / "tb", "loss/train").values())

@@ -124,8 +124,9 @@ def flags(folder, tmp_path, *extra) -> list[str]:
         (["--rl.tools", f"{TOOLS}:add", "--training.dataset_path", "TEXT"], "must be a list of messages, not text"),
         (["--rl.max_tool_calling_iterations", "2"], "rl.max_tool_calling_iterations 2 applies to tool calls"),
         (
-            ["--rl.tools", f"{TOOLS}:add", "--rl.max_staleness", "1"],
-            "rl.max_staleness 1 is not supported with rl.tools",
+            ["--rl.environment", f"{TOOLS}:Unpicklable", "--rl.max_staleness", "1"],
+            "makes instances that cannot be pickled (TypeError: cannot pickle '_thread.lock' object), and "
+            "rl.max_staleness 1 saves the episodes sampled ahead",
         ),
     ],
 )

@@ -84,7 +84,7 @@ def check_off_policy(rl) -> None:
 
 
 def check_tools(rl) -> None:
-    """The tool-calling keys (rl/episode.py) need tools, and episodes are sampled by the current weights."""
+    """The tool-calling keys (rl/episode.py) need tools."""
     if not rl.tools and not rl.environment:
         for key, value, default in (
             ("max_tool_calling_iterations", rl.max_tool_calling_iterations, -1),
@@ -95,11 +95,6 @@ def check_tools(rl) -> None:
                     f"rl.{key} {value:g} applies to tool calls, but neither rl.tools nor rl.environment is "
                     "set; give the model tools or drop the key"
                 )
-    elif rl.max_staleness:
-        raise UserError(
-            f"rl.max_staleness {rl.max_staleness} is not supported with rl.tools or rl.environment yet (the "
-            "episodes are sampled in turns by the current weights); set rl.max_staleness 0"
-        )
 
 
 def check_generator_ranks(cfg: JobConfig) -> None:

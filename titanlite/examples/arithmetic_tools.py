@@ -9,10 +9,11 @@ schema in `tools`, and a conversation that calls it, reads its result and answer
     user: What is 12 + 7?
     assistant: <tool_call>{"name": "calculate", "arguments": {"expression": "12 + 7"}}</tool_call>
     tool: 19
-    assistant: 12 + 7 = 19. \\boxed{19}
+    assistant: \\boxed{19}
 
-DIR/prompts.jsonl, M GRPO prompts with their `answer` (the arithmetic task's), and DIR/tool_template.jinja, a
-ChatML template that renders tools, tool calls and tool results (training.chat_template; the chat example's
+(the answer is the tool's result copied: a model of the debug size learns to copy numbers far sooner than to add
+them), DIR/prompts.jsonl, M GRPO prompts with their `answer` (the arithmetic task's), and DIR/tool_template.jinja, a
+short ChatML template that renders tools, tool calls and tool results (training.chat_template; the chat example's
 tokenizer has none that does). `Calculator` is the environment GRPO gives the model (rl.environment
 titanlite.examples.arithmetic_tools:Calculator): its one tool evaluates sums and differences.
 """
@@ -25,21 +26,18 @@ from pathlib import Path
 from titanlite.errors import UserError, exit_code
 from titanlite.examples.arithmetic import result, task, write_jsonl
 
-# ChatML with tools: a system turn naming each tool, its parameters and its description, calls as <tool_call> JSON in
-# the assistant's turn, results as
-# a user turn in <tool_response>, as Qwen3 writes them, in fewer tokens.
+# ChatML with tools, short so that the debug model sees many conversations a second: a system turn naming each tool
+# and its parameters, calls as <tool_call> JSON in the assistant's turn (as Qwen3 writes them), results in a turn of
+# the tool's own role.
 TOOL_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in tools %}{%- set f = tool.function %}"
-    "{{- ' ' + f.name + '(' }}{%- for name, p in f.parameters.properties.items() %}{{- name + ': ' + p.type }}"
-    "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- ') ' + f.description }}"
+    "{{- ' ' + f.name + '(' + f.parameters.properties | join(', ') + ')' }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + message.content }}"
     "{%- for call in message.tool_calls or [] %}{%- set call = call.function or call %}"
     "{{- '<tool_call>{\"name\": \"' + call.name + '\", \"arguments\": ' + call.arguments | tojson + '}</tool_call>' }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>' + message.content + "
-    "'</tool_response><|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -84,7 +82,7 @@ def tool_record(question: dict, schema: dict) -> dict:
             user,
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "name": "calculate", "content": value},
-            answer,
+            {"role": "assistant", "content": f"\\boxed{{{value}}}"},  # the result copied, nothing else to learn
         ],
     }
 

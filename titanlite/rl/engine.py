@@ -17,6 +17,7 @@ collectives would wait for a partner that never comes.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -231,6 +232,12 @@ class ColocatedEngine:
             Stoppable(model, self.stopping, group), run.args, run.tokenizer, prompts, sampling, indices=indices
         )
         return [completion(g, policy_step) for g in generated]
+
+    def submit_turns(self, job: Callable[[Callable[..., list[Completion]]], list]) -> Future:
+        """job(generate) on the engine's thread, by the weights as they are now: generate(prompts, sampling, indices)
+        decodes one full_copy() of them, taken here, as decode() does for submit(), as many times as the job asks (an
+        agent's turns sampled ahead, rl.max_staleness; its tool calls run on that thread too)."""
+        return self.pool.submit(job, functools.partial(self.decode, full_copy(self.run), policy_step=self.policy_step))
 
 
 def tp_group(model: nn.Module):

@@ -10,10 +10,12 @@ which makes rl.reward_functions optional.
 
 An instance's state lives only through its rollout, which one step samples and trains on; a checkpoint does not save
 environments, so whatever an environment keeps between steps (a counter, a cache, a remote sandbox) is the user's to
-keep or rebuild on resume.
+keep or rebuild on resume. The one exception is rl.max_staleness: the episodes sampled ahead and not yet trained on
+are saved with their instances (pickled), which get_reward() then scores after the resume.
 """
 
 import inspect
+import pickle
 from collections.abc import Callable
 
 from titanlite.errors import UserError
@@ -66,6 +68,19 @@ class Environment:
             raise UserError(
                 f"{KEY} {spec or self.spec!r} failed to make an environment ({type(error).__name__}: "
                 f"{error}); fix the factory"
+            ) from None
+
+    def check_picklable(self, staleness: int) -> None:
+        """With rl.max_staleness, a checkpoint holds the episodes sampled ahead, each with its instance (pickled, as
+        the rollout stage's state is), so that a resume scores them as the uninterrupted run does."""
+        try:
+            pickle.dumps(self.make())
+        except Exception as error:
+            raise UserError(
+                f"{KEY} {self.spec!r} makes instances that cannot be pickled ({type(error).__name__}: {error}), "
+                f"and rl.max_staleness {staleness} saves the episodes sampled ahead with their environments in "
+                "each checkpoint; make the instances picklable (open connections in reset) or set "
+                "rl.max_staleness 0"
             ) from None
 
     @staticmethod

@@ -31,7 +31,6 @@ from titanlite.data.chat import ChatRenderer
 from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling
 from titanlite.log import logger
-from titanlite.loss import IGNORED
 from titanlite.rewards.loading import load_reward_functions
 from titanlite.rl.engine import Completion, RolloutEngine
 from titanlite.rl.environment import Environment
@@ -65,6 +64,8 @@ class Tools:
         self.rl = rl
         self.standalone = load_tools(rl.tools)
         self.environment = Environment(rl.environment) if rl.environment else None
+        if self.environment is not None and rl.max_staleness:
+            self.environment.check_picklable(rl.max_staleness)
         self.schemas = [schema for _, _, schema in self.standalone] + (
             self.environment.schemas if self.environment else []
         )
@@ -236,16 +237,23 @@ class Agents:
         self, engine: RolloutEngine, items: list, groups: int, sampling: Sampling, indices: list[int]
     ) -> list[Episode]:
         """groups episodes of each item, completion k sampled from indices[k]'s streams (one per turn)."""
-        traces = [self.start(item) for item in items for _ in range(groups)]
         with getattr(engine, "held", contextlib.nullcontext)():  # the colocated engine gathers the weights once
-            self.turns(engine, traces, sampling, indices)
+            return self.episodes(engine.generate, items, groups, sampling, indices)
+
+    def episodes(
+        self, generate: Callable[..., list[Completion]], items: list, groups: int, sampling: Sampling, indices: list
+    ) -> list[Episode]:
+        """roll_out()'s episodes, each turn sampled by generate(prompts, sampling, indices): an engine's generate, or
+        (rl.max_staleness) ColocatedEngine.submit_turns' decode of the weights it copied, on the engine's thread."""
+        traces = [self.start(item) for item in items for _ in range(groups)]
+        self.turns(generate, traces, sampling, indices)
         return [trace.episode() for trace in traces]
 
-    def turns(self, engine: RolloutEngine, traces: list[Trace], sampling: Sampling, indices: list[int]) -> None:
+    def turns(self, generate: Callable, traces: list[Trace], sampling: Sampling, indices: list[int]) -> None:
         active, turn = list(range(len(traces))), 0
         while active:
             room = max(traces[k].budget - len(traces[k].ids) for k in active)
-            completions = engine.generate(
+            completions = generate(
                 [traces[k].prompt_ids + traces[k].ids for k in active],
                 dataclasses.replace(sampling, max_new_tokens=room),
                 [indices[k] + turn * TURN_STRIDE for k in active],
@@ -320,12 +328,3 @@ def tool_stats(episodes: list[Episode]) -> dict[str, float]:
         "rl/tool_failures": failures / calls if calls else 0.0,
         "rl/tool_results_cut": cut / completions,
     }
-
-
-def masked_labels(labels: torch.Tensor, prompts: list[list[int]], episodes: list[Completion]) -> torch.Tensor:
-    """The rows' labels (rollout.py's rows) IGNORED where an episode's token was inserted (mask 0)."""
-    for row, (prompt, episode) in enumerate(zip(prompts, episodes)):
-        inserted = torch.tensor([m == 0 for m in episode.mask], dtype=torch.bool)
-        start = len(prompt) - 1
-        labels[row, start : start + len(inserted)][inserted] = IGNORED
-    return labels

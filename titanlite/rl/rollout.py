@@ -14,6 +14,7 @@ have served are the stage's state, so a resume inside them trains on the very sa
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,6 @@ from torch import nn
 
 from titanlite.config_sections import RL
 from titanlite.data.batch import MicroBatch, Normalizers, RolloutTerms
-from titanlite.data.packing import padded_width
 from titanlite.errors import UserError
 from titanlite.inference.decode import Sampling
 from titanlite.inference.prompts import completion_text
@@ -32,11 +32,12 @@ from titanlite.parallel.fsdp import mixed_precision_context
 from titanlite.rewards.loading import score
 from titanlite.rl.ahead import Ahead
 from titanlite.rl.engine import Completion, RolloutEngine, RolloutStopped
-from titanlite.rl.episode import Agents, masked_labels, tool_stats
+from titanlite.rl.episode import Agents, tool_stats
 from titanlite.rl.grpo_loss import nanstd, token_logps
 from titanlite.rl.log import RolloutLog, is_rank_zero, show_completions
 from titanlite.rl.loss_family import aggregated_advantages
 from titanlite.rl.prompts import PromptItem, PromptOrder
+from titanlite.rl.rows import aligned_logprobs, masked_labels, rows
 
 
 @dataclass(frozen=True)
@@ -60,31 +61,6 @@ class Rollouts:
     def micro_batches(self, accum_steps: int, size: int) -> list[MicroBatch]:
         parts = [slice(k * size, (k + 1) * size) for k in range(accum_steps)]
         return [MicroBatch(self.inputs[p], self.labels[p], rollout=self.terms.rows(p)) for p in parts]
-
-
-def rows(
-    prompts: list[list[int]], completions: list[list[int]], trained: list[bool], pad_id: int, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, labels) [n, W]: prompt then completion, right-padded with pad_id; labels the completion's tokens where
-    `trained`, W the longest row's (packing.py's padded_width)."""
-    longest = max(len(p) + len(c) - 1 for p, c in zip(prompts, completions))
-    width = padded_width(longest, seq_len)
-    inputs = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(prompts), width), IGNORED, dtype=torch.long)
-    for row, (prompt, completion, train) in enumerate(zip(prompts, completions, trained)):
-        sequence = torch.tensor(prompt + completion, dtype=torch.long)
-        inputs[row, : len(sequence) - 1] = sequence[:-1]
-        if train:
-            labels[row, len(prompt) - 1 : len(sequence) - 1] = sequence[len(prompt) :]
-    return inputs, labels
-
-
-def aligned_logprobs(prompts: list[list[int]], completions: list[Completion], width: int) -> torch.Tensor:
-    """The sampler's log-probabilities [n, W] where the labels hold their tokens (0 elsewhere)."""
-    out = torch.zeros(len(prompts), width)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        out[row, len(prompt) - 1 : len(prompt) - 1 + len(completion.logprobs)] = torch.tensor(completion.logprobs)
-    return out
 
 
 def gathered(values: torch.Tensor, sharing: int) -> torch.Tensor:
@@ -270,11 +246,20 @@ class RolloutStage:
         for target in (s for s in self.ahead.missing(step) if s <= self.run.cfg.training.steps):
             position = self.order.state_dict()
             items = self.order.next_step()
-            self.ahead.launch(target, items, self.engine.submit(*self.request(items)), position)
+            self.ahead.launch(target, items, self.submit(items), position)
         began = time.perf_counter()
         self.land(step)
         sampled = self.ahead.done.pop(step)
         return self.made(step, sampled.items, sampled.completions, sampled.seconds, time.perf_counter() - began)
+
+    def submit(self, items: list[PromptItem]) -> Future:
+        """The items' completions, or agents' episodes (their turns and tool calls on the engine's thread), sampled in
+        the background by the weights of now."""
+        if self.agents is None:
+            return self.engine.submit(*self.request(items))
+        _, sampling, indices = self.request(items)
+        groups, agents = self.rl.num_generations, self.agents
+        return self.engine.submit_turns(lambda generate: agents.episodes(generate, items, groups, sampling, indices))
 
     def land(self, upto: float) -> None:
         """The batches in flight up to step `upto` finished; where a stop signal ended one on any rank, every batch
