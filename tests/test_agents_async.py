@@ -11,28 +11,12 @@ import time
 
 import pytest
 from conftest import ROOT, tensorboard_scalars
-from test_agents_rollout import TOOLS, agent_flags, uncertain  # noqa: F401
+from test_agents_rollout import CALCULATOR_RESUMABLE, agent_flags, uncertain  # noqa: F401
 from test_grpo import rollouts
 
 from titanlite.train import main
 
-STALE = [
-    "--rl.environment",
-    f"{TOOLS}:Calculator",
-    "--rl.max_new_tokens",
-    "64",
-    "--rl.max_tool_calling_iterations",
-    "2",
-    "--rl.max_staleness",
-    "1",
-    "--rl.importance_sampling",
-    "token_truncate",
-    "--checkpoint.enable",
-    "--checkpoint.interval",
-    "2",
-    "--checkpoint.last_save_model_only",
-    "false",
-]
+STALE = [*CALCULATOR_RESUMABLE, "--rl.max_staleness", "1", "--rl.importance_sampling", "token_truncate"]
 
 
 def killed_in_step_3(flags: list[str], log) -> None:

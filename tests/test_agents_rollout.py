@@ -26,6 +26,20 @@ from titanlite.rl.rows import masked_labels
 from titanlite.train import main
 
 TOOLS = "tests/agent_tools.py"
+# episodes in tests/agent_tools.py's calculator environment, with a checkpoint at step 2 that a resume can continue
+CALCULATOR_RESUMABLE = [
+    "--rl.environment",
+    f"{TOOLS}:Calculator",
+    "--rl.max_new_tokens",
+    "64",
+    "--rl.max_tool_calling_iterations",
+    "2",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.last_save_model_only",
+    "false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -247,19 +261,7 @@ def test_two_fsdp_ranks_equal_one_process_and_a_resume_is_the_same_run(uncertain
     step 2: the same episodes (ids and masks) and the same losses within 1e-5 (fp32); the same at rl.max_staleness 1
     (episodes sampled ahead on the engine's thread, tests/test_agents_async.py), in the same launch."""
     folder, prompts = uncertain
-    extra = [
-        "--rl.environment",
-        f"{TOOLS}:Calculator",
-        "--rl.max_new_tokens",
-        "64",
-        "--rl.max_tool_calling_iterations",
-        "2",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "2",
-        "--checkpoint.last_save_model_only",
-        "false",
-    ]
+    extra = CALCULATOR_RESUMABLE
     stale = [*extra, "--rl.max_staleness", "1"]
     assert main(agent_flags(folder, prompts, tmp_path / "one", 3, *extra)) == 0
     assert main(agent_flags(folder, prompts, tmp_path / "one_stale", 3, *stale)) == 0
