@@ -9,6 +9,7 @@ import pytest
 from titanlite.config import load_config
 from titanlite.models import get_model_spec
 from titanlite.models.construct import meta_model
+from titanlite.plan.hardware import BANDWIDTH, GPUS
 from titanlite.plan.job import model_args, plan_job
 from titanlite.plan.memory import GIB
 
@@ -75,3 +76,29 @@ def test_tensor_parallel_2_keeps_half_the_copy_and_of_the_cache(tmp_path):
     rows = 64 // 4  # 4 data-parallel ranks: a TP group decodes its rows together
     kv_cache = args.n_layers * rows * 1088 * args.n_kv_heads * 2 * args.head_dim * 2 // 2
     assert plan_job(cfg).memory.rollout == params * 2 // 2 + kv_cache + 4 * rows * args.vocab_size * 4
+
+
+def test_generator_ranks_leave_the_trainers_a_whole_copy_and_no_decode_state(tmp_path):
+    cfg = grpo_job(tmp_path, "--rl.generator_ranks", "4")
+    colocated = plan_job(grpo_job(tmp_path)).memory.rollout
+    spec = get_model_spec(cfg.model.name)
+    params = meta_model(spec, model_args(cfg, spec), "float32", cfg.lora).num_params()
+    plan = plan_job(cfg)
+    assert plan.world_size == 4  # 8 GPUs less 4 generator ranks
+    assert plan.memory.rollout == params * 2 < colocated  # the bf16 copy only: no KV cache, no logits
+
+
+def test_a_synchronous_trainer_waits_for_its_generators_decode_and_an_asynchronous_one_less(tmp_path):
+    flags = ("--rl.generator_ranks", "2", "--training.global_batch_size", "96")
+    synchronous = plan_job(grpo_job(tmp_path, *flags)).speed
+    ahead = plan_job(grpo_job(tmp_path, *flags, "--rl.max_staleness", "1")).speed
+    shape = grpo_job(tmp_path, *flags)
+    spec = get_model_spec(shape.model.name)
+    args = model_args(shape, spec)
+    weights = meta_model(spec, args, "float32", shape.lora).num_params() * 2
+    kv_cache = args.n_layers * 16 * 1088 * args.n_kv_heads * 2 * args.head_dim * 2  # a trainer's 96 // 6 rows
+    gpu = GPUS[shape.plan.gpu]
+    decode = 3 * 512 * (weights + kv_cache / 2) / (gpu.hbm_tbps * 1e12 * BANDWIDTH)  # 3 trainers per generator
+    assert synchronous.rollout_s > decode
+    training = synchronous.step_s - synchronous.rollout_s
+    assert synchronous.rollout_s - ahead.rollout_s == pytest.approx(min(decode, training), rel=1e-6)

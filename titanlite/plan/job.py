@@ -24,6 +24,7 @@ from titanlite.plan.notes import plan_notes
 from titanlite.plan.pipeline import Stages, in_flight, last_stage_in_flight, stage_activations
 from titanlite.plan.rollout import rollout_memory
 from titanlite.plan.speed import Shape, Speed, plan_speed
+from titanlite.rl.generator import check_generator_ranks
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,17 @@ def plan_state(cfg: JobConfig, world: int) -> dict[str, int]:
     return {kind: max(state[kind] for state in states) for kind in ("params", "grads", "optimizer")}
 
 
+def trainer_world(cfg: JobConfig) -> int:
+    """The ranks that train: the [plan]'s GPUs less rl.generator_ranks, which only generate (rl/generator.py)."""
+    return cfg.plan.nodes * cfg.plan.gpus_per_node - cfg.rl.generator_ranks
+
+
 def plan_job(cfg: JobConfig) -> JobPlan:
     """The whole plan on the [plan] hardware, from the config alone."""
     spec = get_model_spec(cfg.model.name)
     args = model_args(cfg, spec)
-    world = cfg.plan.nodes * cfg.plan.gpus_per_node
+    check_generator_ranks(cfg, cfg.plan.nodes * cfg.plan.gpus_per_node)
+    world = trainer_world(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world)
     check_context_parallel(
         cfg.training.seq_len, dims.cp
@@ -234,9 +241,7 @@ def changes_to_try(cfg: JobConfig) -> list[tuple[str, JobConfig]]:
         tries.append(
             ("--activation_checkpoint.mode full", replace(cfg, activation_checkpoint=replace(ac, mode="full")))
         )
-    dp = ParallelDims.from_config(
-        par, cfg.plan.nodes * cfg.plan.gpus_per_node
-    ).dp_degree  # the ranks reading their own batches
+    dp = ParallelDims.from_config(par, trainer_world(cfg)).dp_degree  # the ranks reading their own batches
     global_batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp
     if training.local_batch_size > 1:
         half = training.local_batch_size // 2

@@ -134,7 +134,7 @@ class Speed:
     pp_s: float  # sending activations and their gradients between stages
     bubble: float  # idle share of the step (pipeline)
     step_s: float
-    tps: float  # tokens per second per GPU, as the trainer counts them
+    tps: float  # tokens per second per (trainer) GPU, as the trainer counts them
     mfu: float  # percent of the bf16 peak, as metrics.py computes it
     tokens_per_day: float  # the whole job
     gpu_hours_per_billion: float
@@ -366,12 +366,16 @@ def plan_speed(
     forward = forward_seconds(parts, recompute(cfg))
     backward = compute - parts["optimizer"] - forward
     overlapped = max(forward, fsdp_forward) + max(backward, fsdp_backward) + parts["optimizer"]
-    # GRPO makes its completions before the step (plan/rollout.py), over the data-parallel link it gathers on
-    dp_link = inter_gbps if dims.dp_degree * dims.cp * dims.tp > gpus_per_node else intra_gbps
-    rollout = rollout_seconds(cfg, shape, dims, gpu, dp_link, forward_seconds(parts, Recompute(0.0, 0.0, 0.0)))
-    step = (overlapped + tp + ep + cp + pp) / (1 - idle) + rollout
-    tps = tokens / step
+    training_s = (overlapped + tp + ep + cp + pp) / (1 - idle)
+    # GRPO makes its completions before the step (plan/rollout.py), over the data-parallel link it gathers on;
+    # generator ranks, the launch's last, take the weights from trainer 0 over the fabric once the launch spans nodes
     world = dims.dp_degree * dims.batch_sharing_degree
+    dp_link = inter_gbps if dims.dp_degree * dims.cp * dims.tp > gpus_per_node else intra_gbps
+    launch_link = inter_gbps if world + cfg.rl.generator_ranks > gpus_per_node else intra_gbps
+    untimed = forward_seconds(parts, Recompute(0.0, 0.0, 0.0))
+    rollout = rollout_seconds(cfg, shape, dims, gpu, dp_link, launch_link, untimed, training_s)
+    step = training_s + rollout
+    tps = tokens / step
     return Speed(
         compute,
         tuple(parts.items()),
@@ -385,6 +389,6 @@ def plan_speed(
         tps,
         100 * tps * shape.flops_per_token / (gpu.bf16_tflops * 1e12),
         tps * world * 86400,
-        1e9 / tps / 3600,
+        1e9 / tps / 3600 * (world + cfg.rl.generator_ranks) / world,  # the generators' GPUs too
         rollout,
     )
