@@ -7,6 +7,7 @@ import json
 import pytest
 
 from titanlite.config import load_config
+from titanlite.errors import UserError
 from titanlite.models import get_model_spec
 from titanlite.models.construct import meta_model
 from titanlite.plan.hardware import BANDWIDTH, GPUS
@@ -86,6 +87,9 @@ def test_generator_ranks_leave_the_trainers_a_whole_copy_and_no_decode_state(tmp
     plan = plan_job(cfg)
     assert plan.world_size == 4  # 8 GPUs less 4 generator ranks
     assert plan.memory.rollout == params * 2 < colocated  # the bf16 copy only: no KV cache, no logits
+    assert [role for role, _ in plan.roles] == ["every trainer"]
+    with pytest.raises(UserError, match="rl.generator_ranks 8 leaves none of the 8 processes to train"):
+        plan_job(grpo_job(tmp_path, "--rl.generator_ranks", "8"))
 
 
 def test_a_synchronous_trainer_waits_for_its_generators_decode_and_an_asynchronous_one_less(tmp_path):

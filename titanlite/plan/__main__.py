@@ -66,7 +66,9 @@ def main(argv: list[str]) -> int:
         result = plan_job(cfg)
         print(
             f"plan: {cfg.model.name}/{cfg.model.flavor} on {cfg.plan.nodes} x {cfg.plan.gpus_per_node} {cfg.plan.gpu} "
-            f"(world {result.world_size}; mesh {result.mesh})"
+            f"(world {result.world_size}"
+            + (f" + {cfg.rl.generator_ranks} generator ranks" if cfg.rl.generator_ranks else "")
+            + f"; mesh {result.mesh})"
         )
         for role, memory in result.roles:
             print(memory_table(role, memory))

@@ -203,7 +203,9 @@ def predict(cfg: JobConfig, spec, args, dims, states: dict[int, dict[str, int]])
             acts[1] if len(acts) > 1 else None,
             rollout.total if rollout is not None else 0,
         )
-        roles.append((stages.name if dims.pp_enabled else "every rank", memory))
+        roles.append(
+            (stages.name if dims.pp_enabled else "every trainer" if cfg.rl.generator_ranks else "every rank", memory)
+        )
     mesh = dims.layout
     return JobPlan(
         roles,
