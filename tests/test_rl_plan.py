@@ -1,6 +1,8 @@
 """The planner counts GRPO's rollout (titanlite/plan/rollout.py): on 8 GPUs under FSDP the whole policy gathered in
 bf16, the KV cache of the rank's completions and a decode step's logits, by hand for Llama 3 8B; its time is part
-of the step's; without FSDP nothing is gathered; under TP each rank keeps its half of the copy and of the cache."""
+of the step's; without FSDP nothing is gathered; under TP each rank keeps its half of the copy and of the cache.
+Under rl.generator_ranks the trainers are the rest of the GPUs, hold the whole copy only, and wait for their
+generator's decode at K = 0, for less of it at K = 1."""
 
 import json
 
