@@ -212,8 +212,9 @@ class ColocatedEngine:
             return self.sample(model, prompts, sampling, indices, self.policy_step)
 
     def submit(self, prompts: list[list[int]], sampling: Sampling, indices: list[int]) -> Future:
-        """generate()'s completions, made in the background from the weights as they are now."""
-        return self.pool.submit(self.decode, full_copy(self.run), prompts, sampling, indices, self.policy_step)
+        """generate()'s completions, made in the background from the weights as they are now (submit_turns, one
+        turn)."""
+        return self.submit_turns(lambda generate: generate(prompts, sampling, indices))
 
     def decode(
         self, model: nn.Module, prompts: list[list[int]], sampling: Sampling, indices: list[int], policy_step: int
@@ -235,8 +236,8 @@ class ColocatedEngine:
 
     def submit_turns(self, job: Callable[[Callable[..., list[Completion]]], list]) -> Future:
         """job(generate) on the engine's thread, by the weights as they are now: generate(prompts, sampling, indices)
-        decodes one full_copy() of them, taken here, as decode() does for submit(), as many times as the job asks (an
-        agent's turns sampled ahead, rl.max_staleness; its tool calls run on that thread too)."""
+        decodes one full_copy() of them, taken here, as many times as the job asks: once for submit(), each turn of an
+        agent's episodes sampled ahead (rl.max_staleness; its tool calls run on that thread too)."""
         return self.pool.submit(job, functools.partial(self.decode, full_copy(self.run), policy_step=self.policy_step))
 
 
